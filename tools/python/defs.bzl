@@ -1,0 +1,39 @@
+"""Project macros for Python targets. They only add defaults to the native rules.
+
+- Every target under python/ can import `dockyard_rl...` (dep on //python:import_root).
+- `py_pytest_test`: one test target per test file, run by pytest (tools/python/pytest_main.py).
+"""
+
+_IMPORT_ROOT = "//python:import_root"
+_PYTEST_MAIN = "//tools/python:pytest_main.py"
+
+def _with_import_root(deps):
+    return deps if _IMPORT_ROOT in deps else deps + [_IMPORT_ROOT]
+
+def py_library(name, deps = [], **kwargs):
+    native.py_library(name = name, deps = _with_import_root(deps), **kwargs)
+
+def py_binary(name, deps = [], **kwargs):
+    native.py_binary(name = name, deps = _with_import_root(deps), python_version = "PY3", **kwargs)
+
+def py_pytest_test(name, srcs, size, deps = [], args = [], **kwargs):
+    """A py_test that runs pytest on `srcs` (one test file per target, by convention).
+
+    Args:
+      name: target name, `<module>_test` after the file it tests.
+      srcs: the test file(s).
+      size: Bazel test size (small | medium | large | enormous); required so timeouts are explicit.
+      deps: libraries under test.
+      args: extra pytest arguments.
+      **kwargs: passed to py_test (data, tags, env, shard_count, ...).
+    """
+    native.py_test(
+        name = name,
+        srcs = srcs + [_PYTEST_MAIN],
+        main = _PYTEST_MAIN,
+        size = size,
+        python_version = "PY3",
+        deps = _with_import_root(deps),
+        args = ["$(rootpath {})".format(src) for src in srcs] + args,
+        **kwargs
+    )
