@@ -20,7 +20,6 @@ NVCC_FLAGS = [
     "-std=c++17",
     "-O3",
     "-Xcompiler=-fPIC",
-    "-Xcompiler=-fvisibility=hidden",
     "-I.",
 ] + CUDA_ARCH_FLAGS
 
@@ -38,7 +37,7 @@ def cuda_library(name, srcs, hdrs = [], deps = [], compile_data = [], visibility
     """
     objects = []
     for src in srcs:
-        obj = "_{}_{}.pic.o".format(name, src.replace("/", "_").replace(".cu", ""))
+        obj = "_{}_{}.o".format(name, src.replace("/", "_").replace(".cu", ""))
         if HAS_CUDA:
             cmd = "{nvcc} {flags} -c $(location {src}) -o $@".format(
                 nvcc = NVCC,
