@@ -1,0 +1,48 @@
+"""Tests of the YAML-dict -> frozen dataclass builder."""
+
+import dataclasses
+
+import pytest
+
+from dockyard_rl.utils.config import from_dict, require
+
+
+@dataclasses.dataclass(frozen=True)
+class Inner:
+    epsilon: float = 1e-6
+
+    def __post_init__(self):
+        require(self.epsilon >= 0, "epsilon", f"must be >= 0, got {self.epsilon}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outer:
+    name: str = "x"
+    inner: Inner = dataclasses.field(default_factory=Inner)
+
+
+def test_defaults_and_nested_values():
+    cfg = from_dict(Outer, {"inner": {"epsilon": 0.5}}, "section")
+    assert cfg == Outer(name="x", inner=Inner(epsilon=0.5))
+    assert from_dict(Outer, None, "section") == Outer()
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(ValueError, match=r"section\.inner: unknown key\(s\) 'epsilom'; valid keys: epsilon"):
+        from_dict(Outer, {"inner": {"epsilom": 1}}, "section")
+
+
+def test_validation_errors_carry_the_full_key_path():
+    with pytest.raises(ValueError, match=r"^section\.inner\.epsilon: must be >= 0, got -1"):
+        from_dict(Outer, {"inner": {"epsilon": -1}}, "section")
+
+
+def test_non_mapping_is_rejected():
+    with pytest.raises(ValueError, match="section.inner: expected a mapping"):
+        from_dict(Outer, {"inner": [1, 2]}, "section")
+
+
+def test_frozen():
+    cfg = from_dict(Outer, {}, "s")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.name = "y"
