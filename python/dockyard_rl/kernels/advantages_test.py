@@ -1,4 +1,4 @@
-"""Tests of dockyard_rl.kernels: the C++/CUDA extension and the torch path.
+"""Tests of dockyard_rl.kernels.advantages: the C++/CUDA extension and the torch path.
 
 Every parity test compares with ``_expected_advantages`` below, a direct
 transcription of the definitions (leave-one-out = mean of the others, summed
@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dockyard_rl import kernels
+from dockyard_rl.kernels import advantages as kernels
 
 BASELINES = ["leave_one_out", "group_mean"]
 

@@ -1,0 +1,835 @@
+"""Bucketed refit packer: named tensors <-> flat byte buckets, for weight sync.
+
+Weight sync sends the trainer's weights (HF names, shapes, dtypes) to the inference engine. One
+transfer per tensor is slow (hundreds of small collectives); instead the sender packs the tensors
+into a few flat ``uint8`` buckets of a configurable size, sends each bucket, and the receiver
+unpacks it. The :class:`Manifest` is the only thing the receiver needs for that: per tensor its
+name, dtype (a string), shape, bucket index, byte offset and byte size, plus every bucket's size.
+It is plain data (``to_dict`` / ``from_dict``, JSON-serialisable) and is validated whenever one is
+built, so a corrupt or mismatched manifest fails before any byte is copied.
+
+Layout (see cc/refit_packer.h for the full rules):
+
+- Tensors are placed in manifest order; a new bucket starts when the next tensor does not fit in
+  the current one; a tensor larger than a bucket gets a bucket of its own.
+- Every offset is a multiple of ``alignment`` (a power of two >= 16, default 256), so a byte range
+  of a bucket can be viewed as a typed tensor (``bucket[o:o + n].view(dtype).view(shape)``) and
+  CUDA copies use 16-byte vector loads. Bucket sizes are multiples of the alignment too.
+- A tensor's bytes are its elements in row-major order (what ``.contiguous()`` holds), whatever its
+  strides; bytes between tensors are zeros.
+
+Sender::
+
+    manifest = plan_buckets(describe_tensors(named), bucket_size_bytes=256 << 20)
+    send(manifest.to_dict())
+    buffers = [torch.empty(manifest.max_bucket_size, dtype=torch.uint8) for _ in range(2)]
+    for b in range(manifest.num_buckets):  # double buffering: pack b while b - 1 is in flight
+        send(pack_bucket(named, manifest, b, out=buffers[b % 2]))
+
+Receiver: ``manifest = Manifest.from_dict(received)``, then per bucket ``unpack_bucket_into(bucket,
+manifest, b, model_params)`` (or ``unpack_bucket`` for new tensors).
+
+Implementations: the C++/CUDA extension ``_dockyard_kernels`` (cc/refit_packer.cc: multi-threaded
+strided byte copies, no contiguous temporaries; cc/cuda/refit_packer_cuda.cu: one batched kernel
+launch per bucket, asynchronous on torch's current stream) when importable and built for the
+tensors' device, else plain torch (``copy_`` through typed views of the bucket). Both give
+identical bytes.
+
+Covered dtypes: ``DTYPES`` (floating point incl. bfloat16 and float8, signed ints, uint8, bool).
+Non-contiguous sources and destinations are supported (transposes, slices with steps);
+destinations whose elements share memory (``expand``-ed tensors) are rejected with ValueError.
+Not covered: sparse, quantized or complex tensors; moving tensors between devices (all tensors of
+a bucket live on the bucket's device); destinations that share memory with each other (e.g. tied
+weights listed under two names) are not detected and receive the bytes of one of them; the
+transport itself (python/dockyard_rl/weight_sync/).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+try:
+    import _dockyard_kernels as _ext
+except ImportError as _error:  # Only when running outside the build.
+    _ext = None
+    _EXTENSION_IMPORT_ERROR: ImportError | None = _error
+else:
+    _EXTENSION_IMPORT_ERROR = None
+
+HAS_EXTENSION: bool = _ext is not None
+
+# dtype name in the manifest -> torch dtype. Names are torch's without the "torch." prefix.
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+DEFAULT_ALIGNMENT = 256
+# Same bounds as the C++ core (cc/refit_packer.h: kMinAlignment, kMaxAlignment, kMaxThreads).
+MIN_ALIGNMENT = 16
+MAX_ALIGNMENT = 1 << 30
+MAX_THREADS = 1024
+MANIFEST_FORMAT_VERSION = 1
+
+# The extension copies bytes, so each tensor travels as a same-size integer view (DLPack exports
+# these whatever the original dtype; bfloat16, bool and float8 are not portable across versions).
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+__all__ = [
+    "DEFAULT_ALIGNMENT",
+    "DTYPES",
+    "HAS_EXTENSION",
+    "Manifest",
+    "TensorEntry",
+    "describe_tensors",
+    "iter_pack",
+    "pack",
+    "pack_bucket",
+    "plan_buckets",
+    "unpack",
+    "unpack_bucket",
+    "unpack_bucket_into",
+    "unpack_into",
+]
+
+
+# --- Manifest ------------------------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """One tensor in a manifest: ``nbytes`` bytes at ``offset`` in bucket ``bucket``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    bucket: int
+    offset: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        where = f"tensor {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"tensor name must be a non-empty string, got {self.name!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(
+                f"{where}: unknown dtype {self.dtype!r}; valid dtypes: {', '.join(DTYPES)}"
+            )
+        if not isinstance(self.shape, (tuple, list)) or not all(
+            _is_int(s) and s >= 0 for s in self.shape
+        ):
+            raise ValueError(f"{where}: shape must be a list of ints >= 0, got {self.shape!r}")
+        object.__setattr__(self, "shape", tuple(self.shape))
+        for key in ("bucket", "offset", "nbytes"):
+            value = getattr(self, key)
+            if not _is_int(value) or value < 0:
+                raise ValueError(f"{where}: {key} must be an int >= 0, got {value!r}")
+        expected = _numel(self.shape) * _itemsize(DTYPES[self.dtype])
+        if self.nbytes != expected:
+            raise ValueError(
+                f"{where}: nbytes is {self.nbytes} but shape {self.shape} of {self.dtype} "
+                f"holds {expected} bytes"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """Where every tensor lies in the buckets; all a receiver needs to unpack.
+
+    Validated on construction (so also by ``from_dict``): ValueError for an unknown dtype, a size
+    that does not match its shape, a bucket index out of range, an offset that is not a multiple of
+    ``alignment``, a range past its bucket's end, two ranges that overlap, or a duplicate name.
+    """
+
+    tensors: tuple[TensorEntry, ...]
+    bucket_sizes: tuple[int, ...]
+    alignment: int = DEFAULT_ALIGNMENT
+
+    def __post_init__(self) -> None:
+        _check_alignment(self.alignment, "manifest")
+        if not isinstance(self.bucket_sizes, (tuple, list)):
+            raise ValueError(f"bucket_sizes must be a list of ints, got {self.bucket_sizes!r}")
+        object.__setattr__(self, "bucket_sizes", tuple(self.bucket_sizes))
+        for b, size in enumerate(self.bucket_sizes):
+            if not _is_int(size) or size < 0:
+                raise ValueError(f"bucket_sizes[{b}] must be an int >= 0, got {size!r}")
+        if not isinstance(self.tensors, (tuple, list)) or not all(
+            isinstance(t, TensorEntry) for t in self.tensors
+        ):
+            raise ValueError("tensors must be a list of TensorEntry")
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+        seen: set[str] = set()
+        for t in self.tensors:
+            if t.name in seen:
+                raise ValueError(f"duplicate tensor name {t.name!r} in the manifest")
+            seen.add(t.name)
+            if t.bucket >= len(self.bucket_sizes):
+                raise ValueError(
+                    f"tensor {t.name!r}: bucket {t.bucket} out of range "
+                    f"({len(self.bucket_sizes)} buckets)"
+                )
+            if t.offset % self.alignment != 0:
+                raise ValueError(
+                    f"tensor {t.name!r}: offset {t.offset} is not a multiple of the alignment "
+                    f"{self.alignment}"
+                )
+            if t.offset + t.nbytes > self.bucket_sizes[t.bucket]:
+                raise ValueError(
+                    f"tensor {t.name!r}: bytes [{t.offset}, {t.offset + t.nbytes}) lie outside "
+                    f"bucket {t.bucket} of {self.bucket_sizes[t.bucket]} bytes"
+                )
+        for b, members in enumerate(self._members):
+            # Ties by manifest order, so the message names the earlier tensor first.
+            ranges = sorted(
+                (self.tensors[i].offset, i, self.tensors[i].nbytes, self.tensors[i].name)
+                for i in members
+                if self.tensors[i].nbytes > 0
+            )
+            for (o1, _, n1, name1), (o2, _, _, name2) in zip(ranges, ranges[1:]):
+                if o1 + n1 > o2:
+                    raise ValueError(
+                        f"tensors {name1!r} and {name2!r} overlap in bucket {b} "
+                        f"(bytes [{o1}, {o1 + n1}) and from {o2})"
+                    )
+
+    @functools.cached_property
+    def _members(self) -> tuple[tuple[int, ...], ...]:
+        """Per bucket, the indices of its tensors in manifest order."""
+        members: list[list[int]] = [[] for _ in self.bucket_sizes]
+        for i, t in enumerate(self.tensors):
+            if t.bucket < len(members):  # Checked in __post_init__; guards its own use.
+                members[t.bucket].append(i)
+        return tuple(tuple(m) for m in members)
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.bucket_sizes)
+
+    @property
+    def max_bucket_size(self) -> int:
+        """The largest bucket: the size of a buffer that any bucket fits in."""
+        return max(self.bucket_sizes, default=0)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bucket_sizes)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tensors)
+
+    def bucket_entries(self, bucket_index: int) -> tuple[TensorEntry, ...]:
+        """The tensors of one bucket, in manifest order."""
+        _check_bucket_index(self, bucket_index)
+        return tuple(self.tensors[i] for i in self._members[bucket_index])
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable plain data; ``Manifest.from_dict`` reads it back."""
+        return {
+            "format_version": MANIFEST_FORMAT_VERSION,
+            "alignment": self.alignment,
+            "bucket_sizes": list(self.bucket_sizes),
+            "tensors": [
+                {
+                    "name": t.name,
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "bucket": t.bucket,
+                    "offset": t.offset,
+                    "nbytes": t.nbytes,
+                }
+                for t in self.tensors
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Manifest:
+        """Builds and validates a manifest from ``to_dict``'s output (e.g. after JSON).
+
+        Raises:
+            ValueError: missing or unknown keys, a wrong format version, wrong types, or any
+                check of the class docstring.
+        """
+        _check_keys(data, {"format_version", "alignment", "bucket_sizes", "tensors"}, "manifest")
+        if data["format_version"] != MANIFEST_FORMAT_VERSION:
+            raise ValueError(
+                f"manifest.format_version is {data['format_version']!r}; this reader understands "
+                f"{MANIFEST_FORMAT_VERSION}: sender and receiver run different versions"
+            )
+        if not isinstance(data["tensors"], list):
+            raise ValueError(f"manifest.tensors must be a list, got {type(data['tensors']).__name__}")
+        entries = []
+        fields = {f.name for f in dataclasses.fields(TensorEntry)}
+        for i, item in enumerate(data["tensors"]):
+            _check_keys(item, fields, f"manifest.tensors[{i}]")
+            entries.append(TensorEntry(**{k: item[k] for k in fields}))
+        return cls(tensors=tuple(entries), bucket_sizes=data["bucket_sizes"], alignment=data["alignment"])
+
+
+def _check_keys(data: Any, expected: set[str], where: str) -> None:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} must be a dict, got {type(data).__name__}")
+    missing = sorted(expected - set(data))
+    unknown = sorted(set(data) - expected)
+    if missing:
+        raise ValueError(f"{where} is missing keys {missing}")
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {unknown}; valid keys: {sorted(expected)}")
+
+
+# --- Planning ------------------------------------------------------------------------------------
+
+
+def describe_tensors(
+    named_tensors: Mapping[str, torch.Tensor],
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``name -> (shape, dtype)`` of ``named_tensors``, in order: ``plan_buckets``'s input."""
+    return {name: (tuple(t.shape), t.dtype) for name, t in named_tensors.items()}
+
+
+def plan_buckets(
+    named_shapes_dtypes: Mapping[str, tuple[Sequence[int], torch.dtype | str]],
+    bucket_size_bytes: int,
+    alignment: int = DEFAULT_ALIGNMENT,
+    *,
+    use_extension: bool | None = None,
+) -> Manifest:
+    """Places the tensors, in the mapping's order, into buckets (rules in the module docstring).
+
+    Args:
+        named_shapes_dtypes: ``name -> (shape, dtype)``, e.g. ``describe_tensors(state_dict)`` or
+            a policy's ``prepare_refit_info()``; dtype as a torch dtype or a ``DTYPES`` name.
+        bucket_size_bytes: the largest bucket (except one holding a single larger tensor); a
+            positive multiple of ``alignment``.
+        alignment: byte alignment of every offset; a power of two in [16, 2**30].
+        use_extension: None = the C++ planner when importable, else Python (same result);
+            True = the C++ planner or RuntimeError; False = Python.
+
+    Raises:
+        ValueError: a bad bucket size, alignment, name, shape or dtype.
+    """
+    if not isinstance(named_shapes_dtypes, Mapping):
+        raise ValueError(
+            "named_shapes_dtypes must be a mapping name -> (shape, dtype), got "
+            f"{type(named_shapes_dtypes).__name__}"
+        )
+    _check_alignment(alignment, "plan_buckets")
+    if not _is_int(bucket_size_bytes) or bucket_size_bytes <= 0 or bucket_size_bytes % alignment:
+        raise ValueError(
+            "plan_buckets: bucket_size_bytes must be a positive multiple of the alignment "
+            f"({alignment}), got {bucket_size_bytes!r}; round it up to a multiple of {alignment}"
+        )
+    names, shapes, dtype_names, sizes = [], [], [], []
+    for name, spec in named_shapes_dtypes.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
+        if not isinstance(spec, (tuple, list)) or len(spec) != 2:
+            raise ValueError(f"tensor {name!r}: expected (shape, dtype), got {spec!r}")
+        shape, dtype = spec
+        if isinstance(shape, torch.Size):
+            shape = tuple(shape)
+        if not isinstance(shape, (tuple, list)) or not all(_is_int(s) and s >= 0 for s in shape):
+            raise ValueError(f"tensor {name!r}: shape must be a sequence of ints >= 0, got {shape!r}")
+        dtype_name = dtype if isinstance(dtype, str) else _DTYPE_NAMES.get(dtype)
+        if dtype_name not in DTYPES:
+            raise ValueError(
+                f"tensor {name!r}: unsupported dtype {dtype!r}; valid dtypes: {', '.join(DTYPES)}"
+            )
+        names.append(name)
+        shapes.append(tuple(shape))
+        dtype_names.append(dtype_name)
+        sizes.append(_numel(shape) * _itemsize(DTYPES[dtype_name]))
+
+    if _resolve_extension(use_extension, torch.device("cpu"), "plan_buckets"):
+        bucket_of, offset_of, bucket_sizes = _ext.refit_plan_buckets(sizes, bucket_size_bytes, alignment)
+    else:
+        bucket_of, offset_of, bucket_sizes = _plan_python(sizes, bucket_size_bytes, alignment)
+    entries = tuple(
+        TensorEntry(name=n, dtype=d, shape=s, bucket=b, offset=o, nbytes=nb)
+        for n, d, s, b, o, nb in zip(names, dtype_names, shapes, bucket_of, offset_of, sizes)
+    )
+    return Manifest(tensors=entries, bucket_sizes=tuple(bucket_sizes), alignment=alignment)
+
+
+def _plan_python(
+    sizes: Sequence[int], bucket_size_bytes: int, alignment: int
+) -> tuple[list[int], list[int], list[int]]:
+    """The C++ planner (cc/refit_packer.cc: plan_buckets) in Python: same placements."""
+    bucket_of, offset_of, bucket_sizes = [], [], []
+    end = 0  # The current bucket's end, without tail padding.
+    for nbytes in sizes:
+        if not bucket_sizes:
+            bucket_sizes.append(0)
+        offset = _align_up(end, alignment)
+        if nbytes > 0 and offset + nbytes > bucket_size_bytes and end > 0:
+            bucket_sizes[-1] = offset  # Close the bucket at its aligned end.
+            bucket_sizes.append(0)
+            offset = end = 0
+        bucket_of.append(len(bucket_sizes) - 1)
+        offset_of.append(offset)
+        end = max(end, offset + nbytes)
+    if bucket_sizes:
+        bucket_sizes[-1] = _align_up(end, alignment)
+    return bucket_of, offset_of, bucket_sizes
+
+
+# --- Packing -------------------------------------------------------------------------------------
+
+
+def pack(
+    named_tensors: Mapping[str, torch.Tensor],
+    manifest: Manifest,
+    *,
+    use_extension: bool | None = None,
+    num_threads: int = 0,
+) -> list[torch.Tensor]:
+    """Packs every tensor of the manifest into new ``uint8`` buckets (one list entry per bucket).
+
+    ``named_tensors`` must hold exactly the manifest's names, with its shapes and dtypes, all on
+    one device (the buckets' device). Raises ValueError naming the first mismatch, before packing.
+    """
+    _check_named_tensors(named_tensors, manifest)
+    return [
+        pack_bucket(named_tensors, manifest, b, use_extension=use_extension, num_threads=num_threads)
+        for b in range(manifest.num_buckets)
+    ]
+
+
+def iter_pack(
+    named_tensors: Mapping[str, torch.Tensor],
+    manifest: Manifest,
+    buffers: Sequence[torch.Tensor] = (),
+    *,
+    use_extension: bool | None = None,
+    num_threads: int = 0,
+) -> Iterator[torch.Tensor]:
+    """Yields the buckets one at a time, packing each only when asked for.
+
+    With ``buffers`` (e.g. two ``uint8`` tensors of ``manifest.max_bucket_size`` bytes), bucket
+    ``b`` is written into ``buffers[b % len(buffers)]``: a sender double-buffers by sending one
+    bucket while the next is packed, and must be done with a bucket before the buffer comes round
+    again. Without buffers each bucket is a new tensor.
+    """
+    _check_named_tensors(named_tensors, manifest)
+    for b in range(manifest.num_buckets):
+        out = buffers[b % len(buffers)] if buffers else None
+        yield pack_bucket(
+            named_tensors, manifest, b, out=out, use_extension=use_extension, num_threads=num_threads
+        )
+
+
+def pack_bucket(
+    named_tensors: Mapping[str, torch.Tensor],
+    manifest: Manifest,
+    bucket_index: int,
+    out: torch.Tensor | None = None,
+    *,
+    use_extension: bool | None = None,
+    num_threads: int = 0,
+) -> torch.Tensor:
+    """Packs the tensors of bucket ``bucket_index`` and returns the bucket (1-D ``uint8``).
+
+    Args:
+        named_tensors: must hold this bucket's names (others are ignored) with the manifest's
+            shapes and dtypes, on one device; any strides.
+        out: a 1-D contiguous ``uint8`` tensor of at least the bucket's size on that device,
+            16-byte aligned (any fresh allocation is); the result is ``out[:size]``. None = a new
+            tensor.
+        use_extension: None = the extension when it supports the device, else torch; True = the
+            extension or RuntimeError; False = torch.
+        num_threads: CPU copy workers for the extension, 0 = automatic.
+
+    On CUDA the copy is queued on torch's current stream (not waited for).
+
+    Raises:
+        ValueError: a missing name, a shape, dtype or device mismatch, a bad ``out``, or a tensor
+            sharing memory with ``out``; all checked before anything is written.
+    """
+    _check_bucket_index(manifest, bucket_index)
+    _check_num_threads(num_threads)
+    entries = manifest.bucket_entries(bucket_index)
+    size = manifest.bucket_sizes[bucket_index]
+    sources = [_get_matching(named_tensors, e, "pack", "tensor") for e in entries]
+    if out is not None:
+        device = out.device
+    elif sources:
+        device = sources[0].device
+    else:
+        device = torch.device("cpu")
+    for e, t in zip(entries, sources):
+        if t.device != device:
+            raise ValueError(
+                f"pack: tensor {e.name!r}: expected device {device} (the bucket's), got {t.device}"
+            )
+    if out is None:
+        bucket = torch.empty(size, dtype=torch.uint8, device=device)
+    else:
+        _check_bucket_tensor(out, None, "pack: out")
+        if out.numel() < size:
+            raise ValueError(
+                f"pack: out has {out.numel()} bytes but bucket {bucket_index} needs {size}"
+            )
+        bucket = out[:size]
+        for e, t in zip(entries, sources):
+            if _shares_memory(t, bucket):
+                raise ValueError(f"pack: tensor {e.name!r} shares memory with out")
+
+    if _resolve_extension(use_extension, device, "pack"):
+        _ext.refit_pack_bucket(
+            bucket,
+            [_same_size_int_view(t) for t in sources],
+            [e.offset for e in entries],
+            num_threads,
+            _stream_of(device),
+        )
+        return bucket
+    with torch.no_grad():
+        covered = 0
+        for e, t in sorted(zip(entries, sources), key=lambda pair: pair[0].offset):
+            if e.nbytes == 0:
+                continue
+            bucket[covered : e.offset].zero_()  # Padding: never ship stale memory.
+            _typed_view(bucket, e).copy_(t)
+            covered = e.offset + e.nbytes
+        bucket[covered:].zero_()
+    return bucket
+
+
+# --- Unpacking -----------------------------------------------------------------------------------
+
+
+def unpack(
+    buckets: Sequence[torch.Tensor],
+    manifest: Manifest,
+    *,
+    copy: bool = True,
+    use_extension: bool | None = None,
+    num_threads: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the manifest, from all its buckets, as ``name -> tensor`` in manifest order.
+
+    copy=True: new contiguous tensors on the buckets' device (the buckets can then be reused).
+    copy=False: views into the buckets (no copy; valid while the buckets are).
+    Raises ValueError when the buckets do not match the manifest (count, size, dtype, layout).
+    """
+    _check_buckets(buckets, manifest, "unpack")
+    out: dict[str, torch.Tensor] = {}
+    for b, bucket in enumerate(buckets):
+        out.update(
+            unpack_bucket(
+                bucket, manifest, b, copy=copy, use_extension=use_extension, num_threads=num_threads
+            )
+        )
+    return {name: out[name] for name in manifest.names}
+
+
+def unpack_bucket(
+    bucket: torch.Tensor,
+    manifest: Manifest,
+    bucket_index: int,
+    *,
+    copy: bool = True,
+    use_extension: bool | None = None,
+    num_threads: int = 0,
+) -> dict[str, torch.Tensor]:
+    """The tensors of one bucket as ``name -> tensor`` (see ``unpack``)."""
+    _check_bucket_index(manifest, bucket_index)
+    _check_num_threads(num_threads)
+    _check_bucket_tensor(bucket, manifest.bucket_sizes[bucket_index], f"bucket {bucket_index}")
+    entries = manifest.bucket_entries(bucket_index)
+    if not copy:
+        return {e.name: _typed_view(bucket, e) for e in entries}
+    dests = {
+        e.name: torch.empty(e.shape, dtype=e.torch_dtype, device=bucket.device) for e in entries
+    }
+    _copy_out(bucket, entries, dests, use_extension, num_threads)
+    return dests
+
+
+def unpack_into(
+    buckets: Sequence[torch.Tensor],
+    manifest: Manifest,
+    destinations: Mapping[str, torch.Tensor],
+    *,
+    use_extension: bool | None = None,
+    num_threads: int = 0,
+) -> None:
+    """Copies every tensor of the manifest into ``destinations[name]``, in place.
+
+    Every check comes before the first byte is written, so on ValueError nothing has changed:
+    every manifest name must be in ``destinations`` (extra names are left alone) with the
+    manifest's shape and dtype, on the buckets' device; destinations may be non-contiguous
+    (e.g. a transposed view) but no two of a destination's elements may share memory (``expand``)
+    and none may share memory with a bucket. The message names the first mismatch in manifest
+    order, with the expected and the actual value.
+    """
+    _check_buckets(buckets, manifest, "unpack_into")
+    device = buckets[0].device if buckets else None
+    for e in manifest.tensors:
+        _check_destination(destinations, e, device, buckets[e.bucket], "unpack_into")
+    for b, bucket in enumerate(buckets):
+        entries = manifest.bucket_entries(b)
+        _copy_out(bucket, entries, destinations, use_extension, num_threads)
+
+
+def unpack_bucket_into(
+    bucket: torch.Tensor,
+    manifest: Manifest,
+    bucket_index: int,
+    destinations: Mapping[str, torch.Tensor],
+    *,
+    use_extension: bool | None = None,
+    num_threads: int = 0,
+) -> None:
+    """``unpack_into`` for one bucket: only that bucket's names must be in ``destinations``."""
+    _check_bucket_index(manifest, bucket_index)
+    _check_num_threads(num_threads)
+    _check_bucket_tensor(bucket, manifest.bucket_sizes[bucket_index], f"bucket {bucket_index}")
+    entries = manifest.bucket_entries(bucket_index)
+    for e in entries:
+        _check_destination(destinations, e, bucket.device, bucket, "unpack_bucket_into")
+    _copy_out(bucket, entries, destinations, use_extension, num_threads)
+
+
+def _copy_out(
+    bucket: torch.Tensor,
+    entries: Sequence[TensorEntry],
+    destinations: Mapping[str, torch.Tensor],
+    use_extension: bool | None,
+    num_threads: int,
+) -> None:
+    """Copies already validated entries of ``bucket`` into ``destinations``."""
+    _check_num_threads(num_threads)
+    dests = [destinations[e.name] for e in entries]
+    if _resolve_extension(use_extension, bucket.device, "unpack"):
+        _ext.refit_unpack_bucket(
+            bucket,
+            [_same_size_int_view(d) for d in dests],
+            [e.offset for e in entries],
+            num_threads,
+            _stream_of(bucket.device),
+        )
+        return
+    with torch.no_grad():  # Destinations may be parameters that require grad.
+        for e, d in zip(entries, dests):
+            if e.nbytes > 0:
+                d.copy_(_typed_view(bucket, e))
+
+
+# --- Helpers -------------------------------------------------------------------------------------
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype))
+
+
+def _check_alignment(alignment: Any, where: str) -> None:
+    if (
+        not _is_int(alignment)
+        or alignment & (alignment - 1)
+        or not MIN_ALIGNMENT <= alignment <= MAX_ALIGNMENT
+    ):
+        raise ValueError(
+            f"{where}: alignment must be a power of two in [{MIN_ALIGNMENT}, {MAX_ALIGNMENT}], "
+            f"got {alignment!r}"
+        )
+
+
+def _check_bucket_index(manifest: Manifest, bucket_index: Any) -> None:
+    if not _is_int(bucket_index) or not 0 <= bucket_index < manifest.num_buckets:
+        raise ValueError(
+            f"bucket_index must be an int in [0, {manifest.num_buckets}), got {bucket_index!r}"
+        )
+
+
+def _check_num_threads(num_threads: Any) -> None:
+    if not _is_int(num_threads) or not 0 <= num_threads <= MAX_THREADS:
+        raise ValueError(
+            f"num_threads must be in [0, {MAX_THREADS}] (0 = automatic), got {num_threads!r}"
+        )
+
+
+def _check_bucket_tensor(bucket: Any, size: int | None, where: str) -> None:
+    if not isinstance(bucket, torch.Tensor):
+        raise ValueError(f"{where} must be a torch.Tensor, got {type(bucket).__name__}")
+    if bucket.dtype != torch.uint8 or bucket.dim() != 1 or not bucket.is_contiguous():
+        raise ValueError(
+            f"{where} must be a 1-D contiguous uint8 tensor, got {_dtype_name(bucket.dtype)} "
+            f"of shape {tuple(bucket.shape)}"
+        )
+    if size is not None and bucket.numel() != size:
+        raise ValueError(f"{where}: expected {size} bytes (the manifest's), got {bucket.numel()}")
+    # Typed views of the bucket (and CUDA's 16-byte loads) need aligned bucket memory; every
+    # allocation is, a slice at an odd offset is not.
+    if bucket.numel() > 0 and bucket.data_ptr() % MIN_ALIGNMENT:
+        raise ValueError(
+            f"{where} must start at a {MIN_ALIGNMENT}-byte aligned address; pass a fresh "
+            "allocation, not a slice at an odd offset"
+        )
+
+
+def _check_buckets(buckets: Sequence[torch.Tensor], manifest: Manifest, where: str) -> None:
+    if not isinstance(buckets, Sequence):
+        raise ValueError(f"{where}: buckets must be a sequence of tensors")
+    if len(buckets) != manifest.num_buckets:
+        raise ValueError(
+            f"{where}: got {len(buckets)} buckets but the manifest has {manifest.num_buckets}"
+        )
+    for b, bucket in enumerate(buckets):
+        _check_bucket_tensor(bucket, manifest.bucket_sizes[b], f"{where}: bucket {b}")
+        if bucket.device != buckets[0].device:
+            raise ValueError(
+                f"{where}: bucket {b} is on {bucket.device} but bucket 0 on {buckets[0].device}"
+            )
+
+
+def _get_matching(
+    named: Mapping[str, torch.Tensor], entry: TensorEntry, where: str, role: str
+) -> torch.Tensor:
+    """``named[entry.name]`` after checking that it matches the entry's shape and dtype."""
+    if entry.name not in named:
+        raise ValueError(f"{where}: {role} {entry.name!r} of the manifest is missing")
+    t = named[entry.name]
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{where}: {role} {entry.name!r} is a {type(t).__name__}, not a tensor")
+    if tuple(t.shape) != entry.shape:
+        raise ValueError(
+            f"{where}: {role} {entry.name!r}: expected shape {entry.shape}, got {tuple(t.shape)}"
+        )
+    if t.dtype != entry.torch_dtype:
+        raise ValueError(
+            f"{where}: {role} {entry.name!r}: expected dtype {entry.dtype}, "
+            f"got {_dtype_name(t.dtype)}"
+        )
+    return t
+
+
+def _check_named_tensors(named_tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> None:
+    if not isinstance(named_tensors, Mapping):
+        raise ValueError(f"named_tensors must be a mapping, got {type(named_tensors).__name__}")
+    for e in manifest.tensors:
+        _get_matching(named_tensors, e, "pack", "tensor")
+    known = set(manifest.names)
+    extra = [name for name in named_tensors if name not in known]
+    if extra:
+        raise ValueError(
+            f"pack: tensor {extra[0]!r} is not in the manifest ({len(extra)} such); plan the "
+            "manifest from the same tensors"
+        )
+
+
+def _check_destination(
+    destinations: Mapping[str, torch.Tensor],
+    entry: TensorEntry,
+    device: torch.device | None,
+    bucket: torch.Tensor,
+    where: str,
+) -> None:
+    if not isinstance(destinations, Mapping):
+        raise ValueError(f"{where}: destinations must be a mapping name -> tensor")
+    d = _get_matching(destinations, entry, where, "destination")
+    if device is not None and d.device != device:
+        raise ValueError(
+            f"{where}: destination {entry.name!r}: expected device {device} (the buckets'), "
+            f"got {d.device}"
+        )
+    if entry.nbytes == 0:
+        return
+    if _overlaps_itself(d):
+        raise ValueError(
+            f"{where}: destination {entry.name!r} has elements that share memory (strides "
+            f"{tuple(d.stride())}, e.g. from expand()); pass a tensor that owns its elements"
+        )
+    if _shares_memory(d, bucket):
+        raise ValueError(f"{where}: destination {entry.name!r} shares memory with its bucket")
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """True unless each stride clears the extent of all smaller ones (as the C++ core checks)."""
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1)
+    extent = 0  # In elements, of the dims seen so far.
+    for stride, size in dims:
+        if stride < extent + 1:
+            return True
+        extent += (size - 1) * stride
+    return False
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _typed_view(bucket: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """The entry's bytes of ``bucket`` as a tensor of its dtype and shape (no copy)."""
+    raw = bucket[entry.offset : entry.offset + entry.nbytes]
+    return raw.view(entry.torch_dtype).view(entry.shape)
+
+
+def _same_size_int_view(t: torch.Tensor) -> torch.Tensor:
+    # detach: DLPack refuses tensors that require grad; the memory is the same.
+    return t.detach().view(_SAME_SIZE_INT[t.element_size()])
+
+
+def _stream_of(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device).cuda_stream
+    return 0
+
+
+def _resolve_extension(use_extension: bool | None, device: torch.device, where: str) -> bool:
+    supported = _ext is not None and (
+        device.type == "cpu" or (device.type == "cuda" and bool(_ext.with_cuda))
+    )
+    if use_extension is None:
+        return supported
+    if use_extension and not supported:
+        if _ext is None:
+            reason = f"the C++ extension _dockyard_kernels is not importable ({_EXTENSION_IMPORT_ERROR})"
+        else:
+            reason = f"_dockyard_kernels does not support {device.type} tensors in this build"
+        raise RuntimeError(
+            f"{where}(use_extension=True): {reason}; build it with Bazel (--config=cuda for CUDA) "
+            "or pass use_extension=None to fall back to torch"
+        )
+    return bool(use_extension)

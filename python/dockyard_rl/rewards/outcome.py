@@ -1,0 +1,91 @@
+"""`SampleOutcome`: what the reward-shaping stages know about one scored sample.
+
+The environment fills one per sample after the sandbox's verdict: the raw reward, how long the
+response was, what the patch did, and which test files the task holds out. The stages in
+`dockyard_rl.rewards.shaping` read it and never change it.
+
+Covered: validation of the fields (ValueError naming the field), so a wrongly filled record fails
+where it is built rather than inside a stage. Not covered: how the fields are obtained (parsing
+the model's output, applying the patch, running the tests — the environment and the sandbox do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+__all__ = ["SampleOutcome"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleOutcome:
+    """One sample's raw verdict and the facts the shaping stages need.
+
+    Attributes:
+        reward: the raw reward from the sandbox's verdict (e.g. 1.0 resolved, 0.0 not); finite.
+        response_length: number of generated tokens, >= 0.
+        max_response_length: the generation limit in tokens for this sample, >= 1.
+        response_text: the decoded response (read by the thinking-format check).
+        patch_parsed: a patch could be extracted from the response.
+        patch_applied: whether the patch applied to the repository; None when it was not tried
+            (no patch, or the sandbox could not say). Must not be True when patch_parsed is False.
+        touched_files: repository paths the patch touches (any spelling: a/ b/ prefixes and
+            ./ are normalised by the integrity check). A list is stored as a tuple.
+        held_out_files: test files that come with the task (from its test patch), same rules.
+        thinking_required: the response must hold a well-formed <think>...</think> block.
+    """
+
+    reward: float
+    response_length: int
+    max_response_length: int
+    response_text: str = ""
+    patch_parsed: bool = True
+    patch_applied: bool | None = None
+    touched_files: tuple[str, ...] = ()
+    held_out_files: tuple[str, ...] = ()
+    thinking_required: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)):
+            raise ValueError(f"reward: must be a number, got {type(self.reward).__name__}")
+        if not math.isfinite(self.reward):
+            raise ValueError(
+                f"reward: must be finite, got {self.reward}; exclude a sample without a usable "
+                "verdict from the loss instead of shaping it"
+            )
+        object.__setattr__(self, "reward", float(self.reward))
+        for name in ("response_length", "max_response_length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}: must be an int, got {type(value).__name__}")
+        if self.response_length < 0:
+            raise ValueError(f"response_length: must be >= 0, got {self.response_length}")
+        if self.max_response_length < 1:
+            raise ValueError(f"max_response_length: must be >= 1, got {self.max_response_length}")
+        if not isinstance(self.response_text, str):
+            raise ValueError(
+                f"response_text: must be a str, got {type(self.response_text).__name__}"
+            )
+        for name in ("patch_parsed", "thinking_required"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
+        if self.patch_applied is not None and not isinstance(self.patch_applied, bool):
+            raise ValueError(f"patch_applied: must be a bool or None, got {self.patch_applied!r}")
+        if self.patch_applied and not self.patch_parsed:
+            raise ValueError("patch_applied: is True but patch_parsed is False; a patch that was "
+                             "not parsed cannot have been applied")
+        for name in ("touched_files", "held_out_files"):
+            object.__setattr__(self, name, _paths(name, getattr(self, name)))
+
+
+def _paths(name: str, value: Sequence[str]) -> tuple[str, ...]:
+    # A bare string is a Sequence[str] too; taking it letter by letter would be a silent bug.
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise ValueError(f"{name}: must be a list of paths, got {type(value).__name__}")
+    for path in value:
+        if not isinstance(path, str):
+            raise ValueError(
+                f"{name}: every path must be a str, got {type(path).__name__} {path!r}"
+            )
+    return tuple(value)

@@ -1,0 +1,152 @@
+"""Benchmark: fused log-prob gather vs torch eager, forward + backward.
+
+    tools/bazel run //tests/benchmarks:logprobs_benchmark [-- --device cuda --dtypes float32 bfloat16]
+
+For N tokens and a vocabulary V, both variants compute ``sum(log_softmax(logits)[target])``
+and its gradient w.r.t. the logits:
+
+- torch eager: ``torch.log_softmax(logits.float(), -1).gather(-1, targets)`` then
+  ``.backward()`` (torch keeps the (N, V) log-softmax for backward and creates more (N, V)
+  temporaries in it);
+- fused: ``dockyard_rl.kernels.logprobs.gather_logprobs`` (the C++/CUDA extension).
+
+Each (variant, V, dtype) runs in a fresh subprocess, so that one variant's allocations do
+not hide the other's peak. Reported per variant: the median wall time of a forward +
+backward over the repeats (after one warm-up), and the peak extra memory during them,
+over what was allocated before (the logits and targets): on CPU the process's resident
+set high-water mark (VmHWM, reset through /proc/self/clear_refs before each run; torch's
+CPU allocations are invisible to tracemalloc), on CUDA ``torch.cuda.max_memory_allocated``.
+Both include the (N, V) gradient that autograd returns. The last column checks that the
+two variants agree (relative difference of the summed logprobs).
+
+This is a script that prints a table, not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+VARIANTS = ("torch", "fused")
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Resets VmHWM to the current RSS (Linux >= 4.0).
+        return True
+    except OSError:
+        return False
+
+
+def _worker(variant: str, num_tokens: int, vocab_size: int, dtype_name: str, device: str,
+            repeats: int) -> dict:
+    import torch
+
+    from dockyard_rl.kernels.logprobs import gather_logprobs
+
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits_NV = torch.randn(num_tokens, vocab_size, generator=gen, device=device,
+                            dtype=torch.float32).mul_(3).to(dtype).requires_grad_()
+    targets_N = torch.randint(0, vocab_size, (num_tokens,), generator=gen, device=device)
+
+    def step():
+        logits_NV.grad = None
+        if variant == "torch":
+            logp_NV = torch.log_softmax(logits_NV.float(), dim=-1)
+            lp_N = logp_NV.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1)
+        else:
+            lp_N = gather_logprobs(logits_NV, targets_N, use_extension=True)
+        total = lp_N.sum()
+        total.backward()
+        return float(total)
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    step()  # Warm-up (first-touch page faults, CUDA context, kernel loads).
+    logits_NV.grad = None
+    sync()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        if not _reset_peak_rss():
+            raise RuntimeError("cannot reset the peak RSS through /proc/self/clear_refs")
+        before = _rss_bytes("VmRSS")
+    times, total = [], 0.0
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        total = step()
+        sync()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else _rss_bytes("VmHWM")
+    return {"seconds": statistics.median(times), "peak_extra_bytes": peak - before,
+            "logprob_sum": total}
+
+
+def _run_variant(args, variant: str, vocab_size: int, dtype: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant,
+           "--num-tokens", str(args.num_tokens), "--vocab-sizes", str(vocab_size),
+           "--dtypes", dtype, "--device", args.device, "--repeats", str(args.repeats)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    if proc.returncode != 0:
+        raise RuntimeError(f"{variant} V={vocab_size} {dtype} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--num-tokens", type=int, default=4096)
+    parser.add_argument("--vocab-sizes", type=int, nargs="+", default=[49152, 151936],
+                        help="SmolLM2's and Qwen2.5's vocabularies by default")
+    parser.add_argument("--dtypes", nargs="+", default=["float32"],
+                        choices=("float32", "bfloat16"))
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:
+        result = _worker(args.worker, args.num_tokens, args.vocab_sizes[0], args.dtypes[0],
+                         args.device, args.repeats)
+        print(json.dumps(result))
+        return
+
+    print(f"fused log-prob gather vs torch eager, forward + backward, N = {args.num_tokens} "
+          f"tokens, device {args.device}, median of {args.repeats} after 1 warm-up")
+    header = (f"{'V':>7} {'dtype':>8} | {'torch s':>8} {'fused s':>8} {'speedup':>7} | "
+              f"{'torch MiB':>9} {'fused MiB':>9} {'mem ratio':>9} | {'rel diff':>8}")
+    print(header)
+    print("-" * len(header))
+    for dtype in args.dtypes:
+        for vocab_size in args.vocab_sizes:
+            res = {v: _run_variant(args, v, vocab_size, dtype) for v in VARIANTS}
+            t, f = res["torch"], res["fused"]
+            mib = 1024 * 1024
+            rel = abs(t["logprob_sum"] - f["logprob_sum"]) / max(1.0, abs(t["logprob_sum"]))
+            print(f"{vocab_size:>7} {dtype:>8} | {t['seconds']:>8.3f} {f['seconds']:>8.3f} "
+                  f"{t['seconds'] / f['seconds']:>6.2f}x | "
+                  f"{t['peak_extra_bytes'] / mib:>9.0f} {f['peak_extra_bytes'] / mib:>9.0f} "
+                  f"{t['peak_extra_bytes'] / max(1, f['peak_extra_bytes']):>8.2f}x | "
+                  f"{rel:>8.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
