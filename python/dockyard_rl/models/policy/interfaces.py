@@ -1,0 +1,101 @@
+"""The trainer fleet's seam: `PolicyInterface`, what every policy backend implements.
+
+Backends (one module each, picked by `policy.backend` through factory.py):
+  dtensor   torch FSDP2 (`fully_shard` per decoder layer) over a DeviceMesh, one Ray actor per rank
+  jax       a flax.nnx Llama-family model sharded over a jax Mesh
+
+Who calls what. The GRPO loop runs in a driver process and holds ONE `PolicyInterface` object.
+For multi-rank backends that object is a thin controller over a group of rank actors: each
+method below is called once by the driver and fans out to every rank itself (ranks never call
+these methods on each other). Every method is blocking and returns only when all ranks are done.
+
+Batch layout (a `BatchedDataDict`; suffixes: B = sequences, S = token positions):
+  input_ids        (B, S) int64   prompt + response tokens, right-padded
+  input_lengths    (B,)   int64   number of real tokens per row
+  token_mask       (B, S) float   1 on response tokens that count in the loss, else 0
+  sample_mask      (B,)   float   0 excludes a whole sample (e.g. sandbox infrastructure error)
+  + the loss function's keys for `train` (prev_logprobs, advantages, ...; see
+    algorithms/loss_functions.py)
+Log-prob alignment: logprobs_BS[b, t] = log p(input_ids[b, t] | input_ids[b, :t]); column 0 (no
+context) and padding positions are 0. This is the alignment the loss function expects.
+
+Call order: construct (loads weights, fails fast on bad config) -> any number of
+get_logprobs / get_reference_policy_logprobs / train / prepare_refit_info / iter_refit_weights /
+save_checkpoint / load_checkpoint, in any order -> shutdown() (idempotent). `train` is the only
+method that changes the weights; every successful `train` call is one optimizer step.
+"""
+
+from __future__ import annotations
+
+import abc
+import pathlib
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+
+from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
+
+
+class LossFunction(Protocol):
+    """What `train` accepts: `algorithms.loss_functions.ClippedPGLossFn` satisfies it."""
+
+    def __call__(self, logprobs_BS: torch.Tensor, batch: Any, global_num_valid_tokens: Any,
+                 global_num_valid_sequences: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        ...
+
+
+class PolicyInterface(abc.ABC):
+    """A trainable policy (plus its frozen reference policy) behind one object."""
+
+    @abc.abstractmethod
+    def get_logprobs(self, batch: BatchedDataDict) -> torch.Tensor:
+        """Log-probs of `batch["input_ids"]` under the current policy, (B, S) float32 on CPU.
+
+        No gradient, no weight change; idempotent. Raises ValueError for a malformed batch
+        (missing keys, ragged fields, lengths beyond the model's context).
+        """
+
+    @abc.abstractmethod
+    def get_reference_policy_logprobs(self, batch: BatchedDataDict) -> torch.Tensor:
+        """As `get_logprobs`, under the frozen reference policy (the initial weights)."""
+
+    @abc.abstractmethod
+    def train(self, batch: BatchedDataDict, loss_fn: LossFunction) -> dict[str, float]:
+        """One optimizer step on the global batch: microbatches with gradient accumulation,
+        data-parallel sharding, gradient clipping, optimizer and LR-scheduler step.
+
+        Returns metrics: at least `loss`, `grad_norm` (before clipping), `learning_rate` (the
+        one used for this step), `num_tokens`, `tokens_per_second`, plus the loss function's
+        metrics combined over microbatches and ranks. Raises ValueError for a malformed batch
+        before any weight changes.
+        """
+
+    @abc.abstractmethod
+    def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """HF parameter name -> (shape, dtype) of every weight the inference engine receives,
+        in the order `iter_refit_weights` yields them. Idempotent; no communication with the
+        engine. Weight-sync transports build their manifest from it once."""
+
+    @abc.abstractmethod
+    def iter_refit_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yields (HF name, full unsharded tensor in HF layout) for every refit weight, in
+        `prepare_refit_info` order (the refit seam: DTensor shards or NNX arrays are gathered and
+        mapped back to what a Hugging Face checkpoint / vLLM expects). Tensors may be views of
+        internal buffers: consume (copy or send) each before advancing the iterator."""
+
+    @abc.abstractmethod
+    def save_checkpoint(self, directory: pathlib.Path) -> None:
+        """Writes HF-format weights (safetensors + config + tokenizer, loadable by transformers
+        and vLLM) and the optimizer, scheduler and RNG state, so that `load_checkpoint` resumes
+        exactly (the next step's loss is bit-identical). Written atomically: a crash leaves the
+        previous checkpoint intact."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, directory: pathlib.Path) -> None:
+        """Restores everything `save_checkpoint` wrote. Raises ValueError naming the directory
+        when it is missing or incomplete, or was written for another model."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Releases actors, process groups and memory. Safe to call more than once."""
