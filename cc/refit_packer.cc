@@ -116,37 +116,48 @@ void CopyElementRange(const internal::CollapsedSpan& span, char* bucket,
   }
 }
 
-// Copies the byte range [begin, end) of the spans laid end to end (span i
-// covers [starts[i], starts[i] + nbytes)). Cuts fall on element boundaries:
-// a cut at byte c inside span i is element (c - starts[i]) / element_size, the
-// same for the worker that ends there and the one that starts there, so every
-// element is copied exactly once.
-void CopyByteRange(const std::vector<internal::CollapsedSpan>& spans,
-                   const std::vector<int64_t>& starts, char* bucket,
-                   int64_t begin, int64_t end, Direction direction) {
-  // The first span that ends after `begin`.
+// One span to copy and the base of its bucket.
+struct CopyTask {
+  const internal::CollapsedSpan* span;
+  char* bucket;
+};
+
+// Copies the byte range [begin, end) of the tasks' spans laid end to end
+// (task i covers [starts[i], starts[i] + nbytes)). Cuts fall on element
+// boundaries: a cut at byte c inside span i is element (c - starts[i]) /
+// element_size, the same for the worker that ends there and the one that
+// starts there, so every element is copied exactly once.
+void CopyByteRange(const std::vector<CopyTask>& tasks,
+                   const std::vector<int64_t>& starts, int64_t begin,
+                   int64_t end, Direction direction) {
+  // The first task that ends after `begin`.
   auto it = std::upper_bound(starts.begin(), starts.end(), begin);
   size_t i = static_cast<size_t>(it - starts.begin());
   i = i == 0 ? 0 : i - 1;
-  for (; i < spans.size() && starts[i] < end; ++i) {
-    const internal::CollapsedSpan& span = spans[i];
+  for (; i < tasks.size() && starts[i] < end; ++i) {
+    const internal::CollapsedSpan& span = *tasks[i].span;
     if (span.numel == 0) continue;
     auto element_at = [&](int64_t cut) {
       const int64_t local = std::clamp<int64_t>(cut - starts[i], 0, span.nbytes);
       return local / span.element_size;
     };
-    CopyElementRange(span, bucket, element_at(begin), element_at(end),
+    CopyElementRange(span, tasks[i].bucket, element_at(begin), element_at(end),
                      direction);
   }
 }
 
-void RunCopies(const std::vector<internal::CollapsedSpan>& spans, char* bucket,
-               int num_threads, Direction direction) {
-  std::vector<int64_t> starts(spans.size());
+void RunCopies(const std::vector<CopyTask>& tasks, int num_threads,
+               Direction direction) {
+  std::vector<int64_t> starts(tasks.size());
   int64_t total = 0;
-  for (size_t i = 0; i < spans.size(); ++i) {
+  for (size_t i = 0; i < tasks.size(); ++i) {
     starts[i] = total;
-    total += spans[i].nbytes;  // <= bucket_nbytes: spans do not overlap.
+    // Spans do not overlap within a bucket and each bucket's size fits in
+    // int64; across several buckets, guard the sum.
+    if (tasks[i].span->nbytes > kInt64Max - total) {
+      throw std::invalid_argument("refit_packer: total bytes overflow int64");
+    }
+    total += tasks[i].span->nbytes;
   }
   if (total == 0) return;
   int64_t workers = num_threads;
@@ -156,7 +167,7 @@ void RunCopies(const std::vector<internal::CollapsedSpan>& spans, char* bucket,
   }
   workers = std::max<int64_t>(1, std::min(workers, total));
   if (workers == 1) {
-    CopyByteRange(spans, starts, bucket, 0, total, direction);
+    CopyByteRange(tasks, starts, 0, total, direction);
     return;
   }
   // Worker t copies bytes [cut(t), cut(t + 1)), cut(t) = t * total / workers
@@ -165,7 +176,7 @@ void RunCopies(const std::vector<internal::CollapsedSpan>& spans, char* bucket,
     return (total / workers) * t + ((total % workers) * t) / workers;
   };
   auto run = [&](int64_t t) {
-    CopyByteRange(spans, starts, bucket, cut(t), cut(t + 1), direction);
+    CopyByteRange(tasks, starts, cut(t), cut(t + 1), direction);
   };
   std::vector<std::thread> threads;
   threads.reserve(workers - 1);
@@ -179,6 +190,178 @@ void RunCopies(const std::vector<internal::CollapsedSpan>& spans, char* bucket,
   run(0);
   for (; next < workers; ++next) run(next);
   for (std::thread& th : threads) th.join();
+}
+
+std::vector<CopyTask> TasksOf(const std::vector<internal::CollapsedSpan>& spans,
+                              char* bucket) {
+  std::vector<CopyTask> tasks;
+  tasks.reserve(spans.size());
+  for (const internal::CollapsedSpan& s : spans) {
+    if (s.nbytes > 0) tasks.push_back({&s, bucket});
+  }
+  return tasks;
+}
+
+// Validates one span for a bucket of `bucket_nbytes` bytes and returns it
+// collapsed (see internal::CollapsedSpan). `bucket_name` is "the bucket" or
+// "bucket <b>" in messages.
+internal::CollapsedSpan CollapseSpan(const char* function, int64_t idx,
+                                     const StridedTensor& t, int64_t offset,
+                                     int64_t bucket_nbytes,
+                                     const std::string& bucket_name,
+                                     bool check_self_overlap) {
+  const int64_t es = t.element_size;
+  if (es != 1 && es != 2 && es != 4 && es != 8 && es != 16) {
+    ThrowInvalid(function, SpanName(idx) + ": element_size must be 1, 2, 4, "
+                           "8 or 16, got " + std::to_string(es));
+  }
+  if (t.shape.size() != t.strides.size()) {
+    ThrowInvalid(function, SpanName(idx) + ": shape has " +
+                               std::to_string(t.shape.size()) +
+                               " dims but strides has " +
+                               std::to_string(t.strides.size()));
+  }
+  int64_t numel = 1;
+  bool empty = false;
+  for (size_t d = 0; d < t.shape.size(); ++d) {
+    if (t.shape[d] < 0 || t.strides[d] < 0) {
+      ThrowInvalid(function, SpanName(idx) + ": dim " + std::to_string(d) +
+                                 " has size " + std::to_string(t.shape[d]) +
+                                 " and stride " + std::to_string(t.strides[d]) +
+                                 "; both must be >= 0");
+    }
+    empty = empty || t.shape[d] == 0;
+  }
+  for (size_t d = 0; d < t.shape.size() && !empty; ++d) {
+    if (numel > kInt64Max / es / t.shape[d]) {
+      ThrowInvalid(function, SpanName(idx) + ": byte size overflows int64");
+    }
+    numel *= t.shape[d];
+  }
+  if (empty) numel = 0;
+  internal::CollapsedSpan c;
+  c.data = static_cast<char*>(t.data);
+  c.element_size = es;
+  c.numel = numel;
+  c.nbytes = numel * es;
+  c.offset = offset;
+  if (c.offset < 0) {
+    ThrowInvalid(function, SpanName(idx) + ": offset must be >= 0, got " +
+                               std::to_string(c.offset));
+  }
+  if (c.offset > bucket_nbytes || c.nbytes > bucket_nbytes - c.offset) {
+    throw std::out_of_range(
+        std::string(function) + ": " + SpanName(idx) + " covers bytes [" +
+        std::to_string(c.offset) + ", " + std::to_string(c.offset) + " + " +
+        std::to_string(c.nbytes) + ") but " + bucket_name + " has " +
+        std::to_string(bucket_nbytes) + " bytes");
+  }
+  if (numel == 0) return c;
+  if (t.data == nullptr) {
+    ThrowInvalid(function, SpanName(idx) + ": data is null but the tensor "
+                                           "has elements");
+  }
+  // Collapse: drop size-1 dims, then merge an outer dim into the inner one
+  // when outer stride == inner stride * inner size (they walk memory as
+  // one dim). Element strides become byte strides: no overflow, as the
+  // tensor's extent is addressable memory.
+  for (size_t d = 0; d < t.shape.size(); ++d) {
+    if (t.shape[d] == 1) continue;
+    const int64_t stride = t.strides[d] * es;
+    if (!c.shape.empty() && c.byte_strides.back() == stride * t.shape[d]) {
+      c.shape.back() *= t.shape[d];
+      c.byte_strides.back() = stride;
+    } else {
+      c.shape.push_back(t.shape[d]);
+      c.byte_strides.push_back(stride);
+    }
+  }
+  // The tensor's memory extent: [data, data + reach + element_size).
+  int64_t reach = 0;
+  for (size_t d = 0; d < c.shape.size(); ++d) {
+    reach += (c.shape[d] - 1) * c.byte_strides[d];
+  }
+  c.extent = reach + es;
+  if (check_self_overlap) {
+    // Sufficient condition for distinct addresses: with dims sorted by
+    // stride, each stride clears the byte extent of all smaller dims.
+    std::vector<size_t> order(c.shape.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      return c.byte_strides[a] < c.byte_strides[b];
+    });
+    int64_t extent = 0;
+    for (size_t d : order) {
+      if (c.byte_strides[d] < extent + es) {
+        ThrowInvalid(function, SpanName(idx) + ": the destination overlaps "
+                               "itself (several elements share an address, "
+                               "e.g. an expanded tensor); write into a "
+                               "tensor that owns its elements");
+      }
+      extent += (c.shape[d] - 1) * c.byte_strides[d];
+    }
+  }
+  return c;
+}
+
+bool MemoryOverlaps(const internal::CollapsedSpan& c, const void* bucket,
+                    int64_t bucket_nbytes) {
+  if (c.nbytes == 0 || bucket_nbytes == 0) return false;
+  const auto lo = reinterpret_cast<uintptr_t>(c.data);
+  const auto hi = lo + static_cast<uintptr_t>(c.extent);
+  const auto b_lo = reinterpret_cast<uintptr_t>(bucket);
+  const auto b_hi = b_lo + static_cast<uintptr_t>(bucket_nbytes);
+  return lo < b_hi && b_lo < hi;
+}
+
+// Spans `members` (indices into `spans`) of one bucket must not overlap in it
+// (empty spans cover nothing). `bucket_name` as in CollapseSpan.
+void CheckNoOverlapInBucket(const char* function,
+                            const std::vector<internal::CollapsedSpan>& spans,
+                            std::vector<int64_t> members,
+                            const std::string& bucket_name) {
+  members.erase(std::remove_if(members.begin(), members.end(),
+                               [&](int64_t i) { return spans[i].nbytes == 0; }),
+                members.end());
+  std::sort(members.begin(), members.end(), [&](int64_t a, int64_t b) {
+    return spans[a].offset < spans[b].offset;
+  });
+  for (size_t k = 1; k < members.size(); ++k) {
+    const internal::CollapsedSpan& prev = spans[members[k - 1]];
+    const internal::CollapsedSpan& next = spans[members[k]];
+    if (prev.offset + prev.nbytes > next.offset) {
+      const int64_t a = std::min(members[k - 1], members[k]);
+      const int64_t b = std::max(members[k - 1], members[k]);
+      ThrowInvalid(function, SpanName(a) + " and " + SpanName(b) +
+                                 " overlap in " + bucket_name);
+    }
+  }
+}
+
+// The byte ranges [begin, end) of [0, bucket_nbytes) that no span of
+// `members` covers, in order.
+std::vector<std::pair<int64_t, int64_t>> Gaps(
+    const std::vector<internal::CollapsedSpan>& spans,
+    const std::vector<int64_t>& members, int64_t bucket_nbytes) {
+  std::vector<std::pair<int64_t, int64_t>> covered;
+  for (int64_t i : members) {
+    const internal::CollapsedSpan& s = spans[i];
+    if (s.nbytes > 0) covered.emplace_back(s.offset, s.offset + s.nbytes);
+  }
+  std::sort(covered.begin(), covered.end());
+  std::vector<std::pair<int64_t, int64_t>> gaps;
+  int64_t pos = 0;
+  for (const auto& [begin, end] : covered) {
+    if (begin > pos) gaps.emplace_back(pos, begin);
+    pos = std::max(pos, end);
+  }
+  if (bucket_nbytes > pos) gaps.emplace_back(pos, bucket_nbytes);
+  return gaps;
+}
+
+// "the bucket" in a one-bucket plan's messages, else "bucket <b>".
+std::string BucketName(int64_t b, int64_t num_buckets) {
+  return num_buckets == 1 ? "the bucket" : "bucket " + std::to_string(b);
 }
 
 }  // namespace
@@ -261,147 +444,28 @@ std::vector<CollapsedSpan> validate_spans(const char* function,
     ThrowInvalid(function, "bucket is null but bucket_nbytes is " +
                                std::to_string(bucket_nbytes));
   }
-  std::vector<CollapsedSpan> out(spans.size());
+  std::vector<CollapsedSpan> out;
+  out.reserve(spans.size());
   for (size_t i = 0; i < spans.size(); ++i) {
-    const StridedTensor& t = spans[i].tensor;
     const auto idx = static_cast<int64_t>(i);
-    const int64_t es = t.element_size;
-    if (es != 1 && es != 2 && es != 4 && es != 8 && es != 16) {
-      ThrowInvalid(function, SpanName(idx) + ": element_size must be 1, 2, 4, "
-                             "8 or 16, got " + std::to_string(es));
-    }
-    if (t.shape.size() != t.strides.size()) {
-      ThrowInvalid(function, SpanName(idx) + ": shape has " +
-                                 std::to_string(t.shape.size()) +
-                                 " dims but strides has " +
-                                 std::to_string(t.strides.size()));
-    }
-    int64_t numel = 1;
-    bool empty = false;
-    for (size_t d = 0; d < t.shape.size(); ++d) {
-      if (t.shape[d] < 0 || t.strides[d] < 0) {
-        ThrowInvalid(function, SpanName(idx) + ": dim " + std::to_string(d) +
-                                   " has size " + std::to_string(t.shape[d]) +
-                                   " and stride " + std::to_string(t.strides[d]) +
-                                   "; both must be >= 0");
-      }
-      empty = empty || t.shape[d] == 0;
-    }
-    for (size_t d = 0; d < t.shape.size() && !empty; ++d) {
-      if (numel > kInt64Max / es / t.shape[d]) {
-        ThrowInvalid(function, SpanName(idx) + ": byte size overflows int64");
-      }
-      numel *= t.shape[d];
-    }
-    if (empty) numel = 0;
-    CollapsedSpan& c = out[i];
-    c.data = static_cast<char*>(t.data);
-    c.element_size = es;
-    c.numel = numel;
-    c.nbytes = numel * es;
-    c.offset = spans[i].offset;
-    if (c.offset < 0) {
-      ThrowInvalid(function, SpanName(idx) + ": offset must be >= 0, got " +
-                                 std::to_string(c.offset));
-    }
-    if (c.offset > bucket_nbytes || c.nbytes > bucket_nbytes - c.offset) {
-      throw std::out_of_range(
-          std::string(function) + ": " + SpanName(idx) + " covers bytes [" +
-          std::to_string(c.offset) + ", " + std::to_string(c.offset) + " + " +
-          std::to_string(c.nbytes) + ") but the bucket has " +
-          std::to_string(bucket_nbytes) + " bytes");
-    }
-    if (numel == 0) continue;
-    if (t.data == nullptr) {
-      ThrowInvalid(function, SpanName(idx) + ": data is null but the tensor "
-                                             "has elements");
-    }
-    // Collapse: drop size-1 dims, then merge an outer dim into the inner one
-    // when outer stride == inner stride * inner size (they walk memory as
-    // one dim). Element strides become byte strides: no overflow, as the
-    // tensor's extent is addressable memory.
-    for (size_t d = 0; d < t.shape.size(); ++d) {
-      if (t.shape[d] == 1) continue;
-      const int64_t stride = t.strides[d] * es;
-      if (!c.shape.empty() && c.byte_strides.back() == stride * t.shape[d]) {
-        c.shape.back() *= t.shape[d];
-        c.byte_strides.back() = stride;
-      } else {
-        c.shape.push_back(t.shape[d]);
-        c.byte_strides.push_back(stride);
-      }
-    }
-    // The tensor's memory extent: [data, data + reach + element_size).
-    int64_t reach = 0;
-    for (size_t d = 0; d < c.shape.size(); ++d) {
-      reach += (c.shape[d] - 1) * c.byte_strides[d];
-    }
-    if (bucket_nbytes > 0) {
-      const auto lo = reinterpret_cast<uintptr_t>(c.data);
-      const auto hi = lo + static_cast<uintptr_t>(reach + es);
-      const auto b_lo = reinterpret_cast<uintptr_t>(bucket);
-      const auto b_hi = b_lo + static_cast<uintptr_t>(bucket_nbytes);
-      if (lo < b_hi && b_lo < hi) {
-        ThrowInvalid(function, SpanName(idx) + ": the tensor's memory "
-                                               "overlaps the bucket");
-      }
-    }
-    if (check_self_overlap) {
-      // Sufficient condition for distinct addresses: with dims sorted by
-      // stride, each stride clears the byte extent of all smaller dims.
-      std::vector<size_t> order(c.shape.size());
-      std::iota(order.begin(), order.end(), 0);
-      std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-        return c.byte_strides[a] < c.byte_strides[b];
-      });
-      int64_t extent = 0;
-      for (size_t d : order) {
-        if (c.byte_strides[d] < extent + es) {
-          ThrowInvalid(function, SpanName(idx) + ": the destination overlaps "
-                                 "itself (several elements share an address, "
-                                 "e.g. an expanded tensor); write into a "
-                                 "tensor that owns its elements");
-        }
-        extent += (c.shape[d] - 1) * c.byte_strides[d];
-      }
+    out.push_back(CollapseSpan(function, idx, spans[i].tensor, spans[i].offset,
+                               bucket_nbytes, "the bucket", check_self_overlap));
+    if (MemoryOverlaps(out.back(), bucket, bucket_nbytes)) {
+      ThrowInvalid(function, SpanName(idx) + ": the tensor's memory "
+                                             "overlaps the bucket");
     }
   }
-  // Spans must not overlap in the bucket (empty spans cover nothing).
-  std::vector<size_t> by_offset;
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (out[i].nbytes > 0) by_offset.push_back(i);
-  }
-  std::sort(by_offset.begin(), by_offset.end(), [&](size_t a, size_t b) {
-    return out[a].offset < out[b].offset;
-  });
-  for (size_t k = 1; k < by_offset.size(); ++k) {
-    const CollapsedSpan& prev = out[by_offset[k - 1]];
-    const CollapsedSpan& next = out[by_offset[k]];
-    if (prev.offset + prev.nbytes > next.offset) {
-      const auto a = static_cast<int64_t>(std::min(by_offset[k - 1], by_offset[k]));
-      const auto b = static_cast<int64_t>(std::max(by_offset[k - 1], by_offset[k]));
-      ThrowInvalid(function, SpanName(a) + " and " + SpanName(b) +
-                                 " overlap in the bucket");
-    }
-  }
+  std::vector<int64_t> all(out.size());
+  std::iota(all.begin(), all.end(), 0);
+  CheckNoOverlapInBucket(function, out, std::move(all), "the bucket");
   return out;
 }
 
 std::vector<std::pair<int64_t, int64_t>> uncovered_ranges(
     const std::vector<CollapsedSpan>& spans, int64_t bucket_nbytes) {
-  std::vector<std::pair<int64_t, int64_t>> covered;
-  for (const CollapsedSpan& s : spans) {
-    if (s.nbytes > 0) covered.emplace_back(s.offset, s.offset + s.nbytes);
-  }
-  std::sort(covered.begin(), covered.end());
-  std::vector<std::pair<int64_t, int64_t>> gaps;
-  int64_t pos = 0;
-  for (const auto& [begin, end] : covered) {
-    if (begin > pos) gaps.emplace_back(pos, begin);
-    pos = std::max(pos, end);
-  }
-  if (bucket_nbytes > pos) gaps.emplace_back(pos, bucket_nbytes);
-  return gaps;
+  std::vector<int64_t> all(spans.size());
+  std::iota(all.begin(), all.end(), 0);
+  return Gaps(spans, all, bucket_nbytes);
 }
 
 }  // namespace internal
@@ -418,7 +482,7 @@ void pack_bucket(const std::vector<BucketSpan>& spans, void* bucket,
   for (const auto& [begin, end] : internal::uncovered_ranges(collapsed, bucket_nbytes)) {
     std::memset(bytes + begin, 0, static_cast<size_t>(end - begin));
   }
-  RunCopies(collapsed, bytes, num_threads, Direction::kPack);
+  RunCopies(TasksOf(collapsed, bytes), num_threads, Direction::kPack);
 }
 
 void unpack_bucket(const void* bucket, int64_t bucket_nbytes,
@@ -428,8 +492,123 @@ void unpack_bucket(const void* bucket, int64_t bucket_nbytes,
   const std::vector<internal::CollapsedSpan> collapsed =
       internal::validate_spans(kFn, spans, bucket, bucket_nbytes, true);
   // Only read through this pointer in the unpack direction.
-  RunCopies(collapsed, const_cast<char*>(static_cast<const char*>(bucket)),
+  RunCopies(TasksOf(collapsed, const_cast<char*>(static_cast<const char*>(bucket))),
             num_threads, Direction::kUnpack);
+}
+
+CopyPlan::CopyPlan(const char* function, CopyDirection direction,
+                   const std::vector<PlanSpan>& spans,
+                   std::vector<int64_t> bucket_sizes)
+    : direction_(direction), bucket_sizes_(std::move(bucket_sizes)) {
+  const auto num_buckets = static_cast<int64_t>(bucket_sizes_.size());
+  for (int64_t b = 0; b < num_buckets; ++b) {
+    if (bucket_sizes_[b] < 0) {
+      ThrowInvalid(function, "bucket " + std::to_string(b) +
+                                 " has a negative size (" +
+                                 std::to_string(bucket_sizes_[b]) + " bytes)");
+    }
+  }
+  spans_.reserve(spans.size());
+  span_bucket_.reserve(spans.size());
+  bucket_members_.assign(bucket_sizes_.size(), {});
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const auto idx = static_cast<int64_t>(i);
+    const int64_t b = spans[i].bucket;
+    if (b < 0 || b >= num_buckets) {
+      ThrowInvalid(function, SpanName(idx) + ": bucket " + std::to_string(b) +
+                                 " is not in [0, " +
+                                 std::to_string(num_buckets) + ")");
+    }
+    spans_.push_back(CollapseSpan(function, idx, spans[i].tensor,
+                                  spans[i].offset, bucket_sizes_[b],
+                                  BucketName(b, num_buckets),
+                                  direction == CopyDirection::kUnpack));
+    span_bucket_.push_back(b);
+    if (spans_.back().nbytes > 0) bucket_members_[b].push_back(idx);
+  }
+  for (int64_t b = 0; b < num_buckets; ++b) {
+    std::vector<int64_t>& members = bucket_members_[b];
+    CheckNoOverlapInBucket(function, spans_, members, BucketName(b, num_buckets));
+    // By offset: each bucket's bytes are then written front to back.
+    std::sort(members.begin(), members.end(), [&](int64_t x, int64_t y) {
+      return spans_[x].offset < spans_[y].offset;
+    });
+    gaps_.push_back(Gaps(spans_, members, bucket_sizes_[b]));
+  }
+  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+  for (const internal::CollapsedSpan& c : spans_) {
+    if (c.nbytes == 0) continue;
+    const auto lo = reinterpret_cast<uintptr_t>(c.data);
+    ranges.emplace_back(lo, lo + static_cast<uintptr_t>(c.extent));
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (const auto& r : ranges) {
+    if (!memory_ranges_.empty() && r.first <= memory_ranges_.back().second) {
+      memory_ranges_.back().second = std::max(memory_ranges_.back().second, r.second);
+    } else {
+      memory_ranges_.push_back(r);
+    }
+  }
+}
+
+void CopyPlan::check_buckets(const char* function,
+                             const std::vector<void*>& buckets,
+                             int64_t first_bucket) const {
+  const auto count = static_cast<int64_t>(buckets.size());
+  if (first_bucket < 0 || first_bucket > num_buckets() ||
+      count > num_buckets() - first_bucket) {
+    ThrowInvalid(function, "buckets [" + std::to_string(first_bucket) + ", " +
+                               std::to_string(first_bucket) + " + " +
+                               std::to_string(count) +
+                               ") are not all in the plan's " +
+                               std::to_string(num_buckets()) + " buckets");
+  }
+  for (int64_t k = 0; k < count; ++k) {
+    const int64_t b = first_bucket + k;
+    const int64_t nbytes = bucket_sizes_[b];
+    if (nbytes == 0) continue;
+    if (buckets[k] == nullptr) {
+      ThrowInvalid(function, "bucket " + std::to_string(b) + " is null but has " +
+                                 std::to_string(nbytes) + " bytes");
+    }
+    // The first merged range that ends after the bucket starts; it overlaps
+    // the bucket iff it also starts before the bucket ends.
+    const auto b_lo = reinterpret_cast<uintptr_t>(buckets[k]);
+    const auto b_hi = b_lo + static_cast<uintptr_t>(nbytes);
+    auto it = std::upper_bound(
+        memory_ranges_.begin(), memory_ranges_.end(), b_lo,
+        [](uintptr_t v, const std::pair<uintptr_t, uintptr_t>& r) { return v < r.second; });
+    if (it == memory_ranges_.end() || it->first >= b_hi) continue;
+    // Rare: find the span to name it.
+    for (size_t i = 0; i < spans_.size(); ++i) {
+      if (MemoryOverlaps(spans_[i], buckets[k], nbytes)) {
+        ThrowInvalid(function, SpanName(static_cast<int64_t>(i)) +
+                                   ": the tensor's memory overlaps bucket " +
+                                   std::to_string(b));
+      }
+    }
+  }
+}
+
+void CopyPlan::run(const std::vector<void*>& buckets, int64_t first_bucket,
+                   int num_threads) const {
+  constexpr const char* kFn = "CopyPlan::run";
+  internal::validate_num_threads(kFn, num_threads);
+  check_buckets(kFn, buckets, first_bucket);
+  std::vector<CopyTask> tasks;
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    const int64_t b = first_bucket + static_cast<int64_t>(k);
+    char* bytes = static_cast<char*>(buckets[k]);
+    if (direction_ == CopyDirection::kPack) {
+      // Padding is zeroed as in pack_bucket.
+      for (const auto& [begin, end] : gaps_[b]) {
+        std::memset(bytes + begin, 0, static_cast<size_t>(end - begin));
+      }
+    }
+    for (int64_t i : bucket_members_[b]) tasks.push_back({&spans_[i], bytes});
+  }
+  RunCopies(tasks, num_threads,
+            direction_ == CopyDirection::kPack ? Direction::kPack : Direction::kUnpack);
 }
 
 }  // namespace dockyard::kernels

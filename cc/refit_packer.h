@@ -137,6 +137,8 @@ struct CollapsedSpan {
   int64_t offset = 0;
   std::vector<int64_t> shape;
   std::vector<int64_t> byte_strides;
+  // The tensor's memory is [data, data + extent) (0 for empty tensors).
+  int64_t extent = 0;
 };
 
 // Validates `spans` against a bucket of `bucket_nbytes` bytes at `bucket`
@@ -158,6 +160,85 @@ std::vector<std::pair<int64_t, int64_t>> uncovered_ranges(
     const std::vector<CollapsedSpan>& spans, int64_t bucket_nbytes);
 
 }  // namespace internal
+
+// --- Plans: validate once, copy many times ---------------------------------
+//
+// Weight refit packs the SAME tensors every optimizer step. A CopyPlan takes
+// every tensor of every bucket once, validates and collapses them, and then
+// copies any range of buckets per `run` call with no per-tensor argument
+// handling: only the buckets' base pointers are passed per call (a sender
+// reuses two buffers; a receiver receives into fresh ones). The plan keeps
+// raw pointers: the caller keeps the tensors' memory alive and rebuilds the
+// plan when a tensor is re-allocated (python/dockyard_rl/kernels/
+// refit_packer.py detects that by comparing data pointers).
+
+enum class CopyDirection {
+  kPack,    // tensors -> buckets; padding bytes are zeroed.
+  kUnpack,  // buckets -> tensors; destinations may not overlap themselves.
+};
+
+// One tensor's place in a multi-bucket plan: its row-major bytes occupy
+// [offset, offset + numel * element_size) of bucket `bucket`.
+struct PlanSpan {
+  StridedTensor tensor;
+  int64_t bucket = 0;
+  int64_t offset = 0;
+};
+
+class CopyPlan {
+ public:
+  // Validates every span as pack_bucket / unpack_bucket do (same messages,
+  // starting with `function`; span indices are positions in `spans`), plus:
+  // a bucket index outside [0, bucket_sizes.size()) or a negative bucket size
+  // throw std::invalid_argument. The buckets' own memory is only known per
+  // call, so overlap between a tensor and a bucket is checked by run().
+  CopyPlan(const char* function, CopyDirection direction,
+           const std::vector<PlanSpan>& spans,
+           std::vector<int64_t> bucket_sizes);
+
+  CopyDirection direction() const { return direction_; }
+  int64_t num_buckets() const {
+    return static_cast<int64_t>(bucket_sizes_.size());
+  }
+  const std::vector<int64_t>& bucket_sizes() const { return bucket_sizes_; }
+  // Every span, collapsed, in the caller's order (empty ones included).
+  const std::vector<internal::CollapsedSpan>& spans() const { return spans_; }
+  // Per bucket: the indices of its spans with bytes, by offset.
+  const std::vector<std::vector<int64_t>>& bucket_members() const {
+    return bucket_members_;
+  }
+  // Per bucket: the byte ranges no span covers (pack zeroes them), in order.
+  const std::vector<std::vector<std::pair<int64_t, int64_t>>>& gaps() const {
+    return gaps_;
+  }
+
+  // Throws std::invalid_argument unless buckets [first_bucket, first_bucket +
+  // buckets.size()) exist, every one with bytes is non-null, and no span's
+  // tensor memory overlaps any of them. `function` starts the messages.
+  void check_buckets(const char* function, const std::vector<void*>& buckets,
+                     int64_t first_bucket) const;
+
+  // Copies between the tensors and buckets [first_bucket, first_bucket +
+  // buckets.size()) on the CPU; buckets[i] holds bucket first_bucket + i
+  // (bucket_sizes()[first_bucket + i] bytes; only read when unpacking). The
+  // work of all those buckets is split across num_threads workers (as
+  // pack_bucket's). Throws what check_buckets and validate_num_threads throw,
+  // before copying anything.
+  void run(const std::vector<void*>& buckets, int64_t first_bucket,
+           int num_threads = 0) const;
+
+ private:
+  CopyDirection direction_;
+  std::vector<int64_t> bucket_sizes_;
+  std::vector<internal::CollapsedSpan> spans_;
+  std::vector<int64_t> span_bucket_;
+  std::vector<std::vector<int64_t>> bucket_members_;
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> gaps_;
+  // The union of all spans' tensor memory as sorted disjoint [begin, end)
+  // address ranges: one binary search per bucket finds any overlap.
+  std::vector<std::pair<uintptr_t, uintptr_t>> memory_ranges_;
+};
+
 }  // namespace dockyard::kernels
 
 #endif  // DOCKYARD_CC_REFIT_PACKER_H_

@@ -78,10 +78,10 @@ class PolicyConfig:
         require(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm",
                 f"must be > 0 or null (no clipping), got {self.max_grad_norm}")
 
+
 def learning_rate_at(step: int, optimizer: OptimizerConfig, scheduler: SchedulerConfig) -> float:
     """The learning rate of optimizer step `step` (0-based) under the schedule above. Both
     backends use this one definition (the jax backend checks its optax schedule against it)."""
-
     peak = optimizer.learning_rate
     if step < scheduler.warmup_steps:
         return peak * step / scheduler.warmup_steps
