@@ -1,0 +1,241 @@
+"""Async client of the task executor service (service.py).
+
+    async with ExecutorClient("http://127.0.0.1:9090") as client:
+        result = await client.score(spec)          # submit + wait
+        if result.status is TaskStatus.FINISHED:
+            reward = result.verdict.reward
+
+Covered: one pooled aiohttp session per client (connections reused across requests), a timeout
+per request, retries with exponential backoff and full jitter on 429 (honouring Retry-After),
+5xx, connection errors and request timeouts, and idempotent resubmission: every submission
+carries a task_id (generated when the spec has none), so a retried POST whose first try did reach
+the server returns the same task instead of creating a second one.
+Not covered: load balancing over several executors (the caller picks the URL), and cancelling a
+task on the server (the API has no cancel).
+
+Errors: `ExecutorRequestError` for answers that retrying cannot fix (400, 401, 404, 409, 413),
+`ExecutorUnavailableError` when retries are exhausted, `TimeoutError` when `wait` runs out of time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from dockyard_rl.sandbox.task import TaskSpec, TaskStatus, Verdict
+
+logger = logging.getLogger(__name__)
+
+_TERMINAL = (TaskStatus.FINISHED, TaskStatus.INFRA_ERROR)
+
+
+class ExecutorRequestError(Exception):
+    """The executor refused the request in a way retrying cannot fix."""
+
+    def __init__(self, status: int, message: str, field: str | None):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+        self.field = field
+
+
+class ExecutorUnavailableError(Exception):
+    """Every attempt failed with a retryable error (429, 5xx, connection error, timeout)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskResult:
+    """What `GET /task/{id}` says about a task."""
+
+    task_id: str
+    status: TaskStatus
+    verdict: Verdict | None   # set when status is FINISHED
+    error: str | None         # infrastructure error (final when status is INFRA_ERROR)
+    attempts: int
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TaskResult":
+        return cls(
+            task_id=data["task_id"],
+            status=TaskStatus(data["status"]),
+            verdict=Verdict.from_dict(data["verdict"]) if data.get("verdict") is not None else None,
+            error=data.get("error"),
+            attempts=int(data.get("attempts", 0)),
+        )
+
+    @property
+    def done(self) -> bool:
+        return self.status in _TERMINAL
+
+
+class _Retryable(Exception):
+    def __init__(self, reason: str, retry_after_s: float | None = None):
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
+
+
+class ExecutorClient:
+    """See the module docstring. Use as an async context manager, or call `close()`."""
+
+    def __init__(self, base_url: str, *, auth_token: str | None = None,
+                 request_timeout_s: float = 30.0, max_attempts: int = 6,
+                 backoff_base_s: float = 0.5, backoff_max_s: float = 30.0,
+                 max_connections: int = 64, seed: int | None = None):
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url: must start with http:// or https://, got {base_url!r}")
+        if request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s: must be > 0, got {request_timeout_s}")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts: must be >= 1 (1 = no retries), got {max_attempts}")
+        if not 0 <= backoff_base_s <= backoff_max_s:
+            raise ValueError(f"backoff_base_s, backoff_max_s: need 0 <= base <= max, got "
+                             f"{backoff_base_s}, {backoff_max_s}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections: must be >= 1, got {max_connections}")
+        self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+        self._max_attempts = max_attempts
+        self._backoff_base_s = backoff_base_s
+        self._backoff_max_s = backoff_max_s
+        self._max_connections = max_connections
+        self._rng = random.Random(seed)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> "ExecutorClient":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        # Created lazily: a ClientSession must be made inside the event loop that uses it.
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                headers=self._headers)
+        return self._session
+
+    # -- API ------------------------------------------------------------------------------------
+
+    async def submit(self, spec: TaskSpec | Mapping[str, Any]) -> str:
+        """Submits a task; returns its task id. Resubmitting the same spec is idempotent.
+
+        `spec` is a TaskSpec or a raw SWE-bench-style mapping (sent as is, plus a task_id).
+        """
+        if isinstance(spec, TaskSpec):
+            body = spec.to_dict()
+        else:
+            body = dict(spec)
+        if not body.get("task_id"):
+            # Fixed before the first try, so that every retry names the same task.
+            body["task_id"] = uuid.uuid4().hex
+        data = await self._request("POST", "/task/submit", json_body=body)
+        return data["task_id"]
+
+    async def get(self, task_id: str) -> TaskResult:
+        return TaskResult.from_dict(await self._request("GET", f"/task/{task_id}"))
+
+    async def wait(self, task_id: str, poll_interval_s: float = 1.0,
+                   timeout_s: float | None = None) -> TaskResult:
+        """Polls until the task is FINISHED or INFRA_ERROR; TimeoutError after `timeout_s`."""
+        if poll_interval_s <= 0:
+            raise ValueError(f"poll_interval_s: must be > 0, got {poll_interval_s}")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            result = await self.get(task_id)
+            if result.done:
+                return result
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"task {task_id} still {result.status.value} after "
+                                       f"{timeout_s} s")
+                await asyncio.sleep(min(poll_interval_s, remaining))
+            else:
+                await asyncio.sleep(poll_interval_s)
+
+    async def score(self, spec: TaskSpec | Mapping[str, Any], poll_interval_s: float = 1.0,
+                    timeout_s: float | None = None) -> TaskResult:
+        """submit + wait."""
+        task_id = await self.submit(spec)
+        return await self.wait(task_id, poll_interval_s=poll_interval_s, timeout_s=timeout_s)
+
+    async def healthz(self) -> dict[str, Any]:
+        return await self._request("GET", "/healthz")
+
+    # -- transport ------------------------------------------------------------------------------
+
+    async def _request(self, method: str, path: str,
+                       json_body: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        url = self.base_url + path
+        last_reason = "no attempt made"
+        for attempt in range(1, self._max_attempts + 1):
+            try:
+                return await self._request_once(method, url, json_body)
+            except _Retryable as retryable:
+                last_reason = str(retryable)
+                if attempt == self._max_attempts:
+                    break
+                delay_s = self._backoff_s(attempt, retryable.retry_after_s)
+                logger.info("%s %s: %s; retry %d/%d in %.2f s", method, path, retryable,
+                            attempt, self._max_attempts - 1, delay_s)
+                await asyncio.sleep(delay_s)
+        raise ExecutorUnavailableError(f"{method} {url} failed {self._max_attempts} time(s); "
+                                       f"last: {last_reason}")
+
+    async def _request_once(self, method: str, url: str,
+                            json_body: Mapping[str, Any] | None) -> dict[str, Any]:
+        session = self._get_session()
+        try:
+            async with session.request(method, url, json=json_body,
+                                       timeout=self._timeout) as response:
+                text = await response.text()
+                if response.status == 429 or response.status >= 500:
+                    raise _Retryable(f"HTTP {response.status}: {text[:200]}",
+                                     _parse_retry_after(response.headers.get("Retry-After")))
+                try:
+                    data = await response.json(content_type=None) if text else {}
+                except ValueError:
+                    data = {}
+                if response.status >= 400:
+                    raise ExecutorRequestError(response.status, data.get("error", text[:500]),
+                                               data.get("field"))
+                return data
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as error:
+            raise _Retryable(f"{type(error).__name__}: {error}") from None
+        except asyncio.TimeoutError:
+            raise _Retryable(f"no answer within {self._timeout.total} s") from None
+
+    def _backoff_s(self, attempt: int, retry_after_s: float | None) -> float:
+        """Full jitter (uniform in [0, base * 2**(attempt-1)], capped): clients that failed together
+        do not retry together. A server's Retry-After is a floor: it knows when it has room."""
+        ceiling = min(self._backoff_max_s, self._backoff_base_s * 2 ** (attempt - 1))
+        delay_s = self._rng.uniform(0, ceiling)
+        if retry_after_s is not None:
+            delay_s = max(delay_s, min(retry_after_s, self._backoff_max_s))
+        return delay_s
+
+
+def _parse_retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds; the HTTP-date form is not used by the executor and is ignored."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if seconds >= 0 else None

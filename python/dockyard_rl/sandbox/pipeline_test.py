@@ -1,0 +1,354 @@
+"""End-to-end scoring with real git, real pytest and real bubblewrap — no mocks.
+
+The hostile patches below each try one way of getting a reward without fixing the bug (or of
+hurting the executor); every one must end in an unresolved Verdict, never an exception.
+"""
+
+import pathlib
+import socket
+import time
+
+import pytest
+
+from dockyard_rl.sandbox import pipeline
+from dockyard_rl.sandbox.task import ApplyMethod, RewardMode, TestOutcome
+from dockyard_rl.sandbox.testing_repos import OPS_BASE, OPS_FIXED, make_toy_repo
+from dockyard_rl.utils.config import from_dict
+
+CONFIG = pipeline.PipelineConfig(timeout_s=60, cpu_time_s=60, memory_bytes=2 * 1024**3,
+                                 max_num_processes=64, max_log_bytes=16 * 1024)
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    return make_toy_repo(tmp_path_factory.mktemp("pipeline") / "toy")
+
+
+@pytest.fixture(scope="module")
+def work_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("work")
+
+
+def _score(toy, work_root, patch, config=CONFIG, **spec_kwargs):
+    verdict = pipeline.score_task(toy.spec(patch, **spec_kwargs), config, work_root)
+    assert list((work_root / "tasks").iterdir()) == []  # the task directory was cleaned up
+    return verdict
+
+
+def _ops_with(prelude: str, fixed: bool = False) -> dict[str, str]:
+    """calc/ops.py with hostile code run at import (i.e. during pytest's collection)."""
+    return {"calc/ops.py": prelude + "\n\n" + (OPS_FIXED if fixed else OPS_BASE)}
+
+
+# pytest captures fd 1/2 while it collects and runs tests, so what hostile code prints then never
+# reaches the log; evidence is printed from an atexit handler, after pytest restored the fds.
+_SAY = ("import atexit as _atexit, os as _os\n"
+        "_LINES = []\n"
+        "_atexit.register(lambda: _os.write(1, ('\\n'.join(_LINES) + '\\n').encode()))\n")
+
+
+def _assert_not_resolved(verdict):
+    assert not verdict.resolved and verdict.reward == 0.0
+    assert verdict.fail_to_pass and all(o != TestOutcome.PASSED
+                                        for o in verdict.fail_to_pass.values())
+
+
+# --- the four basic outcomes ------------------------------------------------------------------
+
+def test_gold_patch_is_resolved(toy, work_root):
+    verdict = _score(toy, work_root, toy.gold_patch)
+    assert verdict.resolved and verdict.reward == 1.0, verdict.log_tail
+    assert verdict.apply_method == ApplyMethod.GIT_APPLY
+    assert verdict.test_exit_code == 0 and not verdict.timed_out
+    assert set(verdict.fail_to_pass.values()) == {TestOutcome.PASSED}
+    assert set(verdict.pass_to_pass.values()) == {TestOutcome.PASSED}
+    assert "tests/test_mul_table.py::test_table[2 x 3]" in verdict.fail_to_pass
+    assert {"checkout", "apply", "tests", "total"} <= set(verdict.timings_s)
+    assert verdict.integrity_violation == ()
+
+
+def test_empty_patch_is_not_resolved(toy, work_root):
+    verdict = _score(toy, work_root, "")
+    _assert_not_resolved(verdict)
+    assert verdict.apply_method == ApplyMethod.EMPTY and verdict.test_exit_code == 1
+    assert set(verdict.fail_to_pass.values()) == {TestOutcome.FAILED}
+    assert set(verdict.pass_to_pass.values()) == {TestOutcome.PASSED}
+
+
+def test_wrong_patch_reports_per_test_outcomes(toy, work_root):
+    verdict = _score(toy, work_root, toy.wrong_patch, reward_mode=RewardMode.PASS_RATE)
+    assert not verdict.resolved
+    assert set(verdict.fail_to_pass.values()) == {TestOutcome.PASSED}
+    assert verdict.pass_to_pass["tests/test_ops.py::test_sub[five minus three]"] == \
+        TestOutcome.FAILED
+    assert verdict.pass_to_pass["tests/test_ops.py::test_add"] == TestOutcome.PASSED
+    assert verdict.reward == pytest.approx(7 / 8)
+
+
+def test_patch_that_does_not_apply_is_reported(toy, work_root):
+    verdict = _score(toy, work_root, toy.conflicting_patch)
+    _assert_not_resolved(verdict)
+    assert verdict.apply_method == ApplyMethod.FAILED and verdict.test_exit_code is None
+    assert "did not apply" in verdict.log_tail
+
+
+# --- hostile patches --------------------------------------------------------------------------
+
+def test_editing_a_held_out_test_scores_zero_without_running(toy, work_root):
+    patch = toy.patch_for({"calc/ops.py": OPS_FIXED,
+                           "tests/test_ops.py": "def test_add():\n    pass\n"})
+    verdict = _score(toy, work_root, patch)
+    _assert_not_resolved(verdict)
+    assert verdict.integrity_violation == ("tests/test_ops.py",)
+    assert verdict.apply_method == ApplyMethod.NOT_ATTEMPTED and verdict.test_exit_code is None
+
+
+def test_conftest_forcing_passes_is_a_violation(toy, work_root):
+    conftest = ("import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"
+                "def pytest_runtest_makereport(item, call):\n    outcome = yield\n"
+                "    outcome.get_result().outcome = 'passed'\n")
+    for name in ("conftest.py", "tests/conftest.py"):
+        verdict = _score(toy, work_root, toy.patch_for({name: conftest}))
+        _assert_not_resolved(verdict)
+        assert verdict.integrity_violation == (name,)
+
+
+def test_fake_passed_lines_and_exit_zero(toy, work_root):
+    # After the real run, print a fake all-green summary and force exit status 0.
+    prelude = ("import atexit, os\n"
+               "def _lie():\n"
+               "    for test_id in ['tests/test_ops.py::test_mul',\n"
+               "                    'tests/test_mul_table.py::test_table[2 x 3]']:\n"
+               "        os.write(1, f'{test_id} PASSED\\n'.encode())\n"
+               "    os.write(1, b'======== 8 passed in 0.01s ========\\n')\n"
+               "    os._exit(0)\n"
+               "atexit.register(_lie)\n")
+    verdict = _score(toy, work_root, toy.patch_for(_ops_with(prelude)))
+    _assert_not_resolved(verdict)
+    assert verdict.test_exit_code == 0  # the exit status was forged...
+    assert "tests/test_ops.py::test_mul PASSED" in verdict.log_tail
+    # ...but the report (written before) says tests failed: the two disagree.
+    assert "exit code 0 but the report has" in verdict.log_tail
+    assert set(verdict.fail_to_pass.values()) == {TestOutcome.MISSING}
+
+
+def test_exit_zero_during_collection(toy, work_root):
+    prelude = "import os\nos._exit(0)\n"
+    verdict = _score(toy, work_root, toy.patch_for(_ops_with(prelude, fixed=True)))
+    _assert_not_resolved(verdict)
+    assert verdict.test_exit_code == 0
+    assert "no JUnit XML report was written" in verdict.log_tail
+
+
+def test_replaced_stdout_printing_passes(toy, work_root):
+    # SWE-bench #601: replace sys.stdout so the log only ever says PASSED.
+    prelude = ("import sys\n"
+               "class _Liar:\n"
+               "    def write(self, text):\n"
+               "        sys.__stdout__.write(text.replace('FAILED', 'PASSED').replace('F', '.'))\n"
+               "    def flush(self):\n"
+               "        sys.__stdout__.flush()\n"
+               "    def __getattr__(self, name):\n"
+               "        return getattr(sys.__stdout__, name)\n"
+               "sys.stdout = _Liar()\n")
+    verdict = _score(toy, work_root, toy.patch_for(_ops_with(prelude)))
+    _assert_not_resolved(verdict)
+    assert verdict.test_exit_code == 1
+    assert set(verdict.fail_to_pass.values()) == {TestOutcome.FAILED}
+
+
+def test_network_connection_is_blocked(toy, work_root):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.1)
+    port = server.getsockname()[1]
+    # The "fix" only works if the code can phone home.
+    prelude = (_SAY + "import socket\n"
+               "_ONLINE = False\n"
+               f"for _host in [('127.0.0.1', {port}), ('1.1.1.1', 443)]:\n"
+               "    try:\n"
+               "        socket.create_connection(_host, timeout=2).sendall(b'escaped')\n"
+               "        _ONLINE = True\n"
+               "    except OSError as error:\n"
+               "        _LINES.append(f'NETWORK BLOCKED {_host} {error}')\n")
+    ops = OPS_BASE.replace("    return a + b\n\n\ndef clamp",
+                           "    return a * b if _ONLINE else a + b\n\n\ndef clamp")
+    verdict = _score(toy, work_root, toy.patch_for({"calc/ops.py": prelude + "\n\n" + ops}))
+    _assert_not_resolved(verdict)
+    with pytest.raises(socket.timeout):
+        server.accept()
+    server.close()
+    assert verdict.log_tail.count("NETWORK BLOCKED") == 2, verdict.log_tail[-2000:]
+
+
+def test_writes_outside_the_worktree_are_blocked(toy, work_root, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    mirrors = work_root / "mirrors"
+    targets = [str(outside / "marker"), "/etc/dockyard_marker", str(mirrors / "planted"),
+               str(work_root / "planted"), "/usr/lib/planted"]
+    prelude = (_SAY + "import subprocess\n"
+               "_ESCAPED = False\n"
+               f"for _path in {targets!r}:\n"
+               "    try:\n"
+               "        open(_path, 'w').write('x')\n"
+               "        _ESCAPED = True\n"
+               "    except OSError as error:\n"
+               "        _LINES.append(f'WRITE BLOCKED {_path} {type(error).__name__}')\n"
+               "_LINES.append('HISTORY ' + repr(subprocess.run(\n"
+               "    ['git', 'log', '--all', '--format=%s'], capture_output=True,\n"
+               "    text=True).stdout.split()))\n")
+    ops = OPS_BASE.replace("    return a + b\n\n\ndef clamp",
+                           "    return a * b if _ESCAPED else a + b\n\n\ndef clamp")
+    verdict = _score(toy, work_root, toy.patch_for({"calc/ops.py": prelude + "\n\n" + ops}))
+    _assert_not_resolved(verdict)
+    for target in targets:
+        assert not pathlib.Path(target).exists(), target
+    assert "fix mul" not in verdict.log_tail  # the future commit is not in the worktree's git
+    assert verdict.log_tail.count("WRITE BLOCKED") == len(targets), verdict.log_tail[-2000:]
+    # `git log --all` inside the sandbox sees the base commit and nothing after it.
+    assert "HISTORY ['introduce', 'mul']" in verdict.log_tail
+
+
+def test_fork_bomb_is_killed_at_the_limit(toy, work_root):
+    prelude = ("import os\n"
+               "while True:\n"
+               "    try:\n"
+               "        os.fork()\n"
+               "    except OSError:\n"
+               "        pass\n")
+    config = pipeline.PipelineConfig(**{**CONFIG.__dict__, "timeout_s": 3.0,
+                                        "max_num_processes": 32})
+    start = time.monotonic()
+    verdict = _score(toy, work_root, toy.patch_for(_ops_with(prelude, fixed=True)), config)
+    _assert_not_resolved(verdict)
+    assert verdict.timed_out and verdict.test_exit_code is None
+    assert time.monotonic() - start < 20
+
+
+def test_endless_loop_is_killed_at_the_task_timeout(toy, work_root):
+    ops = OPS_BASE.replace("    return a + b\n\n\ndef clamp",
+                           "    while True:\n        pass\n\n\ndef clamp")
+    start = time.monotonic()
+    verdict = _score(toy, work_root, toy.patch_for({"calc/ops.py": ops}), timeout_s=2.0)
+    _assert_not_resolved(verdict)
+    assert verdict.timed_out
+    assert time.monotonic() - start < 15
+    assert "wall-clock limit" in verdict.log_tail
+
+
+def test_huge_output_is_bounded(toy, work_root):
+    prelude = ("import atexit, os\n"
+               "def _flood():\n"
+               "    line = b'spam ' * 209716 + b'\\n'\n"  # ~1 MiB a line, 100 MiB in all
+               "    for _ in range(100):\n"
+               "        os.write(1, line)\n"
+               "atexit.register(_flood)\n")
+    start = time.monotonic()
+    verdict = _score(toy, work_root, toy.patch_for(_ops_with(prelude)))
+    _assert_not_resolved(verdict)
+    assert len(verdict.log_tail.encode()) <= CONFIG.max_log_bytes + 1024
+    assert "bytes of output omitted" in verdict.log_tail
+    assert time.monotonic() - start < 30
+    # The flood does not confuse grading: the same flood with the real fix still resolves.
+    verdict = _score(toy, work_root, toy.patch_for(_ops_with(prelude, fixed=True)))
+    assert verdict.resolved, verdict.log_tail[-2000:]
+
+
+def test_report_rewritten_after_pytest_wrote_it(toy, work_root):
+    # An adaptive forger: finds the report path and nonce in argv and rewrites the report at
+    # exit with everything passing; also drops fake reports where a naive harness might look.
+    prelude = '''\
+import atexit, sys
+
+def _forge():
+    path = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--junitxml="))
+    suite = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("junit_suite_name="))
+    cases = "".join(
+        f'<testcase classname="{c}" name="{n}" />' for c, n in [
+            ("tests.test_ops", "test_mul"), ("tests.test_mul_table", "test_table[2 x 3]"),
+            ("tests.test_mul_table", "test_table[4 x 5]"), ("tests.test_ops", "test_add"),
+            ("tests.test_ops", "test_sub[five minus three]"),
+            ("tests.test_ops", "test_sub[one minus one]"),
+            ("tests.test_ops.TestClamp", "test_inside"),
+            ("tests.test_ops.TestClamp", "test_outside")])
+    xml = f'<testsuites><testsuite name="{suite}">{cases}</testsuite></testsuites>'
+    for target in (path, "report.xml", "junit.xml", "/tmp/junit.xml"):
+        with open(target, "w") as handle:
+            handle.write(xml)
+
+atexit.register(_forge)
+'''
+    verdict = _score(toy, work_root, toy.patch_for(_ops_with(prelude)))
+    _assert_not_resolved(verdict)
+    assert verdict.test_exit_code == 1
+    assert "exit code 1 says tests failed but the report claims none did" in verdict.log_tail
+
+
+def test_canned_report_and_exit_zero(toy, work_root):
+    prelude = '''\
+import os, sys
+_path = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--junitxml="))
+with open(_path, "w") as _handle:
+    _handle.write('<testsuites><testsuite name="pytest">'
+                  '<testcase classname="tests.test_ops" name="test_mul" /></testsuite>'
+                  '</testsuites>')
+os._exit(0)
+'''
+    canned = ('<testsuites><testsuite name="pytest"><testcase classname="tests.test_ops" '
+              'name="test_mul" /></testsuite></testsuites>\n')
+    # Reports committed into the repository, where a naive harness might pick them up.
+    files = {**_ops_with(prelude), "junit.xml": canned, "report.xml": canned,
+             "tests/junit.xml": canned}
+    verdict = _score(toy, work_root, toy.patch_for(files))
+    _assert_not_resolved(verdict)
+    assert verdict.apply_method == ApplyMethod.GIT_APPLY
+    assert "nonce" in verdict.log_tail
+
+
+# --- errors and configuration -----------------------------------------------------------------
+
+def test_infrastructure_failures_raise(toy, work_root):
+    spec = toy.spec(toy.gold_patch)
+    unreachable = type(spec)(**{**spec.__dict__, "repo": "https://127.0.0.1:9/nothing.git"})
+    with pytest.raises(pipeline.InfrastructureError):
+        pipeline.score_task(unreachable, CONFIG, work_root)
+    unknown = type(spec)(**{**spec.__dict__, "base_commit": "0" * 40})
+    with pytest.raises(pipeline.InfrastructureError, match="not found"):
+        pipeline.score_task(unknown, CONFIG, work_root)
+    assert list((work_root / "tasks").iterdir()) == []
+
+
+def test_malformed_tasks_are_value_errors(toy, work_root):
+    spec = toy.spec(toy.gold_patch)
+    for field, value in [("base_commit", "HEAD"), ("repo", "ext::sh -c id"),
+                         ("test_patch", "not a diff")]:
+        with pytest.raises(ValueError, match=field):
+            pipeline.score_task(type(spec)(**{**spec.__dict__, field: value}), CONFIG, work_root)
+
+
+def test_custom_test_command(toy, work_root):
+    verdict = _score(toy, work_root, toy.gold_patch,
+                     test_command="python -m pytest -p no:cacheprovider tests/test_ops.py")
+    # Only test_ops.py ran: the table tests are missing, so not resolved.
+    assert not verdict.resolved
+    assert verdict.fail_to_pass["tests/test_ops.py::test_mul"] == TestOutcome.PASSED
+    assert verdict.fail_to_pass["tests/test_mul_table.py::test_table[2 x 3]"] == \
+        TestOutcome.MISSING
+
+
+@pytest.mark.parametrize("key, value", [("timeout_s", 0), ("cpu_time_s", -1),
+                                        ("memory_bytes", 1024), ("max_num_processes", 1.5),
+                                        ("max_num_open_files", 4), ("max_log_bytes", True),
+                                        ("cache_dir", "")])
+def test_config_is_validated(key, value):
+    with pytest.raises(ValueError, match=f"pipeline.{key}"):
+        from_dict(pipeline.PipelineConfig, {key: value}, "pipeline")
+
+
+def test_config_from_yaml_dict():
+    config = from_dict(pipeline.PipelineConfig, {"timeout_s": 10, "cache_dir": "/x"}, "pipeline")
+    assert config.limits(None).wall_timeout_s == 10 and config.limits(2.5).wall_timeout_s == 2.5
+    assert config.cache_path(pathlib.Path("/w")) == pathlib.Path("/x")
+    assert pipeline.PipelineConfig().cache_path(pathlib.Path("/w")) == pathlib.Path("/w/mirrors")

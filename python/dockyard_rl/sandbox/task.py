@@ -1,0 +1,176 @@
+"""The executor's data contract: what a task is (`TaskSpec`) and what scoring it says (`Verdict`).
+
+Shared by the HTTP service (service.py), the scoring pipeline (pipeline.py), the task store and
+the client, so each side agrees on field names. Both are plain frozen dataclasses with
+`to_dict()` / `from_dict()` for JSON; `TaskSpec.from_request` validates a submitted JSON body and
+raises `TaskValidationError` naming the field (the service answers 400 with that message).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from typing import Any
+
+
+class RewardMode(str, enum.Enum):
+    BINARY = "binary"        # 1.0 when resolved (every F2P and every P2P test passes), else 0.0
+    PASS_RATE = "pass_rate"  # fraction of F2P + P2P tests that pass; 0.0 on integrity violation
+
+
+class TaskStatus(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"          # a verdict exists (resolved or not)
+    INFRA_ERROR = "infra_error"    # scoring could not finish for reasons outside the patch
+
+
+class TestOutcome(str, enum.Enum):
+    __test__ = False  # not a pytest test class despite its name
+
+    PASSED = "passed"
+    FAILED = "failed"
+    ERROR = "error"
+    SKIPPED = "skipped"
+    MISSING = "missing"  # the test id never appeared in the results: counts as failed
+
+
+class ApplyMethod(str, enum.Enum):
+    EMPTY = "empty"                # empty patch: nothing to apply
+    GIT_APPLY = "git_apply"
+    GIT_APPLY_3WAY = "git_apply_3way"
+    PATCH_FUZZ = "patch_fuzz"
+    FAILED = "failed"              # no method applied it
+    NOT_ATTEMPTED = "not_attempted"  # integrity violation: the patch was never applied
+
+
+class TaskValidationError(ValueError):
+    """A submitted task is malformed; `field` names the offending field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """One SWE-bench-style instance plus the agent's patch to score."""
+
+    instance_id: str
+    repo: str                      # a local path, file:// URL or https URL of a git repository
+    base_commit: str
+    patch: str                     # the agent's patch (unified diff; may be empty)
+    test_patch: str                # the gold test patch (held-out tests)
+    fail_to_pass: tuple[str, ...]  # test ids (pytest node ids) that must go from failing to passing
+    pass_to_pass: tuple[str, ...]  # test ids that must keep passing
+    test_command: str | None = None  # default: pytest on the files test_patch touches
+    timeout_s: float | None = None   # wall-clock limit of the test run; default from the executor
+    reward_mode: RewardMode = RewardMode.BINARY
+    task_id: str | None = None       # client-supplied id: resubmitting it is idempotent
+
+    @classmethod
+    def from_request(cls, body: Any) -> "TaskSpec":
+        """Validates a POST /task/submit JSON body. Lists may be JSON lists or JSON-encoded strings
+        (as in the published SWE-bench datasets). Raises TaskValidationError naming the field."""
+        if not isinstance(body, dict):
+            raise TaskValidationError("body", "must be a JSON object")
+
+        def text(name: str, required: bool = True, allow_empty: bool = False) -> str | None:
+            value = body.get(name)
+            if value is None:
+                if required:
+                    raise TaskValidationError(name, "is required")
+                return None
+            if not isinstance(value, str):
+                raise TaskValidationError(name, f"must be a string, got {type(value).__name__}")
+            if not allow_empty and not value.strip():
+                raise TaskValidationError(name, "must not be empty")
+            return value
+
+        def test_ids(name: str) -> tuple[str, ...]:
+            value = body.get(name)
+            if value is None:
+                raise TaskValidationError(name, "is required (a list of test ids, may be empty)")
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as error:
+                    raise TaskValidationError(name, f"is a string but not a JSON list: {error}") \
+                        from None
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise TaskValidationError(name, "must be a list of test-id strings")
+            return tuple(value)
+
+        timeout = body.get("timeout_s")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 < timeout <= 24 * 3600):
+            raise TaskValidationError("timeout_s", f"must be a number of seconds in (0, 86400], "
+                                                   f"got {timeout!r}")
+        mode = body.get("reward_mode", RewardMode.BINARY.value)
+        try:
+            reward_mode = RewardMode(mode)
+        except ValueError:
+            raise TaskValidationError("reward_mode", f"must be one of "
+                                      f"{[m.value for m in RewardMode]}, got {mode!r}") from None
+        # Other SWE-bench fields (problem_statement, hints_text, version, ...) are accepted and
+        # ignored: scoring does not need them.
+        return cls(
+            instance_id=text("instance_id"),
+            repo=text("repo"),
+            base_commit=text("base_commit"),
+            patch=text("patch", allow_empty=True),
+            test_patch=text("test_patch"),
+            fail_to_pass=test_ids("FAIL_TO_PASS"),
+            pass_to_pass=test_ids("PASS_TO_PASS"),
+            test_command=text("test_command", required=False),
+            timeout_s=float(timeout) if timeout is not None else None,
+            reward_mode=reward_mode,
+            task_id=text("task_id", required=False),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["reward_mode"] = self.reward_mode.value
+        data["FAIL_TO_PASS"] = list(data.pop("fail_to_pass"))
+        data["PASS_TO_PASS"] = list(data.pop("pass_to_pass"))
+        return data
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What scoring one task found. `reward` follows the task's reward mode."""
+
+    resolved: bool
+    reward: float
+    fail_to_pass: dict[str, TestOutcome]   # test id -> outcome
+    pass_to_pass: dict[str, TestOutcome]
+    apply_method: ApplyMethod
+    integrity_violation: tuple[str, ...]   # files whose edit violated integrity; empty if none
+    test_exit_code: int | None             # None when tests did not run (apply failure, violation)
+    timed_out: bool
+    timings_s: dict[str, float]            # phase -> seconds (checkout, apply, tests, total)
+    log_tail: str                          # bounded tail of the test run's output
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["fail_to_pass"] = {k: v.value for k, v in self.fail_to_pass.items()}
+        data["pass_to_pass"] = {k: v.value for k, v in self.pass_to_pass.items()}
+        data["apply_method"] = self.apply_method.value
+        data["integrity_violation"] = list(self.integrity_violation)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Verdict":
+        return cls(
+            resolved=bool(data["resolved"]),
+            reward=float(data["reward"]),
+            fail_to_pass={k: TestOutcome(v) for k, v in data["fail_to_pass"].items()},
+            pass_to_pass={k: TestOutcome(v) for k, v in data["pass_to_pass"].items()},
+            apply_method=ApplyMethod(data["apply_method"]),
+            integrity_violation=tuple(data["integrity_violation"]),
+            test_exit_code=data["test_exit_code"],
+            timed_out=bool(data["timed_out"]),
+            timings_s=dict(data["timings_s"]),
+            log_tail=data["log_tail"],
+        )
