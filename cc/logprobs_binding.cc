@@ -115,7 +115,8 @@ auto DataOrNull(const Array& a) -> decltype(a.data()) {
 void GatherLogprobs(const LogitsNV& logits, const TargetsN& targets,
                     double temperature, const FloatN& logprobs,
                     const FloatN& entropy, const FloatN& row_max,
-                    const DoubleN& row_log_sum, uintptr_t stream) {
+                    const DoubleN& row_log_sum, uintptr_t stream,
+                    bool check_targets) {
   constexpr const char* kFn = "gather_logprobs";
   const LogitsDtype dtype = DtypeOf(kFn, logits.dtype(), "logits");
   const int64_t row_stride = RowStride(kFn, logits);
@@ -145,15 +146,18 @@ void GatherLogprobs(const LogitsNV& logits, const TargetsN& targets,
   }
   if (device.type == nb::device::cuda::value) {
 #ifdef DOCKYARD_WITH_CUDA
-    nb::gil_scoped_release release;  // The call synchronizes its stream.
+    // Released: a checked call waits for its stream.
+    nb::gil_scoped_release release;
     gather_logprobs_cuda(logits.data(), dtype, num_rows, vocab_size,
                          row_stride, targets.data(), temperature,
                          logprobs.data(), DataOrNull(entropy),
                          DataOrNull(row_max), DataOrNull(row_log_sum),
-                         reinterpret_cast<cudaStream_t>(stream));
+                         reinterpret_cast<cudaStream_t>(stream),
+                         check_targets);
     return;
 #else
     (void)stream;
+    (void)check_targets;
     ThrowNoCuda(kFn);
 #endif
   }
@@ -166,7 +170,8 @@ void GatherLogprobsBackward(const LogitsNV& logits, const TargetsN& targets,
                             const ConstFloatN& entropy,
                             const ConstFloatN& grad_logprobs,
                             const ConstFloatN& grad_entropy,
-                            const GradNV& grad_logits, uintptr_t stream) {
+                            const GradNV& grad_logits, uintptr_t stream,
+                            bool check_targets) {
   constexpr const char* kFn = "gather_logprobs_backward";
   const LogitsDtype dtype = DtypeOf(kFn, logits.dtype(), "logits");
   if (DtypeOf(kFn, grad_logits.dtype(), "grad_logits") != dtype) {
@@ -207,15 +212,18 @@ void GatherLogprobsBackward(const LogitsNV& logits, const TargetsN& targets,
   }
   if (device.type == nb::device::cuda::value) {
 #ifdef DOCKYARD_WITH_CUDA
-    nb::gil_scoped_release release;  // The call synchronizes its stream.
+    // Released: a checked call waits for its stream.
+    nb::gil_scoped_release release;
     gather_logprobs_backward_cuda(
         logits.data(), dtype, num_rows, vocab_size, row_stride, targets.data(),
         temperature, row_max.data(), row_log_sum.data(), DataOrNull(entropy),
         DataOrNull(grad_logprobs), DataOrNull(grad_entropy),
-        grad_logits.data(), reinterpret_cast<cudaStream_t>(stream));
+        grad_logits.data(), reinterpret_cast<cudaStream_t>(stream),
+        check_targets);
     return;
 #else
     (void)stream;
+    (void)check_targets;
     ThrowNoCuda(kFn);
 #endif
   }
@@ -234,6 +242,7 @@ void bind_logprobs(nb::module_& m) {
         nb::arg("entropy").noconvert().none(),
         nb::arg("row_max").noconvert().none(),
         nb::arg("row_log_sum").noconvert().none(), nb::arg("stream") = 0,
+        nb::arg("check_targets") = true,
         "Fused log-prob gather: for logits (N, V) float32/bfloat16 (unit "
         "stride along V) and int64 targets (N), writes float32 logprobs (N) "
         "= log_softmax(logits / temperature)[target] and, when given, "
@@ -241,7 +250,10 @@ void bind_logprobs(nb::module_& m) {
         "(N) (the statistics the backward needs). stream: a cudaStream_t as "
         "int for CUDA arrays (0 = default stream), ignored on CPU. Raises "
         "IndexError for a target outside [0, V), ValueError for bad "
-        "arguments.");
+        "arguments. check_targets (CUDA only; the CPU path always checks "
+        "before writing): True waits for the stream once to raise that "
+        "IndexError (the outputs are written by then, NaN in bad rows); "
+        "False only queues the kernel, and a bad id gives NaN in its row.");
   m.def("gather_logprobs_backward", &GatherLogprobsBackward,
         nb::arg("logits").noconvert(), nb::arg("targets").noconvert(),
         nb::arg("temperature"), nb::arg("row_max").noconvert(),
@@ -250,11 +262,14 @@ void bind_logprobs(nb::module_& m) {
         nb::arg("grad_logprobs").noconvert().none(),
         nb::arg("grad_entropy").noconvert().none(),
         nb::arg("grad_logits").noconvert(), nb::arg("stream") = 0,
+        nb::arg("check_targets") = true,
         "Backward of gather_logprobs: writes grad_logits (C-contiguous (N, "
         "V), logits' dtype) = grad_logprobs * (onehot - p) / T + "
         "grad_entropy * (-p (log p + entropy)) / T, from the forward's "
         "row_max, row_log_sum and entropy. grad_logprobs / grad_entropy None "
-        "= zeros; entropy is required with grad_entropy.");
+        "= zeros; entropy is required with grad_entropy. stream and "
+        "check_targets as for gather_logprobs (pass check_targets=False "
+        "right after a checked forward on the same targets: no wait).");
 }
 
 }  // namespace dockyard::kernels

@@ -11,13 +11,21 @@ and its gradient w.r.t. the logits:
 - fused: ``dockyard_rl.kernels.logprobs.gather_logprobs`` (the C++/CUDA extension).
 
 Each (variant, V, dtype) runs in a fresh subprocess, so that one variant's allocations do
-not hide the other's peak. Reported per variant: the median wall time of a forward +
-backward over the repeats (after one warm-up), and the peak extra memory during them,
+not hide the other's peak. Reported per variant: the median time of a forward + backward
+over the repeats (after warm-ups), and the peak extra memory during them,
 over what was allocated before (the logits and targets): on CPU the process's resident
 set high-water mark (VmHWM, reset through /proc/self/clear_refs before each run; torch's
 CPU allocations are invisible to tracemalloc), on CUDA ``torch.cuda.max_memory_allocated``.
 Both include the (N, V) gradient that autograd returns. The last column checks that the
 two variants agree (relative difference of the summed logprobs).
+
+Timing: on CPU, wall time of each step. On CUDA, CUDA events recorded on the current
+stream around each step (GPU time from the step's first queued work to its last,
+including any gap where the GPU waits for Python), with 20 repeats by default: one step
+takes about a millisecond there, so single host-timed runs would be noise. The column
+"fused GB/s" is the fused step's minimum traffic (the logits read by the forward and by
+the backward, the gradient written once) over its time, to compare with the device's
+memory bandwidth.
 
 This is a script that prints a table, not a test: nothing is asserted.
 """
@@ -73,32 +81,41 @@ def _worker(variant: str, num_tokens: int, vocab_size: int, dtype_name: str, dev
             lp_N = gather_logprobs(logits_NV, targets_N, use_extension=True)
         total = lp_N.sum()
         total.backward()
-        return float(total)
+        return total.detach()  # Read after the timing: float() here would synchronize.
 
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    step()  # Warm-up (first-touch page faults, CUDA context, kernel loads).
+    cuda = device == "cuda"
+    for _ in range(3 if cuda else 1):  # Warm-up (page faults, CUDA context, kernel loads).
+        step()
     logits_NV.grad = None
-    sync()
-    if device == "cuda":
+    if cuda:
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
     else:
         if not _reset_peak_rss():
             raise RuntimeError("cannot reset the peak RSS through /proc/self/clear_refs")
         before = _rss_bytes("VmRSS")
-    times, total = [], 0.0
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        total = step()
-        sync()
-        times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else _rss_bytes("VmHWM")
-    return {"seconds": statistics.median(times), "peak_extra_bytes": peak - before,
-            "logprob_sum": total}
+    times, total = [], None
+    if cuda:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(repeats)]
+        for start, end in events:
+            start.record()
+            total = step()
+            end.record()
+        torch.cuda.synchronize()
+        times = [start.elapsed_time(end) / 1000 for start, end in events]
+    else:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            total = step()
+            times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if cuda else _rss_bytes("VmHWM")
+    # Minimum traffic of the fused step: the logits read twice, the gradient written once.
+    step_bytes = 3 * logits_NV.numel() * logits_NV.element_size()
+    seconds = statistics.median(times)
+    return {"seconds": seconds, "peak_extra_bytes": peak - before,
+            "logprob_sum": float(total), "gbps": step_bytes / seconds / 1e9}
 
 
 def _run_variant(args, variant: str, vocab_size: int, dtype: str) -> dict:
@@ -119,10 +136,15 @@ def main() -> None:
                         help="SmolLM2's and Qwen2.5's vocabularies by default")
     parser.add_argument("--dtypes", nargs="+", default=["float32"],
                         choices=("float32", "bfloat16"))
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed steps per variant (default: 2 on CPU, 20 on CUDA)")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    if args.repeats is None:
+        args.repeats = 20 if args.device == "cuda" else 2
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.worker:
         result = _worker(args.worker, args.num_tokens, args.vocab_sizes[0], args.dtypes[0],
                          args.device, args.repeats)
@@ -130,9 +152,11 @@ def main() -> None:
         return
 
     print(f"fused log-prob gather vs torch eager, forward + backward, N = {args.num_tokens} "
-          f"tokens, device {args.device}, median of {args.repeats} after 1 warm-up")
-    header = (f"{'V':>7} {'dtype':>8} | {'torch s':>8} {'fused s':>8} {'speedup':>7} | "
-              f"{'torch MiB':>9} {'fused MiB':>9} {'mem ratio':>9} | {'rel diff':>8}")
+          f"tokens, device {args.device}, median of {args.repeats}"
+          + (" (CUDA events)" if args.device == "cuda" else ""))
+    header = (f"{'V':>7} {'dtype':>8} | {'torch ms':>8} {'fused ms':>8} {'speedup':>7} "
+              f"{'fused GB/s':>10} | {'torch MiB':>9} {'fused MiB':>9} {'mem ratio':>9} | "
+              f"{'rel diff':>8}")
     print(header)
     print("-" * len(header))
     for dtype in args.dtypes:
@@ -141,8 +165,9 @@ def main() -> None:
             t, f = res["torch"], res["fused"]
             mib = 1024 * 1024
             rel = abs(t["logprob_sum"] - f["logprob_sum"]) / max(1.0, abs(t["logprob_sum"]))
-            print(f"{vocab_size:>7} {dtype:>8} | {t['seconds']:>8.3f} {f['seconds']:>8.3f} "
-                  f"{t['seconds'] / f['seconds']:>6.2f}x | "
+            print(f"{vocab_size:>7} {dtype:>8} | {t['seconds'] * 1e3:>8.3f} "
+                  f"{f['seconds'] * 1e3:>8.3f} {t['seconds'] / f['seconds']:>6.2f}x "
+                  f"{f['gbps']:>10.1f} | "
                   f"{t['peak_extra_bytes'] / mib:>9.0f} {f['peak_extra_bytes'] / mib:>9.0f} "
                   f"{t['peak_extra_bytes'] / max(1, f['peak_extra_bytes']):>8.2f}x | "
                   f"{rel:>8.1e}", flush=True)

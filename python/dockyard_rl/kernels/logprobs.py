@@ -30,8 +30,11 @@ Implementations:
 
 - ``_dockyard_kernels`` (cc/logprobs.cc, cc/cuda/logprobs_cuda.cu), used by default
   when importable: CPU tensors run multi-threaded with the GIL released; CUDA tensors
-  run on torch's current stream when the extension was built with ``--config=cuda``
-  (each call synchronizes that stream once, to report bad target ids as IndexError).
+  run on torch's current stream when the extension was built with ``--config=cuda``.
+  On CUDA the forward waits for that stream once (the kernel flags bad target ids, and
+  the call raises them as IndexError); the backward does not wait: it reads the same
+  saved targets, which the forward checked, and autograd raises if they were modified
+  in place since.
 - ``gather_logprobs_reference``: plain torch (``log_softmax`` + ``gather``), used when
   the extension is absent or lacks CUDA; differentiable through torch's autograd.
 
@@ -186,6 +189,7 @@ class _GatherLogprobs(torch.autograd.Function):
             row_max_N,
             row_log_sum_N,
             _stream(device),
+            check_targets=True,  # On CUDA: one wait for the stream, to raise IndexError.
         )
         # Saving the input costs no memory: it is the caller's tensor.
         ctx.save_for_backward(logits_NV, targets_N, row_max_N, row_log_sum_N, entropy_N)
@@ -216,6 +220,10 @@ class _GatherLogprobs(torch.autograd.Function):
             grad_entropy_N,
             grad_logits_NV,
             _stream(logits_NV.device),
+            # The forward checked these ids: the saved tensor is the same, and autograd's
+            # version check raises before this point if it was modified in place. Not
+            # checking again saves the CUDA path a stream synchronization.
+            check_targets=False,
         )
         return grad_logits_NV, None, None, None
 

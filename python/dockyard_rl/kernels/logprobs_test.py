@@ -298,12 +298,12 @@ def test_default_uses_extension_on_cpu(ext, monkeypatch):
     class Spy:
         with_cuda = ext.with_cuda
 
-        def gather_logprobs(self, *args):
+        def gather_logprobs(self, *args, **kwargs):
             calls.append(args)
-            return ext.gather_logprobs(*args)
+            return ext.gather_logprobs(*args, **kwargs)
 
-        def gather_logprobs_backward(self, *args):
-            return ext.gather_logprobs_backward(*args)
+        def gather_logprobs_backward(self, *args, **kwargs):
+            return ext.gather_logprobs_backward(*args, **kwargs)
 
     monkeypatch.setattr(kernels, "_ext", Spy())
     logits_NV, targets_N = _random(2, 5, seed=16)
@@ -341,6 +341,31 @@ def test_out_of_range_targets_raise_index_error(ext, use_extension):
     with pytest.raises(IndexError, match=r"target id 7 at row 4 "):
         kernels.gather_logprobs(torch.zeros(2, 3, 5), torch.tensor([[0, 0, 0], [0, 7, 0]]),
                                 use_extension=use_extension)
+
+
+def test_targets_modified_after_forward_raise_in_backward(ext):
+    # The extension's backward does not check the ids again (on CUDA that saves a stream
+    # synchronization): it relies on autograd refusing saved targets modified in place.
+    logits_NV, targets_N = _random(4, 5, seed=3)
+    logits_NV.requires_grad_()
+    lp_N = kernels.gather_logprobs(logits_NV, targets_N, use_extension=True)
+    targets_N[1] = 7  # Out of range, after the forward checked the ids.
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        lp_N.sum().backward()
+
+
+def test_raw_binding_check_targets_is_cuda_only(ext):
+    # The CPU path checks the ids before writing whatever check_targets says.
+    logits = torch.zeros(2, 3)
+    targets = torch.tensor([0, 3])
+    mx, ls = torch.zeros(2), torch.full((2,), math.log(3), dtype=torch.float64)
+    for check in (True, False):
+        with pytest.raises(IndexError, match="gather_logprobs: target id 3 at row 1"):
+            ext.gather_logprobs(logits, targets, 1.0, torch.empty(2), None, None, None,
+                                check_targets=check)
+        with pytest.raises(IndexError, match="gather_logprobs_backward: target id 3 at row 1"):
+            ext.gather_logprobs_backward(logits, targets, 1.0, mx, ls, None, torch.ones(2),
+                                         None, torch.empty(2, 3), check_targets=check)
 
 
 @both_paths
@@ -464,6 +489,57 @@ def test_cuda_side_stream_and_errors(ext):
         kernels.gather_logprobs(logits_NV, bad_N, use_extension=True)
     with pytest.raises(ValueError, match="same device"):
         kernels.gather_logprobs(logits_NV, targets_N.cpu(), use_extension=True)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_unaligned_rows_and_odd_vocab(ext, dtype):
+    if not ext.with_cuda:
+        pytest.skip("_dockyard_kernels was built without CUDA (build with --config=cuda)")
+    # Rows off 16-byte boundaries (odd stride, slice starting at column 1) and vocab sizes
+    # that leave scalar tails, on both sides of the warp-per-row / block-per-row boundary.
+    for num_rows, vocab_size in [(13, 37), (5, 4099), (3, 8195), (4, 20003)]:
+        base_NV, targets_N = _random(num_rows, vocab_size + 3, seed=vocab_size, dtype=dtype)
+        targets_N = targets_N % vocab_size
+        grad_N = torch.randn(num_rows, generator=torch.Generator().manual_seed(2))
+        results = []
+        for device in ("cpu", "cuda"):
+            # The slice is read in place (row stride V + 3, start one element in); _run
+            # would clone it into a contiguous tensor.
+            x_NV = base_NV.to(device).clone().requires_grad_()
+            lp_N, ent_N = kernels.gather_logprobs(
+                x_NV[:, 1 : vocab_size + 1], targets_N.to(device), 0.9, return_entropy=True,
+                use_extension=True,
+            )
+            ((lp_N + ent_N) * grad_N.to(device)).sum().backward()
+            results.append((lp_N.detach().cpu(), ent_N.detach().cpu(), x_NV.grad.cpu()))
+        cpu, gpu = results
+        for name, c, g in zip(("logprobs", "entropy"), cpu[:2], gpu[:2]):
+            torch.testing.assert_close(g, c, rtol=2e-6, atol=2e-6, msg=name)
+        grad_tol = 1e-5 if dtype == torch.float32 else 2**-7
+        torch.testing.assert_close(gpu[2].float(), cpu[2].float(), rtol=grad_tol, atol=1e-6)
+
+
+@requires_gpu
+def test_cuda_raw_binding_check_targets(ext):
+    if not ext.with_cuda:
+        pytest.skip("_dockyard_kernels was built without CUDA (build with --config=cuda)")
+    logits_NV = torch.randn(6, 1000, device="cuda")
+    targets_N = torch.tensor([0, 1, 1000, 3, -2, 5], device="cuda")
+    lp_N = torch.zeros(6, device="cuda")
+    with pytest.raises(IndexError, match=r"target id 1000 at row 2 is out of range \[0, 1000\)"):
+        ext.gather_logprobs(logits_NV, targets_N, 1.0, lp_N, None, None, None,
+                            torch.cuda.current_stream().cuda_stream)
+    # Unchecked: no error, NaN in the bad rows only.
+    ext.gather_logprobs(logits_NV, targets_N, 1.0, lp_N, None, None, None,
+                        torch.cuda.current_stream().cuda_stream, check_targets=False)
+    nan_N = lp_N.isnan().cpu()
+    assert nan_N.tolist() == [False, False, True, False, True, False]
+    # A good call after the bad ones is right (the error flag was cleared).
+    good_N = targets_N.clamp(0, 999)
+    lp_N = kernels.gather_logprobs(logits_NV, good_N)
+    want_N, _, _ = _expected(logits_NV, good_N, 1.0)
+    torch.testing.assert_close(lp_N.cpu().double(), want_N, rtol=2e-6, atol=2e-6)
 
 
 @requires_gpu
