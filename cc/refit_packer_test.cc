@@ -22,6 +22,9 @@ namespace {
 
 using dockyard::kernels::BucketPlan;
 using dockyard::kernels::BucketSpan;
+using dockyard::kernels::CopyDirection;
+using dockyard::kernels::CopyPlan;
+using dockyard::kernels::PlanSpan;
 using dockyard::kernels::pack_bucket;
 using dockyard::kernels::plan_buckets;
 using dockyard::kernels::StridedTensor;
@@ -386,6 +389,135 @@ void TestEmptyBucket() {
   unpack_bucket(nullptr, 0, {{e.view, 0}});
 }
 
+// --- Plans ------------------------------------------------------------------
+
+// Tensors over three buckets (one empty), packed by one CopyPlan per call and
+// compared with the reference buckets; then unpacked by an unpack plan into
+// fresh destinations with the same strides. Reused across calls with new
+// values in the same memory, for every thread count.
+void TestCopyPlanRoundTrip() {
+  std::vector<HostTensor> t;
+  t.push_back(MakeDense(4, {3, 5}, 51));                          // b0 @0
+  t.push_back(MakeTensor(2, {5, 3}, {1, 5}, 15, 0, 52));          // b0 @64 (transposed)
+  t.push_back(MakeTensor(8, {3, 3, 3}, {42, 14, 3}, 168, 42, 53));  // b2 @32 (stepped)
+  t.push_back(MakeTensor(1, {}, {}, 1, 0, 54));                   // b2 @0 (0-d)
+  t.push_back(MakeTensor(4, {0, 9}, {9, 1}, 0, 0, 55));           // b1 (empty)
+  t.push_back(MakeTensor(16, {6}, {4}, 24, 1, 56));               // b0 @128 (16-byte)
+  const std::vector<int64_t> bucket_of = {0, 0, 2, 2, 1, 0};
+  const std::vector<int64_t> offset_of = {0, 64, 32, 0, 0, 128};
+  const std::vector<int64_t> sizes = {240, 0, 272};
+  std::vector<PlanSpan> spans;
+  for (size_t i = 0; i < t.size(); ++i) spans.push_back({t[i].view, bucket_of[i], offset_of[i]});
+  const CopyPlan pack_plan("test", CopyDirection::kPack, spans, sizes);
+  CHECK(pack_plan.num_buckets() == 3);
+  CHECK((pack_plan.bucket_members()[0] == std::vector<int64_t>{0, 1, 5}));
+  CHECK((pack_plan.bucket_members()[2] == std::vector<int64_t>{3, 2}));  // By offset.
+  CHECK((pack_plan.gaps()[0] ==
+         std::vector<std::pair<int64_t, int64_t>>{{60, 64}, {94, 128}, {224, 240}}));
+  CHECK(pack_plan.gaps()[1].empty());
+  for (int round = 0; round < 3; ++round) {
+    for (int threads : {0, 1, 2, 5}) {
+      // New values in the same memory, as an optimizer step leaves them.
+      for (size_t i = 0; i < t.size(); ++i) FillPseudoRandom(&t[i].storage, 100 * round + i);
+      std::vector<std::vector<char>> buckets;
+      for (int64_t size : sizes) buckets.emplace_back(static_cast<size_t>(size), 'x');
+      pack_plan.run({buckets[0].data(), nullptr, buckets[2].data()}, 0, threads);
+      for (int64_t b = 0; b < 3; ++b) {
+        std::vector<BucketSpan> ref;
+        for (size_t i = 0; i < t.size(); ++i) {
+          if (bucket_of[i] == b) ref.push_back({t[i].view, offset_of[i]});
+        }
+        CHECK(SameBytes(buckets[b], ReferenceBucket(ref, sizes[b])));
+      }
+      // One bucket per call (double buffering) gives the same bytes.
+      std::vector<char> single(static_cast<size_t>(sizes[2]), 'y');
+      pack_plan.run({single.data()}, 2, threads);
+      CHECK(SameBytes(single, buckets[2]));
+
+      std::vector<HostTensor> dests;
+      std::vector<PlanSpan> dest_spans;
+      for (size_t i = 0; i < t.size(); ++i) {
+        dests.push_back(t[i]);
+        FillPseudoRandom(&dests.back().storage, 900 + i);
+        dests.back().view.data = dests.back().storage.data() +
+                                 (static_cast<char*>(t[i].view.data) - t[i].storage.data());
+      }
+      std::vector<std::vector<char>> before;
+      for (const HostTensor& d : dests) before.push_back(d.storage);
+      for (size_t i = 0; i < t.size(); ++i) {
+        dest_spans.push_back({dests[i].view, bucket_of[i], offset_of[i]});
+      }
+      const CopyPlan unpack_plan("test", CopyDirection::kUnpack, dest_spans, sizes);
+      unpack_plan.run({buckets[0].data(), nullptr, buckets[2].data()}, 0, threads);
+      for (size_t i = 0; i < t.size(); ++i) {
+        CHECK(SameBytes(ReferenceBytes(dests[i].view), ReferenceBytes(t[i].view)));
+        // Storage bytes that are not elements keep their old values.
+        std::vector<char> expected = before[i];
+        const int64_t n = NumElements(t[i].view);
+        const int64_t es = t[i].view.element_size;
+        for (int64_t e = 0; e < n; ++e) {
+          const int64_t at = ElementAddress(dests[i].view, e) - dests[i].storage.data();
+          std::memcpy(expected.data() + at, ElementAddress(t[i].view, e), es);
+        }
+        CHECK(SameBytes(dests[i].storage, expected));
+      }
+    }
+  }
+}
+
+void TestCopyPlanErrors() {
+  HostTensor a = MakeDense(4, {4}, 61);
+  std::vector<char> bucket(64, 'g');
+  char* b = bucket.data();
+  EXPECT_INVALID(CopyPlan("plan", CopyDirection::kPack, {{a.view, 1, 0}}, {64}),
+                 "plan: span 0: bucket 1 is not in [0, 1)");
+  EXPECT_INVALID(CopyPlan("plan", CopyDirection::kPack, {{a.view, -1, 0}}, {64}),
+                 "span 0: bucket -1 is not in [0, 1)");
+  EXPECT_INVALID(CopyPlan("plan", CopyDirection::kPack, {}, {64, -8}),
+                 "plan: bucket 1 has a negative size (-8 bytes)");
+  EXPECT_THROWS(std::out_of_range,
+                CopyPlan("plan", CopyDirection::kPack, {{a.view, 0, 0}, {a.view, 1, 56}}, {64, 64}),
+                "plan: span 1 covers bytes [56, 56 + 16) but bucket 1 has 64 bytes");
+  // Overlap is per bucket: the same offset in two buckets is fine.
+  CopyPlan("plan", CopyDirection::kPack, {{a.view, 0, 0}, {a.view, 1, 0}}, {64, 64});
+  EXPECT_INVALID(CopyPlan("plan", CopyDirection::kPack,
+                          {{a.view, 1, 8}, {a.view, 0, 0}, {a.view, 1, 0}}, {64, 64}),
+                 "plan: span 0 and span 2 overlap in bucket 1");
+  StridedTensor expanded = a.view;
+  expanded.shape = {4, 3};
+  expanded.strides = {1, 0};
+  CopyPlan("plan", CopyDirection::kPack, {{expanded, 0, 0}}, {64});  // Reading is fine.
+  EXPECT_INVALID(CopyPlan("plan", CopyDirection::kUnpack, {{expanded, 0, 0}}, {64}),
+                 "span 0: the destination overlaps itself");
+
+  const CopyPlan plan("plan", CopyDirection::kPack, {{a.view, 0, 0}, {a.view, 1, 16}}, {64, 48});
+  EXPECT_INVALID(plan.run({b, b}, 1),
+                 "CopyPlan::run: buckets [1, 1 + 2) are not all in the plan's 2 buckets");
+  EXPECT_INVALID(plan.run({b}, -1), "buckets [-1, -1 + 1)");
+  EXPECT_INVALID(plan.run({b}, 3), "buckets [3, 3 + 1)");
+  EXPECT_INVALID(plan.run({b, nullptr}, 0), "CopyPlan::run: bucket 1 is null but has 48 bytes");
+  EXPECT_INVALID(plan.run({b}, 0, 2000), "num_threads must be in [0, 1024]");
+  // A tensor inside a bucket's memory: found whatever the bucket's position
+  // relative to the tensors' (merged) memory ranges.
+  HostTensor storage = MakeDense(4, {64}, 62);
+  char* s = storage.storage.data();
+  StridedTensor inside = a.view;
+  inside.data = s + 64;
+  StridedTensor other = a.view;
+  other.data = s + 200;
+  const CopyPlan aliased("plan", CopyDirection::kUnpack, {{other, 0, 16}, {inside, 0, 0}}, {32});
+  EXPECT_INVALID(aliased.run({s + 40}, 0), "span 1: the tensor's memory overlaps bucket 0");
+  EXPECT_INVALID(aliased.run({s + 79}, 0), "span 1: the tensor's memory overlaps bucket 0");
+  EXPECT_INVALID(aliased.run({s + 180}, 0), "span 0: the tensor's memory overlaps bucket 0");
+  aliased.run({s + 80}, 0);   // Right after `inside`, before `other`: no overlap.
+  aliased.run({s + 216}, 0);  // Right after `other`.
+  // Nothing was written by the failing calls.
+  CHECK(SameBytes(bucket, std::vector<char>(64, 'g')));
+  // An empty plan and empty buckets.
+  CopyPlan("plan", CopyDirection::kPack, {}, {}).run({}, 0);
+  CopyPlan("plan", CopyDirection::kUnpack, {}, {0}).run({nullptr}, 0);
+}
+
 }  // namespace
 
 int main() {
@@ -399,6 +531,8 @@ int main() {
       {"UnorderedOffsets", TestUnorderedOffsets},
       {"CopyErrors", TestCopyErrors},
       {"EmptyBucket", TestEmptyBucket},
+      {"CopyPlanRoundTrip", TestCopyPlanRoundTrip},
+      {"CopyPlanErrors", TestCopyPlanErrors},
   };
   int passed = 0, failed = 0;
   for (const auto& [name, fn] : tests) {

@@ -12,14 +12,22 @@ Rows, each the median over the repeats (after one warm-up), in GB/s of parameter
   preallocated one: the physical limit on this machine, measured in the same run.
 - ``torch.cat baseline``: the per-tensor flatten + ``torch.cat(..., out=)`` of every tensor's
   bytes into one preallocated buffer (what a packer without buckets would do).
-- ``pack ext`` / ``pack torch``: ``iter_pack`` into two reused bucket buffers (double buffering,
-  as a sender does), with the C++/CUDA extension or the plain-torch path.
-- ``unpack_into ext`` / ``unpack_into torch``: every bucket into preallocated destinations.
+- ``pack plan``: ``PackPlan.pack(out=...)`` into preallocated buckets: every bucket in one native
+  call (ONE kernel launch on CUDA); the plan is built once, outside the timing, as a sender does.
+- ``iter_pack plan``: ``PackPlan.iter_pack`` into two reused bucket buffers (double buffering):
+  one native call per bucket.
+- ``iter_pack ext`` / ``iter_pack torch``: the functional ``iter_pack`` (validates and converts
+  every tensor on every call), with the C++/CUDA extension or the plain-torch path.
+- ``unpack_into plan``: ``UnpackPlan.unpack_into`` of every bucket into preallocated destinations
+  (one native call).
+- ``unpack_into ext`` / ``unpack_into torch``: the functional ``unpack_into``.
 - ``unpack (new) ext``: every bucket into new tensors (includes their allocation).
 
+``call ms`` is the host time until the call returns (on CUDA the copies are asynchronous, so this
+is the per-call overhead: validation, launches); ``ms`` includes waiting for the device.
 ``vs memcpy`` is the row's bandwidth over the memcpy row's (the target for pack is >= 50%).
-Every run checks the round trip byte for byte once. This is a script that prints a table, not a
-test: nothing is asserted about speed.
+Every run checks the round trips (functional and plan) byte for byte once. This is a script that
+prints a table, not a test: nothing is asserted about speed.
 """
 
 from __future__ import annotations
@@ -66,16 +74,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_seconds(fn, device: torch.device, repeats: int) -> float:
+def _median_seconds(fn, device: torch.device, repeats: int) -> tuple[float, float]:
+    """Median (host seconds until fn returns, seconds until the device is done)."""
     fn()  # Warm-up (first-touch page faults, CUDA context, allocator caches).
     _sync(device)
-    times = []
+    call_times, times = [], []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        call_times.append(time.perf_counter() - start)
         _sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(call_times), statistics.median(times)
 
 
 def run(dtype: torch.dtype, device: torch.device, bucket_bytes: int, repeats: int) -> tuple:
@@ -91,7 +101,11 @@ def run(dtype: torch.dtype, device: torch.device, bucket_bytes: int, repeats: in
     src = torch.empty(total, dtype=torch.uint8, device=device).random_(0, 256)
     dst = torch.empty_like(src)
     cat_out = torch.empty(total, dtype=torch.uint8, device=device)
-    buffers = [torch.empty(manifest.max_bucket_size, dtype=torch.uint8, device=device) for _ in range(2)]
+    def new_bucket(size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8, device=device)
+
+    buffers = [new_bucket(manifest.max_bucket_size) for _ in range(2)]
+    bucket_outs = [new_bucket(size) for size in manifest.bucket_sizes]
     packed = rp.pack(named, manifest)
     dests = {k: torch.empty_like(v) for k, v in named.items()}
 
@@ -104,28 +118,46 @@ def run(dtype: torch.dtype, device: torch.device, bucket_bytes: int, repeats: in
         "torch.cat baseline": lambda: torch.cat(
             [t.reshape(-1).view(torch.uint8) for t in tensors], out=cat_out
         ),
-        "pack ext": lambda: drain(rp.iter_pack(named, manifest, buffers, use_extension=True)),
-        "pack torch": lambda: drain(rp.iter_pack(named, manifest, buffers, use_extension=False)),
-        "unpack_into ext": lambda: rp.unpack_into(packed, manifest, dests, use_extension=True),
-        "unpack_into torch": lambda: rp.unpack_into(packed, manifest, dests, use_extension=False),
-        "unpack (new) ext": lambda: rp.unpack(packed, manifest, use_extension=True),
     }
     ext_supports_device = rp.HAS_EXTENSION and (device.type == "cpu" or rp._ext.with_cuda)
-    if not ext_supports_device:
-        for name in ("pack ext", "unpack_into ext", "unpack (new) ext"):
-            del ops[name]  # No extension, or this build's has no CUDA path.
+    plan_kind = "ext" if ext_supports_device else "torch"
+    # Built once, as a sender / receiver does; falls back to torch without the extension.
+    pack_plan = rp.PackPlan(named, manifest)
+    unpack_plan = rp.UnpackPlan(manifest, dests)
+    ops[f"pack plan {plan_kind}"] = lambda: pack_plan.pack(out=bucket_outs)
+    ops[f"iter_pack plan {plan_kind}"] = lambda: drain(pack_plan.iter_pack(buffers))
+    if ext_supports_device:
+        ops["iter_pack ext"] = lambda: drain(rp.iter_pack(named, manifest, buffers, use_extension=True))
+    ops["iter_pack torch"] = lambda: drain(rp.iter_pack(named, manifest, buffers, use_extension=False))
+    ops[f"unpack_into plan {plan_kind}"] = lambda: unpack_plan.unpack_into(packed)
+    if ext_supports_device:
+        ops["unpack_into ext"] = lambda: rp.unpack_into(packed, manifest, dests, use_extension=True)
+    ops["unpack_into torch"] = lambda: rp.unpack_into(packed, manifest, dests, use_extension=False)
+    if ext_supports_device:
+        ops["unpack (new) ext"] = lambda: rp.unpack(packed, manifest, use_extension=True)
     seconds = {name: _median_seconds(fn, device, repeats) for name, fn in ops.items()}
 
-    # Correctness once: the extension's buckets unpack to the exact source bytes.
+    # Correctness once: the functional extension path and the plans both round-trip exactly.
+    def exact() -> bool:
+        _sync(device)
+        return all(
+            torch.equal(dests[k].view(torch.uint8), v.view(torch.uint8)) for k, v in named.items()
+        )
+
     rp.unpack_into(rp.pack(named, manifest), manifest, dests)
-    _sync(device)
-    exact = all(torch.equal(dests[k].view(torch.uint8), v.view(torch.uint8)) for k, v in named.items())
-    memcpy_gbps = total / seconds["memcpy (1 buffer)"] / 1e9
+    functional_exact = exact()
+    for d in dests.values():
+        d.zero_()
+    unpack_plan.unpack_into(pack_plan.pack())
+    plan_exact = exact()
+    assert pack_plan.num_rebuilds == 0 and unpack_plan.num_rebuilds == 0
+    memcpy_gbps = total / seconds["memcpy (1 buffer)"][1] / 1e9
     rows = []
-    for name, s in seconds.items():
+    for name, (call_s, s) in seconds.items():
         gbps = total / s / 1e9
-        rows.append((str(dtype).removeprefix("torch."), name, s * 1e3, gbps, gbps / memcpy_gbps))
-    return rows, total, manifest.num_buckets, exact
+        dtype_name = str(dtype).removeprefix("torch.")
+        rows.append((dtype_name, name, call_s * 1e3, s * 1e3, gbps, gbps / memcpy_gbps))
+    return rows, total, manifest.num_buckets, functional_exact and plan_exact
 
 
 def main() -> None:
@@ -140,7 +172,9 @@ def main() -> None:
         f"device={device} extension={rp.HAS_EXTENSION} "
         f"cpu_threads={torch.get_num_threads()} bucket={args.bucket_mb} MiB repeats={args.repeats}"
     )
-    header = f"{'dtype':<9} {'operation':<20} {'ms':>9} {'GB/s':>8} {'vs memcpy':>10}"
+    header = (
+        f"{'dtype':<9} {'operation':<22} {'call ms':>8} {'ms':>8} {'GB/s':>8} {'vs memcpy':>10}"
+    )
     for dtype_name in args.dtypes:
         dtype = rp.DTYPES[dtype_name]
         rows, total, num_buckets, exact = run(dtype, device, args.bucket_mb << 20, args.repeats)
@@ -150,8 +184,8 @@ def main() -> None:
         )
         print(header)
         print("-" * len(header))
-        for dt, name, ms, gbps, ratio in rows:
-            print(f"{dt:<9} {name:<20} {ms:>9.1f} {gbps:>8.2f} {ratio:>9.0%}")
+        for dt, name, call_ms, ms, gbps, ratio in rows:
+            print(f"{dt:<9} {name:<22} {call_ms:>8.3f} {ms:>8.3f} {gbps:>8.2f} {ratio:>9.0%}")
 
 
 if __name__ == "__main__":

@@ -18,22 +18,32 @@ Layout (see cc/refit_packer.h for the full rules):
 - A tensor's bytes are its elements in row-major order (what ``.contiguous()`` holds), whatever its
   strides; bytes between tensors are zeros.
 
-Sender::
+Weight refit moves the SAME tensors after every optimizer step, so the hot path is a plan built
+once: ``PackPlan`` (sender) and ``UnpackPlan`` (receiver) validate every tensor and prepare the
+copies once (on CUDA: job descriptors uploaded to the GPU once); each call then only checks that
+no tensor was re-allocated (one pass over ``data_ptr()``, re-planning when one was) and makes one
+native call: ONE kernel launch on CUDA for all buckets. Sender::
 
-    manifest = plan_buckets(describe_tensors(named), bucket_size_bytes=256 << 20)
+    manifest = plan_buckets(describe_tensors(params), bucket_size_bytes=256 << 20)
     send(manifest.to_dict())
+    plan = PackPlan(params, manifest)  # once; params: e.g. dict(model.named_parameters())
     buffers = [torch.empty(manifest.max_bucket_size, dtype=torch.uint8) for _ in range(2)]
-    for b in range(manifest.num_buckets):  # double buffering: pack b while b - 1 is in flight
-        send(pack_bucket(named, manifest, b, out=buffers[b % 2]))
+    for bucket in plan.iter_pack(buffers):  # every step; double buffering: pack b while b - 1
+        send(bucket)                        # is in flight
 
-Receiver: ``manifest = Manifest.from_dict(received)``, then per bucket ``unpack_bucket_into(bucket,
-manifest, b, model_params)`` (or ``unpack_bucket`` for new tensors).
+Receiver: ``manifest = Manifest.from_dict(received)``, ``plan = UnpackPlan(manifest,
+model_params)`` once, then per step ``plan.unpack_into(buckets)`` (or per bucket
+``plan.unpack_bucket_into(bucket, b)``).
+
+The functional API (``pack``, ``iter_pack``, ``pack_bucket``, ``unpack``, ``unpack_into``,
+``unpack_bucket_into``) does the same copies with every check on every call (milliseconds of host
+work for a few hundred tensors, whatever their size); use it for one-off copies.
 
 Implementations: the C++/CUDA extension ``_dockyard_kernels`` (cc/refit_packer.cc: multi-threaded
-strided byte copies, no contiguous temporaries; cc/cuda/refit_packer_cuda.cu: one batched kernel
-launch per bucket, asynchronous on torch's current stream) when importable and built for the
-tensors' device, else plain torch (``copy_`` through typed views of the bucket). Both give
-identical bytes.
+strided byte copies, no contiguous temporaries; cc/cuda/refit_packer_cuda.cu: batched kernel
+launches with 16-byte vector copies, asynchronous on torch's current stream) when importable and
+built for the tensors' device, else plain torch (``copy_`` through typed views of the bucket).
+Both give identical bytes.
 
 Covered dtypes: ``DTYPES`` (floating point incl. bfloat16 and float8, signed ints, uint8, bool).
 Non-contiguous sources and destinations are supported (transposes, slices with steps);
@@ -48,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -96,7 +107,10 @@ __all__ = [
     "DTYPES",
     "HAS_EXTENSION",
     "Manifest",
+    "ON_REALLOCATION",
+    "PackPlan",
     "TensorEntry",
+    "UnpackPlan",
     "describe_tensors",
     "iter_pack",
     "pack",
@@ -640,6 +654,451 @@ def _copy_out(
                 d.copy_(_typed_view(bucket, e))
 
 
+# --- Plans: validate once, copy every step -------------------------------------------------------
+
+ON_REALLOCATION = ("rebuild", "error")
+
+
+class _CopyPlan:
+    """What ``PackPlan`` and ``UnpackPlan`` share: the tensors, their addresses, the native plan.
+
+    The plan keeps, in manifest order, the tensor OBJECTS it was given (so a ``Parameter`` whose
+    values change in place, as an optimizer step does, is packed with its new values) and a view
+    of each, which keeps the memory the plan copies from or to alive: while the plan holds it, the
+    allocator cannot hand that address to another tensor, so a tensor that is re-allocated
+    (``p.data = ...``, ``model.to(...)``, a resized storage) always shows a new ``data_ptr()``,
+    and one list comparison per call detects it exactly.
+    """
+
+    _where = ""  # "PackPlan" / "UnpackPlan", starts every message.
+    _unpack = False
+
+    def __init__(
+        self,
+        named: Mapping[str, torch.Tensor],
+        manifest: Manifest,
+        device: torch.device | str | None,
+        use_extension: bool | None,
+        num_threads: int,
+        on_reallocation: str,
+    ) -> None:
+        if not isinstance(manifest, Manifest):
+            raise ValueError(
+                f"{self._where}: manifest must be a Manifest, got {type(manifest).__name__}"
+            )
+        _check_num_threads(num_threads)
+        if on_reallocation not in ON_REALLOCATION:
+            raise ValueError(
+                f"{self._where}: on_reallocation must be one of {ON_REALLOCATION}, got "
+                f"{on_reallocation!r}"
+            )
+        self.manifest = manifest
+        self.on_reallocation = on_reallocation
+        self.num_threads = num_threads
+        self.num_rebuilds = 0
+        self._requested_device = None
+        if device is not None:
+            device = torch.device(device)
+            if device.type == "cuda" and device.index is None:  # Tensors report an index.
+                device = torch.device("cuda", torch.cuda.current_device())
+            self._requested_device = device
+        self._tensors, self.device = self._validated(named)
+        self.uses_extension = _resolve_extension(use_extension, self.device, self._where)
+        # Per bucket, its entries in manifest order, for the torch path.
+        self._bucket_entries = tuple(map(manifest.bucket_entries, range(manifest.num_buckets)))
+        self._build()
+
+    # -- Subclass hooks ---------------------------------------------------------------------------
+
+    def _check_tensor(self, entry: TensorEntry, t: torch.Tensor) -> None:
+        """Per-tensor checks beyond name, shape, dtype and device (ValueError)."""
+
+    def _check_names(self, named: Mapping[str, torch.Tensor]) -> None:
+        """Checks of the mapping's names beyond "every manifest name is there" (ValueError)."""
+
+    # -- Building ---------------------------------------------------------------------------------
+
+    def _validated(
+        self, named: Mapping[str, torch.Tensor]
+    ) -> tuple[list[torch.Tensor], torch.device]:
+        """The manifest's tensors of ``named`` in manifest order, and their common device."""
+        if not isinstance(named, Mapping):
+            raise ValueError(
+                f"{self._where}: expected a mapping name -> tensor, got {type(named).__name__}"
+            )
+        role = "destination" if self._unpack else "tensor"
+        tensors = [_get_matching(named, e, self._where, role) for e in self.manifest.tensors]
+        self._check_names(named)
+        device = self._requested_device
+        if device is None:
+            device = tensors[0].device if tensors else torch.device("cpu")
+        for e, t in zip(self.manifest.tensors, tensors):
+            if t.device != device:
+                raise ValueError(
+                    f"{self._where}: {role} {e.name!r}: expected device {device} (the plan's), "
+                    f"got {t.device}"
+                )
+            self._check_tensor(e, t)
+        return tensors, device
+
+    def _build(self) -> None:
+        entries = self.manifest.tensors
+        # Views keep the memory alive (see the class docstring); detach: DLPack refuses tensors
+        # that require grad, and the plan never records autograd history.
+        self._views = [_same_size_int_view(t) for t in self._tensors]
+        self._data_ptrs = list(map(_DATA_PTR, self._tensors))
+        self._native = None
+        if self.uses_extension:
+            self._native = _ext.RefitCopyPlan(
+                self._views,
+                [e.bucket for e in entries],
+                [e.offset for e in entries],
+                list(self.manifest.bucket_sizes),
+                self._unpack,
+                _cuda_index(self.device),
+            )
+
+    def rebuild(self, named: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Re-validates and re-plans, from ``named`` or the tensor objects the plan holds.
+
+        Needed only with ``on_reallocation="error"`` (else calls rebuild by themselves) or after
+        changing a tensor's strides in place at the same address (``as_strided_``, ``set_``), the
+        one change the per-call check cannot see.
+        """
+        if named is None:
+            named = dict(zip(self.manifest.names, self._tensors))
+        self._tensors, device = self._validated(named)
+        if device != self.device:  # Only when no device was requested: the tensors moved.
+            self.device = device
+            self.uses_extension = _resolve_extension(
+                None if self.uses_extension else False, device, self._where
+            )
+        self._build()
+        self.num_rebuilds += 1
+
+    def _refresh(self, named: Mapping[str, torch.Tensor] | None) -> None:
+        """The per-call check: are the tensors still where the plan copies them?"""
+        if named is not None:
+            if not isinstance(named, Mapping):
+                raise ValueError(
+                    f"{self._where}: expected a mapping name -> tensor, got {type(named).__name__}"
+                )
+            try:
+                current = [named[name] for name in self.manifest.names]
+            except KeyError as e:
+                raise ValueError(
+                    f"{self._where}: {'destination' if self._unpack else 'tensor'} {e.args[0]!r} "
+                    "of the manifest is missing"
+                ) from None
+            if not all(map(operator.is_, current, self._tensors)):
+                # Other objects (e.g. a fresh state_dict()): full checks, then keep the plan if
+                # they describe the same memory the same way.
+                tensors, device = self._validated(named)
+                same = device == self.device and all(
+                    t.data_ptr() == p and t.stride() == v.stride()
+                    for t, p, v in zip(tensors, self._data_ptrs, self._views)
+                )
+                if not same:
+                    self._reallocated(named, tensors)
+                    return
+                self._tensors = tensors
+        # One pass over 272 tensors costs ~15 us; anything cheaper would need allocator hooks.
+        if list(map(_DATA_PTR, self._tensors)) != self._data_ptrs:
+            self._reallocated(None, self._tensors)
+
+    def _reallocated(
+        self, named: Mapping[str, torch.Tensor] | None, tensors: list[torch.Tensor]
+    ) -> None:
+        if self.on_reallocation == "error":
+            names = [
+                e.name
+                for e, t, p in zip(self.manifest.tensors, tensors, self._data_ptrs)
+                if t.data_ptr() != p
+            ]
+            what = f"{names[0]!r} ({len(names)} such)" if names else "a tensor's layout"
+            raise ValueError(
+                f"{self._where}: {what} was re-allocated or replaced since the plan was built; "
+                "call plan.rebuild() (or build the plan with on_reallocation='rebuild')"
+            )
+        self.rebuild(named)
+
+    # -- Running ----------------------------------------------------------------------------------
+
+    def _run(self, buckets: Sequence[torch.Tensor], first_bucket: int) -> None:
+        """Copies between the tensors and buckets ``first_bucket ...`` (already validated)."""
+        if self._native is not None:
+            addresses = [b.data_ptr() for b in buckets]
+            stream = _stream_of(self.device)
+            self._native.run(addresses, first_bucket, self.num_threads, stream)
+            return
+        index = self._index_of
+        work = []
+        for k, bucket in enumerate(buckets):  # Every check before the first write.
+            entries = self._bucket_entries[first_bucket + k]
+            pairs = [(e, self._tensors[index[e.name]]) for e in entries]
+            for e, t in pairs:
+                if e.nbytes > 0 and _shares_memory(t, bucket):
+                    raise ValueError(
+                        f"{self._where}: {e.name!r} shares memory with bucket {first_bucket + k}"
+                    )
+            work.append((bucket, pairs))
+        with torch.no_grad():  # Destinations may be parameters that require grad.
+            for bucket, pairs in work:
+                if self._unpack:
+                    for e, d in pairs:
+                        if e.nbytes > 0:
+                            d.copy_(_typed_view(bucket, e))
+                    continue
+                covered = 0
+                for e, t in sorted(pairs, key=lambda pair: pair[0].offset):
+                    if e.nbytes == 0:
+                        continue
+                    bucket[covered : e.offset].zero_()  # Padding: never ship stale memory.
+                    _typed_view(bucket, e).copy_(t)
+                    covered = e.offset + e.nbytes
+                bucket[covered:].zero_()
+
+    @functools.cached_property
+    def _index_of(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.manifest.names)}
+
+    def _check_bucket(
+        self, bucket: Any, bucket_index: int, where: str, exact: bool
+    ) -> torch.Tensor:
+        """``bucket`` checked for bucket ``bucket_index`` (its first ``size`` bytes if not exact)."""
+        size = self.manifest.bucket_sizes[bucket_index]
+        if (  # The common case in a few attribute reads; the checks below word the errors.
+            isinstance(bucket, torch.Tensor)
+            and bucket.dtype is torch.uint8
+            and bucket.dim() == 1
+            and bucket.is_contiguous()
+            and bucket.device == self.device
+            and (bucket.numel() == size or (not exact and bucket.numel() > size))
+            and bucket.data_ptr() % MIN_ALIGNMENT == 0
+        ):
+            return bucket if bucket.numel() == size else bucket[:size]
+        _check_bucket_tensor(bucket, size if exact else None, where)
+        if not exact and bucket.numel() < size:
+            raise ValueError(
+                f"{where} has {bucket.numel()} bytes but bucket {bucket_index} needs {size}"
+            )
+        if bucket.device != self.device:
+            raise ValueError(
+                f"{where} is on {bucket.device} but the plan's tensors on {self.device}"
+            )
+        return bucket if exact else bucket[:size]
+
+
+class PackPlan(_CopyPlan):
+    """Packs the same named tensors into the manifest's buckets every step, validated once.
+
+    The sender's hot path (weight refit packs the same parameters after every optimizer step)::
+
+        plan = PackPlan(dict(model.named_parameters()), manifest)   # once
+        buffers = [torch.empty(manifest.max_bucket_size, dtype=torch.uint8, device="cuda")
+                   for _ in range(2)]
+        for bucket in plan.iter_pack(buffers):                     # every step
+            send(bucket)
+
+    Construction checks everything ``pack`` checks (names, shapes, dtypes, one device) and, with
+    the extension, builds its native plan (on CUDA: the job descriptors, uploaded to the GPU once).
+    Each call then costs one pass over the tensors' ``data_ptr()`` (the re-allocation check, ~20 us
+    for 272 tensors) plus, with the extension, one native call: ``pack`` / ``pack_bucket`` are ONE
+    kernel launch on CUDA (asynchronous on torch's current stream), one threaded copy on CPU.
+
+    The plan holds the tensor objects it was given and packs their CURRENT values (in-place
+    updates need nothing). A tensor whose memory was re-allocated since (``p.data = ...``,
+    ``model.to(...)``) is detected on the next call: ``on_reallocation="rebuild"`` (default)
+    re-validates and re-plans transparently (``num_rebuilds`` counts it), ``"error"`` raises
+    ValueError naming the tensor. A call may also pass ``named_tensors``: other objects than the
+    plan's (e.g. a fresh ``state_dict()``) are fully re-checked, which costs what the functional
+    ``pack`` costs; pass the same objects to stay on the fast path. The plan keeps its tensors'
+    memory alive until it is rebuilt or dropped. Not detected: changing a tensor's strides in place
+    at the same address (``as_strided_``, ``set_``): call ``rebuild()`` after that.
+
+    Args:
+        named_tensors: exactly the manifest's names with its shapes and dtypes; any strides.
+        manifest: from ``plan_buckets``.
+        device: the tensors' device; None = theirs (CPU when the manifest has no tensors).
+        use_extension: None = the extension when it supports the device, else torch; True = the
+            extension or RuntimeError; False = torch (same bytes, per-tensor ``copy_``).
+        num_threads: CPU copy workers for the extension, 0 = automatic.
+        on_reallocation: "rebuild" or "error" (above).
+
+    Raises:
+        ValueError: a missing or extra name, a shape, dtype or device mismatch, a bad argument.
+    """
+
+    _where = "PackPlan"
+    _unpack = False
+
+    def __init__(
+        self,
+        named_tensors: Mapping[str, torch.Tensor],
+        manifest: Manifest,
+        *,
+        device: torch.device | str | None = None,
+        use_extension: bool | None = None,
+        num_threads: int = 0,
+        on_reallocation: str = "rebuild",
+    ) -> None:
+        super().__init__(named_tensors, manifest, device, use_extension, num_threads, on_reallocation)
+
+    def _check_names(self, named: Mapping[str, torch.Tensor]) -> None:
+        if len(named) != len(self.manifest.tensors):  # Every manifest name is there: any extra?
+            known = set(self.manifest.names)
+            extra = [name for name in named if name not in known]
+            raise ValueError(
+                f"PackPlan: tensor {extra[0]!r} is not in the manifest ({len(extra)} such); plan the "
+                "manifest from the same tensors"
+            )
+
+    def pack(
+        self,
+        out: Sequence[torch.Tensor] | None = None,
+        *,
+        named_tensors: Mapping[str, torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        """Every bucket, in one native call (one kernel launch on CUDA).
+
+        ``out``: one 1-D contiguous ``uint8`` tensor per bucket on the plan's device, each of at
+        least its bucket's size and 16-byte aligned; bucket ``b`` is ``out[b][:size]``. None = new
+        tensors. No tensor may share memory with an ``out`` (ValueError before anything is written).
+        """
+        self._refresh(named_tensors)
+        sizes = self.manifest.bucket_sizes
+        if out is None:
+            buckets = [torch.empty(size, dtype=torch.uint8, device=self.device) for size in sizes]
+        else:
+            if not isinstance(out, Sequence) or len(out) != len(sizes):
+                raise ValueError(
+                    f"PackPlan.pack: out must be a sequence of {len(sizes)} tensors (one per bucket)"
+                )
+            buckets = [
+                self._check_bucket(o, b, f"PackPlan.pack: out[{b}]", False) for b, o in enumerate(out)
+            ]
+        self._run(buckets, 0)
+        return buckets
+
+    def pack_bucket(
+        self,
+        bucket_index: int,
+        out: torch.Tensor | None = None,
+        *,
+        named_tensors: Mapping[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Bucket ``bucket_index`` (``out[:size]`` when ``out`` is given, as in ``pack``)."""
+        _check_bucket_index(self.manifest, bucket_index)
+        self._refresh(named_tensors)
+        return self._pack_one(bucket_index, out)
+
+    def _pack_one(self, bucket_index: int, out: torch.Tensor | None) -> torch.Tensor:
+        if out is None:
+            size = self.manifest.bucket_sizes[bucket_index]
+            bucket = torch.empty(size, dtype=torch.uint8, device=self.device)
+        else:
+            bucket = self._check_bucket(out, bucket_index, "PackPlan: out", False)
+        self._run([bucket], bucket_index)
+        return bucket
+
+    def iter_pack(
+        self,
+        buffers: Sequence[torch.Tensor] = (),
+        *,
+        named_tensors: Mapping[str, torch.Tensor] | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Yields the buckets one at a time, as the functional ``iter_pack`` (double buffering).
+
+        The re-allocation check runs once, before the first bucket; do not re-allocate tensors
+        while iterating.
+        """
+        self._refresh(named_tensors)
+        for b in range(self.manifest.num_buckets):
+            yield self._pack_one(b, buffers[b % len(buffers)] if buffers else None)
+
+
+class UnpackPlan(_CopyPlan):
+    """Unpacks the manifest's buckets into the same destinations every step, validated once.
+
+    The receiver's hot path: the destinations are the engine's parameters, which stay put between
+    weight syncs::
+
+        plan = UnpackPlan(manifest, dict(engine_model.named_parameters()))   # once
+        plan.unpack_into(received_buckets)                                  # every sync
+
+    Construction checks everything ``unpack_into`` checks up front (every manifest name present
+    with its shape and dtype on one device, no destination whose elements share memory; extra
+    names are left alone). Per call only the buckets are checked (count, sizes, dtype, device,
+    alignment, no overlap with a destination) and the destinations' ``data_ptr()`` compared; the
+    copy is one native call (one kernel launch on CUDA for all buckets, asynchronous on torch's
+    current stream). Re-allocated destinations are handled as in ``PackPlan`` (``on_reallocation``,
+    ``rebuild()``, ``destinations=`` per call).
+
+    Args:
+        manifest: the sender's manifest (e.g. ``Manifest.from_dict`` of what it sent).
+        destinations: ``name -> tensor`` holding at least the manifest's names; any strides.
+        device, use_extension, num_threads, on_reallocation: as for ``PackPlan``.
+    """
+
+    _where = "UnpackPlan"
+    _unpack = True
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        destinations: Mapping[str, torch.Tensor],
+        *,
+        device: torch.device | str | None = None,
+        use_extension: bool | None = None,
+        num_threads: int = 0,
+        on_reallocation: str = "rebuild",
+    ) -> None:
+        super().__init__(destinations, manifest, device, use_extension, num_threads, on_reallocation)
+
+    def _check_tensor(self, entry: TensorEntry, t: torch.Tensor) -> None:
+        if entry.nbytes > 0 and _overlaps_itself(t):
+            raise ValueError(
+                f"UnpackPlan: destination {entry.name!r} has elements that share memory (strides "
+                f"{tuple(t.stride())}, e.g. from expand()); pass a tensor that owns its elements"
+            )
+
+    def unpack_into(
+        self,
+        buckets: Sequence[torch.Tensor],
+        *,
+        destinations: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Copies every bucket into the destinations (one kernel launch on CUDA).
+
+        Every check comes before the first byte is written: on ValueError nothing has changed.
+        """
+        self._refresh(destinations)
+        if not isinstance(buckets, Sequence) or len(buckets) != self.manifest.num_buckets:
+            got = len(buckets) if isinstance(buckets, Sequence) else type(buckets).__name__
+            raise ValueError(
+                f"UnpackPlan.unpack_into: got {got} buckets but the manifest has "
+                f"{self.manifest.num_buckets}"
+            )
+        checked = [
+            self._check_bucket(bucket, b, f"UnpackPlan.unpack_into: bucket {b}", True)
+            for b, bucket in enumerate(buckets)
+        ]
+        self._run(checked, 0)
+
+    def unpack_bucket_into(
+        self,
+        bucket: torch.Tensor,
+        bucket_index: int,
+        *,
+        destinations: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Copies one bucket into its destinations (e.g. as each bucket arrives)."""
+        _check_bucket_index(self.manifest, bucket_index)
+        self._refresh(destinations)
+        where = f"UnpackPlan: bucket {bucket_index}"
+        self._run([self._check_bucket(bucket, bucket_index, where, True)], bucket_index)
+
+
 # --- Helpers -------------------------------------------------------------------------------------
 
 
@@ -809,6 +1268,16 @@ def _typed_view(bucket: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
 def _same_size_int_view(t: torch.Tensor) -> torch.Tensor:
     # detach: DLPack refuses tensors that require grad; the memory is the same.
     return t.detach().view(_SAME_SIZE_INT[t.element_size()])
+
+
+_DATA_PTR = torch.Tensor.data_ptr  # Mapped over the tensors: cheaper than a comprehension.
+
+
+def _cuda_index(device: torch.device) -> int:
+    """-1 for CPU, else the CUDA device's index (the current one for a bare "cuda")."""
+    if device.type != "cuda":
+        return -1
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _stream_of(device: torch.device) -> int:

@@ -567,6 +567,299 @@ def test_raw_binding_errors(ext):
         ext.refit_pack_bucket(torch.zeros(16, dtype=torch.int32), [t], [0])
 
 
+# --- Plans ---------------------------------------------------------------------------------------
+
+
+def _plan_named(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Several dtypes and layouts, spread over several buckets (one larger than a bucket)."""
+    named = {}
+    for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8]):
+        for layout, t in _layouts(dtype, gen).items():
+            named[f"{i}.{layout}"] = t
+    return named
+
+
+@both_paths
+def test_pack_plan_matches_functional_pack_across_calls(ext, use_extension):
+    gen = torch.Generator().manual_seed(21)
+    named = _plan_named(gen)
+    manifest = rp.plan_buckets(rp.describe_tensors(named), 512, 16)
+    assert manifest.num_buckets > 3
+    plan = rp.PackPlan(named, manifest, use_extension=use_extension)
+    assert plan.uses_extension is use_extension
+    for step in range(3):
+        expected = rp.pack(named, manifest, use_extension=False)
+        for got, want in zip(plan.pack(), expected, strict=True):
+            assert torch.equal(got, want), f"step {step}"
+        # Into reused buffers, larger than each bucket: only the bucket's bytes are written.
+        outs = [torch.full((size + 64,), 0xCD, dtype=torch.uint8) for size in manifest.bucket_sizes]
+        for got, o, want in zip(plan.pack(out=outs), outs, expected, strict=True):
+            assert got.data_ptr() == o.data_ptr() and torch.equal(got, want)
+            assert bool((o[want.numel() :] == 0xCD).all())
+        buffers = [torch.empty(manifest.max_bucket_size, dtype=torch.uint8) for _ in range(2)]
+        for b, got in enumerate(plan.iter_pack(buffers)):
+            assert got.data_ptr() == buffers[b % 2].data_ptr() and torch.equal(got, expected[b])
+        assert torch.equal(plan.pack_bucket(1), expected[1])
+        # An optimizer-like in-place update: the next call packs the new values, no rebuild.
+        with torch.no_grad():
+            for name, t in named.items():
+                if "expanded" in name or not t.numel():
+                    continue  # An expanded view cannot be written in place.
+                if t.dtype.is_floating_point:
+                    t.add_(1)
+                elif t.dtype == torch.int64:
+                    t.mul_(3)
+    assert plan.num_rebuilds == 0
+
+
+@both_paths
+def test_pack_plan_rebuilds_after_reallocation(ext, use_extension):
+    gen = torch.Generator().manual_seed(22)
+    params = {
+        "w": torch.nn.Parameter(_random_tensor((6, 5), torch.float32, gen)),
+        "b": torch.nn.Parameter(_random_tensor((5,), torch.bfloat16, gen)),
+    }
+    manifest = rp.plan_buckets(rp.describe_tensors(params), 256, 16)
+    plan = rp.PackPlan(params, manifest, use_extension=use_extension)
+    plan.pack()
+    # Re-allocated, and with other strides: the plan must follow, not read the old memory.
+    params["w"].data = _random_tensor((5, 6), torch.float32, gen).t()
+    (bucket,) = plan.pack()
+    assert plan.num_rebuilds == 1
+    assert torch.equal(bucket, rp.pack(params, manifest, use_extension=False)[0])
+    (bucket,) = plan.pack()  # Stable again: no second rebuild.
+    assert plan.num_rebuilds == 1
+    # A re-allocation with a different shape is a mismatch with the manifest.
+    params["b"].data = torch.zeros(7, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"tensor 'b': expected shape \(5,\), got \(7,\)"):
+        plan.pack()
+
+
+@both_paths
+def test_pack_plan_on_reallocation_error(ext, use_extension):
+    named = {"a": torch.ones(4), "b": torch.full((3,), 2.0)}
+    manifest = rp.plan_buckets(rp.describe_tensors(named), 256, 16)
+    plan = rp.PackPlan(named, manifest, use_extension=use_extension, on_reallocation="error")
+    named["b"].data = torch.full((3,), 5.0)
+    out = torch.full((manifest.bucket_sizes[0],), 0xEE, dtype=torch.uint8)
+    pattern = r"PackPlan: 'b' \(1 such\) was re-allocated .* plan.rebuild\(\)"
+    with pytest.raises(ValueError, match=pattern):
+        plan.pack(out=[out])
+    assert bool((out == 0xEE).all()), "nothing may be written when the check fails"
+    plan.rebuild()
+    assert plan.num_rebuilds == 1
+    (bucket,) = plan.pack(out=[out])
+    assert torch.equal(bucket, rp.pack(named, manifest, use_extension=False)[0])
+
+
+@both_paths
+def test_pack_plan_with_per_call_named_tensors(ext, use_extension):
+    model = torch.nn.Linear(4, 3)
+    manifest = rp.plan_buckets(rp.describe_tensors(model.state_dict()), 256, 16)
+    plan = rp.PackPlan(model.state_dict(), manifest, use_extension=use_extension)
+    with torch.no_grad():
+        model.weight.mul_(2)
+    # A fresh state_dict(): other objects over the same memory, so no rebuild.
+    (bucket,) = plan.pack(named_tensors=model.state_dict())
+    assert plan.num_rebuilds == 0
+    assert torch.equal(bucket, rp.pack(model.state_dict(), manifest, use_extension=False)[0])
+    model.weight = torch.nn.Parameter(torch.randn(3, 4))  # Replaced: state_dict() differs.
+    (bucket,) = plan.pack(named_tensors=model.state_dict())
+    assert plan.num_rebuilds == 1
+    assert torch.equal(bucket, rp.pack(model.state_dict(), manifest, use_extension=False)[0])
+    with pytest.raises(ValueError, match="PackPlan: tensor 'bias' of the manifest is missing"):
+        plan.pack(named_tensors={"weight": model.weight})
+
+
+@both_paths
+def test_pack_plan_errors(ext, use_extension):
+    named = {"a": torch.ones(5), "b": torch.ones(2, 2)}
+    manifest = rp.plan_buckets(rp.describe_tensors(named), 256, 16)
+    kwargs = {"use_extension": use_extension}
+    with pytest.raises(ValueError, match="PackPlan: tensor 'b' of the manifest is missing"):
+        rp.PackPlan({"a": named["a"]}, manifest, **kwargs)
+    with pytest.raises(ValueError, match="PackPlan: tensor 'c' is not in the manifest"):
+        rp.PackPlan({**named, "c": torch.ones(1)}, manifest, **kwargs)
+    with pytest.raises(ValueError, match=r"tensor 'b': expected shape \(2, 2\), got \(4,\)"):
+        rp.PackPlan({"a": named["a"], "b": torch.ones(4)}, manifest, **kwargs)
+    with pytest.raises(ValueError, match="tensor 'a': expected dtype float32, got float16"):
+        rp.PackPlan({"a": named["a"].half(), "b": named["b"]}, manifest, **kwargs)
+    with pytest.raises(ValueError, match="on_reallocation must be one of"):
+        rp.PackPlan(named, manifest, on_reallocation="ignore", **kwargs)
+    with pytest.raises(ValueError, match="num_threads must be in"):
+        rp.PackPlan(named, manifest, num_threads=-1, **kwargs)
+    with pytest.raises(ValueError, match="manifest must be a Manifest"):
+        rp.PackPlan(named, manifest.to_dict(), **kwargs)
+    plan = rp.PackPlan(named, manifest, **kwargs)
+    with pytest.raises(ValueError, match="out must be a sequence of 1 tensors"):
+        plan.pack(out=[])
+    with pytest.raises(ValueError, match=r"out\[0\] has 16 bytes but bucket 0 needs 48"):
+        plan.pack(out=[torch.empty(16, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="aligned address"):
+        plan.pack(out=[torch.empty(200, dtype=torch.uint8)[1:]])
+    with pytest.raises(ValueError, match="1-D contiguous uint8"):
+        plan.pack_bucket(0, out=torch.empty(64, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"bucket_index must be an int in \[0, 1\), got 1"):
+        plan.pack_bucket(1)
+    # A tensor living inside the output buffer.
+    shared = torch.full((64,), 7, dtype=torch.uint8)
+    aliased = {"a": shared[:20].view(torch.float32), "b": named["b"]}
+    plan = rp.PackPlan(aliased, manifest, **kwargs)
+    with pytest.raises(ValueError, match="overlaps bucket 0|shares memory with bucket 0"):
+        plan.pack(out=[shared])
+    assert bool((shared[20:] == 7).all())
+
+
+@both_paths
+def test_unpack_plan_writes_in_place_across_calls(ext, use_extension):
+    gen = torch.Generator().manual_seed(23)
+    named = _plan_named(gen)
+    named = {k: v for k, v in named.items() if "expanded" not in k}  # Not valid destinations.
+    manifest = rp.plan_buckets(rp.describe_tensors(named), 512, 16)
+    storage = torch.zeros(2 * 36, dtype=torch.float32)
+    dests = {k: torch.zeros_like(v) for k, v in named.items()}
+    dests["0.contiguous"] = storage[1::2].view(4, 9)  # Stepped writes.
+    dests["0.transposed"] = torch.zeros(9, 5).t()  # Strided writes.
+    dests["1.contiguous"] = torch.nn.Parameter(torch.zeros(4, 9, dtype=torch.bfloat16))
+    dests["not_synced"] = torch.full((2,), 3.0)
+    ptrs = {k: v.data_ptr() for k, v in dests.items()}
+    plan = rp.UnpackPlan(manifest, dests, use_extension=use_extension)
+    for step in range(2):
+        with torch.no_grad():
+            for t in named.values():
+                if t.numel() and t.dtype.is_floating_point:
+                    t.add_(step)
+        buckets = rp.pack(named, manifest, use_extension=False)
+        plan.unpack_into(buckets)
+        for name, t in named.items():
+            _assert_bit_equal(dests[name], t, f"{name} step {step}")
+            assert dests[name].data_ptr() == ptrs[name]
+        assert torch.equal(storage[0::2], torch.zeros(36)), "bytes between strided elements"
+        assert torch.equal(dests["not_synced"], torch.full((2,), 3.0))
+        # One bucket at a time, as buckets arrive.
+        with torch.no_grad():
+            for name in named:
+                dests[name].zero_()
+        for b, bucket in enumerate(buckets):
+            plan.unpack_bucket_into(bucket, b)
+        for name, t in named.items():
+            _assert_bit_equal(dests[name], t, f"{name} step {step} per bucket")
+    assert dests["1.contiguous"].requires_grad and plan.num_rebuilds == 0
+
+
+@both_paths
+@pytest.mark.parametrize("case", list(_mismatch_cases()))
+def test_unpack_plan_rejects_mismatched_destinations(ext, use_extension, case):
+    named = {"a": torch.ones(5), "b": torch.full((2, 2), 2.0), "z": torch.full((3, 4), 9.0)}
+    manifest = rp.plan_buckets(rp.describe_tensors(named), 256, 16)
+    override, pattern = _mismatch_cases()[case]
+    dests = {"a": torch.zeros(5), "b": torch.zeros(2, 2)}
+    if override is not None:
+        dests["z"] = override
+    with pytest.raises(ValueError, match=pattern.replace("destination", "UnpackPlan: destination")):
+        rp.UnpackPlan(manifest, dests, use_extension=use_extension)
+
+
+@both_paths
+def test_unpack_plan_bucket_errors_write_nothing(ext, use_extension):
+    named = {"a": torch.ones(5), "b": torch.full((100,), 2.0)}
+    manifest = rp.plan_buckets(rp.describe_tensors(named), 256, 16)
+    buckets = rp.pack(named, manifest)
+    dests = {"a": torch.zeros(5), "b": torch.zeros(100)}
+    plan = rp.UnpackPlan(manifest, dests, use_extension=use_extension)
+    with pytest.raises(ValueError, match="got 1 buckets but the manifest has 2"):
+        plan.unpack_into(buckets[:1])
+    with pytest.raises(ValueError, match="bucket 1: expected 400 bytes"):
+        plan.unpack_into([buckets[0], buckets[1][:-16]])
+    with pytest.raises(ValueError, match="1-D contiguous uint8"):
+        plan.unpack_into([buckets[0], buckets[1].view(torch.float32)])
+    with pytest.raises(ValueError, match=r"bucket_index must be an int in \[0, 2\)"):
+        plan.unpack_bucket_into(buckets[0], 2)
+    assert torch.equal(dests["a"], torch.zeros(5)) and torch.equal(dests["b"], torch.zeros(100))
+    # A destination inside a bucket.
+    alias_bucket = buckets[1].clone()
+    alias = {"a": torch.zeros(5), "b": alias_bucket.view(torch.float32)}
+    plan = rp.UnpackPlan(manifest, alias, use_extension=use_extension)
+    with pytest.raises(ValueError, match="overlaps bucket 1|shares memory with bucket 1"):
+        plan.unpack_into([buckets[0], alias_bucket])
+    assert torch.equal(alias["a"], torch.zeros(5))
+
+
+def test_plans_make_one_native_call_per_pack(ext, monkeypatch):
+    runs = []
+
+    class SpyPlan:
+        def __init__(self, *args):
+            self._plan = ext.RefitCopyPlan(*args)
+
+        def run(self, buckets, first_bucket, num_threads, stream):
+            runs.append((len(buckets), first_bucket))
+            return self._plan.run(buckets, first_bucket, num_threads, stream)
+
+    class Spy:
+        with_cuda = ext.with_cuda
+        refit_plan_buckets = staticmethod(ext.refit_plan_buckets)
+        RefitCopyPlan = SpyPlan
+
+    monkeypatch.setattr(rp, "_ext", Spy())
+    named = {f"t{i}": torch.full((50,), float(i)) for i in range(6)}
+    manifest = rp.plan_buckets(rp.describe_tensors(named), 256, 16)
+    assert manifest.num_buckets == 6
+    plan = rp.PackPlan(named, manifest)
+    buckets = plan.pack()
+    assert runs == [(6, 0)]
+    list(plan.iter_pack())
+    assert runs[1:] == [(1, b) for b in range(6)]
+    runs.clear()
+    dests = {k: torch.zeros_like(v) for k, v in named.items()}
+    rp.UnpackPlan(manifest, dests).unpack_into(buckets)
+    assert runs == [(6, 0)]
+    for k, v in named.items():
+        _assert_bit_equal(dests[k], v, k)
+
+
+def test_plan_empty_manifests(ext):
+    for named in ({}, {"e": torch.empty(0, 3)}):
+        manifest = rp.plan_buckets(rp.describe_tensors(named), 256, 16)
+        plan = rp.PackPlan(named, manifest, device="cpu")
+        buckets = plan.pack()
+        assert [b.numel() for b in buckets] == list(manifest.bucket_sizes)
+        rp.UnpackPlan(manifest, {k: torch.empty_like(v) for k, v in named.items()}).unpack_into(buckets)
+
+
+def test_raw_plan_binding_errors(ext):
+    t = torch.arange(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="got 1 tensors, 2 bucket indices and 1 offsets"):
+        ext.RefitCopyPlan([t], [0, 0], [0], [64], False)
+    with pytest.raises(ValueError, match=r"span 0: bucket 1 is not in \[0, 1\)"):
+        ext.RefitCopyPlan([t], [1], [0], [64], False)
+    with pytest.raises(IndexError, match=r"span 1 covers bytes \[64, 64 \+ 16\) but bucket 1 has 64"):
+        ext.RefitCopyPlan([t, t], [0, 1], [0, 64], [64, 64], False)
+    with pytest.raises(ValueError, match="span 0 and span 1 overlap in bucket 0"):
+        ext.RefitCopyPlan([t, t], [0, 0], [0, 8], [64, 64], False)
+    with pytest.raises(ValueError, match="span 0: the destination overlaps itself"):
+        ext.RefitCopyPlan([torch.zeros(1, 4, dtype=torch.int32).expand(3, 4)], [0], [0], [64], True)
+    plan = ext.RefitCopyPlan([t, t], [0, 1], [0, 16], [64, 64], False)
+    assert plan.num_buckets == 2 and plan.cuda_device == -1
+    a, b = torch.full((64,), 9, dtype=torch.uint8), torch.full((64,), 9, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"buckets \[1, 1 \+ 2\) are not all in the plan's 2 buckets"):
+        plan.run([a.data_ptr(), b.data_ptr()], 1)
+    with pytest.raises(ValueError, match="bucket 1 is null but has 64 bytes"):
+        plan.run([a.data_ptr(), 0], 0)
+    with pytest.raises(ValueError, match="span 0: the tensor's memory overlaps bucket 0"):
+        plan.run([t.data_ptr() - 16], 0)
+    with pytest.raises(ValueError, match="num_threads must be in"):
+        plan.run([a.data_ptr()], 0, -1)
+    assert bool((a == 9).all()) and bool((b == 9).all())
+    plan.run([b.data_ptr()], 1, 3)  # Bucket 1 only; threads beyond the bytes are capped.
+    expected = torch.zeros(64, dtype=torch.uint8)
+    expected[16:32] = t.view(torch.uint8)
+    assert torch.equal(b, expected) and bool((a == 9).all())
+    if not ext.with_cuda:
+        with pytest.raises(RuntimeError, match="built without CUDA"):
+            ext.RefitCopyPlan([], [], [], [], False, 0)
+
+
 # --- CUDA ----------------------------------------------------------------------------------------
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
@@ -625,3 +918,77 @@ def test_cuda_without_cuda_build_falls_back(ext):
         rp.pack(named, manifest, use_extension=True)
     out = rp.unpack(rp.pack(named, manifest), manifest)  # Default: torch.
     _assert_bit_equal(out["w"], named["w"])
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8])
+def test_cuda_plans_match_cpu(ext, dtype):
+    if not ext.with_cuda:
+        pytest.skip("_dockyard_kernels was built without CUDA (build with --config=cuda)")
+    gen = torch.Generator().manual_seed(12)
+    named_cpu = _layouts(dtype, gen)
+    named_cpu["big"] = _random_tensor((1000, 333), dtype, gen)  # Many chunks.
+    named_cpu["big_t"] = _random_tensor((333, 700), dtype, gen).t()
+    for i in range(40):  # One per 256-byte bucket: more buckets than one launch takes (32).
+        named_cpu[f"small{i}"] = _random_tensor((7 + i, 3), dtype, gen)
+    named = {k: v.cuda() for k, v in named_cpu.items()}
+    manifest = rp.plan_buckets(rp.describe_tensors(named), 256, 256)
+    assert manifest.num_buckets > 40
+    plan = rp.PackPlan(named, manifest)
+    assert plan.uses_extension
+    dests = {k: torch.zeros_like(v) for k, v in named.items() if k != "expanded_source"}
+    dests["expanded_source"] = torch.zeros(3, 5, dtype=dtype, device="cuda")
+    dests["big_t"] = torch.zeros(333, 700, dtype=dtype, device="cuda").t()  # Strided writes.
+    unpack_plan = rp.UnpackPlan(manifest, dests)
+    for step in range(2):
+        cpu_buckets = rp.pack(named_cpu, manifest, use_extension=True)
+        buckets = plan.pack()
+        for c, g in zip(cpu_buckets, buckets, strict=True):
+            assert g.is_cuda and torch.equal(g.cpu(), c)
+        buffers = [
+            torch.empty(manifest.max_bucket_size, dtype=torch.uint8, device="cuda") for _ in range(2)
+        ]
+        for b, g in enumerate(plan.iter_pack(buffers)):
+            assert torch.equal(g.cpu(), cpu_buckets[b])
+        unpack_plan.unpack_into(buckets)
+        torch.cuda.synchronize()
+        for name, t in named_cpu.items():
+            _assert_bit_equal(dests[name].cpu(), t, f"{name} step {step}")
+        # The same in-place change on both sides, then the plans are reused.
+        for name in ("big", "contiguous", "small3"):
+            for t in (named_cpu[name], named[name]):
+                if dtype == torch.bool:
+                    t.logical_not_()
+                else:
+                    t.view(torch.uint8).bitwise_not_()
+    assert plan.num_rebuilds == 0 and unpack_plan.num_rebuilds == 0
+    # A re-allocated source is followed.
+    named["big"].data = named["big"].flip(0).contiguous()
+    named_cpu["big"] = named_cpu["big"].flip(0).contiguous()
+    buckets = plan.pack()
+    assert plan.num_rebuilds == 1
+    for c, g in zip(rp.pack(named_cpu, manifest, use_extension=True), buckets, strict=True):
+        assert torch.equal(g.cpu(), c)
+
+
+@requires_gpu
+def test_cuda_plan_side_stream_and_errors(ext):
+    if not ext.with_cuda:
+        pytest.skip("_dockyard_kernels was built without CUDA (build with --config=cuda)")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        named = {"w": torch.arange(1 << 20, device="cuda", dtype=torch.float32).view(1024, 1024).t()}
+        manifest = rp.plan_buckets(rp.describe_tensors(named), 1 << 22, 256)
+        plan = rp.PackPlan(named, manifest)
+        # Produced on the side stream right before the pack: the pack must run after it there.
+        named["w"].mul_(3)
+        (bucket,) = plan.pack()
+        dest = {"w": torch.empty(1024, 1024, device="cuda")}
+        rp.UnpackPlan(manifest, dest).unpack_into([bucket])
+    torch.cuda.synchronize()
+    _assert_bit_equal(dest["w"], named["w"])
+    with pytest.raises(ValueError, match="is on cpu but the plan's tensors on cuda"):
+        plan.pack(out=[torch.empty(manifest.bucket_sizes[0], dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="expected device cuda:0 \\(the plan's\\), got cpu"):
+        rp.PackPlan({"w": torch.zeros(1024, 1024)}, manifest, device="cuda")
+    assert rp.PackPlan(named, manifest, device="cuda").device == named["w"].device
