@@ -50,8 +50,8 @@ $py -m pytest -q -p no:cacheprovider -rs python/dockyard_rl/kernels 2>&1 | tee "
 [[ "${PIPESTATUS[0]}" == 0 ]] || status=1
 
 echo "== benchmarks on the GPU"
-for k in logprobs refit_packer; do
-  $py "tests/benchmarks/${k}_benchmark.py" --device cuda 2>&1 | tee "$out/${k}_benchmark.log" \
-    || status=1
-done
+$py tests/benchmarks/logprobs_benchmark.py --device cuda --dtypes float32 bfloat16 2>&1 \
+  | tee "$out/logprobs_benchmark.log" || status=1
+$py tests/benchmarks/refit_packer_benchmark.py --device cuda 2>&1 \
+  | tee "$out/refit_packer_benchmark.log" || status=1
 exit "$status"
