@@ -1,70 +1,23 @@
-// Tests of the core group_advantages (cc/advantages.h). No gtest here: a tiny
-// CHECK / EXPECT_NEAR harness that prints each failure with its line, then
-// "advantages_test: N passed, N failed", and exits nonzero on any failure.
+// Tests of the core group_advantages (cc/advantages.h), on the harness of
+// cc/testing.h: it prints each failure with its line, then
+// "advantages_test: N passed, M failed", and exits nonzero on any failure.
 
 #include "cc/advantages.h"
 
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <exception>
-#include <functional>
 #include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "cc/testing.h"
+
 namespace {
 
 using dockyard::kernels::Baseline;
 using dockyard::kernels::group_advantages;
-
-int g_check_failures = 0;  // Failed checks inside the test being run.
-
-#define CHECK(cond)                                                      \
-  do {                                                                   \
-    if (!(cond)) {                                                       \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__,        \
-                   __LINE__, #cond);                                     \
-      ++g_check_failures;                                                \
-    }                                                                    \
-  } while (0)
-
-#define EXPECT_NEAR(actual, expected, tol)                                   \
-  do {                                                                       \
-    const double a_ = (actual), e_ = (expected), t_ = (tol);                 \
-    if (!(std::fabs(a_ - e_) <= t_)) {                                       \
-      std::fprintf(stderr,                                                   \
-                   "%s:%d: EXPECT_NEAR failed: %s = %.9g, expected %s = "    \
-                   "%.9g (tolerance %.3g)\n",                                \
-                   __FILE__, __LINE__, #actual, a_, #expected, e_, t_);      \
-      ++g_check_failures;                                                    \
-    }                                                                        \
-  } while (0)
-
-// Checks that `stmt` throws std::invalid_argument whose message contains
-// `substr`.
-#define EXPECT_INVALID_ARGUMENT(stmt, substr)                                 \
-  do {                                                                        \
-    bool thrown_ = false;                                                     \
-    try {                                                                     \
-      stmt;                                                                   \
-    } catch (const std::invalid_argument& e_) {                               \
-      thrown_ = true;                                                         \
-      if (std::string(e_.what()).find(substr) == std::string::npos) {         \
-        std::fprintf(stderr,                                                  \
-                     "%s:%d: message \"%s\" does not contain \"%s\"\n",       \
-                     __FILE__, __LINE__, e_.what(), substr);                  \
-        ++g_check_failures;                                                   \
-      }                                                                       \
-    }                                                                         \
-    if (!thrown_) {                                                           \
-      std::fprintf(stderr,                                                    \
-                   "%s:%d: expected std::invalid_argument from: %s\n",        \
-                   __FILE__, __LINE__, #stmt);                                \
-      ++g_check_failures;                                                     \
-    }                                                                         \
-  } while (0)
 
 // Runs the core function on a (num_groups, group_size) array and returns out.
 std::vector<float> Run(const std::vector<float>& rewards, int64_t num_groups,
@@ -301,7 +254,7 @@ void TestInvalidArguments() {
 }  // namespace
 
 int main() {
-  const std::vector<std::pair<const char*, std::function<void()>>> tests = {
+  return dockyard::testing::RunTests("advantages_test", {
       {"LeaveOneOutHandExample", TestLeaveOneOutHandExample},
       {"GroupMean", TestGroupMean},
       {"StdNormalisation", TestStdNormalisation},
@@ -315,19 +268,5 @@ int main() {
       {"EmptyInputs", TestEmptyInputs},
       {"ThreadedPathMatchesPerGroupCalls", TestThreadedPathMatchesPerGroupCalls},
       {"InvalidArguments", TestInvalidArguments},
-  };
-  int passed = 0, failed = 0;
-  for (const auto& [name, fn] : tests) {
-    g_check_failures = 0;
-    try {
-      fn();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "unexpected exception: %s\n", e.what());
-      ++g_check_failures;
-    }
-    std::printf("[%s] %s\n", g_check_failures == 0 ? "PASS" : "FAIL", name);
-    (g_check_failures == 0 ? passed : failed)++;
-  }
-  std::printf("advantages_test: %d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
+  });
 }

@@ -1,7 +1,7 @@
 // Tests of the core gather_logprobs / gather_logprobs_backward
-// (cc/logprobs.h). No gtest here: a tiny CHECK / EXPECT_NEAR harness that
-// prints each failure with its line, then "logprobs_test: N passed, N failed",
-// and exits nonzero on any failure.
+// (cc/logprobs.h), on the harness of cc/testing.h: it prints each failure with
+// its line, then "logprobs_test: N passed, M failed", and exits nonzero on any
+// failure.
 //
 // Expected values come from hand-worked examples and from a naive double
 // implementation of the definitions (two passes, no online rescaling); the
@@ -13,13 +13,13 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <exception>
-#include <functional>
 #include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "cc/testing.h"
 
 namespace {
 
@@ -30,51 +30,6 @@ using dockyard::kernels::LogitsDtype;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr float kInfF = std::numeric_limits<float>::infinity();
 constexpr float kNaNF = std::numeric_limits<float>::quiet_NaN();
-
-int g_check_failures = 0;  // Failed checks inside the test being run.
-
-#define CHECK(cond)                                                      \
-  do {                                                                   \
-    if (!(cond)) {                                                       \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__,        \
-                   __LINE__, #cond);                                     \
-      ++g_check_failures;                                                \
-    }                                                                    \
-  } while (0)
-
-#define EXPECT_NEAR(actual, expected, tol)                                   \
-  do {                                                                       \
-    const double a_ = (actual), e_ = (expected), t_ = (tol);                 \
-    if (!(std::fabs(a_ - e_) <= t_)) {                                       \
-      std::fprintf(stderr,                                                   \
-                   "%s:%d: EXPECT_NEAR failed: %s = %.9g, expected %s = "    \
-                   "%.9g (tolerance %.3g)\n",                                \
-                   __FILE__, __LINE__, #actual, a_, #expected, e_, t_);      \
-      ++g_check_failures;                                                    \
-    }                                                                        \
-  } while (0)
-
-// Checks that `stmt` throws `Exc` whose message contains `substr`.
-#define EXPECT_THROW_MSG(stmt, Exc, substr)                                   \
-  do {                                                                        \
-    bool thrown_ = false;                                                     \
-    try {                                                                     \
-      stmt;                                                                   \
-    } catch (const Exc& e_) {                                                 \
-      thrown_ = true;                                                         \
-      if (std::string(e_.what()).find(substr) == std::string::npos) {         \
-        std::fprintf(stderr,                                                  \
-                     "%s:%d: message \"%s\" does not contain \"%s\"\n",       \
-                     __FILE__, __LINE__, e_.what(), substr);                  \
-        ++g_check_failures;                                                   \
-      }                                                                       \
-    }                                                                         \
-    if (!thrown_) {                                                           \
-      std::fprintf(stderr, "%s:%d: expected %s from: %s\n", __FILE__,         \
-                   __LINE__, #Exc, #stmt);                                    \
-      ++g_check_failures;                                                     \
-    }                                                                         \
-  } while (0)
 
 uint16_t ToBf16(float f) {  // Round to nearest even.
   uint32_t u;
@@ -473,7 +428,7 @@ void TestErrors() {
 }  // namespace
 
 int main() {
-  const std::vector<std::pair<const char*, std::function<void()>>> tests = {
+  return dockyard::testing::RunTests("logprobs_test", {
       {"HandExamples", TestHandExamples},
       {"Temperature", TestTemperature},
       {"VocabOne", TestVocabOne},
@@ -486,19 +441,5 @@ int main() {
       {"ThreadedMatchesPerRow", TestThreadedMatchesPerRow},
       {"EmptyAndOptionalOutputs", TestEmptyAndOptionalOutputs},
       {"Errors", TestErrors},
-  };
-  int passed = 0, failed = 0;
-  for (const auto& [name, fn] : tests) {
-    g_check_failures = 0;
-    try {
-      fn();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "unexpected exception: %s\n", e.what());
-      ++g_check_failures;
-    }
-    std::printf("[%s] %s\n", g_check_failures == 0 ? "PASS" : "FAIL", name);
-    (g_check_failures == 0 ? passed : failed)++;
-  }
-  std::printf("logprobs_test: %d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
+  });
 }

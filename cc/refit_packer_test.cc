@@ -1,5 +1,5 @@
-// Tests of the core refit packer (cc/refit_packer.h). No gtest here: a tiny
-// CHECK harness that prints each failure with its line, then
+// Tests of the core refit packer (cc/refit_packer.h), on the harness of
+// cc/testing.h: it prints each failure with its line, then
 // "refit_packer_test: N passed, M failed", and exits nonzero on any failure.
 //
 // Copies are checked against a naive element-by-element reference (unravel
@@ -11,12 +11,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <exception>
-#include <functional>
 #include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "cc/testing.h"
 
 namespace {
 
@@ -29,42 +29,6 @@ using dockyard::kernels::pack_bucket;
 using dockyard::kernels::plan_buckets;
 using dockyard::kernels::StridedTensor;
 using dockyard::kernels::unpack_bucket;
-
-int g_check_failures = 0;  // Failed checks inside the test being run.
-
-#define CHECK(cond)                                                      \
-  do {                                                                   \
-    if (!(cond)) {                                                       \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__,        \
-                   __LINE__, #cond);                                     \
-      ++g_check_failures;                                                \
-    }                                                                    \
-  } while (0)
-
-// Checks that `stmt` throws `type` whose message contains `substr`.
-#define EXPECT_THROWS(type, stmt, substr)                                     \
-  do {                                                                        \
-    bool thrown_ = false;                                                     \
-    try {                                                                     \
-      stmt;                                                                   \
-    } catch (const type& e_) {                                                \
-      thrown_ = true;                                                         \
-      if (std::string(e_.what()).find(substr) == std::string::npos) {         \
-        std::fprintf(stderr,                                                  \
-                     "%s:%d: message \"%s\" does not contain \"%s\"\n",       \
-                     __FILE__, __LINE__, e_.what(), substr);                  \
-        ++g_check_failures;                                                   \
-      }                                                                       \
-    }                                                                         \
-    if (!thrown_) {                                                           \
-      std::fprintf(stderr, "%s:%d: expected %s from: %s\n", __FILE__,         \
-                   __LINE__, #type, #stmt);                                   \
-      ++g_check_failures;                                                     \
-    }                                                                         \
-  } while (0)
-
-#define EXPECT_INVALID(stmt, substr) \
-  EXPECT_THROWS(std::invalid_argument, stmt, substr)
 
 // Deterministic pseudo-random bytes (xorshift; no <random> distribution,
 // whose output differs across standard libraries).
@@ -231,13 +195,15 @@ void TestPlanProperties() {
 }
 
 void TestPlanErrors() {
-  EXPECT_INVALID(plan_buckets({1}, 256, 8), "alignment must be a power of two in [16,");
-  EXPECT_INVALID(plan_buckets({1}, 240, 48), "got 48");
-  EXPECT_INVALID(plan_buckets({1}, 100, 16),
-                 "bucket_size_bytes must be a positive multiple of the alignment (16), got 100");
-  EXPECT_INVALID(plan_buckets({1}, 0, 16), "got 0");
-  EXPECT_INVALID(plan_buckets({1, -3}, 256, 16), "tensor 1 has a negative size (-3 bytes)");
-  EXPECT_INVALID(plan_buckets({INT64_MAX - 4, INT64_MAX - 4}, 256, 16), "overflow");
+  EXPECT_INVALID_ARGUMENT(plan_buckets({1}, 256, 8), "alignment must be a power of two in [16,");
+  EXPECT_INVALID_ARGUMENT(plan_buckets({1}, 240, 48), "got 48");
+  EXPECT_INVALID_ARGUMENT(
+      plan_buckets({1}, 100, 16),
+      "bucket_size_bytes must be a positive multiple of the alignment (16), got 100");
+  EXPECT_INVALID_ARGUMENT(plan_buckets({1}, 0, 16), "got 0");
+  EXPECT_INVALID_ARGUMENT(plan_buckets({1, -3}, 256, 16),
+                          "tensor 1 has a negative size (-3 bytes)");
+  EXPECT_INVALID_ARGUMENT(plan_buckets({INT64_MAX - 4, INT64_MAX - 4}, 256, 16), "overflow");
 }
 
 // --- Copies -----------------------------------------------------------------
@@ -329,54 +295,58 @@ void TestCopyErrors() {
   auto one = [&](StridedTensor v, int64_t offset) {
     return std::vector<BucketSpan>{{std::move(v), offset}};
   };
-  EXPECT_THROWS(std::out_of_range, pack_bucket(one(a.view, 56), b, 64),
-                "pack_bucket: span 0 covers bytes [56, 56 + 16) but the bucket has 64 bytes");
-  EXPECT_THROWS(std::out_of_range, unpack_bucket(b, 8, one(a.view, 0)), "unpack_bucket: span 0");
-  EXPECT_INVALID(pack_bucket(one(a.view, -16), b, 64), "offset must be >= 0, got -16");
-  EXPECT_INVALID(pack_bucket({{a.view, 0}, {a.view, 8}}, b, 64),
-                 "span 0 and span 1 overlap in the bucket");
-  EXPECT_INVALID(pack_bucket(one(a.view, 0), nullptr, 64), "bucket is null");
-  EXPECT_INVALID(pack_bucket(one(a.view, 0), b, -1), "bucket_nbytes must be >= 0");
-  EXPECT_INVALID(pack_bucket(one(a.view, 0), b, 64, -1), "num_threads must be in [0, 1024]");
+  EXPECT_THROW_MSG(pack_bucket(one(a.view, 56), b, 64), std::out_of_range,
+                 "pack_bucket: span 0 covers bytes [56, 56 + 16) but the bucket has 64 bytes");
+  EXPECT_THROW_MSG(unpack_bucket(b, 8, one(a.view, 0)), std::out_of_range, "unpack_bucket: span 0");
+  EXPECT_INVALID_ARGUMENT(pack_bucket(one(a.view, -16), b, 64), "offset must be >= 0, got -16");
+  EXPECT_INVALID_ARGUMENT(pack_bucket({{a.view, 0}, {a.view, 8}}, b, 64),
+                          "span 0 and span 1 overlap in the bucket");
+  EXPECT_INVALID_ARGUMENT(pack_bucket(one(a.view, 0), nullptr, 64), "bucket is null");
+  EXPECT_INVALID_ARGUMENT(pack_bucket(one(a.view, 0), b, -1), "bucket_nbytes must be >= 0");
+  EXPECT_INVALID_ARGUMENT(pack_bucket(one(a.view, 0), b, 64, -1),
+                          "num_threads must be in [0, 1024]");
   StridedTensor bad = a.view;
   bad.element_size = 3;
-  EXPECT_INVALID(pack_bucket(one(bad, 0), b, 64), "element_size must be 1, 2, 4, 8 or 16, got 3");
+  EXPECT_INVALID_ARGUMENT(pack_bucket(one(bad, 0), b, 64),
+                          "element_size must be 1, 2, 4, 8 or 16, got 3");
   bad = a.view;
   bad.strides = {1, 1};
-  EXPECT_INVALID(pack_bucket(one(bad, 0), b, 64), "shape has 1 dims but strides has 2");
+  EXPECT_INVALID_ARGUMENT(pack_bucket(one(bad, 0), b, 64), "shape has 1 dims but strides has 2");
   bad = a.view;
   bad.strides = {-1};
-  EXPECT_INVALID(pack_bucket(one(bad, 0), b, 64), "both must be >= 0");
+  EXPECT_INVALID_ARGUMENT(pack_bucket(one(bad, 0), b, 64), "both must be >= 0");
   bad = a.view;
   bad.data = nullptr;
-  EXPECT_INVALID(pack_bucket(one(bad, 0), b, 64), "data is null");
+  EXPECT_INVALID_ARGUMENT(pack_bucket(one(bad, 0), b, 64), "data is null");
   bad.shape = {0};  // No elements: a null pointer is fine.
   pack_bucket(one(bad, 0), b, 64);
   bad = a.view;
   bad.shape = {INT64_MAX / 2};
-  EXPECT_INVALID(pack_bucket(one(bad, 0), b, 64), "byte size overflows int64");
+  EXPECT_INVALID_ARGUMENT(pack_bucket(one(bad, 0), b, 64), "byte size overflows int64");
 
   // A zero-stride (expanded) destination: reading is fine, writing is not.
   StridedTensor expanded = a.view;
   expanded.shape = {4, 3};
   expanded.strides = {1, 0};
   pack_bucket(one(expanded, 0), b, 64);
-  EXPECT_INVALID(unpack_bucket(b, 64, one(expanded, 0)), "the destination overlaps itself");
+  EXPECT_INVALID_ARGUMENT(unpack_bucket(b, 64, one(expanded, 0)),
+                          "the destination overlaps itself");
   // Rows of 3 elements 2 apart overlap too (stride 2 < extent 3 of a row).
   HostTensor storage = MakeDense(4, {16}, 32);
   StridedTensor windows = storage.view;
   windows.shape = {4, 3};
   windows.strides = {2, 1};
-  EXPECT_INVALID(unpack_bucket(b, 64, one(windows, 0)), "overlaps itself");
+  EXPECT_INVALID_ARGUMENT(unpack_bucket(b, 64, one(windows, 0)), "overlaps itself");
   // A tensor inside the bucket's memory.
   StridedTensor inside = a.view;
   inside.data = b + 32;
-  EXPECT_INVALID(pack_bucket(one(inside, 0), b, 64), "span 0: the tensor's memory overlaps the bucket");
-  EXPECT_INVALID(unpack_bucket(b, 64, one(inside, 0)), "overlaps the bucket");
+  EXPECT_INVALID_ARGUMENT(pack_bucket(one(inside, 0), b, 64),
+                          "span 0: the tensor's memory overlaps the bucket");
+  EXPECT_INVALID_ARGUMENT(unpack_bucket(b, 64, one(inside, 0)), "overlaps the bucket");
 
   // Nothing was written by a failing call.
   std::vector<char> guard(64, 'g');
-  EXPECT_INVALID(pack_bucket({{a.view, 0}, {a.view, 8}}, guard.data(), 64), "overlap");
+  EXPECT_INVALID_ARGUMENT(pack_bucket({{a.view, 0}, {a.view, 8}}, guard.data(), 64), "overlap");
   CHECK(SameBytes(guard, std::vector<char>(64, 'g')));
 }
 
@@ -469,34 +439,36 @@ void TestCopyPlanErrors() {
   HostTensor a = MakeDense(4, {4}, 61);
   std::vector<char> bucket(64, 'g');
   char* b = bucket.data();
-  EXPECT_INVALID(CopyPlan("plan", CopyDirection::kPack, {{a.view, 1, 0}}, {64}),
-                 "plan: span 0: bucket 1 is not in [0, 1)");
-  EXPECT_INVALID(CopyPlan("plan", CopyDirection::kPack, {{a.view, -1, 0}}, {64}),
-                 "span 0: bucket -1 is not in [0, 1)");
-  EXPECT_INVALID(CopyPlan("plan", CopyDirection::kPack, {}, {64, -8}),
-                 "plan: bucket 1 has a negative size (-8 bytes)");
-  EXPECT_THROWS(std::out_of_range,
-                CopyPlan("plan", CopyDirection::kPack, {{a.view, 0, 0}, {a.view, 1, 56}}, {64, 64}),
-                "plan: span 1 covers bytes [56, 56 + 16) but bucket 1 has 64 bytes");
+  EXPECT_INVALID_ARGUMENT(CopyPlan("plan", CopyDirection::kPack, {{a.view, 1, 0}}, {64}),
+                          "plan: span 0: bucket 1 is not in [0, 1)");
+  EXPECT_INVALID_ARGUMENT(CopyPlan("plan", CopyDirection::kPack, {{a.view, -1, 0}}, {64}),
+                          "span 0: bucket -1 is not in [0, 1)");
+  EXPECT_INVALID_ARGUMENT(CopyPlan("plan", CopyDirection::kPack, {}, {64, -8}),
+                          "plan: bucket 1 has a negative size (-8 bytes)");
+  EXPECT_THROW_MSG(
+      CopyPlan("plan", CopyDirection::kPack, {{a.view, 0, 0}, {a.view, 1, 56}}, {64, 64}),
+      std::out_of_range, "plan: span 1 covers bytes [56, 56 + 16) but bucket 1 has 64 bytes");
   // Overlap is per bucket: the same offset in two buckets is fine.
   CopyPlan("plan", CopyDirection::kPack, {{a.view, 0, 0}, {a.view, 1, 0}}, {64, 64});
-  EXPECT_INVALID(CopyPlan("plan", CopyDirection::kPack,
-                          {{a.view, 1, 8}, {a.view, 0, 0}, {a.view, 1, 0}}, {64, 64}),
-                 "plan: span 0 and span 2 overlap in bucket 1");
+  EXPECT_INVALID_ARGUMENT(
+      CopyPlan("plan", CopyDirection::kPack, {{a.view, 1, 8}, {a.view, 0, 0}, {a.view, 1, 0}},
+               {64, 64}),
+      "plan: span 0 and span 2 overlap in bucket 1");
   StridedTensor expanded = a.view;
   expanded.shape = {4, 3};
   expanded.strides = {1, 0};
   CopyPlan("plan", CopyDirection::kPack, {{expanded, 0, 0}}, {64});  // Reading is fine.
-  EXPECT_INVALID(CopyPlan("plan", CopyDirection::kUnpack, {{expanded, 0, 0}}, {64}),
-                 "span 0: the destination overlaps itself");
+  EXPECT_INVALID_ARGUMENT(CopyPlan("plan", CopyDirection::kUnpack, {{expanded, 0, 0}}, {64}),
+                          "span 0: the destination overlaps itself");
 
   const CopyPlan plan("plan", CopyDirection::kPack, {{a.view, 0, 0}, {a.view, 1, 16}}, {64, 48});
-  EXPECT_INVALID(plan.run({b, b}, 1),
-                 "CopyPlan::run: buckets [1, 1 + 2) are not all in the plan's 2 buckets");
-  EXPECT_INVALID(plan.run({b}, -1), "buckets [-1, -1 + 1)");
-  EXPECT_INVALID(plan.run({b}, 3), "buckets [3, 3 + 1)");
-  EXPECT_INVALID(plan.run({b, nullptr}, 0), "CopyPlan::run: bucket 1 is null but has 48 bytes");
-  EXPECT_INVALID(plan.run({b}, 0, 2000), "num_threads must be in [0, 1024]");
+  EXPECT_INVALID_ARGUMENT(plan.run({b, b}, 1),
+                          "CopyPlan::run: buckets [1, 1 + 2) are not all in the plan's 2 buckets");
+  EXPECT_INVALID_ARGUMENT(plan.run({b}, -1), "buckets [-1, -1 + 1)");
+  EXPECT_INVALID_ARGUMENT(plan.run({b}, 3), "buckets [3, 3 + 1)");
+  EXPECT_INVALID_ARGUMENT(plan.run({b, nullptr}, 0),
+                          "CopyPlan::run: bucket 1 is null but has 48 bytes");
+  EXPECT_INVALID_ARGUMENT(plan.run({b}, 0, 2000), "num_threads must be in [0, 1024]");
   // A tensor inside a bucket's memory: found whatever the bucket's position
   // relative to the tensors' (merged) memory ranges.
   HostTensor storage = MakeDense(4, {64}, 62);
@@ -506,9 +478,12 @@ void TestCopyPlanErrors() {
   StridedTensor other = a.view;
   other.data = s + 200;
   const CopyPlan aliased("plan", CopyDirection::kUnpack, {{other, 0, 16}, {inside, 0, 0}}, {32});
-  EXPECT_INVALID(aliased.run({s + 40}, 0), "span 1: the tensor's memory overlaps bucket 0");
-  EXPECT_INVALID(aliased.run({s + 79}, 0), "span 1: the tensor's memory overlaps bucket 0");
-  EXPECT_INVALID(aliased.run({s + 180}, 0), "span 0: the tensor's memory overlaps bucket 0");
+  EXPECT_INVALID_ARGUMENT(aliased.run({s + 40}, 0),
+                          "span 1: the tensor's memory overlaps bucket 0");
+  EXPECT_INVALID_ARGUMENT(aliased.run({s + 79}, 0),
+                          "span 1: the tensor's memory overlaps bucket 0");
+  EXPECT_INVALID_ARGUMENT(aliased.run({s + 180}, 0),
+                          "span 0: the tensor's memory overlaps bucket 0");
   aliased.run({s + 80}, 0);   // Right after `inside`, before `other`: no overlap.
   aliased.run({s + 216}, 0);  // Right after `other`.
   // Nothing was written by the failing calls.
@@ -521,7 +496,7 @@ void TestCopyPlanErrors() {
 }  // namespace
 
 int main() {
-  const std::vector<std::pair<const char*, std::function<void()>>> tests = {
+  return dockyard::testing::RunTests("refit_packer_test", {
       {"PlanHandExample", TestPlanHandExample},
       {"PlanExactFitAndEmpties", TestPlanExactFitAndEmpties},
       {"PlanProperties", TestPlanProperties},
@@ -533,19 +508,5 @@ int main() {
       {"EmptyBucket", TestEmptyBucket},
       {"CopyPlanRoundTrip", TestCopyPlanRoundTrip},
       {"CopyPlanErrors", TestCopyPlanErrors},
-  };
-  int passed = 0, failed = 0;
-  for (const auto& [name, fn] : tests) {
-    g_check_failures = 0;
-    try {
-      fn();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "unexpected exception: %s\n", e.what());
-      ++g_check_failures;
-    }
-    std::printf("[%s] %s\n", g_check_failures == 0 ? "PASS" : "FAIL", name);
-    (g_check_failures == 0 ? passed : failed)++;
-  }
-  std::printf("refit_packer_test: %d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
+  });
 }

@@ -8,16 +8,16 @@
 #include <cstdint>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cc/advantages.h"
 #include "cc/cuda/advantages_cuda.h"
+#include "cc/testing.h"
 
 namespace {
 
 using dockyard::kernels::Baseline;
-
-int num_failures = 0;
 
 void check_parity(int64_t num_groups, int64_t group_size, Baseline baseline, bool normalize_std) {
   std::mt19937 rng(static_cast<unsigned>(num_groups * 131 + group_size));
@@ -45,10 +45,9 @@ void check_parity(int64_t num_groups, int64_t group_size, Baseline baseline, boo
   for (size_t i = 0; i < got.size(); ++i) {
     const float tolerance = 1e-5f * (1.0f + std::fabs(expected[i]));
     if (!(std::fabs(got[i] - expected[i]) <= tolerance)) {
-      std::printf("FAIL: groups=%lld size=%lld index=%zu cuda=%g cpu=%g\n",
+      ADD_FAILURE("groups=%lld size=%lld index=%zu cuda=%g cpu=%g",
                   static_cast<long long>(num_groups), static_cast<long long>(group_size), i,
                   got[i], expected[i]);
-      ++num_failures;
       return;
     }
   }
@@ -64,18 +63,19 @@ int main() {
                 status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
     return 0;
   }
-  int num_cases = 0;
+  std::vector<dockyard::testing::TestCase> cases;
   for (int64_t group_size : {1, 2, 5, 16, 64}) {
     for (int64_t num_groups : {1, 7, 5000}) {
       for (Baseline baseline : {Baseline::kLeaveOneOut, Baseline::kGroupMean}) {
         for (bool normalize_std : {false, true}) {
-          check_parity(num_groups, group_size, baseline, normalize_std);
-          ++num_cases;
+          cases.push_back(
+              {"groups=" + std::to_string(num_groups) + " size=" + std::to_string(group_size) +
+                   (baseline == Baseline::kLeaveOneOut ? " leave_one_out" : " group_mean") +
+                   (normalize_std ? " normalize_std" : ""),
+               [=] { check_parity(num_groups, group_size, baseline, normalize_std); }});
         }
       }
     }
   }
-  std::printf("advantages_cuda_test: %d passed, %d failed\n", num_cases - num_failures,
-              num_failures);
-  return num_failures == 0 ? 0 : 1;
+  return dockyard::testing::RunTests("advantages_cuda_test", cases);
 }

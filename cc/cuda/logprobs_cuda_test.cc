@@ -29,6 +29,7 @@
 
 #include "cc/cuda/logprobs_cuda.h"
 #include "cc/logprobs.h"
+#include "cc/testing.h"
 
 namespace {
 
@@ -36,15 +37,6 @@ using dockyard::kernels::LogitsDtype;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-
-int num_failures = 0;  // Failed comparisons.
-int num_cases = 0;
-int num_failed_cases = 0;
-
-void Fail(const std::string& what) {
-  std::printf("FAIL: %s\n", what.c_str());
-  ++num_failures;
-}
 
 void Check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) {
@@ -107,13 +99,13 @@ template <typename T>
 void CompareAll(const std::vector<T>& got, const std::vector<T>& want, double tol,
                 const std::string& what) {
   if (got.size() != want.size()) {
-    Fail(what + ": sizes differ");
+    ADD_FAILURE("%s: sizes differ", what.c_str());
     return;
   }
   for (size_t i = 0; i < got.size(); ++i) {
     if (!Close(got[i], want[i], tol)) {
-      Fail(what + " index " + std::to_string(i) + ": cuda " + std::to_string(got[i]) +
-           " cpu " + std::to_string(want[i]));
+      ADD_FAILURE("%s index %zu: cuda %s cpu %s", what.c_str(), i,
+                  std::to_string(got[i]).c_str(), std::to_string(want[i]).c_str());
       return;
     }
   }
@@ -180,7 +172,6 @@ void MakeInputs(const Case& c, std::vector<float>* logits, std::vector<int64_t>*
 
 // Runs forward and backward (with and without entropy) on both devices and compares.
 void CheckParity(const Case& c, cudaStream_t stream = nullptr) {
-  ++num_cases;
   const std::string name = Name(c);
   const int64_t N = c.num_rows;
   const int64_t V = c.vocab_size;
@@ -291,16 +282,15 @@ template <typename Fn>
 void ExpectOutOfRange(const std::string& what, const std::string& want, Fn&& fn) {
   try {
     fn();
-    Fail(what + ": no exception");
+    ADD_FAILURE("%s: no exception", what.c_str());
   } catch (const std::out_of_range& e) {
     if (std::string(e.what()).find(want) == std::string::npos) {
-      Fail(what + ": message " + e.what());
+      ADD_FAILURE("%s: message %s", what.c_str(), e.what());
     }
   }
 }
 
 void CheckOutOfRangeTargets(LogitsDtype dtype, int64_t vocab_size) {
-  ++num_cases;
   const std::string name = std::string(dtype == LogitsDtype::kFloat32 ? "f32" : "bf16") +
                            " V=" + std::to_string(vocab_size) + " out-of-range: ";
   const int64_t N = 11;
@@ -365,7 +355,7 @@ void CheckOutOfRangeTargets(LogitsDtype dtype, int64_t vocab_size) {
                                             d_lp.get(), nullptr, nullptr, nullptr, nullptr, true);
     CompareAll(d_lp.ToHost(), lp, 2e-6, name + "good call after bad ones");
   } catch (const std::exception& e) {
-    Fail(name + "good call after bad ones threw " + e.what());
+    ADD_FAILURE("%sgood call after bad ones threw %s", name.c_str(), e.what());
   }
 
   // Unchecked: no exception; NaN in the bad rows (4 and 9), the others as the CPU's.
@@ -387,8 +377,9 @@ void CheckOutOfRangeTargets(LogitsDtype dtype, int64_t vocab_size) {
     const bool bad_row = r == 4 || r == 9;
     for (int64_t k = 0; k < V; ++k) {
       if (std::isnan(got_grad[r * V + k]) != bad_row) {
-        Fail(name + "unchecked backward row " + std::to_string(r) + " element " +
-             std::to_string(k) + (bad_row ? " is not NaN" : " is NaN"));
+        ADD_FAILURE("%sunchecked backward row %lld element %lld %s", name.c_str(),
+                    static_cast<long long>(r), static_cast<long long>(k),
+                    bad_row ? "is not NaN" : "is NaN");
         return;
       }
     }
@@ -405,15 +396,9 @@ int main() {
                 status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
     return 0;
   }
-  // Runs one case and counts it as failed when it added failures.
-  auto run = [](auto&& fn) {
-    const int before = num_failures;
-    try {
-      fn();
-    } catch (const std::exception& e) {
-      Fail(std::string("exception: ") + e.what());
-    }
-    if (num_failures > before) ++num_failed_cases;
+  std::vector<dockyard::testing::TestCase> cases;
+  auto parity = [&cases](const Case& c) {
+    cases.push_back({"parity " + Name(c), [c] { CheckParity(c); }});
   };
   for (LogitsDtype dtype : {LogitsDtype::kFloat32, LogitsDtype::kBFloat16}) {
     const int64_t bytes = dtype == LogitsDtype::kFloat32 ? 4 : 2;
@@ -424,22 +409,26 @@ int main() {
                       boundary + 1, int64_t{49152}, int64_t{49155}}) {
       const int64_t N = V > 10000 ? 9 : 37;
       for (const char* kind : {"normal", "masked", "huge", "nonfinite"}) {
-        run([&] { CheckParity({N, V, V, 0, 1.0, dtype, kind}); });
+        parity({N, V, V, 0, 1.0, dtype, kind});
       }
       // Rows off 16-byte boundaries: strides with every offset, and a shifted base. With
       // stride V + 4 (f32) or V + 8 (bf16) each logits row has its gradient row's offset.
       for (int64_t extra : {int64_t{1}, int64_t{3}, int64_t{5}, 16 / bytes}) {
-        run([&] { CheckParity({5, V, V + extra, 0, 0.7, dtype, "normal"}); });
+        parity({5, V, V + extra, 0, 0.7, dtype, "normal"});
       }
       for (int64_t offset : {int64_t{1}, int64_t{2}, int64_t{3}}) {
-        run([&] { CheckParity({7, V, V, offset, 1.3, dtype, "masked"}); });
+        parity({7, V, V, offset, 1.3, dtype, "masked"});
       }
     }
-    run([&] { CheckParity({64, 4099, 4103, 2, 2.5, dtype, "normal"}); });
-    run([&] { CheckOutOfRangeTargets(dtype, 33); });
-    run([&] { CheckOutOfRangeTargets(dtype, 20000); });
+    parity({64, 4099, 4103, 2, 2.5, dtype, "normal"});
+    for (int64_t vocab_size : {int64_t{33}, int64_t{20000}}) {
+      cases.push_back({std::string("out-of-range targets ") +
+                           (dtype == LogitsDtype::kFloat32 ? "f32" : "bf16") +
+                           " V=" + std::to_string(vocab_size),
+                       [=] { CheckOutOfRangeTargets(dtype, vocab_size); }});
+    }
   }
-  run([] {
+  cases.push_back({"non-default stream", [] {
     cudaStream_t stream = nullptr;
     Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
     try {
@@ -449,8 +438,6 @@ int main() {
       throw;
     }
     Check(cudaStreamDestroy(stream), "cudaStreamDestroy");
-  });
-  std::printf("logprobs_cuda_test: %d passed, %d failed\n", num_cases - num_failed_cases,
-              num_failed_cases);
-  return num_failures == 0 ? 0 : 1;
+  }});
+  return dockyard::testing::RunTests("logprobs_cuda_test", cases);
 }

@@ -26,6 +26,7 @@
 
 #include "cc/cuda/refit_packer_cuda.h"
 #include "cc/refit_packer.h"
+#include "cc/testing.h"
 
 namespace {
 
@@ -36,15 +37,11 @@ using dockyard::kernels::CudaCopyPlan;
 using dockyard::kernels::PlanSpan;
 using dockyard::kernels::StridedTensor;
 
-int num_failures = 0;
-
-#define CHECK(cond)                                                                  \
-  do {                                                                               \
-    if (!(cond)) {                                                                   \
-      std::printf("FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond);                    \
-      ++num_failures;                                                                \
-    }                                                                                \
-  } while (0)
+// Expects `call()` to throw std::invalid_argument whose message contains `substr`.
+template <typename Fn>
+void ExpectInvalid(Fn&& call, const char* substr) {
+  EXPECT_INVALID_ARGUMENT(call(), substr);
+}
 
 void CheckCudaOk(cudaError_t err, const char* what) {
   if (err != cudaSuccess) {
@@ -134,8 +131,7 @@ void CheckParity(const char* name, std::vector<Tensor> tensors, int64_t alignmen
   dockyard::kernels::pack_bucket_cuda(device_spans, d_bucket, nbytes, nullptr);
   CheckCudaOk(cudaDeviceSynchronize(), "pack kernel");
   const bool pack_ok = Download(d_bucket, nbytes) == expected;
-  if (!pack_ok) std::printf("FAIL %s: packed bucket differs from the CPU's\n", name);
-  num_failures += pack_ok ? 0 : 1;
+  if (!pack_ok) ADD_FAILURE("%s: packed bucket differs from the CPU's", name);
 
   // Unpack into destinations holding other bytes (same strides as the sources).
   std::vector<BucketSpan> host_dest, device_dest;
@@ -159,8 +155,7 @@ void CheckParity(const char* name, std::vector<Tensor> tensors, int64_t alignmen
   CheckCudaOk(cudaDeviceSynchronize(), "unpack kernel");
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (Download(tensors[i].device, host_storage[i].size()) != host_storage[i]) {
-      std::printf("FAIL %s: tensor %zu differs after unpack\n", name, i);
-      ++num_failures;
+      ADD_FAILURE("%s: tensor %zu differs after unpack", name, i);
     }
   }
   cudaFree(d_bucket);
@@ -234,8 +229,7 @@ void CheckPlanParity(const char* name, std::vector<Tensor> tensors, int64_t num_
     CheckCudaOk(cudaDeviceSynchronize(), "plan pack kernel");
     for (size_t b = 0; b < sizes.size(); ++b) {
       if (Download(device_ptrs[b], sizes[b]) != host_buckets[b]) {
-        std::printf("FAIL %s round %d: bucket %zu differs (all-bucket run)\n", name, round, b);
-        ++num_failures;
+        ADD_FAILURE("%s round %d: bucket %zu differs (all-bucket run)", name, round, b);
       }
     }
     // One bucket per run, into one reused buffer (the double-buffering sender).
@@ -245,8 +239,7 @@ void CheckPlanParity(const char* name, std::vector<Tensor> tensors, int64_t num_
       device_pack.run({scratch.ptr}, static_cast<int64_t>(b), nullptr);
       CheckCudaOk(cudaDeviceSynchronize(), "plan pack kernel");
       if (Download(scratch.ptr, sizes[b]) != host_buckets[b]) {
-        std::printf("FAIL %s round %d: bucket %zu differs (one-bucket run)\n", name, round, b);
-        ++num_failures;
+        ADD_FAILURE("%s round %d: bucket %zu differs (one-bucket run)", name, round, b);
       }
     }
     // Unpack the CPU's buckets (uploaded) into destinations holding other bytes.
@@ -268,8 +261,7 @@ void CheckPlanParity(const char* name, std::vector<Tensor> tensors, int64_t num_
     CheckCudaOk(cudaDeviceSynchronize(), "plan unpack kernel");
     for (size_t i = 0; i < tensors.size(); ++i) {
       if (Download(device_dest[i], host_dest[i].size()) != host_dest[i]) {
-        std::printf("FAIL %s round %d: destination %zu differs after unpack\n", name, round, i);
-        ++num_failures;
+        ADD_FAILURE("%s round %d: destination %zu differs after unpack", name, round, i);
       }
     }
   }
@@ -282,24 +274,12 @@ void TestPlanErrors() {
   Upload(&t);
   DeviceBuffer bucket(64);
   std::vector<char> host_bucket(64);
-  auto expect_invalid = [&](auto&& call, const char* substr) {
-    try {
-      call();
-      std::printf("FAIL: expected std::invalid_argument containing \"%s\"\n", substr);
-      ++num_failures;
-    } catch (const std::invalid_argument& e) {
-      if (std::string(e.what()).find(substr) == std::string::npos) {
-        std::printf("FAIL: message \"%s\" lacks \"%s\"\n", e.what(), substr);
-        ++num_failures;
-      }
-    }
-  };
-  expect_invalid(
+  ExpectInvalid(
       [&] {
         CudaCopyPlan("plan", CopyDirection::kPack, {{t.View(t.host.data()), 0, 0}}, {64}, 0);
       },
       "plan: span 0's tensor is not device memory");
-  expect_invalid(
+  ExpectInvalid(
       [&] {
         CudaCopyPlan("plan", CopyDirection::kPack, {{t.View(t.device), 0, 0}, {t.View(t.device), 0, 8}},
                      {64}, 0);
@@ -308,12 +288,12 @@ void TestPlanErrors() {
   const CudaCopyPlan plan("plan", CopyDirection::kPack, {{t.View(t.device), 0, 0}}, {64}, 0);
   // One chunk for the tensor, one for the padding after it.
   CHECK(plan.device() == 0 && plan.chunk_bytes() >= 8192 && plan.num_chunks() == 2);
-  expect_invalid([&] { plan.run({host_bucket.data()}, 0, nullptr); },
+  ExpectInvalid([&] { plan.run({host_bucket.data()}, 0, nullptr); },
                  "CudaCopyPlan::run: bucket 0 is not device memory");
-  expect_invalid([&] { plan.run({nullptr}, 0, nullptr); }, "bucket 0 is null but has 64 bytes");
-  expect_invalid([&] { plan.run({bucket.ptr, bucket.ptr}, 0, nullptr); },
+  ExpectInvalid([&] { plan.run({nullptr}, 0, nullptr); }, "bucket 0 is null but has 64 bytes");
+  ExpectInvalid([&] { plan.run({bucket.ptr, bucket.ptr}, 0, nullptr); },
                  "buckets [0, 0 + 2) are not all in the plan's 1 buckets");
-  expect_invalid([&] { plan.run({t.device - 32}, 0, nullptr); },
+  ExpectInvalid([&] { plan.run({t.device - 32}, 0, nullptr); },
                  "span 0: the tensor's memory overlaps bucket 0");
   // Nine dims of size 2 with strides that never merge (each 3x the next).
   std::vector<int64_t> shape(9, 2), strides(9);
@@ -321,7 +301,7 @@ void TestPlanErrors() {
   for (int d = 8; d >= 0; --d, s *= 3) strides[d] = s;
   Tensor deep = Make(1, shape, strides, s, 0, 10);
   Upload(&deep);
-  expect_invalid(
+  ExpectInvalid(
       [&] {
         CudaCopyPlan("plan", CopyDirection::kPack, {{deep.View(deep.device), 0, 0}}, {512}, 0);
       },
@@ -340,30 +320,18 @@ void TestErrors() {
   char* d_bucket = nullptr;
   CheckCudaOk(cudaMalloc(&d_bucket, 64), "cudaMalloc");
   std::vector<char> host_bucket(64);
-  auto expect_invalid = [&](auto&& call, const char* substr) {
-    try {
-      call();
-      std::printf("FAIL: expected std::invalid_argument containing \"%s\"\n", substr);
-      ++num_failures;
-    } catch (const std::invalid_argument& e) {
-      if (std::string(e.what()).find(substr) == std::string::npos) {
-        std::printf("FAIL: message \"%s\" lacks \"%s\"\n", e.what(), substr);
-        ++num_failures;
-      }
-    }
-  };
-  expect_invalid(
+  ExpectInvalid(
       [&] {
         dockyard::kernels::pack_bucket_cuda({{t.View(t.device), 0}}, host_bucket.data(), 64,
                                             nullptr);
       },
       "pack_bucket_cuda: the bucket is not device memory");
-  expect_invalid(
+  ExpectInvalid(
       [&] {
         dockyard::kernels::pack_bucket_cuda({{t.View(t.host.data()), 0}}, d_bucket, 64, nullptr);
       },
       "span 0's tensor is not device memory");
-  expect_invalid(
+  ExpectInvalid(
       [&] {
         dockyard::kernels::pack_bucket_cuda({{t.View(t.device), 0}, {t.View(t.device), 8}},
                                             d_bucket, 64, nullptr);
@@ -377,7 +345,7 @@ void TestErrors() {
   Upload(&deep);
   CheckCudaOk(cudaFree(d_bucket), "cudaFree");
   CheckCudaOk(cudaMalloc(&d_bucket, 512), "cudaMalloc");
-  expect_invalid(
+  ExpectInvalid(
       [&] {
         dockyard::kernels::pack_bucket_cuda({{deep.View(deep.device), 0}}, d_bucket, 512,
                                             nullptr);
@@ -398,21 +366,10 @@ int main() {
                 status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
     return 0;
   }
-  // Each case counts as failed when it adds a failure or throws.
-  int passed = 0, failed = 0;
-  auto run_case = [&](const char* name, auto&& body) {
-    const int before = num_failures;
-    try {
-      body();
-    } catch (const std::exception& e) {
-      std::printf("FAIL %s: unexpected exception: %s\n", name, e.what());
-      ++num_failures;
-    }
-    std::printf("[%s] %s\n", num_failures == before ? "PASS" : "FAIL", name);
-    (num_failures == before ? passed : failed)++;
-  };
+  std::vector<dockyard::testing::TestCase> cases;
   for (int64_t alignment : {16, 256}) {
-    run_case(alignment == 16 ? "MixedLayoutsAlign16" : "MixedLayoutsAlign256", [&] {
+    const char* name = alignment == 16 ? "MixedLayoutsAlign16" : "MixedLayoutsAlign256";
+    cases.push_back({name, [alignment] {
       std::vector<Tensor> mixed;
       mixed.push_back(Make(4, {3, 5}, {5, 1}, 15, 0, 1));            // Dense.
       mixed.push_back(Make(2, {5, 3}, {1, 5}, 15, 0, 2));            // Transposed.
@@ -424,18 +381,18 @@ int main() {
       mixed.push_back(Make(2, {2, 1, 8}, {8, 1000, 1}, 16, 0, 8));   // Size-1 dim.
       mixed.push_back(Make(4, {9}, {1}, 10, 1, 9));                  // Base not 16-aligned.
       CheckParity("mixed", std::move(mixed), alignment);
-    });
+    }});
   }
-  run_case("LargeMultiChunk", [&] {
+  cases.push_back({"LargeMultiChunk", [] {
     // Several chunks per tensor: dense 1 MiB + 3 bytes, a transposed matrix, a column slice.
     std::vector<Tensor> large;
     large.push_back(Make(1, {(1 << 20) + 3}, {1}, (1 << 20) + 3, 0, 11));
     large.push_back(Make(4, {300, 700}, {1, 300}, 300 * 700, 0, 12));
     large.push_back(Make(2, {4096, 33}, {66, 2}, 4096 * 66, 0, 13));
     CheckParity("large", std::move(large), 256);
-  });
-  run_case("Errors", TestErrors);
-  run_case("PlanManyBuckets", [&] {
+ }});
+  cases.push_back({"Errors", TestErrors});
+  cases.push_back({"PlanManyBuckets", [] {
     // 75 tensors of every layout over 37 buckets: two launches per all-bucket run.
     std::vector<Tensor> many;
     for (int i = 0; i < 75; ++i) {
@@ -450,8 +407,8 @@ int main() {
     }
     many.push_back(Make(4, {0, 9}, {9, 1}, 0, 0, 99));  // Empty.
     CheckPlanParity("many buckets", std::move(many), 37, 256);
-  });
-  run_case("PlanWordWidthsAndLarge", [&] {
+ }});
+  cases.push_back({"PlanWordWidthsAndLarge", [] {
     // Dense tensors whose base is aligned to 16, 8, 4, 2 and 1 bytes (bucket offsets are 16-byte
     // aligned, so the copy takes each word width), over several chunks, with odd tails; plus
     // large strided ones.
@@ -464,8 +421,7 @@ int main() {
     t.push_back(Make(4, {300, 700}, {1, 300}, 300 * 700, 0, 206));           // Transposed.
     t.push_back(Make(2, {4096, 33}, {66, 2}, 4096 * 66, 0, 207));            // Column steps.
     CheckPlanParity("word widths", std::move(t), 2, 256);
-  });
-  run_case("PlanErrors", TestPlanErrors);
-  std::printf("refit_packer_cuda_test: %d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
+ }});
+  cases.push_back({"PlanErrors", TestPlanErrors});
+  return dockyard::testing::RunTests("refit_packer_cuda_test", cases);
 }

@@ -38,15 +38,11 @@ import math
 
 import torch
 
-try:
-    import _dockyard_kernels as _ext
-except ImportError as _error:  # Only when running outside the build.
-    _ext = None
-    _EXTENSION_IMPORT_ERROR: ImportError | None = _error
-else:
-    _EXTENSION_IMPORT_ERROR = None
+from dockyard_rl.kernels import _extension
+from dockyard_rl.kernels._extension import HAS_EXTENSION
 
-HAS_EXTENSION: bool = _ext is not None
+# The extension this module calls (None outside the build); tests replace it.
+_ext = _extension.EXTENSION
 BASELINES = ("leave_one_out", "group_mean")
 
 __all__ = [
@@ -82,16 +78,9 @@ def group_advantages(
             importable, or was built without CUDA and the tensor is on CUDA.
     """
     _validate(rewards_GN, baseline, epsilon)
-    if use_extension is None:
-        use_extension = _extension_supports(rewards_GN.device)
-    elif use_extension and _ext is None:
-        raise RuntimeError(
-            "group_advantages(use_extension=True): the C++ extension "
-            f"_dockyard_kernels is not importable ({_EXTENSION_IMPORT_ERROR}); "
-            "build it with Bazel (it is a dependency of this module's target) "
-            "or pass use_extension=None to fall back to torch"
-        )
-    if not use_extension:
+    if not _extension.resolve_use_extension(
+        use_extension, rewards_GN.device, "group_advantages(use_extension=True)", _ext
+    ):
         return group_advantages_reference(rewards_GN, baseline, normalize_std, epsilon)
 
     # DLPack cannot export tensors that require grad; the kernel wants C order.
@@ -134,14 +123,6 @@ def group_advantages_reference(
     constant_G1 = (r_GN == r_GN[:, :1]).all(dim=1, keepdim=True)
     adv_GN = torch.where(constant_G1, torch.zeros_like(adv_GN), adv_GN)
     return adv_GN.to(torch.float32)
-
-
-def _extension_supports(device: torch.device) -> bool:
-    if _ext is None:
-        return False
-    if device.type == "cpu":
-        return True
-    return device.type == "cuda" and bool(_ext.with_cuda)
 
 
 def _validate(rewards_GN: torch.Tensor, baseline: str, epsilon: float) -> None:

@@ -19,21 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dockyard_rl.kernels import advantages as kernels
+from dockyard_rl.kernels import testing
+
+# The shared fixture: the compiled extension, failing (not skipping) when it is missing.
+ext = testing.ext
 
 BASELINES = ["leave_one_out", "group_mean"]
-
-
-@pytest.fixture(scope="module")
-def ext():
-    """The compiled extension; fails (does not skip) when it is missing."""
-    try:
-        import _dockyard_kernels
-    except ImportError as e:
-        pytest.fail(
-            f"_dockyard_kernels is not importable ({e}); the build provides it: run this "
-            "test through Bazel, or put the built extension's folder on PYTHONPATH"
-        )
-    return _dockyard_kernels
 
 
 def _expected_advantages(

@@ -60,15 +60,11 @@ import math
 
 import torch
 
-try:
-    import _dockyard_kernels as _ext
-except ImportError as _error:  # Only when running outside the build.
-    _ext = None
-    _EXTENSION_IMPORT_ERROR: ImportError | None = _error
-else:
-    _EXTENSION_IMPORT_ERROR = None
+from dockyard_rl.kernels import _extension
+from dockyard_rl.kernels._extension import HAS_EXTENSION
 
-HAS_EXTENSION: bool = _ext is not None
+# The extension this module calls (None outside the build); tests replace it.
+_ext = _extension.EXTENSION
 LOGITS_DTYPES = (torch.float32, torch.bfloat16)
 
 __all__ = [
@@ -109,16 +105,9 @@ def gather_logprobs(
             built without CUDA and the tensors are on CUDA.
     """
     _validate(logits_NV, targets_N, temperature)
-    if use_extension is None:
-        use_extension = _extension_supports(logits_NV.device)
-    elif use_extension and _ext is None:
-        raise RuntimeError(
-            "gather_logprobs(use_extension=True): the C++ extension _dockyard_kernels is "
-            f"not importable ({_EXTENSION_IMPORT_ERROR}); build it with Bazel (it is a "
-            "dependency of this module's target) or pass use_extension=None to fall back "
-            "to torch"
-        )
-    if not use_extension:
+    if not _extension.resolve_use_extension(
+        use_extension, logits_NV.device, "gather_logprobs(use_extension=True)", _ext
+    ):
         return gather_logprobs_reference(logits_NV, targets_N, temperature, return_entropy)
 
     out_shape = targets_N.shape
@@ -234,14 +223,6 @@ def _stream(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.current_stream(device).cuda_stream
     return 0
-
-
-def _extension_supports(device: torch.device) -> bool:
-    if _ext is None:
-        return False
-    if device.type == "cpu":
-        return True
-    return device.type == "cuda" and bool(_ext.with_cuda)
 
 
 def _validate(logits_NV: torch.Tensor, targets_N: torch.Tensor, temperature: float) -> None:

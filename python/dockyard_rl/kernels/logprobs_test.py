@@ -17,24 +17,15 @@ import pytest
 import torch
 
 from dockyard_rl.kernels import logprobs as kernels
+from dockyard_rl.kernels import testing
+
+# The shared fixture: the compiled extension, failing (not skipping) when it is missing.
+ext = testing.ext
 
 both_paths = pytest.mark.parametrize("use_extension", [True, False], ids=["ext", "torch"])
 # Float32 tolerances vs the float64 reference: the extension accumulates in float64; the
 # torch path is plain float32 log_softmax.
 RTOL = {True: 1e-6, False: 1e-5}
-
-
-@pytest.fixture(scope="module")
-def ext():
-    """The compiled extension; fails (does not skip) when it is missing."""
-    try:
-        import _dockyard_kernels
-    except ImportError as e:
-        pytest.fail(
-            f"_dockyard_kernels is not importable ({e}); the build provides it: run this "
-            "test through Bazel, or put the built extension's folder on PYTHONPATH"
-        )
-    return _dockyard_kernels
 
 
 def _expected(logits_NV, targets_N, temperature, grad_N=None, grad_entropy_N=None):

@@ -64,15 +64,11 @@ from typing import Any
 
 import torch
 
-try:
-    import _dockyard_kernels as _ext
-except ImportError as _error:  # Only when running outside the build.
-    _ext = None
-    _EXTENSION_IMPORT_ERROR: ImportError | None = _error
-else:
-    _EXTENSION_IMPORT_ERROR = None
+from dockyard_rl.kernels import _extension
+from dockyard_rl.kernels._extension import HAS_EXTENSION
 
-HAS_EXTENSION: bool = _ext is not None
+# The extension this module calls (None outside the build); tests replace it.
+_ext = _extension.EXTENSION
 
 # dtype name in the manifest -> torch dtype. Names are torch's without the "torch." prefix.
 DTYPES: dict[str, torch.dtype] = {
@@ -1287,14 +1283,12 @@ def _stream_of(device: torch.device) -> int:
 
 
 def _resolve_extension(use_extension: bool | None, device: torch.device, where: str) -> bool:
-    supported = _ext is not None and (
-        device.type == "cpu" or (device.type == "cuda" and bool(_ext.with_cuda))
-    )
+    supported = _extension.supports_device(_ext, device)
     if use_extension is None:
         return supported
     if use_extension and not supported:
         if _ext is None:
-            reason = f"the C++ extension _dockyard_kernels is not importable ({_EXTENSION_IMPORT_ERROR})"
+            reason = _extension.missing_reason()
         else:
             reason = f"_dockyard_kernels does not support {device.type} tensors in this build"
         raise RuntimeError(

@@ -16,6 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dockyard_rl.kernels import refit_packer as rp
+from dockyard_rl.kernels import testing
+
+# The shared fixture: the compiled extension, failing (not skipping) when it is missing.
+ext = testing.ext
 
 both_paths = pytest.mark.parametrize("use_extension", [True, False], ids=["ext", "torch"])
 
@@ -42,19 +46,6 @@ _SPECIAL_BITS = {
     2: [0x7E01, 0x7C01, -0x0001, -0x8000, 0x7C00, 1],
     1: [0x7F, 0xFF, 0x80, 0x01],
 }
-
-
-@pytest.fixture(scope="module")
-def ext():
-    """The compiled extension; fails (does not skip) when it is missing."""
-    try:
-        import _dockyard_kernels
-    except ImportError as e:
-        pytest.fail(
-            f"_dockyard_kernels is not importable ({e}); the build provides it: run this "
-            "test through Bazel, or put the built extension's folder on PYTHONPATH"
-        )
-    return _dockyard_kernels
 
 
 def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
