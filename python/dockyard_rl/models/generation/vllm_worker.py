@@ -1,0 +1,645 @@
+"""The vLLM generation backend: vLLM's V1 async engine (`AsyncLLM`) in Ray actors.
+
+Layout. `VllmGeneration` (driver side, implements `GenerationInterface`) owns `num_engines`
+`VllmEngineActor`s (Ray async actors), each holding one `vllm.v1.engine.async_llm.AsyncLLM`. The
+AsyncLLM starts its engine-core process, which starts one worker process per tensor-parallel rank;
+vLLM mixes `vllm_worker_extension.VllmWorkerExtension` into those workers
+(`AsyncEngineArgs.worker_extension_cls`) and we reach it with `AsyncLLM.collective_rpc`.
+
+- Data parallelism: each prompt (with all its n samples, which share its prefix KV cache) goes to
+  the engine with the fewest samples in flight. Each sample is one vLLM request (n=1), so samples
+  stream back as they finish; sample i of a prompt uses seed `seed + i` (what vLLM itself does
+  for n > 1), so the same seed gives the same tokens.
+- Placement: on CPU each engine actor takes 1 CPU of the Ray cluster and vLLM uses the machine's
+  cores. With GPUs, an engine with tensor_parallel_size=1 takes one GPU; with TP > 1 the engine's
+  ranks are placed together: a placement group of TP bundles {GPU: 1, CPU: 1} with strategy PACK
+  (one node, so TP all-reduces stay on NVLink); the actor runs in it, owns no GPU itself, and vLLM's
+  Ray executor (`distributed_executor_backend="ray"`) starts the TP workers in the captured group.
+  The GPU paths are written but cannot run on this machine (no GPU): they are untested here.
+- Ray is started on 127.0.0.1 only when the caller has not started it (`ensure_ray`).
+- vLLM spawns processes (engine core, workers). Inside a Ray actor it always uses the `spawn`
+  start method (set explicitly below), whose children re-import only the actor's modules, so the
+  caller needs no `__main__` guard for the engine processes (a script that builds
+  `VllmGeneration` at import time still needs one for its own reasons).
+
+Weight updates (`update_weights_from_buckets`): the driver checks the manifest against the
+expected refit info and the buckets against the manifest, then each engine actor pauses its
+scheduler with mode "keep" (running requests stay queued; with
+`recompute_kv_cache_after_weight_updates`, or the per-call `recompute_kv_cache=True`, the pause
+also clears the KV cache, so they are preempted and recomputed on resume), sends the buckets as
+bytes to its workers and lets them reload the weights (see vllm_worker_extension.py for why a
+reload and not a parameter copy), labels the new weights with `AsyncLLM.update_weight_version`,
+resets the prefix cache and resumes. vLLM then reports per-token weight-version spans for every
+sample (`CompletionOutput.weight_versions`). A load that fails half-way aborts the engine's running
+requests and makes it refuse new ones until an update succeeds.
+
+Measured here (SmolLM2-135M float32, 2 shared cores, enforce_eager): engine start ~30-40 s; one
+full weight update (540 MB in 8 buckets of 64 MB) ~4-6 s, nearly all of it vLLM's reload.
+
+Stale KV and the prefix cache: `reset_prefix_cache()` cannot drop blocks that running requests
+still hold (the in-flight case without recompute). So every request also carries
+`cache_salt = "w<version at admission>"`: vLLM mixes the salt into the block hashes, so a request
+admitted under version k can only reuse blocks of other requests admitted under k; nothing computed
+before an update is reused by a request admitted after it.
+
+Not covered: SGLang; sleep mode / memory release for colocated training (`finish_generation` only
+stops scheduling); multi-node TP or pipeline parallelism; LoRA; restarting a crashed engine (its
+calls raise; build a new `VllmGeneration`); prompts as text (callers tokenize with the chat
+template, so the trainer sees exactly the token ids the engine saw).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import pathlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import ray
+import torch
+
+from dockyard_rl.kernels import refit_packer
+from dockyard_rl.models import zoo
+from dockyard_rl.models.generation.config import GenerationConfig
+from dockyard_rl.models.generation.interfaces import GenerationInterface, GenerationSample
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION_CLS = (
+    "dockyard_rl.models.generation.vllm_worker_extension.VllmWorkerExtension")
+
+# Environment of the engine actors and, through inheritance, of vLLM's processes.
+_ENGINE_ENV = {
+    # vLLM forces spawn inside Ray actors anyway; say it explicitly (forking a process that runs
+    # Ray's threads is unsafe).
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+    # No usage statistics are sent from this machine.
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+def _engine_env() -> dict[str, str]:
+    # The actor (and vLLM's spawned processes) import dockyard_rl from where the driver does.
+    import_root = str(pathlib.Path(os.path.abspath(__file__)).parents[3])
+    python_path = os.pathsep.join(p for p in (import_root, os.environ.get("PYTHONPATH", "")) if p)
+    return {**_ENGINE_ENV, "PYTHONPATH": python_path}
+
+
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def ensure_ray() -> None:
+    """Starts a local Ray on 127.0.0.1 unless the caller already started or joined one."""
+    if not ray.is_initialized():
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=True)
+
+
+def checkpoint_refit_info(model_dir: pathlib.Path,
+                          dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """HF name -> (shape, dtype) of every tensor in the checkpoint's safetensors files, with the
+    engine's dtype: the default expected refit info. Reads only the file headers."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {str(model_dir)!r} has no *.safetensors files; the "
+                         "vLLM backend needs a safetensors checkpoint")
+    info: dict[str, tuple[tuple[int, ...], str]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                info[name] = (tuple(f.get_slice(name).get_shape()), dtype)
+    return info
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+
+
+def check_manifest_against_refit_info(
+    manifest: refit_packer.Manifest,
+    expected: Mapping[str, tuple[Sequence[int], torch.dtype | str]],
+) -> None:
+    """Raises ValueError naming the first difference between the manifest's tensors and
+    `expected` (names, shapes, dtypes); the manifest must hold exactly the expected names."""
+    expected_names = set(expected)
+    for entry in manifest.tensors:
+        if entry.name not in expected_names:
+            raise ValueError(
+                f"weight manifest: unexpected tensor {entry.name!r}: the engine's model has no "
+                f"such weight (expected HF names like {sorted(expected_names)[0]!r}); send the "
+                "names of prepare_refit_info()")
+        shape, dtype = expected[entry.name]
+        if tuple(entry.shape) != tuple(shape):
+            raise ValueError(f"weight manifest: tensor {entry.name!r} has shape {entry.shape} but "
+                             f"the engine expects {tuple(shape)}")
+        if entry.dtype != _dtype_name(dtype):
+            raise ValueError(f"weight manifest: tensor {entry.name!r} has dtype {entry.dtype} but "
+                             f"the engine expects {_dtype_name(dtype)}")
+    missing = sorted(expected_names - set(manifest.names))
+    if missing:
+        raise ValueError(
+            f"weight manifest: {len(missing)} expected tensor(s) missing, e.g. {missing[0]!r}; a "
+            "partial update would leave the engine with mixed weights, send all of them")
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine actor
+
+
+class VllmEngineActor:
+    """One vLLM AsyncLLM in a Ray async actor (create with `ray.remote(VllmEngineActor)`).
+
+    All methods are coroutines on the actor's event loop, so generation requests, weight updates
+    and pauses interleave; `_update_lock` serialises weight updates and `_no_update` holds new
+    requests back while one runs (so a request's admission version is exact for requests that
+    arrive during an update).
+    """
+
+    def __init__(self, engine_kwargs: dict[str, Any], engine_index: int, initial_version: int):
+        self._engine_kwargs = engine_kwargs
+        self._engine_index = engine_index
+        self._version = initial_version
+        self._llm = None
+        self._update_lock: asyncio.Lock | None = None
+        self._no_update: asyncio.Event | None = None
+        self._paused_by_caller = False
+        self._weights_error: str | None = None  # set when a load failed half-way
+
+    async def start(self) -> dict[str, Any]:
+        """Builds the engine (about a minute for SmolLM2 on CPU). Returns facts for checks."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._update_lock = asyncio.Lock()
+        self._no_update = asyncio.Event()
+        self._no_update.set()
+        start = time.monotonic()
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs))
+        await self._llm.update_weight_version(str(self._version))
+        (model_dtype, *_) = await self._llm.collective_rpc("dockyard_model_dtype")
+        return {"model_dtype": model_dtype, "start_seconds": time.monotonic() - start}
+
+    async def generate_sample(self, prompt_token_ids: list[int], sampling: dict[str, Any],
+                              request_id: str, prompt_index: int,
+                              sample_index: int) -> GenerationSample:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = self._engine()
+        await self._no_update.wait()
+        if self._weights_error is not None:
+            raise RuntimeError(f"engine {self._engine_index}: {self._weights_error}; push "
+                               "weights again before generating")
+        admitted_version = self._version
+        params = SamplingParams(
+            n=1,
+            temperature=sampling["temperature"],
+            top_p=sampling["top_p"],
+            top_k=sampling["top_k"],
+            max_tokens=sampling["max_tokens"],
+            stop=list(sampling["stop"]) or None,
+            seed=None if sampling["seed"] is None else sampling["seed"] + sample_index,
+            logprobs=0,  # the sampled token's log-prob only
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        prompt = {"prompt_token_ids": list(prompt_token_ids),
+                  "cache_salt": f"w{admitted_version}"}
+        final = None
+        async for output in llm.generate(prompt, params, request_id):
+            final = output
+        assert final is not None and len(final.outputs) == 1
+        completion = final.outputs[0]
+        token_ids = tuple(int(t) for t in completion.token_ids)
+        logprobs = tuple(
+            float(position[token].logprob)
+            for token, position in zip(token_ids, completion.logprobs or ()))
+        if completion.finish_reason not in _FINISH_REASONS:
+            raise RuntimeError(f"engine {self._engine_index}: request {request_id} ended with "
+                               f"finish reason {completion.finish_reason!r}")
+        spans = completion.weight_versions or ()
+        versions = sorted({int(span.version) for span in spans if span.end > span.start})
+        return GenerationSample(
+            prompt_index=prompt_index,
+            sample_index=sample_index,
+            prompt_token_ids=tuple(prompt_token_ids),
+            response_token_ids=token_ids,
+            response_logprobs=logprobs,
+            response_text=completion.text,
+            finish_reason=_FINISH_REASONS[completion.finish_reason],
+            stop_reason=completion.stop_reason,
+            weight_versions=tuple(versions),
+            oldest_weight_version=min([admitted_version, *versions]),
+            engine_index=self._engine_index,
+        )
+
+    async def update_weights(self, manifest_dict: dict, buckets: list[torch.Tensor],
+                             version: int, recompute_kv_cache: bool) -> dict[str, float]:
+        """Pause (keep requests) -> load -> label -> reset prefix cache -> resume."""
+        llm = self._engine()
+        async with self._update_lock:
+            if version <= self._version:
+                raise ValueError(f"weight version {version} is not newer than the engine's "
+                                 f"{self._version}")
+            self._no_update.clear()
+            start = time.monotonic()
+            try:
+                # clear_cache=True also drops the KV cache of running requests (vLLM preempts
+                # them; on resume they recompute prompt + tokens so far with the new weights);
+                # False keeps it.
+                await llm.pause_generation(mode="keep", clear_cache=recompute_kv_cache)
+                paused = time.monotonic()
+                await self._load(llm, manifest_dict, buckets)
+                loaded = time.monotonic()
+                self._version = version
+                await llm.update_weight_version(str(version))
+                # Returns False while running requests hold blocks (in-flight update without
+                # recompute); the cache salt covers that case (module docstring).
+                prefix_cache_reset = await llm.reset_prefix_cache(
+                    reset_running_requests=recompute_kv_cache)
+            finally:
+                if not self._paused_by_caller:
+                    await llm.resume_generation()
+                self._no_update.set()
+            return {"pause_seconds": paused - start, "load_seconds": loaded - paused,
+                    "total_seconds": time.monotonic() - start,
+                    "prefix_cache_reset": float(prefix_cache_reset)}
+
+    async def _load(self, llm, manifest_dict: dict, buckets: list[torch.Tensor]) -> None:
+        try:
+            await llm.collective_rpc("dockyard_begin_weight_update", args=(manifest_dict,))
+            for index, bucket in enumerate(buckets):
+                # A memoryview of the CPU bucket: no copy before vLLM's serialiser.
+                data = bucket.detach().cpu().contiguous().numpy().data
+                await llm.collective_rpc("dockyard_receive_bucket", args=(index, data))
+        except BaseException:
+            # Nothing was loaded yet: the model keeps its weights.
+            await llm.collective_rpc("dockyard_abort_weight_update")
+            raise
+        try:
+            await llm.collective_rpc("dockyard_finish_weight_update")
+        except BaseException:
+            # The reload may have stopped half-way: abort the requests that ran on these weights
+            # and refuse new ones until an update succeeds.
+            self._weights_error = f"weight update failed while loading (version {self._version} " \
+                                  "was partly overwritten)"
+            await llm.pause_generation(mode="abort", clear_cache=True)
+            raise
+        self._weights_error = None
+
+    async def pause(self) -> None:
+        self._paused_by_caller = True
+        await self._engine().pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        self._paused_by_caller = False
+        await self._engine().resume_generation()
+
+    async def is_paused(self) -> bool:
+        return await self._engine().is_paused()
+
+    async def shutdown(self) -> None:
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            llm.shutdown()
+
+    def _engine(self):
+        if self._llm is None:
+            raise RuntimeError(f"engine {self._engine_index} is not running (not started or "
+                               "shut down)")
+        return self._llm
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver-side controller
+
+
+class VllmGeneration(GenerationInterface):
+    """`num_engines` vLLM engines behind one `GenerationInterface` (see the module docstring).
+
+    Construction starts Ray (on 127.0.0.1, if not started), resolves the model, validates
+    everything it can, then starts the engines in parallel and waits for them (about a minute
+    each for SmolLM2 on CPU).
+
+    Raises:
+        ValueError: `backend` is not vllm (sglang is not implemented on this build), the model
+            cannot be resolved, tensor_parallel_size > 1 without GPUs in the Ray cluster, or the
+            engine's model dtype differs from `dtype`.
+    """
+
+    def __init__(self, config: GenerationConfig, *, initial_weight_version: int = 0,
+                 engine_start_timeout_s: float = 900.0):
+        if not isinstance(config, GenerationConfig):
+            raise ValueError(f"VllmGeneration needs a GenerationConfig, got "
+                             f"{type(config).__name__}; build it with "
+                             "from_dict(GenerationConfig, yaml['generation'], 'generation')")
+        if config.backend != "vllm":
+            raise ValueError(
+                f"generation.backend: {config.backend!r} is not implemented on this build (SGLang "
+                "is planned for GPU clusters); use backend: vllm")
+        if not isinstance(initial_weight_version, int) or initial_weight_version < 0:
+            raise ValueError(f"initial_weight_version must be an int >= 0, got "
+                             f"{initial_weight_version!r}")
+        self._config = config
+        try:
+            self._model_dir = zoo.resolve_model(config.model)
+        except ValueError as error:
+            raise ValueError(f"generation.model: {error}") from None
+        hf_config = json.loads((self._model_dir / "config.json").read_text())
+        self._vocab_size = int(hf_config["vocab_size"])
+        self._checkpoint_info = checkpoint_refit_info(self._model_dir, config.dtype)
+        self._expected_refit_info: dict[str, tuple[tuple[int, ...], str]] = dict(
+            self._checkpoint_info)
+        self._version = initial_weight_version
+        self._num_in_flight = [0] * config.num_engines
+        self._ready = True
+        self._closed = False
+        self._update_lock = asyncio.Lock()
+        self._placement_groups = []
+
+        ensure_ray()
+        num_gpus = int(ray.cluster_resources().get("GPU", 0))
+        if config.tensor_parallel_size > 1 and num_gpus == 0:
+            raise ValueError(
+                f"generation.tensor_parallel_size: {config.tensor_parallel_size} needs GPUs, but "
+                "the Ray cluster has none; use tensor_parallel_size: 1 on CPU")
+        engine_kwargs = dict(
+            model=str(self._model_dir),
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            tensor_parallel_size=config.tensor_parallel_size,
+            enforce_eager=config.enforce_eager,
+            enable_prefix_caching=config.enable_prefix_caching,
+            worker_extension_cls=WORKER_EXTENSION_CLS,
+            # Log-probs of the raw logits (before temperature / top-p / top-k): what the trainer's
+            # log_softmax computes; the default, stated so a vLLM default change cannot slip in.
+            logprobs_mode="raw_logprobs",
+            disable_log_stats=True,
+            seed=0 if config.seed is None else config.seed,
+        )
+        self._actors = []
+        try:
+            for index in range(config.num_engines):
+                self._actors.append(self._create_actor(index, engine_kwargs, num_gpus))
+            infos = ray.get([a.start.remote() for a in self._actors],
+                            timeout=engine_start_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        for index, info in enumerate(infos):
+            if info["model_dtype"] != config.dtype:
+                self.shutdown()
+                raise ValueError(f"generation.dtype: engine {index} loaded the model in "
+                                 f"{info['model_dtype']}, not {config.dtype}")
+        self.engine_start_seconds = max(info["start_seconds"] for info in infos)
+
+    def _create_actor(self, index: int, engine_kwargs: dict, num_gpus: int):
+        tp = self._config.tensor_parallel_size
+        options: dict[str, Any] = {
+            "name": f"dockyard_vllm_engine_{index}_{uuid.uuid4().hex[:8]}",
+            "runtime_env": {"env_vars": _engine_env()},
+            # Many generate calls wait concurrently on one engine.
+            "max_concurrency": 10_000,
+        }
+        kwargs = dict(engine_kwargs)
+        if num_gpus == 0:
+            options["num_cpus"] = 1
+        elif tp == 1:
+            options.update(num_cpus=1, num_gpus=1)
+        else:
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            group = placement_group([{"GPU": 1, "CPU": 1}] * tp, strategy="PACK")
+            self._placement_groups.append(group)
+            ray.get(group.ready(), timeout=600)
+            options.update(
+                num_cpus=0, num_gpus=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_capture_child_tasks=True))
+            kwargs["distributed_executor_backend"] = "ray"
+        actor_cls = ray.remote(VllmEngineActor)
+        return actor_cls.options(**options).remote(kwargs, index, self._version)
+
+    # ------------------------------------------------------------------------------ properties
+
+    @property
+    def config(self) -> GenerationConfig:
+        return self._config
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def expected_refit_info(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """HF name -> (shape, dtype name) that every weight manifest must match."""
+        return dict(self._expected_refit_info)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    # ------------------------------------------------------------------------------ generation
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], num_samples_per_prompt: int, *,
+                 sampling_overrides: Mapping[str, Any] | None = None
+                 ) -> AsyncIterator[GenerationSample]:
+        # Validate eagerly (a plain function returning the async generator), so a bad call
+        # raises here, before any request exists.
+        self._check_open()
+        if not self._ready:
+            raise RuntimeError("generate() after finish_generation(): call "
+                               "prepare_for_generation() first")
+        config = self._config.with_sampling_overrides(
+            dict(sampling_overrides) if sampling_overrides else None)
+        prompts = self._check_prompts(prompt_token_ids, config)
+        if isinstance(num_samples_per_prompt, bool) or not isinstance(num_samples_per_prompt, int) \
+                or num_samples_per_prompt < 1:
+            raise ValueError(f"num_samples_per_prompt must be an int >= 1, got "
+                             f"{num_samples_per_prompt!r}")
+        sampling = {key: getattr(config, key)
+                    for key in ("temperature", "top_p", "top_k", "max_tokens", "stop", "seed")}
+        return self._generate(prompts, num_samples_per_prompt, sampling)
+
+    def _check_prompts(self, prompt_token_ids, config: GenerationConfig) -> list[list[int]]:
+        if isinstance(prompt_token_ids, (str, bytes)) \
+                or not isinstance(prompt_token_ids, Sequence) or len(prompt_token_ids) == 0:
+            raise ValueError("prompt_token_ids must be a non-empty list of prompts, each a list of "
+                             "token ids (tokenize with the chat template first)")
+        max_prompt_len = config.max_model_len - config.max_tokens
+        prompts = []
+        for i, prompt in enumerate(prompt_token_ids):
+            if isinstance(prompt, torch.Tensor):
+                prompt = prompt.tolist()
+            if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence) or not prompt:
+                raise ValueError(f"prompt_token_ids[{i}] must be a non-empty list of token ids, "
+                                 f"got {type(prompt).__name__}")
+            ids = list(prompt)
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+                   or not 0 <= t < self._vocab_size]
+            if bad:
+                bad = bad[0]
+                raise ValueError(f"prompt_token_ids[{i}]: {bad!r} is not a token id in "
+                                 f"[0, {self._vocab_size})")
+            if len(ids) > max_prompt_len:
+                raise ValueError(
+                    f"prompt_token_ids[{i}] has {len(ids)} tokens, more than max_model_len - "
+                    f"max_tokens = {max_prompt_len}; shorten the prompt or raise "
+                    "generation.max_model_len")
+            prompts.append(ids)
+        return prompts
+
+    async def _generate(self, prompts: list[list[int]], num_samples: int,
+                        sampling: dict[str, Any]) -> AsyncIterator[GenerationSample]:
+        pending: dict[asyncio.Future, tuple[int, ray.ObjectRef]] = {}
+        try:
+            for prompt_index, prompt in enumerate(prompts):
+                # Least-loaded engine for the whole prompt (its samples share the prefix).
+                engine = min(range(len(self._actors)), key=self._num_in_flight.__getitem__)
+                self._num_in_flight[engine] += num_samples
+                for sample_index in range(num_samples):
+                    request_id = f"p{prompt_index}-s{sample_index}-{uuid.uuid4().hex}"
+                    ref = self._actors[engine].generate_sample.remote(
+                        prompt, sampling, request_id, prompt_index, sample_index)
+                    pending[asyncio.ensure_future(_await_ref(ref))] = (engine, ref)
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    engine, _ = pending.pop(future)
+                    self._num_in_flight[engine] -= 1
+                    yield future.result()
+        finally:
+            # Left early (break, aclose, an error, cancellation): cancel what still runs. Ray
+            # cancels the actor's coroutine, and vLLM aborts a request whose generate() is
+            # cancelled, freeing its KV cache.
+            for future, (engine, ref) in pending.items():
+                future.cancel()
+                self._num_in_flight[engine] -= 1
+                if not self._closed:
+                    ray.cancel(ref)
+
+    async def prepare_for_generation(self) -> None:
+        self._check_open()
+        if self._ready:
+            return
+        await asyncio.gather(*[_await_ref(a.resume.remote()) for a in self._actors])
+        self._ready = True
+
+    async def finish_generation(self) -> None:
+        self._check_open()
+        if not self._ready:
+            return
+        await asyncio.gather(*[_await_ref(a.pause.remote()) for a in self._actors])
+        self._ready = False
+
+    async def pause_generation(self) -> None:
+        self._check_open()
+        await asyncio.gather(*[_await_ref(a.pause.remote()) for a in self._actors])
+
+    async def resume_generation(self) -> None:
+        self._check_open()
+        await asyncio.gather(*[_await_ref(a.resume.remote()) for a in self._actors])
+
+    # ---------------------------------------------------------------------------- weight updates
+
+    async def prepare_refit_info(
+        self, refit_info: Mapping[str, tuple[Sequence[int], torch.dtype | str]]
+    ) -> None:
+        self._check_open()
+        if not isinstance(refit_info, Mapping) or not refit_info:
+            raise ValueError("refit_info must be a non-empty mapping HF name -> (shape, dtype)")
+        declared: dict[str, tuple[tuple[int, ...], str]] = {}
+        for name, value in refit_info.items():
+            if not (isinstance(value, (tuple, list)) and len(value) == 2):
+                raise ValueError(f"refit_info[{name!r}] must be (shape, dtype), got {value!r}")
+            shape, dtype = tuple(value[0]), _dtype_name(value[1])
+            if name not in self._checkpoint_info:
+                raise ValueError(f"refit_info: the engine's model has no weight {name!r}; the "
+                                 "trainer and the engine must run the same architecture")
+            if shape != self._checkpoint_info[name][0]:
+                raise ValueError(f"refit_info: {name!r} has shape {shape} but the engine's model "
+                                 f"has {self._checkpoint_info[name][0]}")
+            # vLLM's loaders cast on copy, so any floating dtype the packer knows can be sent.
+            if dtype not in refit_packer.DTYPES or not refit_packer.DTYPES[dtype].is_floating_point:
+                raise ValueError(f"refit_info: {name!r} has dtype {dtype}; send floating-point "
+                                 "weights")
+            declared[name] = (shape, dtype)
+        missing = sorted(set(self._checkpoint_info) - set(declared))
+        if missing:
+            raise ValueError(f"refit_info: {len(missing)} weight(s) of the engine's model are not "
+                             f"sent, e.g. {missing[0]!r}; send every weight")
+        self._expected_refit_info = declared
+
+    async def update_weights_from_buckets(self, manifest_dict: Mapping[str, Any],
+                                          buckets: Sequence[torch.Tensor], version: int, *,
+                                          recompute_kv_cache: bool | None = None) -> None:
+        self._check_open()
+        if recompute_kv_cache is None:
+            recompute_kv_cache = self._config.recompute_kv_cache_after_weight_updates
+        if not isinstance(recompute_kv_cache, bool):
+            raise ValueError(f"recompute_kv_cache must be None (the config's "
+                             f"recompute_kv_cache_after_weight_updates) or a bool, got "
+                             f"{recompute_kv_cache!r}")
+        # Every check before any engine is touched.
+        manifest = refit_packer.Manifest.from_dict(manifest_dict)
+        check_manifest_against_refit_info(manifest, self._expected_refit_info)
+        if not isinstance(buckets, Sequence) or len(buckets) != manifest.num_buckets:
+            raise ValueError(f"got {len(buckets) if isinstance(buckets, Sequence) else buckets!r} "
+                             f"buckets but the manifest has {manifest.num_buckets}")
+        for b, bucket in enumerate(buckets):
+            if not isinstance(bucket, torch.Tensor) or bucket.dtype != torch.uint8 \
+                    or bucket.dim() != 1 or bucket.numel() != manifest.bucket_sizes[b]:
+                raise ValueError(
+                    f"bucket {b} must be a 1-D uint8 tensor of {manifest.bucket_sizes[b]} bytes, "
+                    f"got {getattr(bucket, 'dtype', type(bucket).__name__)} of shape "
+                    f"{tuple(getattr(bucket, 'shape', ()))}")
+        async with self._update_lock:
+            if isinstance(version, bool) or not isinstance(version, int) \
+                    or version <= self._version:
+                raise ValueError(f"version must be an int larger than the engine's current weight "
+                                 f"version {self._version}, got {version!r}")
+            manifest_plain = manifest.to_dict()
+            buckets_ref = ray.put([bucket.detach().cpu() for bucket in buckets])
+            results = await asyncio.gather(
+                *[_await_ref(a.update_weights.remote(manifest_plain, buckets_ref, version,
+                                                      recompute_kv_cache))
+                  for a in self._actors], return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise RuntimeError(f"weight update to version {version} failed on "
+                                   f"{len(errors)} of {len(self._actors)} engine(s); their weights "
+                                   f"are not trusted until an update succeeds") from errors[0]
+            self._version = version
+            self.last_update_stats = results
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for actor in getattr(self, "_actors", []):
+            try:
+                ray.get(actor.shutdown.remote(), timeout=60)
+            except Exception as error:  # a dead actor has nothing left to shut down
+                logger.warning("engine shutdown failed: %s", error)
+            ray.kill(actor)
+        self._actors = []
+        for group in self._placement_groups:
+            ray.util.remove_placement_group(group)
+        self._placement_groups = []
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("VllmGeneration was shut down; build a new one")
+
+
+async def _await_ref(ref: ray.ObjectRef) -> Any:
+    return await ref

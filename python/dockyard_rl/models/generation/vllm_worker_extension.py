@@ -1,0 +1,138 @@
+"""The code that runs inside vLLM's worker processes: weight updates from refit buckets.
+
+vLLM loads this class by its qualified name (`AsyncEngineArgs.worker_extension_cls`) and mixes it
+into its Worker class in every worker process (one per tensor-parallel rank). The engine client
+reaches its methods with `collective_rpc(method_name, args=...)`, which runs the method on every
+rank and returns their results in rank order. Method names carry a `dockyard_` prefix because
+vLLM refuses an extension attribute that its Worker class already has.
+
+Why `Worker.reload_weights` and not a copy into the parameters: on CPU (and for quantised or
+repacked layers on GPU), vLLM's `process_weights_after_loading` replaces a linear layer's weight
+by a kernel-specific packed copy (oneDNN / sgl-kernel) and frees the original parameter, so
+writing into `model.named_parameters()` would change nothing the kernels read. `reload_weights(
+weights_iterator=..., is_checkpoint_format=True)` is vLLM's supported in-place reload: it restores
+each layer's checkpoint-format parameters, feeds the HF-named tensors through the model's own
+`load_weights` (which maps HF names to vLLM's and fills fused tensors such as `qkv_proj` and
+`gate_up_proj` from their `q/k/v_proj`, `gate/up_proj` parts, and shards them per TP rank), then
+re-runs the layer's post-processing (repacking) in place. Tensors are handed to it as views into
+the received buckets (`refit_packer.unpack_bucket(copy=False)`).
+
+Buckets arrive as raw bytes, one `collective_rpc` per bucket, because vLLM's client -> engine-core
+RPC decodes untyped arguments as plain msgpack (a tensor argument would arrive as a list); the
+worker keeps the received buckets until the last one is in (peak memory: one model copy).
+
+The caller (vllm_worker.py's engine actor) validates the manifest against the expected refit info
+before calling in here and pauses the scheduler around the call; this module checks only what it
+must to not corrupt memory: the manifest's own consistency and every bucket's size, before the
+model is touched.
+
+Not covered: LoRA adapters, speculative-decoding draft models, quantised checkpoints, and
+receiving over NCCL (a collective transport would fill the same pending buckets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from dockyard_rl.kernels import refit_packer
+
+
+class VllmWorkerExtension:
+    """Mixed into vLLM's Worker; `self` is the worker (it has `reload_weights`, `get_model`).
+
+    A weight update is three collective calls, in this order (anything else raises RuntimeError):
+    `dockyard_begin_weight_update(manifest_dict)`, then `dockyard_receive_bucket(index, data)` for
+    every bucket in any order, then `dockyard_finish_weight_update()`, which loads all buckets into
+    the model at once (vLLM's reload must see every weight of a layer in one `load_weights` pass).
+    `dockyard_abort_weight_update()` drops a half-received update without touching the model.
+    """
+
+    def dockyard_begin_weight_update(self, manifest_dict: dict) -> None:
+        """Starts receiving buckets described by `manifest_dict` (`Manifest.to_dict()`).
+
+        Raises:
+            ValueError: the manifest is inconsistent (see `refit_packer.Manifest`).
+        """
+        manifest = refit_packer.Manifest.from_dict(manifest_dict)
+        # A new begin replaces a half-received update (its sender gave up).
+        self._dockyard_update = _PendingUpdate(manifest, [None] * manifest.num_buckets)
+
+    def dockyard_receive_bucket(self, bucket_index: int, data: bytes) -> None:
+        """Stores bucket `bucket_index`. `data` is raw bytes: vLLM's RPC layer carries tensors
+        only in typed messages, not in `collective_rpc` arguments, so buckets travel as bytes.
+
+        Raises:
+            RuntimeError: no update was begun. ValueError: a bad index or a wrong size.
+        """
+        pending = self._dockyard_pending("dockyard_receive_bucket")
+        manifest = pending.manifest
+        if not isinstance(bucket_index, int) or not 0 <= bucket_index < manifest.num_buckets:
+            raise ValueError(f"bucket_index must be in [0, {manifest.num_buckets}), got "
+                             f"{bucket_index!r}")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ValueError(f"bucket data must be bytes, got {type(data).__name__}")
+        if len(data) != manifest.bucket_sizes[bucket_index]:
+            raise ValueError(f"bucket {bucket_index} has {len(data)} bytes but the manifest says "
+                             f"{manifest.bucket_sizes[bucket_index]}")
+        # bytearray: a writable, freshly allocated (hence aligned, as the packer's typed views
+        # need) copy that the bucket tensor owns.
+        pending.buckets[bucket_index] = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if len(data) else torch.empty(0, dtype=torch.uint8))
+
+    def dockyard_finish_weight_update(self) -> int:
+        """Loads every received tensor (HF names) into the model in place; returns how many.
+
+        Raises:
+            RuntimeError: no update was begun, or a bucket is missing (the model is untouched).
+        """
+        pending = self._dockyard_pending("dockyard_finish_weight_update")
+        missing = [b for b, bucket in enumerate(pending.buckets) if bucket is None]
+        if missing:
+            raise RuntimeError(f"dockyard_finish_weight_update: buckets {missing} were never "
+                               "received; send every bucket first")
+        self._dockyard_update = None
+        device = next(self.get_model().parameters()).device
+        self.reload_weights(
+            weights_iterator=_iter_named_views(pending.manifest, pending.buckets, device),
+            is_checkpoint_format=True,
+        )
+        return len(pending.manifest.tensors)
+
+    def dockyard_abort_weight_update(self) -> None:
+        """Drops a half-received update; the model keeps its weights. Idempotent."""
+        self._dockyard_update = None
+
+    def dockyard_model_dtype(self) -> str:
+        """The dtype of the model's first floating-point parameter, e.g. "float32"."""
+        for param in self.get_model().parameters():
+            if param.is_floating_point():
+                return str(param.dtype).removeprefix("torch.")
+        raise RuntimeError("the model has no floating-point parameters")
+
+    def _dockyard_pending(self, call: str) -> _PendingUpdate:
+        pending = getattr(self, "_dockyard_update", None)
+        if pending is None:
+            raise RuntimeError(f"{call} called without dockyard_begin_weight_update first")
+        return pending
+
+
+@dataclasses.dataclass
+class _PendingUpdate:
+    manifest: refit_packer.Manifest
+    buckets: list[torch.Tensor | None]
+
+
+def _iter_named_views(
+    manifest: refit_packer.Manifest,
+    buckets: Sequence[torch.Tensor],
+    device: torch.device,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every manifest entry, bucket by bucket: views into the buckets."""
+    for b, bucket in enumerate(buckets):
+        if bucket.device != device:
+            bucket = bucket.to(device)  # one bucket at a time bounds the extra device memory
+        yield from refit_packer.unpack_bucket(bucket, manifest, b, copy=False).items()
