@@ -39,7 +39,11 @@ def cuda_library(name, srcs, hdrs = [], deps = [], compile_data = [], visibility
     for src in srcs:
         obj = "_{}_{}.o".format(name, src.replace("/", "_").replace(".cu", ""))
         if HAS_CUDA:
-            cmd = "{nvcc} {flags} -c $(location {src}) -o $@".format(
+            # nvcc names its temp files after its pid; inside Bazel's sandbox every action's pid
+            # is small and equal while /tmp is shared, so concurrent nvcc runs would collide:
+            # give each run a private TMPDIR.
+            cmd = ("export TMPDIR=$$(mktemp -d) && trap 'rm -rf \"$$TMPDIR\"' EXIT && " +
+                   "{nvcc} {flags} -c $(location {src}) -o $@").format(
                 nvcc = NVCC,
                 flags = " ".join(NVCC_FLAGS),
                 src = src,
