@@ -1,0 +1,82 @@
+"""Config section `env.swe`: how the single-shot SWE environment reaches and uses the executor.
+
+    env:
+      swe:
+        executor_url: http://127.0.0.1:9090
+        max_concurrency: 64       # tasks in flight (submitted, not yet finished) per step
+        request_timeout_s: 30     # one HTTP request to the executor
+        task_timeout_s: 1800      # waiting for one task's verdict, queueing included
+        poll_interval_s: 1.0      # how often a waiting task is polled
+        max_infra_retries: 2      # extra tries per sample after an infrastructure error
+        reward_mode: binary       # binary | pass_rate (the executor's raw reward)
+        task_id_prefix: swe       # set one per run when several runs share an executor
+
+Build with `from_dict(SweEnvironmentConfig, yaml["env"]["swe"], "env.swe")`. Covered: the
+values and their validation. Not covered: the executor's own settings (`executor` section).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from dockyard_rl.sandbox.task import RewardMode
+from dockyard_rl.utils.config import require
+
+__all__ = ["SweEnvironmentConfig"]
+
+# Task ids the executor accepts are [A-Za-z0-9._-]{1,128}; the environment appends about 40
+# characters (step, index, instance hash, retry generation) to the prefix.
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class SweEnvironmentConfig:
+    """See the module docstring for the keys."""
+
+    executor_url: str = "http://127.0.0.1:9090"
+    max_concurrency: int = 64
+    request_timeout_s: float = 30.0
+    task_timeout_s: float = 1800.0
+    poll_interval_s: float = 1.0
+    max_infra_retries: int = 2
+    reward_mode: str = RewardMode.BINARY.value
+    task_id_prefix: str = "swe"
+
+    def __post_init__(self):
+        require(isinstance(self.executor_url, str)
+                and self.executor_url.startswith(("http://", "https://")), "executor_url",
+                f"must be an http:// or https:// URL of the executor, e.g. "
+                f"http://127.0.0.1:9090, got {self.executor_url!r}")
+        require(_is_int(self.max_concurrency) and self.max_concurrency >= 1, "max_concurrency",
+                f"must be an integer >= 1, got {self.max_concurrency!r}")
+        for name in ("request_timeout_s", "task_timeout_s", "poll_interval_s"):
+            value = getattr(self, name)
+            require(_is_number(value) and value > 0, name,
+                    f"must be a number of seconds > 0, got {value!r}")
+        require(self.poll_interval_s <= self.task_timeout_s, "poll_interval_s",
+                f"must be <= task_timeout_s ({self.task_timeout_s}), got {self.poll_interval_s}")
+        require(_is_int(self.max_infra_retries) and self.max_infra_retries >= 0,
+                "max_infra_retries",
+                f"must be an integer >= 0 (0 = one try only), got {self.max_infra_retries!r}")
+        valid_modes = [mode.value for mode in RewardMode]
+        require(self.reward_mode in valid_modes, "reward_mode",
+                f"must be one of {valid_modes}, got {self.reward_mode!r}")
+        require(isinstance(self.task_id_prefix, str)
+                and bool(_PREFIX_RE.match(self.task_id_prefix)), "task_id_prefix",
+                f"must be 1-64 characters of letters, digits, '.', '_' or '-', starting with a "
+                f"letter or digit, got "
+                f"{self.task_id_prefix!r}")
+
+    @property
+    def reward_mode_enum(self) -> RewardMode:
+        return RewardMode(self.reward_mode)

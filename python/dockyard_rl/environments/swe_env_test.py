@@ -1,0 +1,250 @@
+"""Tests of SweEnvironment against the real executor (HTTP on 127.0.0.1, real git, real pytest
+under bubblewrap) scoring the toy repository from sandbox.testing_repos, with the real reward
+pipeline ({integrity, invalid_action}). Infrastructure failures are real too: a closed port, and
+a scoring function that raises (the executor's own INFRA_ERROR path)."""
+
+import asyncio
+import collections
+import dataclasses
+import socket
+import threading
+
+import pytest
+import torch
+
+from dockyard_rl.environments.config import SweEnvironmentConfig
+from dockyard_rl.environments.swe_env import SweEnvironment, SweRollout
+from dockyard_rl.rewards.shaping import RewardPipeline, RewardShapingConfig
+from dockyard_rl.sandbox import testing_repos
+from dockyard_rl.sandbox.client import ExecutorClient, ExecutorRequestError
+from dockyard_rl.sandbox.config import ExecutorConfig
+from dockyard_rl.sandbox.pipeline import InfrastructureError
+from dockyard_rl.sandbox.service import pipeline_score_fn, running_server
+from dockyard_rl.utils.config import from_dict
+
+PENALTY = -1.0
+
+
+def make_pipeline() -> RewardPipeline:
+    return RewardPipeline(from_dict(RewardShapingConfig, {"stages": [
+        {"type": "integrity"}, {"type": "invalid_action", "penalty": PENALTY}]}, "rewards"))
+
+
+def fast_client_factory(url: str):
+    # Small backoffs: the unreachable-executor test must not sleep for the production delays.
+    return lambda: ExecutorClient(url, request_timeout_s=5.0, max_attempts=2,
+                                  backoff_base_s=0.01, backoff_max_s=0.02, seed=0)
+
+
+def env_config(url: str, **overrides) -> SweEnvironmentConfig:
+    values = dict(executor_url=url, max_concurrency=4, poll_interval_s=0.1, task_timeout_s=120.0,
+                  max_infra_retries=1)
+    values.update(overrides)
+    return SweEnvironmentConfig(**values)
+
+
+def rollout(repo, patch, invalid_reason=None, instance_id="toy__calc-1"):
+    return SweRollout(instance=repo.spec("", instance_id=instance_id), patch=patch,
+                      invalid_reason=invalid_reason, response_text="...", response_length=10,
+                      max_response_length=100)
+
+
+def counting(score_fn):
+    calls = collections.Counter()
+    lock = threading.Lock()
+
+    def wrapper(spec, work_root):
+        with lock:
+            calls[spec.task_id] += 1
+        return score_fn(spec, work_root)
+
+    return wrapper, calls
+
+
+@pytest.fixture
+def repo(tmp_path):
+    return testing_repos.make_toy_repo(tmp_path / "toy")
+
+
+def executor_config(tmp_path, **overrides) -> ExecutorConfig:
+    return ExecutorConfig(port=0, num_workers=2, work_dir=str(tmp_path / "work"),
+                          max_infra_attempts=1, **overrides)
+
+
+def test_rewards_metadata_and_idempotent_resubmission(tmp_path, repo):
+    config = executor_config(tmp_path)
+    score_fn, calls = counting(pipeline_score_fn(config.pipeline))
+    held_out_edit = repo.patch_for({"tests/test_ops.py": testing_repos.TEST_OPS_BASE
+                                    + "\n\ndef test_extra():\n    assert True\n"})
+    rollouts = [rollout(repo, repo.gold_patch), rollout(repo, repo.wrong_patch),
+                rollout(repo, repo.conflicting_patch),
+                rollout(repo, None, invalid_reason="no diff block in the response"),
+                rollout(repo, held_out_edit)]
+
+    async def scenario():
+        async with running_server(config, score_fn) as server:
+            env = SweEnvironment(env_config(server.url), make_pipeline())
+            first = await env.step(rollouts, global_step=3)
+            num_records = len(server.executor.all_records())
+            again = await env.step(rollouts, global_step=3)  # a retried step
+            return first, again, num_records, len(server.executor.all_records())
+
+    first, again, num_records, num_records_after = asyncio.run(scenario())
+
+    assert first.rewards_B.dtype == torch.float32 and first.sample_mask_B.dtype == torch.float32
+    assert first.rewards_B.tolist() == [1.0, 0.0, PENALTY, PENALTY, 0.0]
+    assert first.sample_mask_B.tolist() == [1.0] * 5
+    gold, wrong, conflict, unparsed, hostile = first.metadata
+
+    assert gold["resolved"] and gold["apply_method"] == "git_apply" and not gold["apply_failure"]
+    assert set(gold["test_outcomes"]["FAIL_TO_PASS"].values()) == {"passed"}
+    assert gold["raw_reward"] == 1.0 and gold["infra_error"] is None and gold["num_tries"] == 1
+
+    assert not wrong["resolved"] and wrong["raw_reward"] == 0.0
+    assert set(wrong["test_outcomes"]["FAIL_TO_PASS"].values()) == {"passed"}
+    p2p = wrong["test_outcomes"]["PASS_TO_PASS"]
+    assert p2p["tests/test_ops.py::test_sub[five minus three]"] == "failed"
+    assert p2p["tests/test_ops.py::test_add"] == "passed"
+    assert not wrong["invalid_action/triggered"] and not wrong["integrity/triggered"]
+
+    assert conflict["apply_failure"] and conflict["apply_method"] == "failed"
+    assert conflict["invalid_action/reason"] == "patch_not_applied"
+
+    assert unparsed["task_id"] is None and unparsed["parse_failure"] == "no diff block in the " \
+        "response"
+    assert unparsed["invalid_action/reason"] == "no_patch"
+
+    assert hostile["integrity_violation"] == ["tests/test_ops.py"]
+    assert hostile["integrity/violated_files"] == ("tests/test_ops.py",)
+    assert hostile["integrity/triggered"] and not hostile["invalid_action/triggered"]
+    assert hostile["apply_method"] == "not_attempted"
+
+    assert first.metrics["env/num_infra_errors"] == 0.0
+    assert first.metrics["env/num_parse_failures"] == 1.0
+    assert first.metrics["env/num_resolved"] == 1.0
+
+    # The parse failure was never submitted; the retried step scored nothing again.
+    assert num_records == 4 and num_records_after == 4
+    assert len(calls) == 4 and set(calls.values()) == {1}
+    assert again.rewards_B.tolist() == first.rewards_B.tolist()
+    assert [m["task_id"] for m in again.metadata] == [m["task_id"] for m in first.metadata]
+
+
+def test_reward_mode_is_sent_to_the_executor(tmp_path, repo):
+    config = executor_config(tmp_path)
+
+    async def scenario():
+        async with running_server(config) as server:
+            env = SweEnvironment(env_config(server.url, reward_mode="pass_rate"), make_pipeline())
+            return await env.step([rollout(repo, repo.wrong_patch)], global_step=0)
+
+    result = asyncio.run(scenario())
+    # 3 FAIL_TO_PASS pass; 4 of 5 PASS_TO_PASS pass (sub(5, 3) fails, sub(1, 1) is 0 either way).
+    assert result.rewards_B.tolist() == [pytest.approx(7 / 8)]
+
+
+def test_unreachable_executor_masks_submitted_samples(repo):
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    env = SweEnvironment(env_config(url), make_pipeline(),
+                         client_factory=fast_client_factory(url))
+    rollouts = [rollout(repo, repo.gold_patch), rollout(repo, repo.wrong_patch),
+                rollout(repo, None, invalid_reason="empty response")]
+    result = asyncio.run(env.step(rollouts, global_step=0))
+    assert result.sample_mask_B.tolist() == [0.0, 0.0, 1.0]
+    assert result.rewards_B.tolist() == [0.0, 0.0, PENALTY]  # the parse failure needs no executor
+    for meta in result.metadata[:2]:
+        assert meta["infra_error"].startswith("executor unavailable")
+        assert meta["num_tries"] == 2  # 1 + max_infra_retries
+        assert "reward" not in meta  # never shaped
+    assert result.metrics["env/num_infra_errors"] == 2.0
+    assert result.metrics["env/num_samples"] == 3.0
+
+
+def test_executor_infra_error_is_retried_under_a_new_task_id(tmp_path, repo):
+    config = executor_config(tmp_path)
+    real_score = pipeline_score_fn(config.pipeline)
+
+    def flaky(spec, work_root):  # the first submission of every sample fails on the executor
+        if not spec.task_id.endswith("-r1"):
+            raise InfrastructureError("disk full (simulated)")
+        return real_score(spec, work_root)
+
+    def broken(spec, work_root):
+        raise InfrastructureError("disk full (simulated)")
+
+    async def scenario(score_fn):
+        async with running_server(config, score_fn) as server:
+            env = SweEnvironment(env_config(server.url), make_pipeline())
+            return await env.step([rollout(repo, repo.gold_patch)], global_step=1)
+
+    recovered = asyncio.run(scenario(flaky))
+    assert recovered.sample_mask_B.tolist() == [1.0] and recovered.rewards_B.tolist() == [1.0]
+    assert recovered.metadata[0]["task_id"].endswith("-r1")
+    assert recovered.metadata[0]["num_tries"] == 2
+
+    config = dataclasses.replace(config, work_dir=str(tmp_path / "work2"))
+    failed = asyncio.run(scenario(broken))
+    assert failed.sample_mask_B.tolist() == [0.0] and failed.rewards_B.tolist() == [0.0]
+    assert "disk full" in failed.metadata[0]["infra_error"]
+    assert failed.metadata[0]["num_tries"] == 2 and failed.metadata[0]["task_id"].endswith("-r1")
+
+
+def test_patch_refused_by_executor_is_an_invalid_action(tmp_path, repo):
+    config = executor_config(tmp_path, max_patch_bytes=len(repo.test_patch.encode()) + 16)
+    huge = repo.gold_patch + "\n" * (len(repo.test_patch) + 100)
+
+    async def scenario():
+        async with running_server(config) as server:
+            env = SweEnvironment(env_config(server.url), make_pipeline())
+            result = await env.step([rollout(repo, huge)], global_step=0)
+            return result, len(server.executor.all_records())
+
+    result, num_records = asyncio.run(scenario())
+    assert result.rewards_B.tolist() == [PENALTY] and result.sample_mask_B.tolist() == [1.0]
+    assert "max_patch_bytes" in result.metadata[0]["patch_rejected"]
+    assert num_records == 0
+
+
+def test_malformed_instance_raises_request_error(tmp_path, repo):
+    config = executor_config(tmp_path)
+    bad = SweRollout(instance=dataclasses.replace(repo.spec(""), repo=str(tmp_path / "nowhere")),
+                     patch=repo.gold_patch)
+
+    async def scenario():
+        async with running_server(config) as server:
+            env = SweEnvironment(env_config(server.url), make_pipeline())
+            await env.step([bad], global_step=0)
+
+    with pytest.raises(ExecutorRequestError):
+        asyncio.run(scenario())
+
+
+def test_task_ids_are_deterministic_and_valid(repo):
+    env = SweEnvironment(env_config("http://127.0.0.1:1", task_id_prefix="run-a"),
+                         make_pipeline())
+    task_id = env.task_id(12, 3, "django/django__django-11099")
+    assert task_id == env.task_id(12, 3, "django/django__django-11099")
+    assert task_id.startswith("run-a-s12-i3-") and "/" not in task_id
+    assert len({task_id, env.task_id(13, 3, "django/django__django-11099"),
+                env.task_id(12, 4, "django/django__django-11099"),
+                env.task_id(12, 3, "other"), env.task_id(12, 3, "django/django__django-11099",
+                                                         generation=1)}) == 5
+
+
+def test_rollout_and_step_validation(repo):
+    spec = repo.spec("")
+    with pytest.raises(ValueError, match="invalid_reason"):
+        SweRollout(instance=spec, patch=None)
+    with pytest.raises(ValueError, match="invalid_reason"):
+        SweRollout(instance=spec, patch="diff", invalid_reason="both")
+    with pytest.raises(ValueError, match="instance"):
+        SweRollout(instance={"instance_id": "x"}, patch="")
+    env = SweEnvironment(env_config("http://127.0.0.1:1"), make_pipeline())
+    with pytest.raises(ValueError, match="global_step"):
+        asyncio.run(env.step([], global_step=-1))
+    with pytest.raises(ValueError, match=r"rollouts\[0\]"):
+        asyncio.run(env.step(["a patch"], global_step=0))
+    empty = asyncio.run(env.step([], global_step=0))
+    assert empty.rewards_B.shape == (0,) and empty.metadata == ()
