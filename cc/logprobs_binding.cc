@@ -67,6 +67,15 @@ void CheckRows(const char* fn, int64_t num_rows, const Array& a,
   }
 }
 
+// A per-row array (None allowed): one entry per logits row, on the logits'
+// device.
+template <typename Array>
+void CheckPerRow(const char* fn, int64_t num_rows, const Device& device,
+                 const Array& a, const char* name) {
+  CheckRows(fn, num_rows, a, name);
+  CheckSameDevice(fn, device, a, name);
+}
+
 LogitsDtype DtypeOf(const char* fn, nb::dlpack::dtype dt, const char* name) {
   if (dt == nb::dtype<float>()) return LogitsDtype::kFloat32;
   if (dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) &&
@@ -122,17 +131,12 @@ void GatherLogprobs(const LogitsNV& logits, const TargetsN& targets,
   const int64_t row_stride = RowStride(kFn, logits);
   const auto num_rows = static_cast<int64_t>(logits.shape(0));
   const auto vocab_size = static_cast<int64_t>(logits.shape(1));
-  CheckRows(kFn, num_rows, targets, "targets");
-  CheckRows(kFn, num_rows, logprobs, "logprobs");
-  CheckRows(kFn, num_rows, entropy, "entropy");
-  CheckRows(kFn, num_rows, row_max, "row_max");
-  CheckRows(kFn, num_rows, row_log_sum, "row_log_sum");
   const Device device{logits.device_type(), logits.device_id()};
-  CheckSameDevice(kFn, device, targets, "targets");
-  CheckSameDevice(kFn, device, logprobs, "logprobs");
-  CheckSameDevice(kFn, device, entropy, "entropy");
-  CheckSameDevice(kFn, device, row_max, "row_max");
-  CheckSameDevice(kFn, device, row_log_sum, "row_log_sum");
+  CheckPerRow(kFn, num_rows, device, targets, "targets");
+  CheckPerRow(kFn, num_rows, device, logprobs, "logprobs");
+  CheckPerRow(kFn, num_rows, device, entropy, "entropy");
+  CheckPerRow(kFn, num_rows, device, row_max, "row_max");
+  CheckPerRow(kFn, num_rows, device, row_log_sum, "row_log_sum");
 
   if (device.type == nb::device::cpu::value) {
     // The arrays stay referenced by the caller's frame, so their memory lives
@@ -186,19 +190,13 @@ void GatherLogprobsBackward(const LogitsNV& logits, const TargetsN& targets,
     throw std::invalid_argument(std::string(kFn) +
                                 ": grad_logits must have the logits' shape");
   }
-  CheckRows(kFn, num_rows, targets, "targets");
-  CheckRows(kFn, num_rows, row_max, "row_max");
-  CheckRows(kFn, num_rows, row_log_sum, "row_log_sum");
-  CheckRows(kFn, num_rows, entropy, "entropy");
-  CheckRows(kFn, num_rows, grad_logprobs, "grad_logprobs");
-  CheckRows(kFn, num_rows, grad_entropy, "grad_entropy");
   const Device device{logits.device_type(), logits.device_id()};
-  CheckSameDevice(kFn, device, targets, "targets");
-  CheckSameDevice(kFn, device, row_max, "row_max");
-  CheckSameDevice(kFn, device, row_log_sum, "row_log_sum");
-  CheckSameDevice(kFn, device, entropy, "entropy");
-  CheckSameDevice(kFn, device, grad_logprobs, "grad_logprobs");
-  CheckSameDevice(kFn, device, grad_entropy, "grad_entropy");
+  CheckPerRow(kFn, num_rows, device, targets, "targets");
+  CheckPerRow(kFn, num_rows, device, row_max, "row_max");
+  CheckPerRow(kFn, num_rows, device, row_log_sum, "row_log_sum");
+  CheckPerRow(kFn, num_rows, device, entropy, "entropy");
+  CheckPerRow(kFn, num_rows, device, grad_logprobs, "grad_logprobs");
+  CheckPerRow(kFn, num_rows, device, grad_entropy, "grad_entropy");
   CheckSameDevice(kFn, device, grad_logits, "grad_logits");
 
   if (device.type == nb::device::cpu::value) {

@@ -23,6 +23,9 @@
 
 namespace {
 
+using dockyard::testing::ToBf16;
+using dockyard::testing::FromBf16;
+
 using dockyard::kernels::gather_logprobs;
 using dockyard::kernels::gather_logprobs_backward;
 using dockyard::kernels::LogitsDtype;
@@ -30,19 +33,6 @@ using dockyard::kernels::LogitsDtype;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr float kInfF = std::numeric_limits<float>::infinity();
 constexpr float kNaNF = std::numeric_limits<float>::quiet_NaN();
-
-uint16_t ToBf16(float f) {  // Round to nearest even.
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-float FromBf16(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
 
 struct Forward {
   std::vector<float> logprobs, entropy, row_max;

@@ -20,6 +20,8 @@
 
 namespace {
 
+using dockyard::testing::FillPseudoRandom;
+
 using dockyard::kernels::BucketPlan;
 using dockyard::kernels::BucketSpan;
 using dockyard::kernels::CopyDirection;
@@ -29,18 +31,6 @@ using dockyard::kernels::pack_bucket;
 using dockyard::kernels::plan_buckets;
 using dockyard::kernels::StridedTensor;
 using dockyard::kernels::unpack_bucket;
-
-// Deterministic pseudo-random bytes (xorshift; no <random> distribution,
-// whose output differs across standard libraries).
-void FillPseudoRandom(std::vector<char>* bytes, uint64_t seed) {
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (char& b : *bytes) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    b = static_cast<char>(x >> 24);
-  }
-}
 
 // A strided view over its own storage. `storage_elements` is how many
 // elements the storage holds; `element_offset` is where element 0 starts.

@@ -26,7 +26,9 @@
 
 #include <cmath>
 #include <cstdarg>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <stdexcept>
@@ -90,6 +92,35 @@ inline int RunTests(const char* suite, const std::vector<TestCase>& tests) {
   }
   std::printf("%s: %d passed, %d failed\n", suite, passed, failed);
   return failed == 0 ? 0 : 1;
+}
+
+// Test data shared by a kernel's CPU test and its CUDA parity test.
+
+// Deterministic pseudo-random bytes (xorshift; no <random> distribution,
+// whose output differs across standard libraries).
+inline void FillPseudoRandom(std::vector<char>* bytes, uint64_t seed) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (char& b : *bytes) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    b = static_cast<char>(x >> 24);
+  }
+}
+
+// float -> bfloat16 bits, round to nearest even; NaN stays a quiet NaN.
+inline uint16_t ToBf16(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float FromBf16(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
 }
 
 }  // namespace dockyard::testing

@@ -33,6 +33,9 @@
 
 namespace {
 
+using dockyard::testing::ToBf16;
+using dockyard::testing::FromBf16;
+
 using dockyard::kernels::LogitsDtype;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -42,20 +45,6 @@ void Check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) {
     throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
   }
-}
-
-uint16_t ToBf16(float f) {
-  if (std::isnan(f)) return 0x7FC0;
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-float FromBf16(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
 }
 
 // A device copy of a host vector, freed at scope exit.

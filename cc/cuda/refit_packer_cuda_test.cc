@@ -30,6 +30,8 @@
 
 namespace {
 
+using dockyard::testing::FillPseudoRandom;
+
 using dockyard::kernels::BucketSpan;
 using dockyard::kernels::CopyDirection;
 using dockyard::kernels::CopyPlan;
@@ -46,16 +48,6 @@ void ExpectInvalid(Fn&& call, const char* substr) {
 void CheckCudaOk(cudaError_t err, const char* what) {
   if (err != cudaSuccess) {
     throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
-  }
-}
-
-void FillPseudoRandom(std::vector<char>* bytes, uint64_t seed) {
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (char& b : *bytes) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    b = static_cast<char>(x >> 24);
   }
 }
 

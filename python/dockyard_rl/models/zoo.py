@@ -101,31 +101,23 @@ class TinyModelSpec:
 
 # head_dim is 32, not 16: vLLM's CPU attention only supports head sizes 32, 64, 80, ... and these
 # models must load in vLLM too. Embeddings are tied like SmolLM2's.
+_TINY_LLAMA = TinyModelSpec(
+    model_type="llama",
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    seed=0,
+)
+
 TINY_MODELS: dict[str, TinyModelSpec] = {
-    "tiny-llama": TinyModelSpec(
-        model_type="llama",
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        seed=0,
-    ),
-    "tiny-qwen2": TinyModelSpec(
-        model_type="qwen2",
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        seed=0,
-    ),
+    "tiny-llama": _TINY_LLAMA,
+    # Same sizes; the qwen2 layout adds q/k/v biases.
+    "tiny-qwen2": dataclasses.replace(_TINY_LLAMA, model_type="qwen2"),
 }
 
 ZOO_NAMES: tuple[str, ...] = (SMOLLM2_NAME, *TINY_MODELS)
