@@ -170,6 +170,29 @@ def _readonly_interpreter_paths() -> list[pathlib.Path]:
     return sorted(paths)
 
 
+def run_tests_sandboxed(command: list[str], worktree: pathlib.Path, config: PipelineConfig,
+                        work_root: pathlib.Path, *,
+                        extra_writable_dirs: list[pathlib.Path] = (),
+                        limits: isolation.SandboxLimits | None = None) -> isolation.SandboxResult:
+    """Runs a test command in `worktree` under bubblewrap the way scoring does (step 5 of the
+    module docstring): worktree (and `extra_writable_dirs`) writable, the work root, mirror cache,
+    /root and /home hidden, this interpreter bound read-only and first on PATH, a minimal
+    environment. `limits` default to the config's. Raises InfrastructureError when the sandbox
+    cannot start; whatever the command does ends in the returned result."""
+    hidden = [work_root, config.cache_path(work_root), pathlib.Path("/root"),
+              pathlib.Path("/home")]
+    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
+           "HOME": "/tmp", "LANG": "C.UTF-8", "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
+           "PYTHONHASHSEED": "0"}
+    try:
+        return isolation.run_sandboxed(
+            command, writable_dirs=[worktree, *extra_writable_dirs],
+            limits=limits if limits is not None else config.limits(None), cwd=worktree,
+            hidden_paths=hidden, readonly_paths=_readonly_interpreter_paths(), env=env)
+    except isolation.SandboxUnavailableError as error:
+        raise InfrastructureError(str(error)) from error
+
+
 def _rmtree(path: pathlib.Path) -> None:
     def make_writable_and_retry(function, failed_path, _):
         # The tests may leave read-only directories behind (chmod 000); we own them, so we can
@@ -330,18 +353,9 @@ def _score_in(spec: TaskSpec, config: PipelineConfig, work_root: pathlib.Path,
                    str(worktree), "-rN", *test_files]
     command += [f"--junitxml={report}", "-o", f"junit_suite_name={nonce}",
                 "-o", "junit_family=xunit1"]
-    hidden = [work_root, config.cache_path(work_root), pathlib.Path("/root"),
-              pathlib.Path("/home")]
-    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
-           "HOME": "/tmp", "LANG": "C.UTF-8", "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
-           "PYTHONHASHSEED": "0"}
-    try:
-        result = isolation.run_sandboxed(
-            command, writable_dirs=[worktree, results_dir],
-            limits=config.limits(spec.timeout_s), cwd=worktree, hidden_paths=hidden,
-            readonly_paths=_readonly_interpreter_paths(), env=env)
-    except isolation.SandboxUnavailableError as error:
-        raise InfrastructureError(str(error)) from error
+    result = run_tests_sandboxed(command, worktree, config, work_root,
+                                 extra_writable_dirs=[results_dir],
+                                 limits=config.limits(spec.timeout_s))
     phase_start = lap("tests", phase_start)
 
     # 6. grade

@@ -1,0 +1,228 @@
+"""Synthesizes SWE-bench-format tasks from PyPI packages (SWE-smith style, no model needed).
+
+    tools/bazel run //python/dockyard_rl/data:synthesize_swe_tasks -- \\
+        --packages sqlparse,boltons,xmltodict --out DIR [--max-tasks-per-package 50] \\
+        [--seed 0] [--workers N] [--executor-url http://127.0.0.1:9090]
+
+How a task is made and checked: task_synthesis.py. `--packages` takes PyPI requirements
+(`name` or `name==version`) or paths of local sdist archives. Without `--executor-url` an executor
+is started in this process on 127.0.0.1 (a free port) with `--workers` scoring workers; with it,
+that executor must run on this machine (it clones the repositories from DIR/repos by path).
+
+Writes, under DIR:
+- `repos/<package>.git`: bare repositories; the tasks' `repo` field is their absolute path and
+  each task's base commit is the ref refs/tasks/<instance id>.
+- `tasks/<package>.jsonl` (one per package, written as soon as the package is done) and
+  `tasks.jsonl` (all packages): SWE-bench rows, loadable with `data.datasets.load_jsonl`.
+- `report.json`: per package the counts, the time, the rejection reasons and the FAIL_TO_PASS /
+  PASS_TO_PASS size distributions; the same table is printed at the end.
+- `sdists/`: the downloaded archives (a rerun reuses them only when given as paths).
+
+A package whose `tasks/<package>.jsonl` and report entry exist from an earlier run with the same
+settings is not redone (resume after an interruption, package by package); `--force` redoes it.
+Exit status: 0 when every package yielded tasks, 1 when one could not (its reason is printed),
+2 for bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from dockyard_rl.data import mutations, sdist_repos, task_synthesis
+from dockyard_rl.sandbox.client import ExecutorClient
+from dockyard_rl.sandbox.config import ExecutorConfig
+from dockyard_rl.sandbox.pipeline import PipelineConfig
+from dockyard_rl.sandbox.service import running_server
+from dockyard_rl.utils.config import from_dict
+
+logger = logging.getLogger("synthesize_swe_tasks")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="synthesize_swe_tasks",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--packages", required=True,
+                        help="comma-separated PyPI requirements or local sdist archive paths")
+    parser.add_argument("--out", required=True, type=pathlib.Path, help="output directory")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--max-tasks-per-package", type=int)
+    parser.add_argument("--max-candidates-per-package", type=int)
+    parser.add_argument("--max-tasks-per-function", type=int)
+    parser.add_argument("--max-fail-fraction", type=float)
+    parser.add_argument("--num-gold-runs", type=int)
+    parser.add_argument("--kinds", help=f"comma-separated subset of "
+                                        f"{','.join(mutations.MUTATION_KINDS)}")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="scoring workers of the in-process executor (default: CPU count)")
+    parser.add_argument("--executor-url", help="use this running executor instead of starting one")
+    parser.add_argument("--force", action="store_true",
+                        help="redo packages that an earlier run already finished")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> task_synthesis.SynthesisConfig:
+    """Flags -> a validated SynthesisConfig; ValueError names the flag's key."""
+    data: dict[str, Any] = {}
+    for key in ("seed", "max_tasks_per_package", "max_candidates_per_package",
+                "max_tasks_per_function", "max_fail_fraction", "num_gold_runs"):
+        if getattr(args, key) is not None:
+            data[key] = getattr(args, key)
+    if args.kinds:
+        data["mutation_kinds"] = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    if args.executor_url is None:
+        # Keep every in-process worker busy: screening is the long part.
+        data["window_size"] = max(2, 2 * args.workers)
+    return from_dict(task_synthesis.SynthesisConfig, data, key_path="synthesis")
+
+
+def _output_dir(path: pathlib.Path) -> pathlib.Path:
+    # Under `bazel run` the working directory is the runfiles tree; relative paths mean the
+    # user's directory.
+    if not path.is_absolute() and os.environ.get("BUILD_WORKING_DIRECTORY"):
+        path = pathlib.Path(os.environ["BUILD_WORKING_DIRECTORY"]) / path
+    return path.resolve()
+
+
+@contextlib.asynccontextmanager
+async def _executor(args: argparse.Namespace, scratch: pathlib.Path) -> AsyncIterator[str]:
+    if args.executor_url:
+        yield args.executor_url
+        return
+    config = ExecutorConfig(
+        port=0, num_workers=args.workers, work_dir=str(scratch / "executor"),
+        max_patch_bytes=16 * 1024 * 1024, retry_backoff_s=1.0,
+        # A large log keeps every failure block for the problem statements.
+        pipeline=PipelineConfig(max_log_bytes=1024 * 1024))
+    async with running_server(config) as server:
+        logger.info("executor with %d workers at %s", args.workers, server.url)
+        yield server.url
+
+
+def _settings(config: task_synthesis.SynthesisConfig) -> dict[str, Any]:
+    settings = dataclasses.asdict(config)
+    settings.pop("window_size")  # how fast, not what: does not change the tasks
+    settings["mutation_kinds"] = list(settings["mutation_kinds"])
+    return settings
+
+
+def _write_jsonl(path: pathlib.Path, rows: list[dict[str, Any]]) -> None:
+    staging = path.with_suffix(".partial")
+    with staging.open("w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, sort_keys=True) + "\n")
+    staging.replace(path)
+
+
+def format_report(summaries: list[dict[str, Any]], total_s: float) -> str:
+    header = (f"{'package':<14}{'version':<10}{'tasks':>6}{'screened':>9}{'time s':>8}  "
+              f"{'F2P min/med/mean/max':<22}{'P2P min/med/max':<18}")
+    lines = [header, "-" * len(header)]
+    for s in summaries:
+        if "error" in s:
+            lines.append(f"{s['package']:<14}{'':<10}{0:>6}{'':>9}{'':>8}  skipped: "
+                         f"{s['error'].splitlines()[0][:80]}")
+            continue
+        f2p, p2p = s["fail_to_pass"], s["pass_to_pass"]
+        f2p_text = (f"{f2p['min']}/{f2p['median']}/{f2p['mean']}/{f2p['max']}"
+                    if f2p["count"] else "-")
+        p2p_text = f"{p2p['min']}/{p2p['median']}/{p2p['max']}" if p2p["count"] else "-"
+        lines.append(f"{s['package']:<14}{s['version']:<10}{s['num_tasks']:>6}"
+                     f"{s['num_screened']:>9}{s['seconds']:>8.0f}  {f2p_text:<22}{p2p_text:<18}")
+    total = sum(s.get("num_tasks", 0) for s in summaries)
+    lines.append(f"total: {total} validated tasks in {total_s:.0f} s")
+    return "\n".join(lines)
+
+
+async def _run(args: argparse.Namespace, config: task_synthesis.SynthesisConfig,
+               out: pathlib.Path) -> int:
+    requirements = [p.strip() for p in args.packages.split(",") if p.strip()]
+    (out / "tasks").mkdir(parents=True, exist_ok=True)
+    report_path = out / "report.json"
+    previous = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    settings = _settings(config)
+    reuse = {s["requirement"]: s for s in previous.get("packages", [])
+             if previous.get("settings") == settings and not args.force and "error" not in s
+             and (out / "tasks" / f"{s['slug']}.jsonl").is_file()}
+    summaries: list[dict[str, Any]] = []
+    rows_by_package: dict[str, list[dict[str, Any]]] = {}
+    start = time.monotonic()
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="synthesis-"))
+    try:
+        async with _executor(args, scratch) as url, ExecutorClient(url) as client:
+            paths = task_synthesis.SynthesisPaths(repos_dir=out / "repos",
+                                                  sdist_dir=out / "sdists", scratch_dir=scratch)
+            for requirement in requirements:
+                if requirement in reuse:
+                    summary = reuse[requirement]
+                    logger.info("%s: done by an earlier run, reusing %d tasks", requirement,
+                                summary["num_tasks"])
+                    rows_by_package[requirement] = [
+                        json.loads(line) for line in
+                        (out / "tasks" / f"{summary['slug']}.jsonl").read_text().splitlines()]
+                    summaries.append(summary)
+                    continue
+                try:
+                    result = await task_synthesis.synthesize_package(requirement, config, client,
+                                                                     paths)
+                except (task_synthesis.PackageSkipped, sdist_repos.SdistError) as error:
+                    logger.error("%s: skipped: %s", requirement, error)
+                    summaries.append({"requirement": requirement, "package": requirement,
+                                      "error": str(error)})
+                    continue
+                slug = pathlib.Path(result.repo).name.removesuffix(".git")
+                _write_jsonl(out / "tasks" / f"{slug}.jsonl", result.tasks)
+                rows_by_package[requirement] = result.tasks
+                summaries.append({"requirement": requirement, "slug": slug, **result.summary()})
+                report_path.write_text(json.dumps(
+                    {"settings": settings, "packages": summaries}, indent=2) + "\n")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    all_rows = [row for requirement in requirements for row in rows_by_package.get(requirement, [])]
+    _write_jsonl(out / "tasks.jsonl", all_rows)
+    total_s = time.monotonic() - start
+    everything = [row for rows in rows_by_package.values() for row in rows]
+    report = {"settings": settings, "packages": summaries, "seconds": round(total_s, 1),
+              "num_tasks": len(all_rows),
+              "fail_to_pass": task_synthesis.distribution(
+                  [len(r["FAIL_TO_PASS"]) for r in everything]),
+              "pass_to_pass": task_synthesis.distribution(
+                  [len(r["PASS_TO_PASS"]) for r in everything])}
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(format_report(summaries, total_s))
+    print(f"wrote {out / 'tasks.jsonl'} and {report_path}")
+    return 0 if all("error" not in s and s["num_tasks"] > 0 for s in summaries) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The executor's own per-request logs would drown the progress lines.
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    try:
+        config = config_from_args(args)
+        if args.workers < 1:
+            raise ValueError(f"--workers: must be >= 1, got {args.workers}")
+    except ValueError as error:
+        print(f"synthesize_swe_tasks: invalid settings: {error}", file=sys.stderr)
+        return 2
+    return asyncio.run(_run(args, config, _output_dir(args.out)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

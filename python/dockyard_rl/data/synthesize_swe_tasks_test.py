@@ -1,0 +1,162 @@
+"""End to end of the task synthesizer on a local toy sdist: real git, real executor (HTTP on
+127.0.0.1, pytest under bubblewrap), real libcst mutations.
+
+Checks the written tasks as a consumer would: SWE-bench rows that load, held-out tests absent from
+the base commit and restored by the test_patch, a gold patch that only touches library code, and
+problem statements that name the failing tests but not the bug's location. A fresh executor (new
+mirrors, new work dir) then scores every task independently: gold resolves, the empty patch does
+not. Also: reruns resume per package and the search is deterministic for a seed.
+"""
+
+import asyncio
+import io
+import json
+import pathlib
+import subprocess
+import tarfile
+import types
+
+import pytest
+import unidiff
+
+from dockyard_rl.data import mutations, synthesize_swe_tasks, test_holdout, testing_sdists
+from dockyard_rl.data.datasets import load_jsonl
+from dockyard_rl.sandbox.client import ExecutorClient
+from dockyard_rl.sandbox.config import ExecutorConfig
+from dockyard_rl.sandbox.service import running_server
+from dockyard_rl.sandbox.task import TaskStatus, TestOutcome
+
+NUM_TASKS = 4
+_COMPARED = ("instance_id", "base_commit", "patch", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS",
+             "problem_statement", "test_command")
+
+
+def _args(archive, out, num_tasks):
+    return ["--packages", str(archive), "--out", str(out), "--max-tasks-per-package",
+            str(num_tasks), "--workers", "2", "--seed", "3", "--log-level", "WARNING"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("synthesis")
+    archive = testing_sdists.make_toy_sdist(root / "downloads")
+    out = root / "out"
+    code = synthesize_swe_tasks.main(_args(archive, out, NUM_TASKS))
+    return types.SimpleNamespace(root=root, archive=archive, out=out, code=code)
+
+
+def _git(repo, *args):
+    return subprocess.run(["git", "--git-dir", str(repo), *args], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def _rows(path):
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+
+
+def test_tasks_are_valid_held_out_swe_instances(run):
+    assert run.code == 0
+    instances = load_jsonl(run.out / "tasks.jsonl")
+    rows = _rows(run.out / "tasks.jsonl")
+    assert len(instances) == NUM_TASKS
+    assert len({i.instance_id for i in instances}) == NUM_TASKS
+    repo = run.out / "repos" / "toystats.git"
+    pristine = _git(repo, "rev-parse", "refs/heads/main").strip()
+    for instance, row in zip(instances, rows):
+        assert instance.repo == str(repo) and instance.version == "1.0"
+        assert instance.environment_setup_commit == pristine
+        assert instance.FAIL_TO_PASS and instance.PASS_TO_PASS
+        assert not set(instance.FAIL_TO_PASS) & set(instance.PASS_TO_PASS)
+        assert _git(repo, "rev-parse", f"refs/tasks/{instance.instance_id}").strip() \
+            == instance.base_commit
+        gold_files = {f.path for f in unidiff.PatchSet(instance.patch)}
+        test_files = {f.path for f in unidiff.PatchSet(instance.test_patch)}
+        assert gold_files == {row["synthesis"]["file"]}
+        assert all(path.startswith("toystats/") for path in gold_files)
+        assert test_files and all(path.startswith("tests/test_") for path in test_files)
+        # The held-out tests are not in the agent's checkout, and test_patch restores them.
+        for node_id in instance.FAIL_TO_PASS:
+            path, _, name = test_holdout.split_node_id(node_id)
+            assert f"def {name}(" not in _git(repo, "show", f"{instance.base_commit}:{path}")
+            assert f"def {name}(" in _git(repo, "show", f"{pristine}:{path}")
+        assert _git(repo, "diff", instance.base_commit, pristine, "--", *sorted(test_files)) \
+            == instance.test_patch
+        # The gold patch is the exact reverse of the mutation.
+        assert _git(repo, "diff", instance.base_commit, pristine, "--", *sorted(gold_files)) \
+            == instance.patch
+        statement = instance.problem_statement
+        for node_id in instance.FAIL_TO_PASS[:5]:
+            assert f"`{node_id}`" in statement
+        assert row["synthesis"]["file"] not in statement and "toystats/" not in statement
+        assert row["synthesis"]["mutation_kind"] in mutations.MUTATION_KINDS
+        assert "python -m pytest" in instance.test_command and "tests" in instance.test_command
+    report = json.loads((run.out / "report.json").read_text())
+    (package,) = report["packages"]
+    assert package["package"] == "toystats" and package["num_tasks"] == NUM_TASKS
+    assert package["num_collected_tests"] == 17 and package["num_baseline_passing"] == 17
+    assert package["num_screened"] >= NUM_TASKS and package["seconds"] > 0
+    assert package["fail_to_pass"]["count"] == NUM_TASKS
+    assert report["num_tasks"] == NUM_TASKS
+    assert sum(package["tasks_per_kind"].values()) == NUM_TASKS
+    assert _rows(run.out / "tasks" / "toystats.jsonl") == rows
+
+
+def test_a_fresh_executor_confirms_every_task(run, tmp_path):
+    instances = load_jsonl(run.out / "tasks.jsonl")
+    config = ExecutorConfig(port=0, num_workers=2, work_dir=str(tmp_path / "work"),
+                            max_infra_attempts=1)
+
+    async def score_all():
+        async with running_server(config) as server, ExecutorClient(server.url) as client:
+            return await asyncio.gather(*(
+                client.score(instance.to_task_spec(patch, task_id=f"{kind}-{i}"),
+                             poll_interval_s=0.2)
+                for i, instance in enumerate(instances)
+                for kind, patch in (("gold", instance.patch), ("empty", ""))))
+
+    results = asyncio.run(score_all())
+    for i, instance in enumerate(instances):
+        gold, empty = results[2 * i], results[2 * i + 1]
+        assert gold.status is TaskStatus.FINISHED and empty.status is TaskStatus.FINISHED
+        assert gold.verdict.resolved and gold.verdict.reward == 1.0, gold.verdict.log_tail[-2000:]
+        assert not empty.verdict.resolved and empty.verdict.reward == 0.0
+        assert all(o in (TestOutcome.FAILED, TestOutcome.ERROR)
+                   for o in empty.verdict.fail_to_pass.values())
+        assert set(empty.verdict.pass_to_pass.values()) == {TestOutcome.PASSED}
+
+
+def test_rerun_resumes_and_the_search_is_deterministic(run, caplog):
+    before = (run.out / "tasks.jsonl").read_bytes()
+    assert synthesize_swe_tasks.main(_args(run.archive, run.out, NUM_TASKS)) == 0
+    assert (run.out / "tasks.jsonl").read_bytes() == before  # reused, not redone
+    # A new directory and a smaller quota: the same seed finds the same first tasks.
+    smaller = run.root / "smaller"
+    assert synthesize_swe_tasks.main(_args(run.archive, smaller, 2)) == 0
+    first = [{k: r[k] for k in _COMPARED} for r in _rows(run.out / "tasks.jsonl")[:2]]
+    again = [{k: r[k] for k in _COMPARED} for r in _rows(smaller / "tasks.jsonl")]
+    assert again == first
+
+
+def test_bad_settings_exit_2_naming_the_key(tmp_path, capsys):
+    archive = testing_sdists.make_toy_sdist(tmp_path)
+    assert synthesize_swe_tasks.main(["--packages", str(archive), "--out", str(tmp_path / "o"),
+                                      "--kinds", "flip_comparison,nope"]) == 2
+    assert "mutation_kinds" in capsys.readouterr().err
+    assert synthesize_swe_tasks.main(["--packages", str(archive), "--out", str(tmp_path / "o"),
+                                      "--max-tasks-per-package", "0"]) == 2
+    assert "max_tasks_per_package" in capsys.readouterr().err
+
+
+def test_a_package_without_tests_is_reported_not_fatal(tmp_path):
+    archive = tmp_path / "notests-1.0.tar.gz"
+    with tarfile.open(archive, "w:gz") as tarred:
+        for name, text in {"notests-1.0/PKG-INFO": "Name: notests\nVersion: 1.0\n",
+                           "notests-1.0/notests.py": "def f():\n    return 1\n"}.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(text)
+            tarred.addfile(info, io.BytesIO(text.encode()))
+    out = tmp_path / "out"
+    assert synthesize_swe_tasks.main(["--packages", str(archive), "--out", str(out)]) == 1
+    report = json.loads((out / "report.json").read_text())
+    assert "ships no test modules" in report["packages"][0]["error"]
+    assert (out / "tasks.jsonl").read_text() == ""

@@ -1,0 +1,180 @@
+"""A small, real-looking source distribution for tests of task synthesis (no network needed).
+
+`make_toy_sdist(dest_dir) -> archive path` writes `toystats-1.0.tar.gz`: a package with a few
+functions whose bugs its pytest suite catches (module functions, a class, parametrized tests, a
+test class, a conftest fixture, test data in a file), laid out like a PyPI sdist (one top folder,
+PKG-INFO, pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import tarfile
+
+NAME, VERSION = "toystats", "1.0"
+
+_FILES = {
+    "PKG-INFO": f"Metadata-Version: 2.1\nName: {NAME}\nVersion: {VERSION}\n"
+                f"Summary: small statistics helpers\n",
+    "pyproject.toml": f'[project]\nname = "{NAME}"\nversion = "{VERSION}"\n',
+    "README.md": "# toystats\n\nSmall statistics helpers.\n",
+    "docs/conf.py": "project = 'toystats'\n",
+    "toystats/__init__.py": "from toystats.core import clamp, mean, median, running_max\n"
+                            "from toystats.window import Window\n",
+    "toystats/core.py": '''"""Core helpers."""
+
+
+def clamp(value, low, high):
+    """value limited to [low, high]."""
+    if low > high:
+        raise ValueError("low must not exceed high")
+    if value < low:
+        return low
+    if value > high:
+        return high
+    return value
+
+
+def mean(values):
+    if not values:
+        raise ValueError("mean of an empty sequence")
+    return sum(values) / len(values)
+
+
+def median(values):
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if len(ordered) % 2 == 1:
+        return ordered[middle]
+    return (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def running_max(values):
+    result = []
+    best = None
+    for value in values:
+        if best is None or value > best:
+            best = value
+        result.append(best)
+    return result
+''',
+    "toystats/window.py": '''"""A sliding window."""
+
+
+class Window:
+    def __init__(self, size):
+        if size <= 0:
+            raise ValueError("size must be positive")
+        self.size = size
+        self.items = []
+
+    def push(self, value):
+        self.items.append(value)
+        if len(self.items) > self.size:
+            self.items = self.items[1:]
+        return self
+
+    def total(self):
+        return sum(self.items)
+
+    def full(self):
+        return len(self.items) == self.size and self.size > 0
+''',
+    "tests/__init__.py": "",
+    "tests/conftest.py": '''import pathlib
+
+import pytest
+
+
+@pytest.fixture
+def samples():
+    path = pathlib.Path(__file__).parent / "data" / "samples.txt"
+    return [int(line) for line in path.read_text().split()]
+''',
+    "tests/data/samples.txt": "3\n1\n4\n1\n5\n9\n2\n6\n",
+    "tests/test_core.py": '''import pytest
+
+from toystats import clamp, mean, median, running_max
+
+
+@pytest.mark.parametrize("value, expected", [(5, 5), (-3, 0), (42, 10), (0, 0), (10, 10)])
+def test_clamp(value, expected):
+    assert clamp(value, 0, 10) == expected
+
+
+def test_clamp_rejects_inverted_bounds():
+    with pytest.raises(ValueError):
+        clamp(1, 5, 0)
+
+
+def test_mean(samples):
+    assert mean(samples) == pytest.approx(31 / 8)
+
+
+def test_mean_empty():
+    with pytest.raises(ValueError):
+        mean([])
+
+
+class TestMedian:
+    def test_odd(self):
+        assert median([5, 1, 3]) == 3
+
+    def test_even(self):
+        assert median([4, 1, 3, 2]) == 2.5
+
+    def test_samples(self, samples):
+        assert median(samples) == 3.5
+
+
+def test_running_max():
+    assert running_max([1, 3, 2, 5, 4]) == [1, 3, 3, 5, 5]
+
+
+def test_running_max_empty():
+    assert running_max([]) == []
+''',
+    "tests/test_window.py": '''import pytest
+
+from toystats import Window
+
+
+def test_push_keeps_the_last_items():
+    window = Window(3)
+    for value in range(5):
+        window.push(value)
+    assert window.items == [2, 3, 4]
+
+
+def test_total():
+    assert Window(2).push(1).push(2).push(3).total() == 5
+
+
+def test_full():
+    window = Window(2)
+    assert not window.full()
+    window.push(1).push(1)
+    assert window.full()
+
+
+def test_bad_size():
+    with pytest.raises(ValueError):
+        Window(0)
+''',
+}
+
+
+def make_toy_sdist(dest_dir: pathlib.Path) -> pathlib.Path:
+    """Writes the archive into `dest_dir` and returns its path."""
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    archive = dest_dir / f"{NAME}-{VERSION}.tar.gz"
+    with tarfile.open(archive, "w:gz") as tarred:
+        for name, text in sorted(_FILES.items()):
+            data = text.encode()
+            info = tarfile.TarInfo(f"{NAME}-{VERSION}/{name}")
+            info.size = len(data)
+            info.mode = 0o644
+            info.mtime = 1700000000
+            tarred.addfile(info, io.BytesIO(data))
+    return archive
