@@ -10,8 +10,12 @@ must score reward 1 and resolve the task; and empty, malformed and prose outputs
 the invalid-action outcome (parse failure in the metadata, the penalty as reward) without ever
 reaching the executor.
 
-Not covered: sampling from a model (no policy here), the synthesizer's tasks, prompts cut to a
-token budget (processors_test covers those), infrastructure retries (swe_env_test covers them).
+The second test does the same for tasks the synthesizer generates on the spot from a toy sdist
+(data/synthesize_swe_tasks.py; no committed data): both output formats of every task's gold patch
+score 1, the empty output is an invalid action. Synthesis and scoring share one executor.
+
+Not covered: sampling from a model (no policy here), prompts cut to a token budget
+(processors_test covers those), infrastructure retries (swe_env_test covers them).
 """
 
 import asyncio
@@ -21,6 +25,8 @@ import pytest
 import transformers
 import unidiff
 
+from dockyard_rl.data import synthesize_swe_tasks, testing_sdists
+from dockyard_rl.data.datasets import load_jsonl
 from dockyard_rl.data.patch_formats import (InvalidReason, PatchFormat, diff_to_search_replace,
                                             git_file_reader, parse_model_output)
 from dockyard_rl.data.processors import PromptConfig, SwePromptProcessor
@@ -178,3 +184,53 @@ def test_gold_patches_in_both_formats_score_1_and_bad_outputs_are_invalid_action
     assert result.metrics["env/num_resolved"] == 2.0
     assert result.metrics["env/num_parse_failures"] == 4.0
     assert result.metrics["env/num_infra_errors"] == 0.0
+
+
+def test_synthesized_tasks_score_1_with_gold_patches_in_both_formats(tmp_path, tokenizer):
+    archive = testing_sdists.make_toy_sdist(tmp_path / "downloads")
+    executor_config = ExecutorConfig(port=0, num_workers=2, work_dir=str(tmp_path / "work"),
+                                     max_infra_attempts=1, max_patch_bytes=4 * 1024 * 1024)
+    pipeline = RewardPipeline(from_dict(RewardShapingConfig, {"stages": [
+        {"type": "integrity"}, {"type": "invalid_action", "penalty": PENALTY}]}, "rewards"))
+
+    async def scenario():
+        async with running_server(executor_config) as server:
+            out = tmp_path / "tasks"
+            code = await asyncio.to_thread(synthesize_swe_tasks.main, [
+                "--packages", str(archive), "--out", str(out), "--max-tasks-per-package", "3",
+                "--executor-url", server.url, "--log-level", "WARNING"])
+            assert code == 0
+            instances = load_jsonl(out / "tasks.jsonl")
+            assert len(instances) == 3
+            rollouts = []
+            for instance in instances:
+                read_file = git_file_reader(instance.repo, instance.base_commit)
+                for patch_format in PatchFormat:
+                    prompt = SwePromptProcessor(tokenizer, PromptConfig(
+                        patch_format=patch_format.value))(instance, read_file)
+                    user = prompt.messages[-1]["content"]
+                    assert instance.problem_statement.strip() in user
+                    for line in removed_lines(instance.patch):
+                        assert line in user  # the prompt shows the code the fix changes
+                    if patch_format is PatchFormat.DIFF:
+                        output = f"```diff\n{instance.patch}```\n"
+                    else:
+                        output = diff_to_search_replace(instance.patch, read_file)
+                    parsed, rollout = make_rollout(instance, tokenizer, output, patch_format,
+                                                   read_file)
+                    assert parsed.valid, (instance.instance_id, patch_format, parsed.detail)
+                    rollouts.append(rollout)
+                _, empty = make_rollout(instance, tokenizer, "", PatchFormat.DIFF, read_file)
+                rollouts.append(empty)
+            env = SweEnvironment(SweEnvironmentConfig(
+                executor_url=server.url, max_concurrency=4, poll_interval_s=0.1,
+                task_timeout_s=300.0, max_infra_retries=1, task_id_prefix="synth"), pipeline)
+            return await env.step(rollouts, global_step=0)
+
+    result = asyncio.run(scenario())
+    assert result.rewards_B.tolist() == [1.0, 1.0, PENALTY] * 3, \
+        [m.get("test_outcomes") for m in result.metadata]
+    assert result.sample_mask_B.tolist() == [1.0] * 9
+    assert result.metrics["env/num_resolved"] == 6.0
+    for meta in result.metadata[2::3]:
+        assert meta["parse_failure"] == InvalidReason.NO_PATCH.value and meta["num_tries"] == 0
