@@ -354,28 +354,14 @@ class _SiteCollector(cst.CSTVisitor):
             self._collect_comparison(node, here)
         elif isinstance(node, cst.BooleanOperation):
             new_op = cst.Or if isinstance(node.operator, cst.And) else cst.And
-            self._add(
-                "flip_boolean",
-                node.operator,
-                f"`{_op_text(node.operator)}` -> `{_OP_TEXT[new_op]}`",
-                node,
-                here,
-                functools.partial(_flip_binary_like, node, new_op, parent),
-            )
+            self._add_operator_flip("flip_boolean", node, new_op, parent, here)
         elif isinstance(node, cst.BinaryOperation):
             new_op = _ARITHMETIC_FLIPS.get(type(node.operator))
             if new_op is None:
                 return
             if isinstance(node.operator, cst.Modulo) and _is_string_literal(node.left):
                 return  # `"%s" % x` is formatting, not arithmetic
-            self._add(
-                "flip_arithmetic",
-                node.operator,
-                f"`{_op_text(node.operator)}` -> `{_OP_TEXT[new_op]}`",
-                node,
-                here,
-                functools.partial(_flip_binary_like, node, new_op, parent),
-            )
+            self._add_operator_flip("flip_arithmetic", node, new_op, parent, here)
         elif isinstance(node, cst.AugAssign):
             new_op = _AUG_FLIPS.get(type(node.operator))
             if new_op is None:
@@ -422,6 +408,12 @@ class _SiteCollector(cst.CSTVisitor):
             self._collect_swap(node, here)
         elif isinstance(node, cst.Return):
             self._collect_return(node, here)
+
+    def _add_operator_flip(self, kind: str, node, new_op, parent, here) -> None:
+        """A site replacing `node`'s binary/boolean operator with `new_op` (parenthesised as
+        needed, see _flip_binary_like)."""
+        self._add(kind, node.operator, f"`{_op_text(node.operator)}` -> `{_OP_TEXT[new_op]}`",
+                  node, here, functools.partial(_flip_binary_like, node, new_op, parent))
 
     def _collect_comparison(self, node: cst.ComparisonTarget, here) -> None:
         new_op = _COMPARISON_FLIPS[type(node.operator)]
