@@ -92,9 +92,10 @@ def config_from_args(args: argparse.Namespace) -> task_synthesis.SynthesisConfig
 
 def _output_dir(path: pathlib.Path) -> pathlib.Path:
     # Under `bazel run` the working directory is the runfiles tree; relative paths mean the
-    # user's directory.
-    if not path.is_absolute() and os.environ.get("BUILD_WORKING_DIRECTORY"):
-        path = pathlib.Path(os.environ["BUILD_WORKING_DIRECTORY"]) / path
+    # user's directory: where tools/bazel was called, else where bazel itself was.
+    for variable in ("DOCKYARD_CALLER_DIR", "BUILD_WORKING_DIRECTORY"):
+        if not path.is_absolute() and os.environ.get(variable):
+            return (pathlib.Path(os.environ[variable]) / path).resolve()
     return path.resolve()
 
 
