@@ -23,6 +23,12 @@ other `.py` files outside top-level docs/examples/benchmarks/scripts folders and
 Empty test modules (package `__init__.py`) stay in every commit: an empty file cannot be added
 back by a text patch that every diff parser agrees on.
 
+Trust: the package's tests only ever run inside the executor's sandbox, and archives are
+unpacked with tarfile's "data" filter (no absolute paths, no links out of the tree). But
+`pip download` of an sdist runs the package's build backend on this machine to read its metadata,
+as `pip install` would: only name packages you would install. For anything else, download the
+archive elsewhere and pass its path (it is then only unpacked, never built).
+
 Not covered: wheels-only packages (there is nothing to mutate in a wheel), sdists whose tests need
 extra dependencies (their baseline simply fails and the synthesizer reports it), non-Python
 test suites.
