@@ -22,6 +22,9 @@ _RULE_RE = re.compile(r"^_{3,} (?P<headline>.+?) _{3,}$")
 _SUMMARY_RE = re.compile(r"^(?:FAILED|ERROR) (?P<node_id>\S.*?)(?: - (?P<message>.*))?$")
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 _SETUP_PREFIX_RE = re.compile(r"^ERROR at (?:setup|teardown) of ")
+# Object reprs carry memory addresses, which differ between runs: masked so that the same task
+# gets the same text.
+_ADDRESS_RE = re.compile(r"\b0x[0-9a-fA-F]{6,16}\b")
 _MAX_LINE_CHARS = 300
 
 
@@ -33,7 +36,8 @@ def headline_of(node_id: str) -> str:
 
 def failure_messages(log: str) -> dict[str, list[str]]:
     """Headline -> the `E ` lines of its failure block, from a pytest log (module docstring).
-    Also maps each node id of the short test summary to its one-line message."""
+    Also maps each node id of the short test summary to its one-line message. Memory addresses
+    are masked."""
     messages: dict[str, list[str]] = {}
     current: list[str] | None = None
     for raw_line in _ANSI_RE.sub("", log).splitlines():
@@ -48,10 +52,11 @@ def failure_messages(log: str) -> dict[str, list[str]]:
         else:
             summary = _SUMMARY_RE.match(raw_line)
         if summary and summary.group("message"):
-            messages.setdefault(summary.group("node_id"), [summary.group("message")])
+            messages.setdefault(summary.group("node_id"),
+                                [_ADDRESS_RE.sub("0x...", summary.group("message"))])
             continue
         if current is not None and raw_line.startswith("E "):
-            current.append(raw_line[1:].strip()[:_MAX_LINE_CHARS])
+            current.append(_ADDRESS_RE.sub("0x...", raw_line[1:].strip())[:_MAX_LINE_CHARS])
     return messages
 
 

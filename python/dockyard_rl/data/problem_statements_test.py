@@ -52,6 +52,17 @@ def test_statement_names_tests_and_errors_but_not_the_code():
     assert text == problem_statements.write_problem_statement("toystats", "1.0", failing, LOG)
 
 
+def test_memory_addresses_are_masked():
+    log = ("______ test_tokens ______\n"
+           "E   assert 6 == 1\n"
+           "E    +  where 6 = len([<Identifier 'foo' at 0x7F7B6FE3E3D0>])\n"
+           "=== short test summary info ===\n"
+           "FAILED t.py::test_other - <built-in method at 0x7f7dff5e74b0>\n")
+    messages = problem_statements.failure_messages(log)
+    assert messages["test_tokens"][1] == "+  where 6 = len([<Identifier 'foo' at 0x...>])"
+    assert messages["t.py::test_other"] == ["<built-in method at 0x...>"]
+
+
 def test_statement_limits():
     failing = [f"t.py::test_{i}" for i in range(9)]
     text = problem_statements.write_problem_statement("p", "2", failing, "", max_tests=3)
