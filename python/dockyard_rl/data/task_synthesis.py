@@ -26,8 +26,9 @@ Per package:
 6. The problem statement is written from the failing tests and their error lines
    (problem_statements.py).
 
-Candidates are processed in windows of `window_size` concurrent screenings; results are taken in
-candidate order, so the same seed and package give the same tasks whatever the timing.
+Candidates are processed in windows of `window_size` concurrent screenings (skipping candidates
+of functions that already have `max_tasks_per_function` tasks); results are taken in candidate
+order, so the same seed and package give the same tasks whatever the timing.
 
 Not covered: packages whose tests need dependencies the executor's interpreter lacks (the
 baseline check stops such a package with a clear error); non-pytest test suites; semantic
@@ -73,7 +74,7 @@ class SynthesisConfig:
 
     seed: int = 0
     max_tasks_per_package: int = 50
-    max_candidates_per_package: int = 400     # screenings before giving up on a package
+    max_candidates_per_package: int = 400     # mutants screened before giving up on a package
     max_tasks_per_function: int = 2           # spread tasks over the code
     max_fail_fraction: float = 0.5            # of the stable baseline; more is a broken package
     mutation_kinds: tuple[str, ...] = mutations.MUTATION_KINDS
@@ -278,22 +279,26 @@ async def synthesize_package(requirement: str, config: SynthesisConfig, client: 
                 "%.0f s", layout.name, len(collected), len(stable), len(flaky), baseline_s,
                 timeout_s)
 
-    candidates = _candidates(repo, config)[:config.max_candidates_per_package]
+    candidates = _candidates(repo, config)
     rejections: Counter = Counter()
     tasks: list[dict[str, Any]] = []
     per_function: Counter = Counter()
     seen_patches: set[str] = set()
     num_screened = 0
+    position = 0
     search = _Search(repo, config, scorer, test_command, test_patch_all, stable, timeout_s)
-    for window_start in range(0, len(candidates), config.window_size):
-        if len(tasks) >= config.max_tasks_per_package:
-            break
+    while (len(tasks) < config.max_tasks_per_package
+           and num_screened < config.max_candidates_per_package and position < len(candidates)):
+        # The next window: candidates whose function still has room, in candidate order.
         window = []
-        for path, site in candidates[window_start:window_start + config.window_size]:
+        while (len(window) < config.window_size and position < len(candidates)
+               and num_screened + len(window) < config.max_candidates_per_package):
+            path, site = candidates[position]
+            position += 1
             if per_function[(path, site.function)] >= config.max_tasks_per_function:
                 rejections["function_quota"] += 1
-                continue
-            window.append((path, site))
+            else:
+                window.append((path, site))
         outcomes = await asyncio.gather(*(search.try_candidate(path, site, seen_patches)
                                           for path, site in window))
         num_screened += len(window)
@@ -306,8 +311,9 @@ async def synthesize_package(requirement: str, config: SynthesisConfig, client: 
                 per_function[(path, site.function)] += 1
             else:
                 rejections["quota_reached"] += 1
-        logger.info("%s: %d screened, %d tasks, rejections %s", layout.name, num_screened,
-                    len(tasks), dict(rejections))
+        if window:
+            logger.info("%s: %d screened, %d tasks, rejections %s", layout.name, num_screened,
+                        len(tasks), dict(rejections))
     return PackageResult(name=layout.name, version=layout.version, repo=str(repo.path),
                          num_collected_tests=len(collected), num_baseline_passing=len(stable),
                          num_flaky_tests=len(flaky), num_candidates=len(candidates),
