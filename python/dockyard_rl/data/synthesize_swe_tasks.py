@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -38,15 +37,13 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from dockyard_rl.data import mutations, sdist_repos, task_synthesis
 from dockyard_rl.sandbox.client import ExecutorClient
-from dockyard_rl.sandbox.config import ExecutorConfig
-from dockyard_rl.sandbox.pipeline import PipelineConfig
-from dockyard_rl.sandbox.service import running_server
+from dockyard_rl.sandbox.service import executor_url
 from dockyard_rl.utils.config import from_dict
+from dockyard_rl.utils.paths import caller_path
 
 logger = logging.getLogger("synthesize_swe_tasks")
 
@@ -88,30 +85,6 @@ def config_from_args(args: argparse.Namespace) -> task_synthesis.SynthesisConfig
         # Keep every in-process worker busy: screening is the long part.
         data["window_size"] = max(2, 2 * args.workers)
     return from_dict(task_synthesis.SynthesisConfig, data, key_path="synthesis")
-
-
-def _output_dir(path: pathlib.Path) -> pathlib.Path:
-    # Under `bazel run` the working directory is the runfiles tree; relative paths mean the
-    # user's directory: where tools/bazel was called, else where bazel itself was.
-    for variable in ("DOCKYARD_CALLER_DIR", "BUILD_WORKING_DIRECTORY"):
-        if not path.is_absolute() and os.environ.get(variable):
-            return (pathlib.Path(os.environ[variable]) / path).resolve()
-    return path.resolve()
-
-
-@contextlib.asynccontextmanager
-async def _executor(args: argparse.Namespace, scratch: pathlib.Path) -> AsyncIterator[str]:
-    if args.executor_url:
-        yield args.executor_url
-        return
-    config = ExecutorConfig(
-        port=0, num_workers=args.workers, work_dir=str(scratch / "executor"),
-        max_patch_bytes=16 * 1024 * 1024, retry_backoff_s=1.0,
-        # A large log keeps every failure block for the problem statements.
-        pipeline=PipelineConfig(max_log_bytes=1024 * 1024))
-    async with running_server(config) as server:
-        logger.info("executor with %d workers at %s", args.workers, server.url)
-        yield server.url
 
 
 def _settings(config: task_synthesis.SynthesisConfig) -> dict[str, Any]:
@@ -164,7 +137,10 @@ async def _run(args: argparse.Namespace, config: task_synthesis.SynthesisConfig,
     start = time.monotonic()
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="synthesis-"))
     try:
-        async with _executor(args, scratch) as url, ExecutorClient(url) as client:
+        # A large log keeps every failure block for the problem statements.
+        async with executor_url(args.executor_url, work_dir=scratch / "executor",
+                                num_workers=args.workers, max_log_bytes=1024 * 1024) as url, \
+                ExecutorClient(url) as client:
             paths = task_synthesis.SynthesisPaths(repos_dir=out / "repos",
                                                   sdist_dir=out / "sdists", scratch_dir=scratch)
             for requirement in requirements:
@@ -222,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"synthesize_swe_tasks: invalid settings: {error}", file=sys.stderr)
         return 2
-    return asyncio.run(_run(args, config, _output_dir(args.out)))
+    return asyncio.run(_run(args, config, caller_path(args.out)))
 
 
 if __name__ == "__main__":

@@ -531,6 +531,26 @@ async def running_server(config: ExecutorConfig,
         await asyncio.to_thread(executor.stop)
 
 
+@contextlib.asynccontextmanager
+async def executor_url(url: str | None, *, work_dir: pathlib.Path, num_workers: int,
+                       max_log_bytes: int | None = None) -> AsyncIterator[str]:
+    """For command-line tools that score tasks: `url` itself when given (an executor running
+    elsewhere), else the URL of an executor started here on 127.0.0.1 (a free port) for the
+    duration, with `num_workers` workers and its records and worktrees under `work_dir`. Patches
+    up to 16 MiB are accepted; `max_log_bytes` sets how much test output verdicts keep."""
+    if url:
+        yield url
+        return
+    pipeline_config = pipeline.PipelineConfig() if max_log_bytes is None \
+        else pipeline.PipelineConfig(max_log_bytes=max_log_bytes)
+    config = ExecutorConfig(port=0, num_workers=num_workers, work_dir=str(work_dir),
+                            max_patch_bytes=16 * 1024 * 1024, retry_backoff_s=1.0,
+                            pipeline=pipeline_config)
+    async with running_server(config) as server:
+        logger.info("executor with %d workers at %s", num_workers, server.url)
+        yield server.url
+
+
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 

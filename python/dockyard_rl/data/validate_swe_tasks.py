@@ -1,0 +1,145 @@
+"""Checks a SWE task set against an executor: does each gold patch resolve, does the empty patch not?
+
+    tools/bazel run //python/dockyard_rl/data:validate_swe_tasks -- --tasks DIR/tasks.jsonl \\
+        [--dataset jsonl|hf_local] [--gold-runs 1] [--workers N] [--executor-url URL] \\
+        [--report report.json]
+
+Run it on a synthesized set before training on it, or on a published set (SWE-Gym, SWE-smith)
+whose repositories the executor can clone: a task whose gold patch does not resolve teaches
+nothing (every sample scores 0), and one the empty patch resolves rewards doing nothing. Each
+instance is scored `--gold-runs` times with its gold patch and once with the empty patch, with
+fresh task ids (an executor never answers a re-run from its records).
+
+Prints one line per bad task and a summary per repository; `--report` also writes them as JSON.
+Exit status: 0 when every gold run resolved and no empty patch did, 1 otherwise (infrastructure
+errors count as failures: the task was not confirmed), 2 for bad flags or an unreadable dataset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import pathlib
+import sys
+import tempfile
+import uuid
+from collections import Counter, defaultdict
+from typing import Any
+
+from dockyard_rl.data import datasets
+from dockyard_rl.data.schema import DatasetError, SweInstance
+from dockyard_rl.sandbox.client import ExecutorClient
+from dockyard_rl.sandbox.service import executor_url
+from dockyard_rl.sandbox.task import TaskStatus
+from dockyard_rl.utils.paths import caller_path
+
+logger = logging.getLogger("validate_swe_tasks")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="validate_swe_tasks",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", required=True, help="the dataset path given to the loader")
+    parser.add_argument("--dataset", default="jsonl",
+                        help=f"loader name: {', '.join(datasets.dataset_names())}")
+    parser.add_argument("--gold-runs", type=int, default=1,
+                        help="times each gold patch is scored; all must resolve")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="scoring workers of the in-process executor (default: CPU count)")
+    parser.add_argument("--executor-url", help="use this running executor instead of starting one")
+    parser.add_argument("--timeout-s", type=float, help="test-run limit per task (default: the "
+                                                        "executor's)")
+    parser.add_argument("--report", type=pathlib.Path, help="write the findings as JSON here")
+    parser.add_argument("--log-level", default="WARNING",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser.parse_args(argv)
+
+
+def _problem(gold_results: list, empty_result) -> str | None:
+    """Why an instance fails validation, or None when it passes."""
+    for result in [*gold_results, empty_result]:
+        if result.status is not TaskStatus.FINISHED:
+            return f"infrastructure error: {result.error}"
+    if any(r.verdict.timed_out for r in [*gold_results, empty_result]):
+        return "a run timed out"
+    unresolved = [r for r in gold_results if not r.verdict.resolved]
+    if unresolved:
+        verdict = unresolved[0].verdict
+        failing = sorted(t for t, o in {**verdict.fail_to_pass, **verdict.pass_to_pass}.items()
+                         if o.value != "passed")
+        return (f"gold patch did not resolve in {len(unresolved)} of {len(gold_results)} runs "
+                f"(apply: {verdict.apply_method.value}; not passing: {failing[:5]})")
+    if empty_result.verdict.resolved:
+        return "the empty patch resolves it (nothing to fix)"
+    return None
+
+
+async def validate(instances: list[SweInstance], client: ExecutorClient, *, gold_runs: int,
+                   timeout_s: float | None = None) -> dict[str, str | None]:
+    """instance_id -> the problem found (None = valid), scoring everything concurrently."""
+
+    async def score(instance: SweInstance, patch: str):
+        spec = instance.to_task_spec(patch, timeout_s=timeout_s, task_id=uuid.uuid4().hex)
+        return await client.score(spec, poll_interval_s=0.5)
+
+    async def check(instance: SweInstance) -> str | None:
+        results = await asyncio.gather(*(score(instance, instance.patch)
+                                         for _ in range(gold_runs)), score(instance, ""))
+        return _problem(list(results[:-1]), results[-1])
+
+    problems = await asyncio.gather(*(check(instance) for instance in instances))
+    return {instance.instance_id: problem for instance, problem in zip(instances, problems)}
+
+
+def summarize(instances: list[SweInstance], problems: dict[str, str | None]) -> dict[str, Any]:
+    per_repo: dict[str, Counter] = defaultdict(Counter)
+    for instance in instances:
+        per_repo[instance.repo]["tasks"] += 1
+        per_repo[instance.repo]["valid" if problems[instance.instance_id] is None
+                                else "invalid"] += 1
+    return {"num_tasks": len(instances),
+            "num_valid": sum(problem is None for problem in problems.values()),
+            "repositories": {repo: dict(counts) for repo, counts in sorted(per_repo.items())},
+            "problems": {k: v for k, v in sorted(problems.items()) if v is not None}}
+
+
+async def _run(args: argparse.Namespace, instances: list[SweInstance]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="validate-") as scratch:
+        async with executor_url(args.executor_url, work_dir=pathlib.Path(scratch) / "executor",
+                                num_workers=args.workers) as url, \
+                ExecutorClient(url) as client:
+            problems = await validate(instances, client, gold_runs=args.gold_runs,
+                                      timeout_s=args.timeout_s)
+    return summarize(instances, problems)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    if args.gold_runs < 1 or args.workers < 1:
+        print("validate_swe_tasks: --gold-runs and --workers must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        instances = datasets.get_dataset(args.dataset)(str(caller_path(args.tasks)))
+    except (DatasetError, ValueError, OSError) as error:
+        print(f"validate_swe_tasks: cannot load {args.tasks}: {error}", file=sys.stderr)
+        return 2
+    summary = asyncio.run(_run(args, instances))
+    for instance_id, problem in summary["problems"].items():
+        print(f"INVALID {instance_id}: {problem}")
+    for repo, counts in summary["repositories"].items():
+        print(f"{repo}: {counts.get('valid', 0)} of {counts['tasks']} valid")
+    print(f"total: {summary['num_valid']} of {summary['num_tasks']} valid "
+          f"({args.gold_runs} gold run(s) + 1 empty run each)")
+    if args.report is not None:
+        caller_path(args.report).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0 if summary["num_valid"] == summary["num_tasks"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
