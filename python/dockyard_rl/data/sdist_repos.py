@@ -17,6 +17,9 @@ checkout is ever needed. Its commits:
 - Task commits made by `commit_files` (the synthesizer names them refs/tasks/<instance id>, so a
   `git clone --mirror` carries them).
 
+Src layouts (packages under `src/`) get `import_paths = ("src",)`; the synthesizer passes it to
+pytest's `pythonpath` option, since nothing is installed.
+
 File roles (`PackageLayout`): a `.py` file is a test module when a directory on its path is named
 test/tests/testing, or its name is test_*.py, *_test.py or conftest.py; source modules are the
 other `.py` files outside top-level docs/examples/benchmarks/scripts folders and setup files.
@@ -81,6 +84,7 @@ class PackageLayout:
     source_files: tuple[str, ...]    # repository paths of the modules mutations may touch
     test_files: tuple[str, ...]      # non-empty test modules (held out of `screening`)
     test_paths: tuple[str, ...]      # what pytest is pointed at: test folders or loose test files
+    import_paths: tuple[str, ...] = ()  # folders to put on sys.path: ("src",) for a src layout
 
     @property
     def slug(self) -> str:
@@ -183,9 +187,12 @@ def unpack_sdist(archive: pathlib.Path, extract_dir: pathlib.Path) -> PackageLay
                          f"checked; pick a package whose sdist includes its tests")
     if not source_files:
         raise SdistError(f"{name} {version}: no source modules found outside the tests")
+    # A src layout keeps the import packages under src/: the tests import them only with src on
+    # sys.path (an installed package would provide that; nothing is installed here).
+    src_layout = any(path.startswith("src/") and path.count("/") >= 2 for path in source_files)
     return PackageLayout(name=name, version=version, root=root,
                          source_files=tuple(source_files), test_files=tuple(test_files),
-                         test_paths=tuple(test_paths))
+                         test_paths=tuple(test_paths), import_paths=("src",) if src_layout else ())
 
 
 class SdistRepository:

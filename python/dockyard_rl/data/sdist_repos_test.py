@@ -96,3 +96,14 @@ def test_repository_commits_and_diffs(layout, tmp_path):
     # Same content -> same commit ids (fixed dates): task ids are reproducible.
     again = sdist_repos.SdistRepository.create(tmp_path / "repos2" / "toystats.git", layout)
     assert (again.pristine, again.screening) == (repo.pristine, repo.screening)
+
+
+def test_src_layout(tmp_path):
+    archive = testing_sdists.make_toy_sdist(tmp_path / "dl", src_layout=True)
+    layout = sdist_repos.unpack_sdist(archive, tmp_path / "src")
+    assert layout.source_files == ("src/toystats/__init__.py", "src/toystats/core.py",
+                                   "src/toystats/window.py")
+    assert layout.import_paths == ("src",)
+    flat = sdist_repos.unpack_sdist(testing_sdists.make_toy_sdist(tmp_path / "dl2"),
+                                    tmp_path / "src2")
+    assert flat.import_paths == ()

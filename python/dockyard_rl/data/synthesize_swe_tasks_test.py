@@ -132,6 +132,16 @@ def test_rerun_resumes_and_the_search_is_deterministic(run, caplog):
     assert again == first
 
 
+def test_src_layout_package(tmp_path):
+    archive = testing_sdists.make_toy_sdist(tmp_path / "downloads", src_layout=True)
+    out = tmp_path / "out"
+    assert synthesize_swe_tasks.main(_args(archive, out, 1)) == 0
+    (instance,) = load_jsonl(out / "tasks.jsonl")
+    assert "pythonpath=src" in instance.test_command
+    assert {f.path for f in unidiff.PatchSet(instance.patch)} <= {
+        "src/toystats/__init__.py", "src/toystats/core.py", "src/toystats/window.py"}
+
+
 def test_bad_settings_exit_2_naming_the_key(tmp_path, capsys):
     archive = testing_sdists.make_toy_sdist(tmp_path)
     assert synthesize_swe_tasks.main(["--packages", str(archive), "--out", str(tmp_path / "o"),

@@ -175,7 +175,8 @@ def collect_test_ids(layout: sdist_repos.PackageLayout, scratch_dir: pathlib.Pat
                                      max_output_bytes=_COLLECT_OUTPUT_BYTES)
         result = pipeline.run_tests_sandboxed(
             [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q",
-             *layout.test_paths], worktree, config, work_root, limits=limits)
+             *_import_path_options(layout), *layout.test_paths],
+            worktree, config, work_root, limits=limits)
     finally:
         shutil.rmtree(work_root, ignore_errors=True)
     node_ids = [line.strip() for line in result.output.splitlines()
@@ -194,7 +195,15 @@ def _test_command(layout: sdist_repos.PackageLayout) -> str:
     # The whole suite, so that PASS_TO_PASS covers every module; --tb=short and -rfE keep each
     # failure's error lines compact for the problem statements.
     return " ".join(["python", "-m", "pytest", "-p", "no:cacheprovider", "--tb=short", "-rfE",
-                     *(shlex.quote(p) for p in layout.test_paths)])
+                     *(shlex.quote(arg) for arg in (*_import_path_options(layout),
+                                                    *layout.test_paths))])
+
+
+def _import_path_options(layout: sdist_repos.PackageLayout) -> list[str]:
+    """pytest arguments putting a src layout's folder on sys.path (pytest >= 7)."""
+    if not layout.import_paths:
+        return []
+    return ["-o", "pythonpath=" + " ".join(layout.import_paths)]
 
 
 def _outcomes(verdict: Verdict) -> dict[str, TestOutcome]:

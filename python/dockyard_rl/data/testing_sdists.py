@@ -165,12 +165,15 @@ def test_bad_size():
 }
 
 
-def make_toy_sdist(dest_dir: pathlib.Path) -> pathlib.Path:
-    """Writes the archive into `dest_dir` and returns its path."""
+def make_toy_sdist(dest_dir: pathlib.Path, *, src_layout: bool = False) -> pathlib.Path:
+    """Writes the archive into `dest_dir` and returns its path. `src_layout` puts the package
+    under src/ (as many modern projects do)."""
     dest_dir.mkdir(parents=True, exist_ok=True)
     archive = dest_dir / f"{NAME}-{VERSION}.tar.gz"
+    files = {(f"src/{name}" if src_layout and name.startswith(f"{NAME}/") else name): text
+             for name, text in _FILES.items()}
     with tarfile.open(archive, "w:gz") as tarred:
-        for name, text in sorted(_FILES.items()):
+        for name, text in sorted(files.items()):
             data = text.encode()
             info = tarfile.TarInfo(f"{NAME}-{VERSION}/{name}")
             info.size = len(data)
