@@ -59,7 +59,6 @@ from dockyard_rl.data import mutations, problem_statements, sdist_repos, test_ho
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.sandbox import pipeline
 from dockyard_rl.sandbox.client import ExecutorClient
-from dockyard_rl.sandbox.isolation import SandboxLimits
 from dockyard_rl.sandbox.task import ApplyMethod, TaskSpec, TaskStatus, TestOutcome, Verdict
 from dockyard_rl.utils.config import require
 
