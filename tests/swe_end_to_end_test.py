@@ -186,10 +186,16 @@ def test_gold_patches_in_both_formats_score_1_and_bad_outputs_are_invalid_action
     assert result.metrics["env/num_infra_errors"] == 0.0
 
 
-def test_synthesized_tasks_score_1_with_gold_patches_in_both_formats(tmp_path, tokenizer):
+def test_synthesized_tasks_score_1_with_gold_patches_in_both_formats(tmp_path, tokenizer,
+                                                                     monkeypatch):
     archive = testing_sdists.make_toy_sdist(tmp_path / "downloads")
+    # A token-protected executor: the synthesizer and the environment (env.swe.auth_token_env's
+    # default) read the token from the environment.
+    token = "synthesis-test-token-0123456789"
+    monkeypatch.setenv("DOCKYARD_EXECUTOR_TOKEN", token)
     executor_config = ExecutorConfig(port=0, num_workers=2, work_dir=str(tmp_path / "work"),
-                                     max_infra_attempts=1, max_patch_bytes=4 * 1024 * 1024)
+                                     max_infra_attempts=1, max_patch_bytes=4 * 1024 * 1024,
+                                     auth_token=token)
     pipeline = RewardPipeline(from_dict(RewardShapingConfig, {"stages": [
         {"type": "integrity"}, {"type": "invalid_action", "penalty": PENALTY}]}, "rewards"))
 

@@ -7,7 +7,8 @@
 How a task is made and checked: task_synthesis.py. `--packages` takes PyPI requirements
 (`name` or `name==version`) or paths of local sdist archives. Without `--executor-url` an executor
 is started in this process on 127.0.0.1 (a free port) with `--workers` scoring workers; with it,
-that executor must run on this machine (it clones the repositories from DIR/repos by path).
+that executor must run on this machine (it clones the repositories from DIR/repos by path), and
+its bearer token, if it has one, comes from $DOCKYARD_EXECUTOR_TOKEN.
 
 Writes, under DIR:
 - `repos/<package>.git`: bare repositories; the tasks' `repo` field is their absolute path and
@@ -41,6 +42,7 @@ from typing import Any
 
 from dockyard_rl.data import mutations, sdist_repos, task_synthesis
 from dockyard_rl.sandbox.client import ExecutorClient
+from dockyard_rl.sandbox.executor import TOKEN_ENV_VAR
 from dockyard_rl.sandbox.service import executor_url
 from dockyard_rl.utils.config import from_dict
 from dockyard_rl.utils.paths import caller_path
@@ -140,7 +142,7 @@ async def _run(args: argparse.Namespace, config: task_synthesis.SynthesisConfig,
         # A large log keeps every failure block for the problem statements.
         async with executor_url(args.executor_url, work_dir=scratch / "executor",
                                 num_workers=args.workers, max_log_bytes=1024 * 1024) as url, \
-                ExecutorClient(url) as client:
+                ExecutorClient(url, auth_token=_token(args)) as client:
             paths = task_synthesis.SynthesisPaths(repos_dir=out / "repos",
                                                   sdist_dir=out / "sdists", scratch_dir=scratch)
             for requirement in requirements:
@@ -183,6 +185,11 @@ async def _run(args: argparse.Namespace, config: task_synthesis.SynthesisConfig,
     print(format_report(summaries, total_s))
     print(f"wrote {out / 'tasks.jsonl'} and {report_path}")
     return 0 if all("error" not in s and s["num_tasks"] > 0 for s in summaries) else 1
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    """The bearer token of a running executor (never a flag: command lines are public)."""
+    return os.environ.get(TOKEN_ENV_VAR) or None if args.executor_url else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,8 @@ Run it on a synthesized set before training on it, or on a published set (SWE-Gy
 whose repositories the executor can clone: a task whose gold patch does not resolve teaches
 nothing (every sample scores 0), and one the empty patch resolves rewards doing nothing. Each
 instance is scored `--gold-runs` times with its gold patch and once with the empty patch, with
-fresh task ids (an executor never answers a re-run from its records).
+fresh task ids (an executor never answers a re-run from its records). A running executor's bearer
+token, if it has one, comes from $DOCKYARD_EXECUTOR_TOKEN.
 
 Prints one line per bad task and a summary per repository; `--report` also writes them as JSON.
 Exit status: 0 when every gold run resolved and no empty patch did, 1 otherwise (infrastructure
@@ -32,6 +33,7 @@ from typing import Any
 from dockyard_rl.data import datasets
 from dockyard_rl.data.schema import DatasetError, SweInstance
 from dockyard_rl.sandbox.client import ExecutorClient
+from dockyard_rl.sandbox.executor import TOKEN_ENV_VAR
 from dockyard_rl.sandbox.service import executor_url
 from dockyard_rl.sandbox.task import TaskStatus
 from dockyard_rl.utils.paths import caller_path
@@ -110,10 +112,15 @@ async def _run(args: argparse.Namespace, instances: list[SweInstance]) -> dict[s
     with tempfile.TemporaryDirectory(prefix="validate-") as scratch:
         async with executor_url(args.executor_url, work_dir=pathlib.Path(scratch) / "executor",
                                 num_workers=args.workers) as url, \
-                ExecutorClient(url) as client:
+                ExecutorClient(url, auth_token=_token(args)) as client:
             problems = await validate(instances, client, gold_runs=args.gold_runs,
                                       timeout_s=args.timeout_s)
     return summarize(instances, problems)
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    """The bearer token of a running executor (never a flag: command lines are public)."""
+    return os.environ.get(TOKEN_ENV_VAR) or None if args.executor_url else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,11 @@
         max_infra_retries: 2      # extra tries per sample after an infrastructure error
         reward_mode: binary       # binary | pass_rate (the executor's raw reward)
         task_id_prefix: swe       # set one per run when several runs share an executor
+        auth_token_env: DOCKYARD_EXECUTOR_TOKEN  # environment variable holding the bearer token
+
+The executor's bearer token is never written in the config (configs are logged and committed):
+`auth_token_env` names the environment variable that holds it; when that variable is unset or
+empty, requests carry no token (right for an executor on 127.0.0.1 without one).
 
 Build with `from_dict(SweEnvironmentConfig, yaml["env"]["swe"], "env.swe")`. Covered: the
 values and their validation. Not covered: the executor's own settings (`executor` section).
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 
 from dockyard_rl.sandbox.task import RewardMode
@@ -51,6 +57,7 @@ class SweEnvironmentConfig:
     max_infra_retries: int = 2
     reward_mode: str = RewardMode.BINARY.value
     task_id_prefix: str = "swe"
+    auth_token_env: str = "DOCKYARD_EXECUTOR_TOKEN"
 
     def __post_init__(self):
         require(isinstance(self.executor_url, str)
@@ -76,6 +83,15 @@ class SweEnvironmentConfig:
                 f"must be 1-64 characters of letters, digits, '.', '_' or '-', starting with a "
                 f"letter or digit, got "
                 f"{self.task_id_prefix!r}")
+        require(isinstance(self.auth_token_env, str)
+                and bool(re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", self.auth_token_env)),
+                "auth_token_env", f"must be the name of an environment variable (the token "
+                                  f"itself never goes in a config), got {self.auth_token_env!r}")
+
+    @property
+    def auth_token(self) -> str | None:
+        """The token from the environment variable `auth_token_env`, or None when unset."""
+        return os.environ.get(self.auth_token_env) or None
 
     @property
     def reward_mode_enum(self) -> RewardMode:

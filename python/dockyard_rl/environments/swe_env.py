@@ -129,9 +129,10 @@ class SweEnvironment(Environment):
         self.reward_pipeline = reward_pipeline
         # The client is made per step, inside the running loop: its aiohttp session is bound to
         # the loop that creates it, and the caller may run each step in a fresh loop.
+        auth_token = config.auth_token  # read once, at set-up
         self._client_factory = client_factory or (lambda: ExecutorClient(
-            config.executor_url, request_timeout_s=config.request_timeout_s,
-            max_connections=config.max_concurrency))
+            config.executor_url, auth_token=auth_token,
+            request_timeout_s=config.request_timeout_s, max_connections=config.max_concurrency))
 
     def task_id(self, global_step: int, index: int, instance_id: str, generation: int = 0) -> str:
         """The deterministic task id of sample `index` of step `global_step`.
