@@ -174,13 +174,12 @@ async def _run(args: argparse.Namespace, config: task_synthesis.SynthesisConfig,
     all_rows = [row for requirement in requirements for row in rows_by_package.get(requirement, [])]
     _write_jsonl(out / "tasks.jsonl", all_rows)
     total_s = time.monotonic() - start
-    everything = [row for rows in rows_by_package.values() for row in rows]
     report = {"settings": settings, "packages": summaries, "seconds": round(total_s, 1),
               "num_tasks": len(all_rows),
               "fail_to_pass": task_synthesis.distribution(
-                  [len(r["FAIL_TO_PASS"]) for r in everything]),
+                  [len(r["FAIL_TO_PASS"]) for r in all_rows]),
               "pass_to_pass": task_synthesis.distribution(
-                  [len(r["PASS_TO_PASS"]) for r in everything])}
+                  [len(r["PASS_TO_PASS"]) for r in all_rows])}
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     print(format_report(summaries, total_s))
     print(f"wrote {out / 'tasks.jsonl'} and {report_path}")
@@ -189,7 +188,9 @@ async def _run(args: argparse.Namespace, config: task_synthesis.SynthesisConfig,
 
 def _token(args: argparse.Namespace) -> str | None:
     """The bearer token of a running executor (never a flag: command lines are public)."""
-    return os.environ.get(TOKEN_ENV_VAR) or None if args.executor_url else None
+    if not args.executor_url:
+        return None  # the in-process executor has no token
+    return os.environ.get(TOKEN_ENV_VAR) or None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -120,7 +120,9 @@ async def _run(args: argparse.Namespace, instances: list[SweInstance]) -> dict[s
 
 def _token(args: argparse.Namespace) -> str | None:
     """The bearer token of a running executor (never a flag: command lines are public)."""
-    return os.environ.get(TOKEN_ENV_VAR) or None if args.executor_url else None
+    if not args.executor_url:
+        return None  # the in-process executor has no token
+    return os.environ.get(TOKEN_ENV_VAR) or None
 
 
 def main(argv: list[str] | None = None) -> int:
