@@ -42,7 +42,7 @@ from typing import Any
 
 from dockyard_rl.data import mutations, sdist_repos, task_synthesis
 from dockyard_rl.sandbox.client import ExecutorClient
-from dockyard_rl.sandbox.executor import TOKEN_ENV_VAR
+from dockyard_rl.sandbox.executor import token_from_environment
 from dockyard_rl.sandbox.service import executor_url
 from dockyard_rl.utils.config import from_dict
 from dockyard_rl.utils.paths import caller_path
@@ -142,7 +142,8 @@ async def _run(args: argparse.Namespace, config: task_synthesis.SynthesisConfig,
         # A large log keeps every failure block for the problem statements.
         async with executor_url(args.executor_url, work_dir=scratch / "executor",
                                 num_workers=args.workers, max_log_bytes=1024 * 1024) as url, \
-                ExecutorClient(url, auth_token=_token(args)) as client:
+                ExecutorClient(url, auth_token=token_from_environment() if args.executor_url
+                               else None) as client:
             paths = task_synthesis.SynthesisPaths(repos_dir=out / "repos",
                                                   sdist_dir=out / "sdists", scratch_dir=scratch)
             for requirement in requirements:
@@ -184,13 +185,6 @@ async def _run(args: argparse.Namespace, config: task_synthesis.SynthesisConfig,
     print(format_report(summaries, total_s))
     print(f"wrote {out / 'tasks.jsonl'} and {report_path}")
     return 0 if all("error" not in s and s["num_tasks"] > 0 for s in summaries) else 1
-
-
-def _token(args: argparse.Namespace) -> str | None:
-    """The bearer token of a running executor (never a flag: command lines are public)."""
-    if not args.executor_url:
-        return None  # the in-process executor has no token
-    return os.environ.get(TOKEN_ENV_VAR) or None
 
 
 def main(argv: list[str] | None = None) -> int:

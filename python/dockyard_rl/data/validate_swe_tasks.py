@@ -33,7 +33,7 @@ from typing import Any
 from dockyard_rl.data import datasets
 from dockyard_rl.data.schema import DatasetError, SweInstance
 from dockyard_rl.sandbox.client import ExecutorClient
-from dockyard_rl.sandbox.executor import TOKEN_ENV_VAR
+from dockyard_rl.sandbox.executor import token_from_environment
 from dockyard_rl.sandbox.service import executor_url
 from dockyard_rl.sandbox.task import TaskStatus
 from dockyard_rl.utils.paths import caller_path
@@ -112,17 +112,11 @@ async def _run(args: argparse.Namespace, instances: list[SweInstance]) -> dict[s
     with tempfile.TemporaryDirectory(prefix="validate-") as scratch:
         async with executor_url(args.executor_url, work_dir=pathlib.Path(scratch) / "executor",
                                 num_workers=args.workers) as url, \
-                ExecutorClient(url, auth_token=_token(args)) as client:
+                ExecutorClient(url, auth_token=token_from_environment() if args.executor_url
+                               else None) as client:
             problems = await validate(instances, client, gold_runs=args.gold_runs,
                                       timeout_s=args.timeout_s)
     return summarize(instances, problems)
-
-
-def _token(args: argparse.Namespace) -> str | None:
-    """The bearer token of a running executor (never a flag: command lines are public)."""
-    if not args.executor_url:
-        return None  # the in-process executor has no token
-    return os.environ.get(TOKEN_ENV_VAR) or None
 
 
 def main(argv: list[str] | None = None) -> int:

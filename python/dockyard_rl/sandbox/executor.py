@@ -24,6 +24,7 @@ import os
 import pathlib
 import signal
 import sys
+from collections.abc import Mapping
 
 from dockyard_rl.sandbox.config import ExecutorConfig
 from dockyard_rl.sandbox.service import RunningServer, serve
@@ -71,6 +72,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def token_from_environment(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The bearer token in $DOCKYARD_EXECUTOR_TOKEN (stripped), None when unset or empty. The
+    executor serves with it; clients (the synthesizer, the validator) send it."""
+    return environ.get(TOKEN_ENV_VAR, "").strip() or None
+
+
 def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> ExecutorConfig:
     """Flags (and the token source) -> a validated ExecutorConfig; ValueError names the key."""
     data = {key: getattr(args, dest) for dest, key in _FLAG_KEYS.items()
@@ -83,8 +90,8 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Execu
         except OSError as error:
             raise ValueError(f"--auth-token-file: cannot read {args.auth_token_file}: "
                              f"{error.strerror}") from None
-    elif environ.get(TOKEN_ENV_VAR):
-        data["auth_token"] = environ[TOKEN_ENV_VAR].strip()
+    elif token_from_environment(environ):
+        data["auth_token"] = token_from_environment(environ)
     return from_dict(ExecutorConfig, data, key_path="executor")
 
 
