@@ -193,14 +193,20 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The executor's own per-request logs would drown the progress lines.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    out = caller_path(args.out)
     try:
         config = config_from_args(args)
         if args.workers < 1:
             raise ValueError(f"--workers: must be >= 1, got {args.workers}")
+        if not [p for p in args.packages.split(",") if p.strip()]:
+            raise ValueError("--packages: name at least one package (e.g. sqlparse,boltons) or "
+                             "sdist archive path")
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out: {out} exists and is not a directory")
     except ValueError as error:
         print(f"synthesize_swe_tasks: invalid settings: {error}", file=sys.stderr)
         return 2
-    return asyncio.run(_run(args, config, caller_path(args.out)))
+    return asyncio.run(_run(args, config, out))
 
 
 if __name__ == "__main__":

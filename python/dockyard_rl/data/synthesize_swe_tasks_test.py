@@ -150,6 +150,12 @@ def test_bad_settings_exit_2_naming_the_key(tmp_path, capsys):
     assert synthesize_swe_tasks.main(["--packages", str(archive), "--out", str(tmp_path / "o"),
                                       "--max-tasks-per-package", "0"]) == 2
     assert "max_tasks_per_package" in capsys.readouterr().err
+    assert synthesize_swe_tasks.main(["--packages", " , ", "--out", str(tmp_path / "o")]) == 2
+    assert "--packages" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("")
+    assert synthesize_swe_tasks.main(["--packages", str(archive), "--out",
+                                      str(tmp_path / "a_file")]) == 2
+    assert "not a directory" in capsys.readouterr().err
 
 
 def test_a_package_without_tests_is_reported_not_fatal(tmp_path):
