@@ -37,13 +37,15 @@ def headline_of(node_id: str) -> str:
 def failure_messages(log: str) -> dict[str, list[str]]:
     """Headline -> the `E ` lines of its failure block, from a pytest log (module docstring).
     Also maps each node id of the short test summary to its one-line message. Memory addresses
-    are masked."""
+    are masked. A headline with several blocks (same test name in two files) is left out."""
     messages: dict[str, list[str]] = {}
+    num_blocks: dict[str, int] = {}
     current: list[str] | None = None
     for raw_line in _ANSI_RE.sub("", log).splitlines():
         rule = _RULE_RE.match(raw_line)
         if rule:
             headline = _SETUP_PREFIX_RE.sub("", rule.group("headline"))
+            num_blocks[headline] = num_blocks.get(headline, 0) + 1
             current = messages.setdefault(headline, [])
             continue
         if raw_line.startswith("=") and raw_line.endswith("="):
@@ -57,6 +59,12 @@ def failure_messages(log: str) -> dict[str, list[str]]:
             continue
         if current is not None and raw_line.startswith("E "):
             current.append(_ADDRESS_RE.sub("0x...", raw_line[1:].strip())[:_MAX_LINE_CHARS])
+    # A headline is the node id without its path: tests of the same name in two files (or a test
+    # and its setup error) share it, and their blocks cannot be told apart. Dropped, so the
+    # caller falls back to the summary line, which names the node id.
+    for headline, count in num_blocks.items():
+        if count > 1:
+            del messages[headline]
     return messages
 
 
@@ -87,7 +95,7 @@ def write_problem_statement(package: str, version: str, failing_tests: Sequence[
     if len(failing_tests) > max_tests:
         lines.append(f"- ... and {len(failing_tests) - max_tests} more")
     lines += ["",
-              "The rest of the test suite passes. These tests are not in the checkout; they will "
-              "be run against your change. Fix the library code (not the tests) so that they "
-              "pass without breaking the others."]
+              "The other tests that passed before still pass. These tests are not in the "
+              "checkout; they will be run against your change. Fix the library code (not the "
+              "tests) so that they pass without breaking the others."]
     return "\n".join(lines) + "\n"

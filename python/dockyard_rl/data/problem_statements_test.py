@@ -63,6 +63,18 @@ def test_memory_addresses_are_masked():
     assert messages["t.py::test_other"] == ["<built-in method at 0x...>"]
 
 
+def test_same_test_name_in_two_files_falls_back_to_the_summary():
+    log = ("______ test_f ______\n"
+           "E   ValueError: from file a\n"
+           "______ test_f ______\n"
+           "E   ValueError: from file b\n"
+           "=== short test summary info ===\n"
+           "FAILED tests/test_a.py::test_f - ValueError: from file a\n"
+           "FAILED tests/test_b.py::test_f - ValueError: from file b\n")
+    text = problem_statements.write_problem_statement("p", "1", ["tests/test_a.py::test_f"], log)
+    assert "from file a" in text and "from file b" not in text
+
+
 def test_statement_limits():
     failing = [f"t.py::test_{i}" for i in range(9)]
     text = problem_statements.write_problem_statement("p", "2", failing, "", max_tests=3)

@@ -17,8 +17,9 @@ checkout is ever needed. Its commits:
 - Task commits made by `commit_files` (the synthesizer names them refs/tasks/<instance id>, so a
   `git clone --mirror` carries them).
 
-Src layouts (packages under `src/`) get `import_paths = ("src",)`; the synthesizer passes it to
-pytest's `pythonpath` option, since nothing is installed.
+Src layouts (packages under `src/`) get `import_paths` = src relative to the folder of pytest's
+config file (where pytest resolves it); the synthesizer passes it to pytest's `pythonpath` option,
+since nothing is installed.
 
 File roles (`PackageLayout`): a `.py` file is a test module when a directory on its path is named
 test/tests/testing, or its name is test_*.py, *_test.py or conftest.py; source modules are the
@@ -59,7 +60,7 @@ _TEST_DIR_NAMES = {"test", "tests", "testing"}
 _NON_SOURCE_TOP_DIRS = {"doc", "docs", "example", "examples", "benchmark", "benchmarks", "bench",
                         "script", "scripts", "tools", "build", "dist", "ci", ".github"}
 _NON_SOURCE_TOP_FILES = {"setup.py", "noxfile.py", "fabfile.py", "tasks.py", "conf.py"}
-_ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".zip")
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".zip")
 
 
 class SdistError(RuntimeError):
@@ -89,16 +90,31 @@ class PackageLayout:
     @property
     def slug(self) -> str:
         """The name as it appears in instance ids and file names."""
-        return re.sub(r"[^A-Za-z0-9_.-]+", "-", self.name).lower()
+        return _file_safe(self.name).lower()
+
+    @property
+    def safe_version(self) -> str:
+        """The version as it appears in instance ids and git ref names (legacy versions may hold
+        spaces or other characters refs cannot)."""
+        return _file_safe(self.version)
+
+    @property
+    def repo_name(self) -> str:
+        """The repository's folder name: one per package and version."""
+        return f"{self.slug}-{self.safe_version}"
+
+
+def _file_safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip(".-") or "unnamed"
 
 
 def fetch_sdist(requirement: str, download_dir: pathlib.Path) -> pathlib.Path:
     """The sdist archive for `requirement`: a local archive path is returned as is; otherwise
     `pip download --no-deps --no-binary :all:` fetches it from the configured index into
-    `download_dir` (reusing an archive a previous run saved there for the same pinned version).
+    `download_dir` (every call downloads again; pass the saved archive's path to reuse it).
     Raises SdistError with pip's output when nothing could be downloaded."""
     candidate = pathlib.Path(requirement).expanduser()
-    if requirement.endswith(_ARCHIVE_SUFFIXES):
+    if requirement.endswith(ARCHIVE_SUFFIXES):
         if not candidate.is_file():
             raise SdistError(f"{requirement}: looks like an sdist archive path but no such file "
                              f"exists")
@@ -113,7 +129,7 @@ def fetch_sdist(requirement: str, download_dir: pathlib.Path) -> pathlib.Path:
         except subprocess.TimeoutExpired:
             raise SdistError(f"{requirement}: pip download did not finish in "
                              f"{_PIP_TIMEOUT_S} s (is the package index reachable?)") from None
-        archives = [p for p in pathlib.Path(staging).iterdir() if p.name.endswith(_ARCHIVE_SUFFIXES)]
+        archives = [p for p in pathlib.Path(staging).iterdir() if p.name.endswith(ARCHIVE_SUFFIXES)]
         if result.returncode != 0 or len(archives) != 1:
             raise SdistError(f"{requirement}: pip download of the source distribution failed "
                              f"(exit {result.returncode}); is the name right and does the "
@@ -125,6 +141,15 @@ def fetch_sdist(requirement: str, download_dir: pathlib.Path) -> pathlib.Path:
 
 
 def _safe_extract(archive: pathlib.Path, dest: pathlib.Path) -> None:
+    try:
+        _extract(archive, dest)
+    except (tarfile.TarError, zipfile.BadZipFile, OSError, EOFError) as error:
+        # Corrupt archives and members the "data" filter refuses (absolute or escaping links,
+        # devices) end here: the package is skipped, the run goes on.
+        raise SdistError(f"{archive.name}: cannot be unpacked safely: {error}") from None
+
+
+def _extract(archive: pathlib.Path, dest: pathlib.Path) -> None:
     if archive.name.endswith(".zip"):
         with zipfile.ZipFile(archive) as zipped:
             for member in zipped.namelist():
@@ -190,9 +215,33 @@ def unpack_sdist(archive: pathlib.Path, extract_dir: pathlib.Path) -> PackageLay
     # A src layout keeps the import packages under src/: the tests import them only with src on
     # sys.path (an installed package would provide that; nothing is installed here).
     src_layout = any(path.startswith("src/") and path.count("/") >= 2 for path in source_files)
+    import_paths = ()
+    if src_layout:
+        # pytest reads `pythonpath` relative to the folder of the config file it picked.
+        config_dir = _pytest_config_dir(root, test_paths)
+        import_paths = (os.path.relpath(root / "src", config_dir),)
     return PackageLayout(name=name, version=version, root=root,
                          source_files=tuple(source_files), test_files=tuple(test_files),
-                         test_paths=tuple(test_paths), import_paths=("src",) if src_layout else ())
+                         test_paths=tuple(test_paths), import_paths=import_paths)
+
+
+def _pytest_config_dir(root: pathlib.Path, test_paths: list[str]) -> pathlib.Path:
+    """The folder of the config file pytest uses for `test_paths` (its rule: the first file that
+    holds a pytest section, from the arguments' common ancestor up), else `root`."""
+    ancestor = pathlib.Path(os.path.commonpath([str(root / p) for p in test_paths]))
+    if ancestor.is_file():
+        ancestor = ancestor.parent
+    sections = {"pytest.ini": None, ".pytest.ini": None, "pyproject.toml": "[tool.pytest",
+                "tox.ini": "[pytest]", "setup.cfg": "[tool:pytest]"}
+    for folder in (ancestor, *ancestor.parents):
+        for file_name, section in sections.items():
+            candidate = folder / file_name
+            if candidate.is_file() and (section is None
+                                        or section in candidate.read_text(errors="replace")):
+                return folder
+        if folder == root:
+            break
+    return root
 
 
 class SdistRepository:
@@ -273,7 +322,9 @@ def _git(repo: pathlib.Path | None, *args: str, index: str | None = None,
            "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
            "GIT_AUTHOR_NAME": "dockyard", "GIT_AUTHOR_EMAIL": "dockyard@localhost",
            "GIT_COMMITTER_NAME": "dockyard", "GIT_COMMITTER_EMAIL": "dockyard@localhost",
-           "GIT_AUTHOR_DATE": _FIXED_DATE, "GIT_COMMITTER_DATE": _FIXED_DATE}
+           "GIT_AUTHOR_DATE": _FIXED_DATE, "GIT_COMMITTER_DATE": _FIXED_DATE,
+           # File names are names, never patterns ("[x].py" must not match "x.py").
+           "GIT_LITERAL_PATHSPECS": "1"}
     if index is not None:
         env["GIT_INDEX_FILE"] = index
     command = ["git", *(["--git-dir", str(repo)] if repo is not None else []), *args]

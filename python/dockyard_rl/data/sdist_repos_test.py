@@ -103,7 +103,8 @@ def test_src_layout(tmp_path):
     layout = sdist_repos.unpack_sdist(archive, tmp_path / "src")
     assert layout.source_files == ("src/toystats/__init__.py", "src/toystats/core.py",
                                    "src/toystats/window.py")
-    assert layout.import_paths == ("src",)
+    # The toy's tests/pytest.ini is the config pytest picks: paths are relative to tests/.
+    assert layout.import_paths == ("../src",)
     flat = sdist_repos.unpack_sdist(testing_sdists.make_toy_sdist(tmp_path / "dl2"),
                                     tmp_path / "src2")
     assert flat.import_paths == ()

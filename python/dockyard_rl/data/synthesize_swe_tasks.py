@@ -62,6 +62,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-tasks-per-function", type=int)
     parser.add_argument("--max-fail-fraction", type=float)
     parser.add_argument("--num-gold-runs", type=int)
+    parser.add_argument("--window-size", type=int,
+                        help="screenings in flight at once (default 4; the tasks found depend on "
+                             "it, so keep it fixed to reproduce a set)")
     parser.add_argument("--kinds", help=f"comma-separated subset of "
                                         f"{','.join(mutations.MUTATION_KINDS)}")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
@@ -78,20 +81,16 @@ def config_from_args(args: argparse.Namespace) -> task_synthesis.SynthesisConfig
     """Flags -> a validated SynthesisConfig; ValueError names the flag's key."""
     data: dict[str, Any] = {}
     for key in ("seed", "max_tasks_per_package", "max_candidates_per_package",
-                "max_tasks_per_function", "max_fail_fraction", "num_gold_runs"):
+                "max_tasks_per_function", "max_fail_fraction", "num_gold_runs", "window_size"):
         if getattr(args, key) is not None:
             data[key] = getattr(args, key)
     if args.kinds:
         data["mutation_kinds"] = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
-    if args.executor_url is None:
-        # Keep every in-process worker busy: screening is the long part.
-        data["window_size"] = max(2, 2 * args.workers)
     return from_dict(task_synthesis.SynthesisConfig, data, key_path="synthesis")
 
 
 def _settings(config: task_synthesis.SynthesisConfig) -> dict[str, Any]:
     settings = dataclasses.asdict(config)
-    settings.pop("window_size")  # how fast, not what: does not change the tasks
     settings["mutation_kinds"] = list(settings["mutation_kinds"])
     return settings
 
@@ -124,16 +123,46 @@ def format_report(summaries: list[dict[str, Any]], total_s: float) -> str:
     return "\n".join(lines)
 
 
+def requirements_of(packages: str) -> list[str]:
+    """The --packages list: stripped, duplicates dropped (first kept), archive paths made
+    absolute against the caller's directory."""
+    requirements: list[str] = []
+    for item in (p.strip() for p in packages.split(",")):
+        if item.endswith(sdist_repos.ARCHIVE_SUFFIXES):
+            item = str(caller_path(item))
+        if item and item not in requirements:
+            requirements.append(item)
+    return requirements
+
+
+def _read_report(path: pathlib.Path) -> dict[str, Any]:
+    """An earlier run's report; {} when there is none or it cannot be read (a run killed while
+    writing it): then nothing is reused."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return report if isinstance(report, dict) else {}
+
+
+def _write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
+    staging = path.with_suffix(".partial")
+    staging.write_text(json.dumps(data, indent=2) + "\n")
+    staging.replace(path)  # atomic: a reader never sees half a report
+
+
 async def _run(args: argparse.Namespace, config: task_synthesis.SynthesisConfig,
                out: pathlib.Path) -> int:
-    requirements = [p.strip() for p in args.packages.split(",") if p.strip()]
+    requirements = requirements_of(args.packages)
     (out / "tasks").mkdir(parents=True, exist_ok=True)
     report_path = out / "report.json"
-    previous = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    previous = _read_report(report_path)
     settings = _settings(config)
     reuse = {s["requirement"]: s for s in previous.get("packages", [])
              if previous.get("settings") == settings and not args.force and "error" not in s
-             and (out / "tasks" / f"{s['slug']}.jsonl").is_file()}
+             and (out / "tasks" / f"{s['slug']}.jsonl").is_file()
+             and (out / "repos" / f"{s['slug']}.git").is_dir()}
+    reserved_repo_names = {s["slug"] for s in reuse.values()}
     summaries: list[dict[str, Any]] = []
     rows_by_package: dict[str, list[dict[str, Any]]] = {}
     start = time.monotonic()
@@ -157,8 +186,9 @@ async def _run(args: argparse.Namespace, config: task_synthesis.SynthesisConfig,
                     summaries.append(summary)
                     continue
                 try:
-                    result = await task_synthesis.synthesize_package(requirement, config, client,
-                                                                     paths)
+                    result = await task_synthesis.synthesize_package(
+                        requirement, config, client, paths,
+                        reserved_repo_names=reserved_repo_names)
                 except (task_synthesis.PackageSkipped, sdist_repos.SdistError) as error:
                     logger.error("%s: skipped: %s", requirement, error)
                     summaries.append({"requirement": requirement, "package": requirement,
@@ -168,8 +198,7 @@ async def _run(args: argparse.Namespace, config: task_synthesis.SynthesisConfig,
                 _write_jsonl(out / "tasks" / f"{slug}.jsonl", result.tasks)
                 rows_by_package[requirement] = result.tasks
                 summaries.append({"requirement": requirement, "slug": slug, **result.summary()})
-                report_path.write_text(json.dumps(
-                    {"settings": settings, "packages": summaries}, indent=2) + "\n")
+                _write_json(report_path, {"settings": settings, "packages": summaries})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     all_rows = [row for requirement in requirements for row in rows_by_package.get(requirement, [])]
@@ -181,7 +210,7 @@ async def _run(args: argparse.Namespace, config: task_synthesis.SynthesisConfig,
                   [len(r["FAIL_TO_PASS"]) for r in all_rows]),
               "pass_to_pass": task_synthesis.distribution(
                   [len(r["PASS_TO_PASS"]) for r in all_rows])}
-    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    _write_json(report_path, report)
     print(format_report(summaries, total_s))
     print(f"wrote {out / 'tasks.jsonl'} and {report_path}")
     return 0 if all("error" not in s and s["num_tasks"] > 0 for s in summaries) else 1

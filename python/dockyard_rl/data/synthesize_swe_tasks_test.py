@@ -56,7 +56,7 @@ def test_tasks_are_valid_held_out_swe_instances(run):
     rows = _rows(run.out / "tasks.jsonl")
     assert len(instances) == NUM_TASKS
     assert len({i.instance_id for i in instances}) == NUM_TASKS
-    repo = run.out / "repos" / "toystats.git"
+    repo = run.out / "repos" / "toystats-1.0.git"
     pristine = _git(repo, "rev-parse", "refs/heads/main").strip()
     for instance, row in zip(instances, rows):
         assert instance.repo == str(repo) and instance.version == "1.0"
@@ -94,7 +94,7 @@ def test_tasks_are_valid_held_out_swe_instances(run):
     assert package["fail_to_pass"]["count"] == NUM_TASKS
     assert report["num_tasks"] == NUM_TASKS
     assert sum(package["tasks_per_kind"].values()) == NUM_TASKS
-    assert _rows(run.out / "tasks" / "toystats.jsonl") == rows
+    assert _rows(run.out / "tasks" / "toystats-1.0.jsonl") == rows
 
 
 def test_validator_confirms_every_task_and_catches_broken_ones(run, tmp_path, capsys):
@@ -137,7 +137,7 @@ def test_src_layout_package(tmp_path):
     out = tmp_path / "out"
     assert synthesize_swe_tasks.main(_args(archive, out, 1)) == 0
     (instance,) = load_jsonl(out / "tasks.jsonl")
-    assert "pythonpath=src" in instance.test_command
+    assert "pythonpath=../src" in instance.test_command
     assert {f.path for f in unidiff.PatchSet(instance.patch)} <= {
         "src/toystats/__init__.py", "src/toystats/core.py", "src/toystats/window.py"}
 
@@ -158,16 +158,35 @@ def test_bad_settings_exit_2_naming_the_key(tmp_path, capsys):
     assert "not a directory" in capsys.readouterr().err
 
 
-def test_a_package_without_tests_is_reported_not_fatal(tmp_path):
-    archive = tmp_path / "notests-1.0.tar.gz"
-    with tarfile.open(archive, "w:gz") as tarred:
-        for name, text in {"notests-1.0/PKG-INFO": "Name: notests\nVersion: 1.0\n",
-                           "notests-1.0/notests.py": "def f():\n    return 1\n"}.items():
+def _tar(path, files):
+    with tarfile.open(path, "w:gz") as tarred:
+        for name, text in files.items():
             info = tarfile.TarInfo(name)
             info.size = len(text)
             tarred.addfile(info, io.BytesIO(text.encode()))
+    return path
+
+
+def test_unusable_packages_are_reported_and_the_run_goes_on(tmp_path, monkeypatch):
+    no_tests = _tar(tmp_path / "notests-1.0.tar.gz", {
+        "notests-1.0/PKG-INFO": "Name: notests\nVersion: 1.0\n",
+        "notests-1.0/notests.py": "def f():\n    return 1\n"})
+    corrupt = tmp_path / "corrupt-1.0.tar.gz"
+    corrupt.write_bytes(b"\x1f\x8b not really gzip")
+    toy = testing_sdists.make_toy_sdist(tmp_path / "a")
+    same_toy = testing_sdists.make_toy_sdist(tmp_path / "b")  # same name and version
+    monkeypatch.chdir(tmp_path)
+    relative_toy = str(toy.relative_to(tmp_path))  # the same archive, named twice
     out = tmp_path / "out"
-    assert synthesize_swe_tasks.main(["--packages", str(archive), "--out", str(out)]) == 1
+    packages = ",".join([str(no_tests), str(corrupt), relative_toy, str(toy), str(same_toy)])
+    assert synthesize_swe_tasks.requirements_of(packages) == [
+        str(no_tests), str(corrupt), str(toy), str(same_toy)]
+    assert synthesize_swe_tasks.main(["--packages", packages, "--out", str(out),
+                                      "--max-tasks-per-package", "1"]) == 1
     report = json.loads((out / "report.json").read_text())
-    assert "ships no test modules" in report["packages"][0]["error"]
-    assert (out / "tasks.jsonl").read_text() == ""
+    errors = {p["requirement"]: p.get("error", "") for p in report["packages"]}
+    assert "ships no test modules" in errors[str(no_tests)]
+    assert "cannot be unpacked" in errors[str(corrupt)]
+    assert errors[str(toy)] == ""
+    assert "already synthesized" in errors[str(same_toy)]
+    assert len(load_jsonl(out / "tasks.jsonl")) == 1

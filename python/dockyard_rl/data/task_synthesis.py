@@ -14,8 +14,9 @@ Per package:
    executor: base `screening`, the mutation as the patch, all test modules as the test_patch, the
    stable baseline as PASS_TO_PASS. Kept when, within the timeout: at least one test failed or
    errored (FAIL_TO_PASS), at least one still passes (PASS_TO_PASS), and no more than
-   `max_fail_fraction` of the baseline fails. Tests the mutant made skip (xfail) or vanish
-   (collection error) go in neither list.
+   `max_fail_fraction` of the baseline fails. Tests the mutant made skip (an xfail test that
+   passed before) go in neither list. A mutant that breaks the collection of a test module makes
+   pytest stop before running anything: every test is missing and the mutant is rejected.
 4. The task: a commit with the mutation applied and the FAIL_TO_PASS tests removed
    (test_holdout.py), named refs/tasks/<instance id>; the gold patch is the reverse of the
    mutation, the test_patch adds the held-out tests back, the test command runs the whole suite
@@ -28,7 +29,8 @@ Per package:
 
 Candidates are processed in windows of `window_size` concurrent screenings (skipping candidates
 of functions that already have `max_tasks_per_function` tasks); results are taken in candidate
-order, so the same seed and package give the same tasks whatever the timing.
+order, so the same seed, package and window size give the same tasks whatever the timing or the
+number of executor workers.
 
 Not covered: packages whose tests need dependencies the executor's interpreter lacks (the
 baseline check stops such a package with a clear error); non-pytest test suites; semantic
@@ -58,7 +60,8 @@ from typing import Any
 from dockyard_rl.data import mutations, problem_statements, sdist_repos, test_holdout
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.sandbox import pipeline
-from dockyard_rl.sandbox.client import ExecutorClient
+from dockyard_rl.sandbox.client import (ExecutorClient, ExecutorRequestError,
+                                        ExecutorUnavailableError)
 from dockyard_rl.sandbox.task import ApplyMethod, TaskSpec, TaskStatus, TestOutcome, Verdict
 from dockyard_rl.utils.config import require
 
@@ -78,7 +81,8 @@ class SynthesisConfig:
     max_fail_fraction: float = 0.5            # of the stable baseline; more is a broken package
     mutation_kinds: tuple[str, ...] = mutations.MUTATION_KINDS
     num_gold_runs: int = 2                    # the gold patch must resolve every one of them
-    window_size: int = 4                      # screenings in flight at once
+    window_size: int = 4                      # screenings in flight at once (changes which
+                                              # tasks a budget finds: part of the settings)
     timeout_factor: float = 5.0               # test-run limit = factor x the baseline's time...
     min_timeout_s: float = 60.0               # ...but never less than this
 
@@ -173,8 +177,8 @@ def collect_test_ids(layout: sdist_repos.PackageLayout, scratch_dir: pathlib.Pat
         limits = dataclasses.replace(config.limits(600.0),
                                      max_output_bytes=_COLLECT_OUTPUT_BYTES)
         result = pipeline.run_tests_sandboxed(
-            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q",
-             *_import_path_options(layout), *layout.test_paths],
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--rootdir=.",
+             "--collect-only", "-q", *_import_path_options(layout), *layout.test_paths],
             worktree, config, work_root, limits=limits)
     finally:
         shutil.rmtree(work_root, ignore_errors=True)
@@ -187,13 +191,21 @@ def collect_test_ids(layout: sdist_repos.PackageLayout, scratch_dir: pathlib.Pat
     if result.num_output_bytes > _COLLECT_OUTPUT_BYTES:
         raise PackageSkipped(f"{layout.name}: the collection output was cut at "
                              f"{_COLLECT_OUTPUT_BYTES} bytes; the suite is too large")
+    unknown = sorted({test_holdout.split_node_id(n)[0] for n in node_ids}
+                     - set(layout.test_files))
+    if unknown:
+        raise PackageSkipped(f"{layout.name}: collected tests from files that are not its test "
+                             f"modules ({unknown[:3]}); their tests could not be held out")
     return sorted(set(node_ids))
 
 
 def _test_command(layout: sdist_repos.PackageLayout) -> str:
     # The whole suite, so that PASS_TO_PASS covers every module; --tb=short and -rfE keep each
     # failure's error lines compact for the problem statements.
-    return " ".join(["python", "-m", "pytest", "-p", "no:cacheprovider", "--tb=short", "-rfE",
+    # --rootdir=. (the worktree): node ids are repository paths even when an ini file sits in
+    # the tests folder.
+    return " ".join(["python", "-m", "pytest", "-p", "no:cacheprovider", "--rootdir=.",
+                     "--tb=short", "-rfE",
                      *(shlex.quote(arg) for arg in (*_import_path_options(layout),
                                                     *layout.test_paths))])
 
@@ -217,9 +229,18 @@ class _Scorer:
         self.poll_interval_s = poll_interval_s
 
     async def score(self, spec: TaskSpec) -> Verdict | None:
-        """The verdict, or None when the executor gave up with an infrastructure error."""
+        """The verdict, or None when the executor gave up with an infrastructure error or could
+        not be reached. Raises PackageSkipped when it refuses the task (e.g. 413: its
+        max_patch_bytes is below the size of the package's test patch)."""
         spec = dataclasses.replace(spec, task_id=uuid.uuid4().hex)
-        result = await self.client.score(spec, poll_interval_s=self.poll_interval_s)
+        try:
+            result = await self.client.score(spec, poll_interval_s=self.poll_interval_s)
+        except ExecutorRequestError as error:
+            raise PackageSkipped(f"the executor refused a task of {spec.instance_id}: {error}") \
+                from None
+        except ExecutorUnavailableError as error:
+            logger.warning("task %s: executor unavailable: %s", spec.instance_id, error)
+            return None
         if result.status is not TaskStatus.FINISHED:
             logger.warning("task %s: infrastructure error: %s", spec.instance_id, result.error)
             return None
@@ -251,15 +272,23 @@ def _candidates(repo: sdist_repos.SdistRepository, config: SynthesisConfig
 
 
 async def synthesize_package(requirement: str, config: SynthesisConfig, client: ExecutorClient,
-                             paths: SynthesisPaths, *, poll_interval_s: float = 0.5
-                             ) -> PackageResult:
+                             paths: SynthesisPaths, *, poll_interval_s: float = 0.5,
+                             reserved_repo_names: set[str] | None = None) -> PackageResult:
     """Tasks from one package (module docstring). Raises PackageSkipped when the package cannot
-    yield any (no tests in the sdist, collection or baseline failing) and SdistError when
-    downloading or unpacking fails."""
+    yield any (no tests in the sdist, collection or baseline failing, the executor refusing its
+    tasks, or the same package and version already done in this run: pass one
+    `reserved_repo_names` set to every call of a run) and SdistError when downloading or
+    unpacking fails."""
+    reserved_repo_names = set() if reserved_repo_names is None else reserved_repo_names
     start = time.monotonic()
     archive = sdist_repos.fetch_sdist(requirement, paths.sdist_dir)
     layout = sdist_repos.unpack_sdist(archive, paths.scratch_dir / "sdists")
-    repo = sdist_repos.SdistRepository.create(paths.repos_dir / f"{layout.slug}.git", layout)
+    if layout.repo_name in reserved_repo_names:
+        raise PackageSkipped(f"{requirement}: {layout.name} {layout.version} was already "
+                             f"synthesized by an earlier requirement of this run")
+    reserved_repo_names.add(layout.repo_name)
+    repo = sdist_repos.SdistRepository.create(paths.repos_dir / f"{layout.repo_name}.git",
+                                              layout)
     logger.info("%s %s: %d source modules, %d test modules (%s)", layout.name, layout.version,
                 len(layout.source_files), len(layout.test_files), ", ".join(layout.test_paths))
     scorer = _Scorer(client, poll_interval_s)
@@ -359,7 +388,7 @@ class _Search:
         if digest in seen:
             return None, "duplicate"
         seen.add(digest)
-        instance_id = f"{layout.slug}__{layout.version}.{site.kind}.{digest[:10]}"
+        instance_id = f"{layout.slug}__{layout.safe_version}.{site.kind}.{digest[:10]}"
 
         # Screening: the full suite against the mutated code.
         screened = await self.scorer.score(TaskSpec(
@@ -373,8 +402,9 @@ class _Search:
         if screened.apply_method is not ApplyMethod.GIT_APPLY:
             return None, "apply_failed"
         outcomes = _outcomes(screened)
-        # A test the mutant made skip (an xfail test that passed before) or vanish (its module
-        # no longer collects) says nothing clear: it goes in neither list.
+        # A test the mutant made skip (an xfail test that passed before) says nothing clear: it
+        # goes in neither list. Missing tests (a collection error stops the whole session) leave
+        # no failing test, so such a mutant is rejected below.
         fail_to_pass = sorted(t for t, o in outcomes.items()
                               if o in (TestOutcome.FAILED, TestOutcome.ERROR))
         pass_to_pass = sorted(t for t, o in outcomes.items() if o is TestOutcome.PASSED)

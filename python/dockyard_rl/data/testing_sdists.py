@@ -2,8 +2,8 @@
 
 `make_toy_sdist(dest_dir) -> archive path` writes `toystats-1.0.tar.gz`: a package with a few
 functions whose bugs its pytest suite catches (module functions, a class, parametrized tests, a
-test class, a conftest fixture, test data in a file), laid out like a PyPI sdist (one top folder,
-PKG-INFO, pyproject.toml).
+test class, a conftest fixture, test data in a file, a pytest.ini in the tests folder), laid out
+like a PyPI sdist (one top folder, PKG-INFO, pyproject.toml).
 """
 
 from __future__ import annotations
@@ -82,6 +82,9 @@ class Window:
         return len(self.items) == self.size and self.size > 0
 ''',
     "tests/__init__.py": "",
+    # An ini file inside tests/ moves pytest's default rootdir there (node ids would lose their
+    # "tests/" prefix): the synthesizer must pin --rootdir.
+    "tests/pytest.ini": "[pytest]\nmarkers =\n    slow: a slow test\n",
     "tests/conftest.py": '''import pathlib
 
 import pytest

@@ -4,8 +4,9 @@
         [--dataset jsonl|hf_local] [--gold-runs 1] [--workers N] [--executor-url URL] \\
         [--report report.json]
 
-Run it on a synthesized set before training on it, or on a published set (SWE-Gym, SWE-smith)
-whose repositories the executor can clone: a task whose gold patch does not resolve teaches
+Run it on a synthesized set before training on it, or on a published set (SWE-Gym, SWE-smith):
+their `repo` is "owner/name", so give `--repo-root DIR` holding local clones as DIR/owner/name
+(the executor clones from there). A task whose gold patch does not resolve teaches
 nothing (every sample scores 0), and one the empty patch resolves rewards doing nothing. Each
 instance is scored `--gold-runs` times with its gold patch and once with the empty patch, with
 fresh task ids (an executor never answers a re-run from its records). A running executor's bearer
@@ -32,7 +33,8 @@ from typing import Any
 
 from dockyard_rl.data import datasets
 from dockyard_rl.data.schema import DatasetError, SweInstance
-from dockyard_rl.sandbox.client import ExecutorClient
+from dockyard_rl.sandbox.client import (ExecutorClient, ExecutorRequestError,
+                                        ExecutorUnavailableError)
 from dockyard_rl.sandbox.executor import token_from_environment
 from dockyard_rl.sandbox.service import executor_url
 from dockyard_rl.sandbox.task import TaskStatus
@@ -54,6 +56,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--executor-url", help="use this running executor instead of starting one")
     parser.add_argument("--timeout-s", type=float, help="test-run limit per task (default: the "
                                                         "executor's)")
+    parser.add_argument("--repo-root", help="folder of local clones for datasets whose repo is "
+                                            "owner/name: DIR/owner/name is used")
+    parser.add_argument("--max-in-flight", type=int, default=64,
+                        help="instances being scored at once (keeps large sets under the "
+                             "executor's queue limit)")
     parser.add_argument("--report", type=pathlib.Path, help="write the findings as JSON here")
     parser.add_argument("--log-level", default="WARNING",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -80,16 +87,26 @@ def _problem(gold_results: list, empty_result) -> str | None:
 
 
 async def validate(instances: list[SweInstance], client: ExecutorClient, *, gold_runs: int,
-                   timeout_s: float | None = None) -> dict[str, str | None]:
-    """instance_id -> the problem found (None = valid), scoring everything concurrently."""
+                   timeout_s: float | None = None, repo_root: pathlib.Path | None = None,
+                   max_in_flight: int = 64) -> dict[str, str | None]:
+    """instance_id -> the problem found (None = valid). At most `max_in_flight` instances are
+    scored at once; an instance the executor refuses or cannot take is a problem, not a crash."""
+    in_flight = asyncio.Semaphore(max_in_flight)
 
     async def score(instance: SweInstance, patch: str):
-        spec = instance.to_task_spec(patch, timeout_s=timeout_s, task_id=uuid.uuid4().hex)
+        repo_url = str(repo_root / instance.repo) if repo_root is not None else None
+        spec = instance.to_task_spec(patch, repo_url=repo_url, timeout_s=timeout_s,
+                                     task_id=uuid.uuid4().hex)
         return await client.score(spec, poll_interval_s=0.5)
 
     async def check(instance: SweInstance) -> str | None:
-        results = await asyncio.gather(*(score(instance, instance.patch)
-                                         for _ in range(gold_runs)), score(instance, ""))
+        async with in_flight:
+            try:
+                results = await asyncio.gather(*(score(instance, instance.patch)
+                                                 for _ in range(gold_runs)),
+                                               score(instance, ""))
+            except (ExecutorRequestError, ExecutorUnavailableError) as error:
+                return f"the executor did not take it: {error}"
         return _problem(list(results[:-1]), results[-1])
 
     problems = await asyncio.gather(*(check(instance) for instance in instances))
@@ -114,8 +131,10 @@ async def _run(args: argparse.Namespace, instances: list[SweInstance]) -> dict[s
                                 num_workers=args.workers) as url, \
                 ExecutorClient(url, auth_token=token_from_environment() if args.executor_url
                                else None) as client:
-            problems = await validate(instances, client, gold_runs=args.gold_runs,
-                                      timeout_s=args.timeout_s)
+            problems = await validate(
+                instances, client, gold_runs=args.gold_runs, timeout_s=args.timeout_s,
+                repo_root=caller_path(args.repo_root) if args.repo_root else None,
+                max_in_flight=args.max_in_flight)
     return summarize(instances, problems)
 
 
@@ -124,8 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    if args.gold_runs < 1 or args.workers < 1:
-        print("validate_swe_tasks: --gold-runs and --workers must be >= 1", file=sys.stderr)
+    if args.gold_runs < 1 or args.workers < 1 or args.max_in_flight < 1:
+        print("validate_swe_tasks: --gold-runs, --workers and --max-in-flight must be >= 1",
+              file=sys.stderr)
+        return 2
+    if args.timeout_s is not None and not 0 < args.timeout_s <= 24 * 3600:
+        print(f"validate_swe_tasks: --timeout-s must be in (0, 86400] seconds, got "
+              f"{args.timeout_s}", file=sys.stderr)
         return 2
     try:
         instances = datasets.get_dataset(args.dataset)(str(caller_path(args.tasks)))
