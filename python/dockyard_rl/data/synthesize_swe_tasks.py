@@ -95,12 +95,14 @@ def _settings(config: task_synthesis.SynthesisConfig) -> dict[str, Any]:
     return settings
 
 
-def _write_jsonl(path: pathlib.Path, rows: list[dict[str, Any]]) -> None:
+def _write_atomically(path: pathlib.Path, text: str) -> None:
     staging = path.with_suffix(".partial")
-    with staging.open("w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(json.dumps(row, sort_keys=True) + "\n")
-    staging.replace(path)
+    staging.write_text(text, encoding="utf-8")
+    staging.replace(path)  # a reader (or a resumed run) never sees half a file
+
+
+def _write_jsonl(path: pathlib.Path, rows: list[dict[str, Any]]) -> None:
+    _write_atomically(path, "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
 
 
 def format_report(summaries: list[dict[str, Any]], total_s: float) -> str:
@@ -146,9 +148,7 @@ def _read_report(path: pathlib.Path) -> dict[str, Any]:
 
 
 def _write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
-    staging = path.with_suffix(".partial")
-    staging.write_text(json.dumps(data, indent=2) + "\n")
-    staging.replace(path)  # atomic: a reader never sees half a report
+    _write_atomically(path, json.dumps(data, indent=2) + "\n")
 
 
 async def _run(args: argparse.Namespace, config: task_synthesis.SynthesisConfig,
