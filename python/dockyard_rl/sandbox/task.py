@@ -45,6 +45,25 @@ class ApplyMethod(str, enum.Enum):
     NOT_ATTEMPTED = "not_attempted"  # integrity violation: the patch was never applied
 
 
+class FailureKind(str, enum.Enum):
+    """Why a verdict is not resolved (`Verdict.failure_kind`); NONE when it is resolved.
+
+    Everything here is the patch's own outcome and scores like any unresolved patch; what a patch
+    cannot cause is an infrastructure error instead (no verdict, retried by the service).
+    """
+
+    NONE = "none"                              # resolved
+    TESTS_FAILED = "tests_failed"              # trusted report; some F2P/P2P test did not pass
+    INTEGRITY_VIOLATION = "integrity_violation"  # protected files, runner config, symlinks, ...
+    PATCH_NOT_APPLIED = "patch_not_applied"    # no applier could apply it
+    PATCH_TOO_LARGE = "patch_too_large"        # binary content over the executor's caps
+    BREAKS_TEST_PATCH = "breaks_test_patch"    # the gold test patch no longer applies after it
+    TAMPERING = "tampering"                    # the test process altered its own results
+    REPORT_UNTRUSTED = "report_untrusted"      # report missing, malformed or inconsistent
+    TIMEOUT = "timeout"                        # the wall-clock limit killed the test run
+    DISK_LIMIT = "disk_limit"                  # the worktree outgrew its size-capped filesystem
+
+
 class TaskValidationError(ValueError):
     """A submitted task is malformed; `field` names the offending field."""
 
@@ -151,6 +170,9 @@ class Verdict:
     timed_out: bool
     timings_s: dict[str, float]            # phase -> seconds (checkout, apply, tests, total)
     log_tail: str                          # bounded tail of the test run's output
+    failure_kind: FailureKind = FailureKind.NONE  # why it is not resolved (NONE when resolved)
+    failure_detail: str = ""               # the reason in words ("" when resolved)
+    screening_flags: tuple[str, ...] = ()  # static screening of the patch ("category: token")
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -158,6 +180,8 @@ class Verdict:
         data["pass_to_pass"] = {k: v.value for k, v in self.pass_to_pass.items()}
         data["apply_method"] = self.apply_method.value
         data["integrity_violation"] = list(self.integrity_violation)
+        data["failure_kind"] = self.failure_kind.value
+        data["screening_flags"] = list(self.screening_flags)
         return data
 
     @classmethod
@@ -173,4 +197,8 @@ class Verdict:
             timed_out=bool(data["timed_out"]),
             timings_s=dict(data["timings_s"]),
             log_tail=data["log_tail"],
+            # Verdicts stored by an older executor lack these three.
+            failure_kind=FailureKind(data.get("failure_kind", FailureKind.NONE.value)),
+            failure_detail=data.get("failure_detail", ""),
+            screening_flags=tuple(data.get("screening_flags", ())),
         )
