@@ -5,12 +5,15 @@ uses it to run a repository's tests on a model-written patch. Treat the command 
 
 What the sandbox enforces (each line is a bubblewrap flag or an rlimit, set up in `_bwrap_argv`):
 - No network: `--unshare-net` (only a down loopback device exists inside).
-- Filesystem: the host root is bound read-only (`--ro-bind / /`); `/tmp` is a private size-capped
-  tmpfs; `/run` is an empty tmpfs (host unix sockets live in /tmp and /run, and a network
-  namespace does not cut off filesystem sockets); `hidden_paths` (the executor's work root with the other tasks' worktrees, the mirror
-  cache holding the repositories' future history, /root, /home) are covered by empty tmpfs mounts;
-  the only host directories the command can write are `writable_dirs` (the task's worktree and
-  the private results directory), bound back at their own paths.
+- Filesystem, deny by default: bwrap's root is an empty tmpfs holding only the host's /usr (and
+  the /bin, /lib... links into it), the dynamic loader's files from /etc, generated
+  /etc/passwd, group, hosts and nsswitch.conf (no host accounts or names), a private /dev and
+  /proc, a private size-capped /tmp, and what the caller adds: the interpreter's prefixes
+  read-only, and the mounts the test runner needs (runner.py: the patched worktree read-only, a
+  size-capped tmpfs it is copied into, the runner's own files). The executor's work root, mirror
+  cache, task sets, task repositories, home directories and every other host path simply do not
+  exist inside. `hidden_paths` additionally cover with an empty tmpfs anything that lies inside
+  a bound tree (e.g. a work root under an interpreter prefix).
 - Identity: when the executor runs as real root — uid 0 of the initial user namespace, as in the
   production image — bwrap itself runs as root
   WITHOUT a user namespace and the command is started through `setpriv` under a fresh random,
@@ -35,15 +38,19 @@ What the sandbox enforces (each line is a bubblewrap flag or an rlimit, set up i
   (and with it, through --die-with-parent and the pid namespace, the whole sandbox).
 - Output: stdout and stderr share one pipe that is read incrementally; only a bounded head and
   tail are kept (`BoundedOutput`), so gigabytes of output cost neither memory nor disk.
+- Extra channels: `OutputChannel` pipes carry the test runner's records and report out of the
+  sandbox; stdin can carry the runner's settings in (so they appear in no argv, file or
+  environment variable).
 
-Not covered: disk usage inside the writable directories is bounded per file (RLIMIT_FSIZE) but
-not in total; no seccomp filter (kernel attack surface is the host kernel's); CPU and memory are
-per-process rlimits, not cgroup limits. The host's read-only root is visible except for the
-hidden paths, so world-readable host files can be read (but not sent anywhere: no network).
+Not covered: disk usage inside `writable_dirs` is bounded per file (RLIMIT_FSIZE) but not in
+total (the scoring pipeline binds none: its worktree is a size-capped tmpfs); no seccomp filter (kernel attack surface is the host kernel's); CPU and memory are
+per-process rlimits, not cgroup limits. What is bound is readable: /usr and the interpreter's
+prefixes (its site-packages included).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -52,8 +59,9 @@ import select
 import shutil
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 # Fresh sandbox uids are drawn from this range (root mode). It lies far above the uids of real
 # accounts and of the usual subordinate-id ranges (100000-165535), so it collides with nothing.
@@ -200,49 +208,133 @@ def _pick_uid() -> int:
     return os.geteuid()
 
 
-def _ancestor_dirs(path: pathlib.Path, hidden_paths: Sequence[pathlib.Path]) -> list[str]:
-    """Ancestors of `path` (top-down) that lie strictly inside a hidden (tmpfs) path: they do not
-    exist on the tmpfs, and bubblewrap would create them 0700, which the sandbox uid could not
-    traverse; we create them 0755 ourselves."""
-    dirs = []
-    for ancestor in reversed(path.parents):
-        if any(hidden in ancestor.parents for hidden in hidden_paths):
-            dirs.append(str(ancestor))
-    return dirs
+# The host's system view, read-only: programs and libraries. Nothing else of the host exists in
+# the sandbox unless a caller binds it (deny by default: bwrap's root is an empty tmpfs).
+_SYSTEM_DIRS = ("/usr",)
+# Merged-/usr systems have these as symlinks into /usr; older ones as directories.
+_SYSTEM_LINKS_OR_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# What the dynamic loader, locale and time functions read from /etc; no host accounts, hostnames,
+# credentials or configuration.
+_SYSTEM_ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
+               "/etc/localtime")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mount:
+    """One extra mount of the sandbox's filesystem view, at `dest` inside the sandbox.
+
+    kind "ro" / "rw": bind the host path `source` read-only / writable; "tmpfs": an empty tmpfs of
+    `size_bytes` with mode `perms` (octal string)."""
+
+    kind: str
+    dest: pathlib.Path
+    source: pathlib.Path | None = None
+    size_bytes: int | None = None
+    perms: str = "0755"
+
+    def __post_init__(self):
+        if self.kind not in ("ro", "rw", "tmpfs"):
+            raise ValueError(f"Mount.kind: must be ro, rw or tmpfs, got {self.kind!r}")
+        if not self.dest.is_absolute() or (self.source is not None
+                                           and not self.source.is_absolute()):
+            raise ValueError(f"sandbox paths must be absolute, got {self}")
+        if (self.kind == "tmpfs") != (self.source is None):
+            raise ValueError(f"Mount: a tmpfs has no source, a bind needs one, got {self}")
+
+
+class OutputChannel:
+    """A pipe out of the sandbox: the command inherits the write end as fd `child_fd` (the same
+    number inside), and run_sandboxed hands every chunk read from it to `sink` as it arrives.
+    The sink must bound its own memory."""
+
+    def __init__(self, sink: Callable[[bytes], None]):
+        self.read_fd, self.child_fd = os.pipe()
+        os.set_inheritable(self.read_fd, False)
+        self.sink = sink
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.child_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.read_fd = self.child_fd = -1
+
+
+def _etc_files(uid: int) -> dict[str, bytes]:
+    """Generated /etc files: one account for the sandbox's uid, loopback names only."""
+    return {
+        "/etc/passwd": f"root:x:0:0:root:/root:/bin/sh\nsandbox:x:{uid}:{uid}:sandbox:/tmp:"
+                       f"/bin/sh\n".encode(),
+        "/etc/group": f"root:x:0:\nsandbox:x:{uid}:\n".encode(),
+        "/etc/hosts": b"127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost\n",
+        "/etc/nsswitch.conf": b"passwd: files\ngroup: files\nhosts: files\n",
+    }
+
+
+def _within(path: pathlib.Path, roots: Sequence[pathlib.Path]) -> bool:
+    return any(path == root or root in path.parents for root in roots)
 
 
 def _bwrap_argv(argv: Sequence[str], *, writable_dirs: Sequence[pathlib.Path],
                 hidden_paths: Sequence[pathlib.Path], readonly_paths: Sequence[pathlib.Path],
-                limits: SandboxLimits, uid: int, cwd: pathlib.Path) -> list[str]:
+                limits: SandboxLimits, uid: int, cwd: pathlib.Path,
+                mounts: Sequence[Mount] = (), etc_fds: Mapping[str, int] | None = None
+                ) -> list[str]:
     as_root = is_real_root()
-    # /tmp and /run are always replaced: they hold the host's unix sockets (dbus, X11, agents),
-    # which a network namespace does not cut off (only abstract sockets are per-namespace).
-    hidden = [pathlib.Path("/tmp")]
-    for path in sorted([pathlib.Path("/run"), *hidden_paths]):
-        if not path.is_dir() or path.is_symlink():
-            continue
-        # A path below one already hidden is hidden with it (and mounting a tmpfs there would
-        # make bubblewrap create its mount point on the outer tmpfs with a restrictive mode).
-        if not any(path == h or h in path.parents for h in hidden):
-            hidden.append(path)
     args = ["bwrap", "--die-with-parent", "--new-session", "--unshare-net", "--unshare-pid",
             "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
     if not as_root:
         args += ["--unshare-user", "--uid", str(_NOBODY), "--gid", str(_NOBODY)]
-    args += ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+    bound: list[pathlib.Path] = []
+    for path in _SYSTEM_DIRS:
+        if os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+            bound.append(pathlib.Path(path))
+    for path in _SYSTEM_LINKS_OR_DIRS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+            bound.append(pathlib.Path(path))
+    # bwrap makes missing mount points' parents 0700, which the sandbox uid could not traverse.
+    args += ["--perms", "0755", "--dir", "/etc"]
+    for path in _SYSTEM_ETC:
+        if os.path.exists(path):
+            args += ["--ro-bind", path, path]
+    for path, fd in (etc_fds or {}).items():
+        args += ["--perms", "0644", "--ro-bind-data", str(fd), path]
+    args += ["--dev", "/dev", "--proc", "/proc",
              # 1777 like a real /tmp: bwrap's default 0755 root-owned tmpfs is not writable by
              # the sandbox uid in root mode.
              "--perms", "1777", "--size", str(limits.tmp_size_bytes), "--tmpfs", "/tmp"]
-    for path in hidden[1:]:
-        args += ["--perms", "0755", "--size", str(1024 * 1024), "--tmpfs", str(path)]
-    created: set[str] = set()
-    for path, flag in [(p, "--ro-bind") for p in readonly_paths] + \
-                      [(p, "--bind") for p in writable_dirs]:
-        for ancestor in _ancestor_dirs(path, hidden):
-            if ancestor not in created:
-                created.add(ancestor)
-                args += ["--perms", "0755", "--dir", ancestor]
-        args += [flag, str(path), str(path)]
+    every = ([Mount("ro", p, p) for p in readonly_paths] + list(mounts)
+             + [Mount("rw", p, p) for p in writable_dirs])
+    # Parents before children: a mount at /a/b must come after the one at /a.
+    every.sort(key=lambda mount: len(mount.dest.parts))
+    created: set[pathlib.Path] = set()
+    for mount in every:
+        for ancestor in reversed(mount.dest.parents):
+            # Mount points outside every bound tree are made on bwrap's root tmpfs, 0755 so that
+            # the sandbox uid can traverse them (bwrap would make them 0700 in some versions).
+            if ancestor == pathlib.Path("/") or ancestor in created or _within(ancestor, bound):
+                continue
+            created.add(ancestor)
+            args += ["--perms", "0755", "--dir", str(ancestor)]
+        if mount.kind == "tmpfs":
+            args += ["--perms", mount.perms, "--size", str(mount.size_bytes or
+                                                            limits.tmp_size_bytes),
+                     "--tmpfs", str(mount.dest)]
+        else:
+            args += ["--ro-bind" if mount.kind == "ro" else "--bind", str(mount.source),
+                     str(mount.dest)]
+        bound.append(mount.dest)
+        created.add(mount.dest)
+    # Paths that must stay invisible although they lie inside something bound (the executor's
+    # work root inside an interpreter prefix, say) are covered with an empty tmpfs.
+    for path in sorted(hidden_paths):
+        if _within(path, bound) and path.is_dir() and not path.is_symlink() and not any(
+                _within(mount.dest, [path]) for mount in every):
+            args += ["--perms", "0755", "--size", str(1024 * 1024), "--tmpfs", str(path)]
     args += ["--chdir", str(cwd), "--",
              "prlimit", f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",
              f"--as={limits.memory_bytes}", f"--nproc={limits.num_processes}",
@@ -260,61 +352,112 @@ def _chown_tree(root: pathlib.Path, uid: int) -> None:
             os.lchown(os.path.join(dirpath, name), uid, uid)
 
 
+def _data_fd(data: bytes) -> int:
+    """A pipe's read end already holding `data` (small: it must fit the pipe buffer)."""
+    read_fd, write_fd = os.pipe()
+    try:
+        os.write(write_fd, data)
+    finally:
+        os.close(write_fd)
+    return read_fd
+
+
 def run_sandboxed(argv: Sequence[str], *, writable_dirs: Sequence[pathlib.Path],
                   limits: SandboxLimits, cwd: pathlib.Path,
                   hidden_paths: Sequence[pathlib.Path] = (),
                   readonly_paths: Sequence[pathlib.Path] = (),
-                  env: Mapping[str, str] | None = None) -> SandboxResult:
+                  mounts: Sequence[Mount] = (),
+                  env: Mapping[str, str] | None = None,
+                  stdin_data: bytes | None = None,
+                  channels: Sequence[OutputChannel] = ()) -> SandboxResult:
     """Runs `argv` in a fresh sandbox and returns its exit code and bounded output. Never raises
     for anything the command does; raises SandboxUnavailableError when bwrap cannot start and
     ValueError for bad arguments.
 
-    `writable_dirs` must be absolute, existing directories; as root they are chowned to the run's
-    fresh uid (the caller throws them away afterwards). `readonly_paths` are bound back read-only
-    when they lie under a hidden path (e.g. the Python interpreter under /root). `env` replaces the
-    environment (default: a minimal PATH/HOME/LANG).
+    The filesystem view is deny-by-default: the host's /usr (with the /bin, /lib... links), the
+    loader's files from /etc, generated /etc/passwd, group, hosts and nsswitch.conf, a private
+    /dev, /proc and size-capped /tmp, and only what the caller adds: `readonly_paths` (bound at
+    their own path, e.g. the interpreter), `mounts`, and `writable_dirs` (absolute existing
+    directories bound writable at their own path; as root they are chowned to the run's fresh
+    uid, the caller throws them away afterwards). `hidden_paths` are covered with an empty tmpfs
+    when they lie inside something bound. `env` replaces the environment (default: a minimal
+    PATH/HOME/LANG). `stdin_data` is what the command reads on stdin (default: /dev/null).
+    `channels` are extra pipes out of the sandbox, read concurrently with the output; this
+    function closes them.
     """
-    for path in list(writable_dirs) + list(readonly_paths) + list(hidden_paths) + [cwd]:
-        if not path.is_absolute():
-            raise ValueError(f"sandbox paths must be absolute, got {str(path)!r}")
-    for path in writable_dirs:
-        if not path.is_dir():
-            raise ValueError(f"writable_dirs: {str(path)!r} is not an existing directory")
-    if not argv:
-        raise ValueError("argv: must name a command")
-    if shutil.which("bwrap") is None or _root_behind_user_namespace():
-        check_available()  # raises with the fix
+    try:
+        for path in list(writable_dirs) + list(readonly_paths) + list(hidden_paths) + [cwd]:
+            if not path.is_absolute():
+                raise ValueError(f"sandbox paths must be absolute, got {str(path)!r}")
+        for path in writable_dirs:
+            if not path.is_dir():
+                raise ValueError(f"writable_dirs: {str(path)!r} is not an existing directory")
+        if not argv:
+            raise ValueError("argv: must name a command")
+        if shutil.which("bwrap") is None or _root_behind_user_namespace():
+            check_available()  # raises with the fix
+        return _run(argv, writable_dirs=writable_dirs, limits=limits, cwd=cwd,
+                    hidden_paths=hidden_paths, readonly_paths=readonly_paths, mounts=mounts,
+                    env=env, stdin_data=stdin_data, channels=channels)
+    finally:
+        for channel in channels:
+            channel.close()
+
+
+def _run(argv, *, writable_dirs, limits, cwd, hidden_paths, readonly_paths, mounts, env,
+         stdin_data, channels) -> SandboxResult:
     uid = _pick_uid()
     if is_real_root():
         for path in writable_dirs:
             _chown_tree(path, uid)
     if env is None:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}
+    etc_fds = {path: _data_fd(data) for path, data in _etc_files(
+        uid if is_real_root() else _NOBODY).items()}
+    stdin_read = None
+    if stdin_data is not None:
+        stdin_read, stdin_write = os.pipe()
+        writer = threading.Thread(target=_feed, args=(stdin_write, stdin_data), daemon=True,
+                                  name="sandbox-stdin")
     command = _bwrap_argv(argv, writable_dirs=writable_dirs, hidden_paths=hidden_paths,
-                          readonly_paths=readonly_paths, limits=limits, uid=uid, cwd=cwd)
+                          readonly_paths=readonly_paths, limits=limits, uid=uid, cwd=cwd,
+                          mounts=mounts, etc_fds=etc_fds)
     output = BoundedOutput(limits.max_output_bytes)
     status_read, status_write = os.pipe()
     command = command[:1] + ["--json-status-fd", str(status_write)] + command[1:]
+    child_fds = (status_write, *etc_fds.values(), *(c.child_fd for c in channels))
     start = time.monotonic()
     try:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        process = subprocess.Popen(command, stdin=stdin_read if stdin_read is not None
+                                   else subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, env=dict(env),
-                                   start_new_session=True, pass_fds=(status_write,))
+                                   start_new_session=True, pass_fds=child_fds)
     except OSError as error:
         os.close(status_read)
+        if stdin_read is not None:
+            os.close(stdin_write)
         raise SandboxUnavailableError(f"cannot start bwrap: {error}") from error
     finally:
-        os.close(status_write)
+        for fd in (status_write, *etc_fds.values(), *(c.child_fd for c in channels)):
+            os.close(fd)
+        for channel in channels:
+            channel.child_fd = -1
+        if stdin_read is not None:
+            os.close(stdin_read)
+    if stdin_data is not None:
+        writer.start()
     deadline = start + limits.wall_timeout_s
     timed_out = False
-    fd = process.stdout.fileno()
-    os.set_blocking(fd, False)
+    sinks = {process.stdout.fileno(): output.write}
+    sinks.update({channel.read_fd: channel.sink for channel in channels})
     poller = select.poll()
-    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-    eof = False
+    for fd in sinks:
+        os.set_blocking(fd, False)
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    open_fds = set(sinks)
     status = ""
     try:
-        while not eof:
+        while open_fds:
             now = time.monotonic()
             if now >= deadline:
                 if not timed_out:
@@ -322,16 +465,17 @@ def run_sandboxed(argv: Sequence[str], *, writable_dirs: Sequence[pathlib.Path],
                     _kill_group(process)
                     deadline = now + _DRAIN_AFTER_KILL_S
                 else:
-                    break  # killed and still not closed: give up on the pipe
-            for _, _ in poller.poll(max(1, int((deadline - now) * 1000))):
+                    break  # killed and still not closed: give up on the pipes
+            for fd, _ in poller.poll(max(1, int((deadline - now) * 1000))):
                 try:
                     chunk = os.read(fd, _READ_CHUNK_BYTES)
                 except BlockingIOError:
                     continue
                 if not chunk:
-                    eof = True
-                    break
-                output.write(chunk)
+                    poller.unregister(fd)
+                    open_fds.discard(fd)
+                    continue
+                sinks[fd](chunk)
         if not timed_out:
             try:
                 process.wait(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
@@ -357,6 +501,18 @@ def run_sandboxed(argv: Sequence[str], *, writable_dirs: Sequence[pathlib.Path],
                                       f"{output.text().strip()[:500]}")
     return SandboxResult(exit_code=exit_code, timed_out=timed_out, output=output.text(),
                          num_output_bytes=output.num_bytes, wall_s=wall_s, sandbox_uid=uid)
+
+
+def _feed(fd: int, data: bytes) -> None:
+    """Writes `data` to `fd` and closes it; a command that never reads stdin just loses it."""
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _read_status(fd: int) -> str:

@@ -101,37 +101,56 @@ def test_network_is_blocked(tmp_path):
     server.close()
 
 
-def test_filesystem_is_read_only_except_the_worktree(tmp_path):
+def test_filesystem_is_deny_by_default_and_read_only_except_the_worktree(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
-    hidden = tmp_path / "hidden"
-    hidden.mkdir()
-    (hidden / "secret").write_text("s3cret")
+    (outside / "tasks.jsonl").write_text("{}")
     result = _run(tmp_path, _python(
         "import os\n"
-        f"for path in ['/etc/dockyard_marker', '{outside}/marker', '/usr/marker']:\n"
+        f"for path in ['/etc/dockyard_marker', '/usr/marker', '/marker']:\n"
         "    try:\n"
         "        open(path, 'w').write('x'); print('WROTE', path)\n"
         "    except OSError as error:\n"
         "        print('denied', path, type(error).__name__)\n"
         "open('/tmp/private', 'w').write('x')\n"
         "open('inside', 'w').write('x')\n"
-        f"print('secret visible' if os.path.exists('{hidden}/secret') else 'secret hidden')\n"
-        "print('run:', os.listdir('/run'), 'tmp:', sorted(os.listdir('/tmp')))\n"),
-        hidden=[hidden])
+        f"for path in ['{outside}/tasks.jsonl', '/etc/shadow', '/etc/hostname', '/home', '/var',\n"
+        "             '/opt', '/srv', '/run', '/mnt', '/root/.ssh', '/root/.ray', '/root/.cache/pip']:\n"
+        "    print('visible' if os.path.exists(path) else 'absent', path)\n"
+        "print('root:', sorted(os.listdir('/')))\n"
+        "print('etc:', sorted(os.listdir('/etc')))\n"
+        "import pwd; print('me:', pwd.getpwuid(os.getuid()).pw_name)\n"))
     assert result.exit_code == 0, result.output
     assert "WROTE" not in result.output and result.output.count("denied") == 3
-    assert "secret hidden" in result.output
-    # The host's unix sockets (in /run and /tmp) are not reachable: both are fresh and empty,
-    # except for the private file written above and the path down to the worktree, when the
-    # worktree lies under /tmp.
-    expected_tmp = ["private"]
-    if pathlib.Path("/tmp") in tmp_path.parents:
-        expected_tmp.append(tmp_path.relative_to("/tmp").parts[0])
-    assert f"run: [] tmp: {sorted(expected_tmp)}" in result.output
-    assert not (outside / "marker").exists() and not pathlib.Path("/etc/dockyard_marker").exists()
+    assert "visible" not in result.output, result.output
+    # Only the system view, the interpreter's prefixes (under /root here) and the worktree's
+    # ancestors exist at the top.
+    root = eval(result.output.split("root: ")[1].splitlines()[0])
+    allowed = {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "dev", "proc",
+               "tmp", "root"} | {pathlib.Path(p).parts[1] for p in _interpreter_paths()}
+    assert set(root) <= allowed, root
+    etc = eval(result.output.split("etc: ")[1].splitlines()[0])
+    assert "shadow" not in etc and "hostname" not in etc and "passwd" in etc, etc
+    assert "me: sandbox" in result.output
+    assert not pathlib.Path("/etc/dockyard_marker").exists()
     assert not pathlib.Path("/tmp/private").exists()  # /tmp was a private tmpfs
     assert (tmp_path / "work" / "inside").exists()
+
+
+def test_hidden_path_inside_a_bound_tree_is_covered(tmp_path):
+    bound = tmp_path / "bound"
+    (bound / "secret").mkdir(parents=True)
+    (bound / "secret" / "key").write_text("s3cret")
+    (bound / "public").write_text("ok")
+    work = tmp_path / "work"
+    work.mkdir()
+    result = isolation.run_sandboxed(
+        _python(f"import os; print(sorted(os.listdir('{bound}/secret')), "
+                f"open('{bound}/public').read())"),
+        writable_dirs=[work], limits=SMALL, cwd=work, hidden_paths=[bound / "secret"],
+        readonly_paths=[*_interpreter_paths(), bound])
+    assert result.exit_code == 0, result.output
+    assert "[] ok" in result.output
 
 
 def test_fork_bomb_is_contained_and_killed(tmp_path):

@@ -1,0 +1,387 @@
+"""The test runner's entry point INSIDE the sandbox: starts pytest isolated and reports on it.
+
+This file is executed by the sandboxed interpreter as a script
+(`python -s -P -B <runner dir>/runner_bootstrap.py`); it imports nothing from dockyard_rl and
+only the standard library and pytest. The executor side is `sandbox/runner.py`, which builds
+the sandbox, feeds this script its settings and reads what it reports.
+
+What it does, in order (the order is the point):
+1. Reads its settings (JSON) from stdin, then points stdin at /dev/null. Nothing of the run's
+   secrets (report path, suite nonce, canary names, result fds) is in argv, the environment or a
+   file the tests can read: they live in this process's memory only.
+2. Copies the read-only source tree (`source_dir`, the patched worktree on the host) into the
+   size-capped tmpfs at `worktree_dir`, iteratively (no recursion limit). A full tmpfs ends the
+   run with a `setup_error` record of kind "disk_limit".
+3. Imports pytest, pluggy and the builtin plugins from site-packages while nothing of the
+   worktree is on sys.path (`-P`: no script dir; `-s`: no user site; the executor's environment
+   sets PYTEST_DISABLE_PLUGIN_AUTOLOAD, so no entry-point plugin loads), and snapshots the
+   identity of every attribute of those modules and of their classes.
+4. Installs an audit hook (before any repository code is imported) that records writes,
+   renames and deletions of the report file from anywhere but pytest's own JUnit writer, and
+   notes introspection that tampering needs (gc.get_objects / get_referrers, ctypes).
+5. Puts the worktree first on sys.path (what `python -m pytest` in the worktree does) and runs
+   `pytest.main` in-process with `RunnerPlugin`, which
+   - collects two canary tests from an executor-owned file with an unpredictable name (one must
+     pass, one must fail) and keeps them selected and last;
+   - streams one JSON line per test phase as it finishes (outcome from the report, plus whether
+     the phase really raised, read from the CallInfo) on the events fd;
+   - flags plugins registered by anything but pytest itself, and changes to the runner's
+     objects (checked after every test and at the end);
+   - after pytest's JUnit writer ran, sends the report's bytes on the report fd and a
+     `session_end` record with their sha256.
+6. Sends an `exit` record (pytest's exit code, the report's digest now) and leaves with
+   `os._exit`, captured at start-up, so atexit handlers registered by the tests never run.
+
+Records (one JSON object per line on the events fd): setup_error, test, collect_error, plugin,
+tamper, note, session_end, exit. The executor cross-checks them with the report, the canaries
+and the real exit status (`sandbox/grading.py`).
+
+Not covered, and cannot be from inside the process: code under test runs in this interpreter
+and can in principle read this process's memory, close or forge the result fds and rewrite
+anything. This script makes the generic tricks visible; the residual risk is an attacker that
+reimplements this protocol exactly (docs/sandbox.md, "threat model").
+"""
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import stat
+import sys
+import tempfile
+
+# Captured before any untrusted code runs: later rebinding of these names cannot stop the report.
+_write = os.write
+_exit = os._exit
+_fspath = os.fspath
+_basename = os.path.basename
+_getframe = sys._getframe
+_dumps = json.dumps
+
+_MAX_RECORDS_PER_KIND = 200
+_COPY_CHUNK = 1 << 20
+_SETUP_FAILED_EXIT = 3
+_PROTECTED_PREFIXES = ("pytest", "_pytest", "pluggy")
+# Module globals pytest itself rebinds while it runs (assertion-rewriting state).
+_MUTABLE_GLOBALS = {("_pytest.assertion.util", "_reprcompare"),
+                    ("_pytest.assertion.util", "_assertion_pass"),
+                    ("_pytest.assertion.util", "_config")}
+
+
+class Reporter:
+    """Writes records to the events fd; never raises (a closed fd is itself evidence)."""
+
+    def __init__(self, fd):
+        self.fd = fd
+        self.counts = {}
+
+    def send(self, kind, **fields):
+        count = self.counts.get(kind, 0)
+        if count >= _MAX_RECORDS_PER_KIND and kind in ("tamper", "note", "plugin"):
+            return
+        self.counts[kind] = count + 1
+        fields["event"] = kind
+        data = (_dumps(fields, default=str) + "\n").encode("utf-8", "replace")
+        try:
+            while data:
+                data = data[_write(self.fd, data):]
+        except OSError:
+            pass
+
+    def send_bytes(self, fd, data):
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[_write(fd, view):]
+        except OSError:
+            pass
+
+
+def copy_tree(source, dest):
+    """Copies `source` into the existing directory `dest`, without recursion and without following
+    symlinks; keeps modes. Raises OSError (ENOSPC when the tmpfs is full)."""
+    pending = [(source, dest)]
+    while pending:
+        src_dir, dst_dir = pending.pop()
+        with os.scandir(src_dir) as entries:
+            for entry in entries:
+                target = os.path.join(dst_dir, entry.name)
+                if entry.is_symlink():
+                    os.symlink(os.readlink(entry.path), target)
+                elif entry.is_dir(follow_symlinks=False):
+                    os.mkdir(target, 0o755)
+                    pending.append((entry.path, target))
+                elif entry.is_file(follow_symlinks=False):
+                    with open(entry.path, "rb") as src, open(target, "wb") as dst:
+                        shutil.copyfileobj(src, dst, _COPY_CHUNK)
+                    os.chmod(target, stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode)
+                             | stat.S_IWUSR)
+        os.chmod(dst_dir, 0o755)
+
+
+def protected_modules():
+    return {name: module for name, module in list(sys.modules.items())
+            if module is not None and name.split(".")[0] in _PROTECTED_PREFIXES}
+
+
+def snapshot_runner():
+    """[(label, holder, attribute, object)] for every attribute of the runner's modules and of
+    their classes, plus the few functions the report's writing and the exit go through. Objects
+    are kept (not ids) so that an id cannot be reused by a replacement."""
+    import builtins
+    snapshot = []
+    for name, module in protected_modules().items():
+        snapshot.append(("sys.modules", sys.modules, name, module))
+        for attr, value in list(vars(module).items()):
+            if (name, attr) in _MUTABLE_GLOBALS:
+                continue
+            snapshot.append((name, module, attr, value))
+            if isinstance(value, type) and getattr(value, "__module__", "") == name:
+                for class_attr, class_value in list(vars(value).items()):
+                    snapshot.append((f"{name}.{value.__qualname__}", value, class_attr,
+                                     class_value))
+    for module, attrs in ((builtins, ("open", "print", "__import__")), (io, ("open", "FileIO")),
+                          (os, ("_exit", "write", "open", "replace", "rename")),
+                          (sys, ("exit",))):
+        for attr in attrs:
+            snapshot.append((module.__name__, module, attr, getattr(module, attr)))
+    return snapshot
+
+
+def changed_runner_objects(snapshot):
+    """Labels of the snapshot's attributes that were rebound or deleted since."""
+    missing = object()
+    changed = []
+    for label, holder, attr, value in snapshot:
+        current = holder.get(attr, missing) if isinstance(holder, dict) else \
+            vars(holder).get(attr, missing)
+        if current is not value:
+            changed.append(f"{label}.{attr} was {'deleted' if current is missing else 'replaced'}")
+    return changed
+
+
+class Guard:
+    """The audit hook's state: which file is the report and which code may write it."""
+
+    def __init__(self, reporter, report_path):
+        self.reporter = reporter
+        self.report_name = _basename(report_path)
+        self.writer_codes = set()
+        self.busy = False
+
+    def _from_writer(self):
+        frame = _getframe(2)
+        depth = 0
+        while frame is not None and depth < 64:
+            if frame.f_code in self.writer_codes:
+                return True
+            frame = frame.f_back
+            depth += 1
+        return False
+
+    def __call__(self, event, args):
+        if self.busy:
+            return
+        if event == "open":
+            path, mode, flags = args
+            if not isinstance(path, (str, bytes)):
+                return
+            if self.report_name not in os.fsdecode(path):
+                return
+            writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC))
+            if writes:
+                self.busy = True
+                try:
+                    if not self._from_writer():
+                        self.reporter.send("tamper", what="the report file was opened for "
+                                                          "writing outside pytest's JUnit writer")
+                finally:
+                    self.busy = False
+        elif event in ("os.rename", "os.remove", "os.truncate", "os.link", "os.symlink",
+                       "os.chmod", "os.utime", "shutil.move", "shutil.copyfile"):
+            for arg in args[:2]:
+                if isinstance(arg, (str, bytes)) and self.report_name in os.fsdecode(arg):
+                    self.reporter.send("tamper", what=f"{event} on the report file")
+                    return
+        elif event in ("gc.get_objects", "gc.get_referrers", "gc.get_referents") or \
+                event.startswith("ctypes."):
+            self.reporter.send("note", what=event)
+
+
+def make_plugin(pytest, settings, reporter, snapshot, report_path):
+    canary_path = settings["canary_path"]
+    must_pass, must_fail = settings["canary_names"]
+    raised = {}
+    pytest_dirs = tuple(os.path.dirname(os.path.dirname(m.__file__)) + os.sep
+                        for m in (pytest, sys.modules["pluggy"]))
+    register_codes = set()
+    import pluggy
+    from _pytest.config import PytestPluginManager
+    register_codes.add(pluggy.PluginManager.register.__code__)
+    register_codes.add(PytestPluginManager.register.__code__)
+
+    class CanaryItem(pytest.Item):
+        def __init__(self, *, must_fail_, **kwargs):
+            super().__init__(**kwargs)
+            self.must_fail = must_fail_
+
+        def runtest(self):
+            if self.must_fail:
+                raise AssertionError(f"{self.name}: expected value differs")
+
+        def reportinfo(self):
+            return self.path, None, self.name
+
+    class CanaryFile(pytest.File):
+        def collect(self):
+            yield CanaryItem.from_parent(self, name=must_pass, must_fail_=False)
+            yield CanaryItem.from_parent(self, name=must_fail, must_fail_=True)
+
+    class RunnerPlugin:
+        def __init__(self):
+            self.canaries = []
+            self.tests_since_check = 0
+
+        def pytest_collect_file(self, file_path, parent):
+            if settings["canaries"] and str(file_path) == canary_path:
+                return CanaryFile.from_parent(parent, path=file_path)
+            return None
+
+        @pytest.hookimpl(wrapper=True, tryfirst=True)
+        def pytest_collection_modifyitems(self, session, config, items):
+            canaries = [item for item in items if isinstance(item, CanaryItem)]
+            result = yield
+            # Deselection (-k, -m, --deselect) must not drop them; they run last so that -x stops
+            # at a real failure first.
+            items[:] = [item for item in items if not isinstance(item, CanaryItem)] + canaries
+            self.canaries = canaries
+            return result
+
+        @pytest.hookimpl(wrapper=True, tryfirst=True)
+        def pytest_runtest_makereport(self, item, call):
+            report = yield
+            excinfo = call.excinfo
+            raised[(item.nodeid, call.when)] = excinfo is not None and not excinfo.errisinstance(
+                pytest.skip.Exception)
+            return report
+
+        def pytest_runtest_logreport(self, report):
+            reporter.send("test", nodeid=report.nodeid, when=report.when,
+                          outcome=report.outcome,
+                          raised=raised.pop((report.nodeid, report.when), None))
+            if report.when == "teardown":
+                self.tests_since_check += 1
+                # Every test for small suites, then every 25th: the check walks ~10^4 objects.
+                if self.tests_since_check <= 50 or self.tests_since_check % 25 == 0:
+                    self.check_runner()
+
+        def pytest_collectreport(self, report):
+            if report.failed:
+                reporter.send("collect_error", nodeid=report.nodeid)
+
+        def pytest_plugin_registered(self, plugin, plugin_name, manager):
+            frame = _getframe(1)
+            while frame is not None and frame.f_code not in register_codes:
+                frame = frame.f_back
+            if frame is None:
+                return  # a historic replay, not a registration happening now
+            while frame is not None and frame.f_code in register_codes:
+                frame = frame.f_back
+            caller = frame.f_code.co_filename if frame is not None else ""
+            if not caller.startswith(pytest_dirs) and caller != __file__:
+                reporter.send("tamper", what=f"plugin {plugin_name!r} registered from {caller}")
+
+        def check_runner(self):
+            for change in changed_runner_objects(snapshot)[:20]:
+                reporter.send("tamper", what=f"runner object changed: {change}")
+
+        @pytest.hookimpl(wrapper=True, tryfirst=True)
+        def pytest_sessionfinish(self, session, exitstatus):
+            result = yield
+            # pytest's JUnit writer (an inner implementation) has written the report by now.
+            self.check_runner()
+            data = read_report(report_path)
+            reporter.send_bytes(settings["report_fd"], data)
+            reporter.send("session_end", exitstatus=int(session.exitstatus),
+                          report_sha256=hashlib.sha256(data).hexdigest(),
+                          num_report_bytes=len(data), disk=disk_usage(settings))
+            return result
+
+    return RunnerPlugin()
+
+
+def read_report(path):
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except OSError:
+        return b""
+
+
+def disk_usage(settings):
+    usage = {}
+    for name in ("worktree_dir", "tmp_dir"):
+        try:
+            info = os.statvfs(settings[name])
+            usage[name] = {"free": info.f_bavail * info.f_frsize,
+                           "total": info.f_blocks * info.f_frsize}
+        except OSError:
+            pass
+    return usage
+
+
+def main():
+    settings = json.loads(sys.stdin.buffer.read().decode("utf-8"))
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    for fd in (settings["events_fd"], settings["report_fd"]):
+        os.set_inheritable(fd, False)
+    reporter = Reporter(settings["events_fd"])
+    worktree = settings["worktree_dir"]
+    try:
+        copy_tree(settings["source_dir"], worktree)
+    except OSError as error:
+        import errno
+        kind = "disk_limit" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "copy_failed"
+        reporter.send("setup_error", kind=kind, detail=f"copying the worktree: {error}")
+        _exit(_SETUP_FAILED_EXIT)
+    os.chdir(worktree)
+    report_dir = tempfile.mkdtemp(prefix="r", dir=settings["report_parent"])
+    report_path = os.path.join(report_dir, settings["report_name"])
+
+    import pytest
+    from _pytest import junitxml
+    extra_plugins = []
+    for name in settings.get("plugins", ()):
+        __import__(name)
+        extra_plugins.append(sys.modules[name])
+    snapshot = snapshot_runner()
+    guard = Guard(reporter, report_path)
+    guard.writer_codes.add(junitxml.LogXML.pytest_sessionfinish.__code__)
+    plugin = make_plugin(pytest, settings, reporter, snapshot, report_path)
+    sys.addaudithook(guard)
+
+    # From here on, repository code may run.
+    sys.path.insert(0, worktree)
+    args = list(settings["pytest_args"])
+    if settings["canaries"]:
+        args.append(settings["canary_path"])
+    args += [f"--junitxml={report_path}", "-o", f"junit_suite_name={settings['suite_name']}",
+             "-o", "junit_family=xunit1", "-p", "no:cacheprovider"]
+    code = pytest.main(args, plugins=[plugin, *extra_plugins])
+    plugin.check_runner()
+    data = read_report(report_path)
+    reporter.send("exit", code=int(code), report_sha256=hashlib.sha256(data).hexdigest())
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 - the tests may have replaced or closed them
+        pass
+    _exit(int(code))
+
+
+if __name__ == "__main__":
+    main()
