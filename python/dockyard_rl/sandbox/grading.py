@@ -1,75 +1,58 @@
-"""Grading a sandboxed pytest run: JUnit XML → per-test outcomes → resolved and reward.
+"""Grading a sandboxed pytest run: the runner's evidence -> trusted outcomes -> resolved, reward.
 
-Flow: `read_junit_xml(path, suite_name)` parses the report into {(classname, name): outcome};
-`grade(...)` maps the task's FAIL_TO_PASS / PASS_TO_PASS node ids onto it, cross-checks the
-report with pytest's exit code, and applies SWE-bench's rule: resolved only if every F2P and
-every P2P test passed (skipped, errored or missing counts as failed; a collection error leaves
-the file's tests missing, so it fails them). Reward: `binary` = 1.0 iff resolved; `pass_rate` =
-passed / (len(F2P) + len(P2P)). A task with no expected tests at all is never resolved (nothing
-was checked).
+`grade_run(fail_to_pass, pass_to_pass, evidence, reward_mode)` decides, in this order, and the
+first failing check names the verdict's `FailureKind`:
+1. timeout (the wall clock killed the run) -> TIMEOUT;
+2. the runner could not set the run up: the patched worktree does not fit its size-capped
+   filesystem -> DISK_LIMIT, anything else -> REPORT_UNTRUSTED;
+3. tampering, any of: `tamper` records from the runner (report written, renamed or deleted by
+   anyone but pytest's JUnit writer; runner objects replaced; plugins registered by repository
+   code), malformed or overflowing data on the record stream, more than one end record, an exit
+   record whose code differs from the process's real exit status, a report whose digest differs
+   from the one taken right after pytest wrote it (or changed later), a report suite name other
+   than this run's nonce, a phase that raised yet was reported passed, a canary with the wrong
+   outcome in the stream or the report, a test whose streamed outcome differs from the report's,
+   a report testcase that never ran, an exit status that contradicts the report (the must-fail
+   canary makes an honest run exit 1 or 2, so exit 0 is a forged exit) -> TAMPERING;
+4. the run ended before the runner finished (a crash, `os._exit`, a kill signal), the report is
+   missing or malformed, or the canaries did not run -> REPORT_UNTRUSTED (DISK_LIMIT instead when
+   the worktree or /tmp was full at the end);
+5. SWE-bench's rule on the now-trusted outcomes: resolved only if every FAIL_TO_PASS and every
+   PASS_TO_PASS test passed (skipped, errored or missing counts as failed; a collection error
+   leaves the module's tests missing) -> otherwise TESTS_FAILED (or DISK_LIMIT when full). A task
+   with no expected tests at all is never resolved (nothing was checked).
+Any outcome but resolved reports every expected test as MISSING when the evidence is not trusted.
+Rewards: `binary` = 1.0 iff resolved; `pass_rate` = passed / (len(F2P) + len(P2P)), 0.0 when not
+trusted.
 
-Test ids: pytest node ids, parametrized ids with spaces included ("t.py::test_x[a b-1]"). The XML
-names a testcase by (classname, name), which pytest derives from the node id with
-`mangle_test_address` (path with "/" → ".", ".py" dropped, "::" → ".", the parameter bracket
-kept opaque). That mapping loses information, so we never parse ids back out of the XML: each
-expected id is mangled the same way and looked up. No whitespace splitting of log lines anywhere.
+Test ids are pytest node ids, taken from the runner's records as they are (no parsing of log
+lines). The report names a testcase by (classname, name), which pytest derives from the node id
+with `mangle_test_address`; that mapping loses information, so we never parse ids back out of
+the XML: each streamed id is mangled the same way (`junit_key`) and looked up.
 
-Why the report can be trusted — the design (what the pipeline does, and what is checked here):
-1. Nobody but this run can have written the file. The XML goes to a results directory the
-   pipeline creates fresh per run (`tempfile.mkdtemp`, random name) OUTSIDE the worktree, inside
-   the task's private directory under the work root, which the sandbox hides behind a tmpfs; only
-   that one directory is bound back writable. The agent's patch is applied before the name is
-   drawn, so nothing in the repository can pre-write or symlink it, earlier runs cannot leave a
-   file there, and the repository's own files (a committed `report.xml`) are never read.
-2. The file must look like pytest wrote it for THIS run: a regular file (opened with O_NOFOLLOW,
-   fstat-checked: no symlink, FIFO or device), at most `_MAX_XML_BYTES`, no DOCTYPE/ENTITY
-   declarations (pytest never writes them; they enable entity-expansion bombs), root
-   `<testsuites>` with exactly one `<testsuite>` whose name is the per-run random nonce the
-   pipeline passed as `-o junit_suite_name=<nonce>` (a canned or copied report fails this).
-3. The exit code must agree with the report (the SWE-bench #601 lesson: a patch that replaced
-   sys.stdout printed fake passes). pytest exits 0 only if no test failed or errored; 1 if some
-   test failed; 2 when interrupted (e.g. collection errors); 5 when nothing was collected.
-   Accepted combinations: exit 0 with no failed/errored testcase; exit 1 or 2 with at least one;
-   exit 5 with no testcases. Anything else — an XML claiming all passed while the exit code says
-   failure, failures with exit 0, exit 3/4 (internal/usage error), death by a signal, a timeout —
-   makes the report untrusted: every expected test is reported MISSING and the task is not
-   resolved. A testcase that appears several times takes its worst outcome, so appending a
-   forged "passed" duplicate cannot hide a failure.
-Pytest itself runs with `-p no:cacheprovider` (no state carried between runs) and the
-repository's test-runner configuration is protected by integrity.py.
-
-What this does NOT cover (no harness that runs the tests in-process can): code under test runs
-inside pytest's own process, so a patch written specifically against this executor could read
-the report path and nonce from its own argv, write a consistent fake report and `os._exit(0)`.
-Defences against that adaptive attack live elsewhere: held-out tests the agent never saw,
-integrity checks on the patch, and auditing rewarded patches. Everything generic — fake PASSED
-lines, replaced stdout, exit-code forging alone, canned or pre-placed reports, rewriting the
-report after pytest wrote it (atexit) while the exit code still says failure — is caught here.
+Why this holds up, and what it does not cover: docs/sandbox.md (threat model). In short, the
+runner streams each outcome out of the test process as it happens, over a pipe, and the report
+travels the same way; no host file is written by the sandbox. Code under test runs inside
+pytest's process and could in principle reimplement the whole protocol; the canaries, the
+independent stream, the audit hook and the runner-object checks turn every generic trick seen so
+far into TAMPERING.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import stat
-import xml.etree.ElementTree as ET
 from collections.abc import Mapping, Sequence
 
-from dockyard_rl.sandbox.task import RewardMode, TestOutcome
+from dockyard_rl.sandbox.evidence import JUnitStream, RecordStream, worst
+from dockyard_rl.sandbox.task import FailureKind, RewardMode, TestOutcome
 
-_MAX_XML_BYTES = 64 * 1024 * 1024
-# Worse outcomes win when a testcase appears more than once.
-_SEVERITY = {TestOutcome.PASSED: 0, TestOutcome.SKIPPED: 1, TestOutcome.FAILED: 2,
-             TestOutcome.ERROR: 3}
 _FAILING = (TestOutcome.FAILED, TestOutcome.ERROR)
-
 # pytest's exit codes (pytest.ExitCode).
 EXIT_OK, EXIT_TESTS_FAILED, EXIT_INTERRUPTED, EXIT_NO_TESTS = 0, 1, 2, 5
-
-
-class ReportError(ValueError):
-    """The JUnit XML report is missing, malformed or not from this run."""
+_MAX_LISTED = 10
+# Below this much free space (bytes, and fraction of the size) a filesystem counts as full.
+_FULL_BYTES, _FULL_FRACTION = 1024 * 1024, 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +61,22 @@ class Grade:
     reward: float
     fail_to_pass: dict[str, TestOutcome]
     pass_to_pass: dict[str, TestOutcome]
-    trusted: bool          # False: report missing/forged/inconsistent with the exit code
-    reason: str            # why the report was not trusted; "" when it was
+    failure_kind: FailureKind
+    detail: str                 # why it is not resolved, in words ("" when resolved)
+    notes: tuple[str, ...] = ()  # runtime observations worth a flag ("introspection: ...")
+
+
+@dataclasses.dataclass
+class RunEvidence:
+    """Everything one sandboxed run produced. `canary_names` is (must_pass, must_fail), or None
+    when the run had no canaries (collection runs)."""
+
+    records: RecordStream
+    report: JUnitStream
+    exit_code: int | None
+    timed_out: bool
+    suite_name: str
+    canary_names: tuple[str, str] | None
 
 
 def junit_key(node_id: str) -> tuple[str, str]:
@@ -97,63 +94,9 @@ def junit_key(node_id: str) -> tuple[str, str]:
     return ".".join(names[:-1]), names[-1]
 
 
-def read_junit_xml(path: str | os.PathLike, suite_name: str) -> dict[tuple[str, str], TestOutcome]:
-    """Parses pytest's JUnit XML at `path`; raises ReportError unless it passes the checks of
-    point 2 in the module docstring."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ReportError("no JUnit XML report was written") from None
-    except OSError as error:
-        raise ReportError(f"cannot open the JUnit XML report: {error}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ReportError("the JUnit XML report is not a regular file")
-        if info.st_size > _MAX_XML_BYTES:
-            raise ReportError(f"the JUnit XML report is larger than {_MAX_XML_BYTES} bytes")
-        with os.fdopen(fd, "rb", closefd=False) as handle:
-            data = handle.read(_MAX_XML_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > _MAX_XML_BYTES:
-        raise ReportError(f"the JUnit XML report is larger than {_MAX_XML_BYTES} bytes")
-    if b"<!DOCTYPE" in data or b"<!ENTITY" in data:
-        raise ReportError("the JUnit XML report declares a DOCTYPE/ENTITY (pytest never does)")
-    try:
-        root = ET.fromstring(data)
-    except ET.ParseError as error:
-        raise ReportError(f"the JUnit XML report is not well-formed: {error}") from None
-    suites = [root] if root.tag == "testsuite" else list(root)
-    if root.tag not in ("testsuites", "testsuite") or len(suites) != 1 \
-            or suites[0].tag != "testsuite":
-        raise ReportError("the JUnit XML report must hold exactly one <testsuite>")
-    if suites[0].get("name") != suite_name:
-        raise ReportError(f"the JUnit XML report's suite name {suites[0].get('name')!r} is not "
-                          f"this run's nonce")
-    outcomes: dict[tuple[str, str], TestOutcome] = {}
-    for case in suites[0].iter("testcase"):
-        tags = {child.tag for child in case}
-        if "error" in tags:
-            outcome = TestOutcome.ERROR
-        elif "failure" in tags:
-            outcome = TestOutcome.FAILED
-        elif "skipped" in tags:
-            outcome = TestOutcome.SKIPPED
-        else:
-            outcome = TestOutcome.PASSED
-        key = (case.get("classname", ""), case.get("name", ""))
-        previous = outcomes.get(key)
-        if previous is None or _SEVERITY[outcome] > _SEVERITY[previous]:
-            outcomes[key] = outcome
-    return outcomes
-
-
 def consistency_problem(outcomes: Mapping[tuple[str, str], TestOutcome],
-                        exit_code: int | None, timed_out: bool) -> str:
-    """Why the report and the exit code disagree (point 3 of the module docstring); "" if not."""
-    if timed_out or exit_code is None:
-        return "the test run timed out"
+                        exit_code: int | None) -> str:
+    """Why pytest's exit code and the report disagree; "" if they do not."""
     num_failing = sum(outcome in _FAILING for outcome in outcomes.values())
     if exit_code == EXIT_OK:
         return "" if num_failing == 0 else \
@@ -166,31 +109,157 @@ def consistency_problem(outcomes: Mapping[tuple[str, str], TestOutcome],
     return f"the test runner exited with {exit_code} (not a pytest result)"
 
 
-def grade(fail_to_pass: Sequence[str], pass_to_pass: Sequence[str],
-          outcomes: Mapping[tuple[str, str], TestOutcome] | None, exit_code: int | None,
-          timed_out: bool, reward_mode: RewardMode, report_problem: str = "") -> Grade:
-    """SWE-bench grading (module docstring). `outcomes` is None when the report could not be
-    read; `report_problem` then says why."""
-    reason = report_problem
-    if outcomes is not None and not reason:
-        reason = consistency_problem(outcomes, exit_code, timed_out)
-    elif outcomes is None and not reason:
-        reason = "no report"
-    trusted = not reason
+def _disk_full(records: RecordStream) -> bool:
+    for end in records.records("session_end")[:1]:
+        disk = end.get("disk")
+        for usage in (disk.values() if isinstance(disk, dict) else ()):
+            try:
+                free, total = int(usage["free"]), int(usage["total"])
+            except (TypeError, KeyError, ValueError):
+                continue
+            if free < _FULL_BYTES and free < _FULL_FRACTION * max(total, 1):
+                return True
+    return False
 
-    def lookup(node_id: str) -> TestOutcome:
-        if not trusted:
-            return TestOutcome.MISSING
-        return outcomes.get(junit_key(node_id), TestOutcome.MISSING)
 
-    f2p = {test_id: lookup(test_id) for test_id in fail_to_pass}
-    p2p = {test_id: lookup(test_id) for test_id in pass_to_pass}
+def _listed(items: Sequence[str]) -> str:
+    shown = "; ".join(items[:_MAX_LISTED])
+    return shown + (f" and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else "")
+
+
+def _find_canary(tests: Mapping[str, TestOutcome], name: str) -> str | None:
+    for nodeid in tests:
+        if nodeid.rpartition("::")[2] == name:
+            return nodeid
+    return None
+
+
+def _tampering(evidence: RunEvidence) -> list[str]:
+    """Check 3 of the module docstring: every sign that the run altered its own results."""
+    records, report = evidence.records, evidence.report
+    found = [f"runner: {r.get('what')}" for r in records.records("tamper")]
+    if records.overflowed:
+        found.append(f"the result stream exceeded {records.max_bytes} bytes")
+    if records.num_malformed:
+        found.append(f"{records.num_malformed} malformed lines on the result stream")
+    ends, exits = records.records("session_end"), records.records("exit")
+    if len(ends) > 1 or len(exits) > 1:
+        found.append(f"{len(ends)} session_end and {len(exits)} exit records (one each expected)")
+    if exits and exits[0].get("code") != evidence.exit_code:
+        found.append(f"the runner reported exit code {exits[0].get('code')!r} but the process "
+                     f"exited with {evidence.exit_code}")
+    if ends and not report.error and ends[0].get("report_sha256") != report.sha256:
+        found.append("the report received differs from the one pytest wrote")
+    if ends and exits and ends[0].get("report_sha256") != exits[0].get("report_sha256"):
+        found.append("the report file changed after pytest wrote it")
+    if not report.error and report.suite_names != [evidence.suite_name]:
+        found.append("the report's suite name is not this run's nonce")
+    if records.raised_but_passed:
+        found.append(f"phases that raised but were reported passed: "
+                     f"{_listed(records.raised_but_passed)}")
+    if report.error or not ends:
+        return found
+    if evidence.canary_names is not None:
+        for name, expected in zip(evidence.canary_names, (TestOutcome.PASSED,
+                                                           TestOutcome.FAILED)):
+            nodeid = _find_canary(records.tests, name)
+            if nodeid is None:
+                continue  # not run at all: check 4
+            streamed, reported = records.tests[nodeid], report.outcomes.get(junit_key(nodeid))
+            if streamed is not expected or reported is not expected:
+                found.append(f"the executor's canary test {name} must be {expected.value} but "
+                             f"was {streamed.value} (stream) / "
+                             f"{reported.value if reported else 'missing'} (report)")
+    # Distinct node ids can share a report key (the mangling loses "/" vs "."): compare per key.
+    streamed_by_key: dict[tuple[str, str], TestOutcome] = {}
+    for nodeid, streamed in records.tests.items():
+        key = junit_key(nodeid)
+        streamed_by_key[key] = worst(streamed_by_key.get(key), streamed)
+    mismatched = []
+    for key, streamed in streamed_by_key.items():
+        reported = report.outcomes.get(key)
+        if reported is not streamed:
+            mismatched.append(f"{'::'.join(key)}: ran {streamed.value}, report says "
+                              f"{reported.value if reported else 'missing'}")
+    if mismatched:
+        found.append(f"the report disagrees with what ran: {_listed(mismatched)}")
+    known = {junit_key(nodeid) for nodeid in records.tests}
+    known |= {junit_key(str(r.get("nodeid", ""))) for r in records.records("collect_error")}
+    unknown = [f"{classname}::{name}" for classname, name in report.outcomes
+               if (classname, name) not in known]
+    if unknown:
+        found.append(f"the report lists tests that never ran: {_listed(unknown)}")
+    problem = consistency_problem(report.outcomes, evidence.exit_code)
+    if problem and evidence.canary_names is not None:
+        found.append(problem)
+    return found
+
+
+def _untrusted_reason(evidence: RunEvidence) -> str:
+    """Check 4 of the module docstring; "" when the evidence is complete."""
+    records, report = evidence.records, evidence.report
+    if not records.records("session_end") or not records.records("exit"):
+        return (f"the test process ended (exit status {evidence.exit_code}) before the runner "
+                f"finished: a crash, a forced exit or a kill; no result can be trusted")
+    if report.error:
+        return report.error
+    if evidence.canary_names is not None:
+        missing = [name for name in evidence.canary_names
+                   if _find_canary(records.tests, name) is None]
+        if missing:
+            return (f"the executor's canary tests did not run ({', '.join(missing)}); the "
+                    f"session stopped early")
+    problem = consistency_problem(report.outcomes, evidence.exit_code)
+    return problem
+
+
+def grade_run(fail_to_pass: Sequence[str], pass_to_pass: Sequence[str], evidence: RunEvidence,
+              reward_mode: RewardMode) -> Grade:
+    """The verdict's grade (module docstring)."""
+    records = evidence.records
+    notes = tuple(sorted({f"introspection: runtime {r.get('what')}"
+                          for r in records.records("note")}))
+
+    def untrusted(kind: FailureKind, detail: str) -> Grade:
+        return Grade(resolved=False, reward=0.0,
+                     fail_to_pass={test_id: TestOutcome.MISSING for test_id in fail_to_pass},
+                     pass_to_pass={test_id: TestOutcome.MISSING for test_id in pass_to_pass},
+                     failure_kind=kind, detail=detail, notes=notes)
+
+    if evidence.timed_out:
+        return untrusted(FailureKind.TIMEOUT, "the test run was killed at the wall-clock limit")
+    for setup in records.records("setup_error")[:1]:
+        kind = FailureKind.DISK_LIMIT if setup.get("kind") == "disk_limit" else \
+            FailureKind.REPORT_UNTRUSTED
+        return untrusted(kind, f"the test run could not start: {setup.get('detail')}")
+    tampering = _tampering(evidence)
+    if tampering:
+        return untrusted(FailureKind.TAMPERING, f"tampering detected: {_listed(tampering)}")
+    full = _disk_full(records)
+    reason = _untrusted_reason(evidence)
+    if reason:
+        kind = FailureKind.DISK_LIMIT if full else FailureKind.REPORT_UNTRUSTED
+        return untrusted(kind, f"test report not trusted: {reason}")
+
+    def outcome(test_id: str) -> TestOutcome:
+        return records.tests.get(test_id, TestOutcome.MISSING)
+
+    f2p = {test_id: outcome(test_id) for test_id in fail_to_pass}
+    p2p = {test_id: outcome(test_id) for test_id in pass_to_pass}
     num_expected = len(f2p) + len(p2p)
-    num_passed = sum(o == TestOutcome.PASSED for o in [*f2p.values(), *p2p.values()])
-    resolved = trusted and num_expected > 0 and num_passed == num_expected
+    num_passed = sum(o is TestOutcome.PASSED for o in [*f2p.values(), *p2p.values()])
+    resolved = num_expected > 0 and num_passed == num_expected
     if reward_mode == RewardMode.BINARY:
         reward = 1.0 if resolved else 0.0
     else:
         reward = num_passed / num_expected if num_expected else 0.0
-    return Grade(resolved=resolved, reward=reward, fail_to_pass=f2p, pass_to_pass=p2p,
-                 trusted=trusted, reason=reason)
+    if resolved:
+        return Grade(True, reward, f2p, p2p, FailureKind.NONE, "", notes)
+    failing = [f"{test_id}: {o.value}" for test_id, o in [*f2p.items(), *p2p.items()]
+               if o is not TestOutcome.PASSED]
+    detail = f"not every expected test passed: {_listed(failing)}" if num_expected else \
+        "the task names no FAIL_TO_PASS or PASS_TO_PASS test"
+    if full:
+        return Grade(False, reward, f2p, p2p, FailureKind.DISK_LIMIT,
+                     f"the worktree or /tmp filled its size cap; {detail}", notes)
+    return Grade(False, reward, f2p, p2p, FailureKind.TESTS_FAILED, detail, notes)

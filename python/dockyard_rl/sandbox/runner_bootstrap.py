@@ -63,10 +63,21 @@ _MAX_RECORDS_PER_KIND = 200
 _COPY_CHUNK = 1 << 20
 _SETUP_FAILED_EXIT = 3
 _PROTECTED_PREFIXES = ("pytest", "_pytest", "pluggy")
-# Module globals pytest itself rebinds while it runs (assertion-rewriting state).
-_MUTABLE_GLOBALS = {("_pytest.assertion.util", "_reprcompare"),
-                    ("_pytest.assertion.util", "_assertion_pass"),
-                    ("_pytest.assertion.util", "_config")}
+# Attributes pytest itself rebinds while it runs: assertion-rewriting state, lazily built doctest
+# classes, the debugger's session state.
+_MUTABLE_ATTRIBUTES = {("_pytest.assertion.util", "_reprcompare"),
+                       ("_pytest.assertion.util", "_assertion_pass"),
+                       ("_pytest.assertion.util", "_config"),
+                       ("_pytest.doctest", "RUNNER_CLASS"), ("_pytest.doctest", "CHECKER_CLASS"),
+                       ("_pytest.debugging.pytestPDB", "_saved"),
+                       ("_pytest.debugging.pytestPDB", "_recursive_debug"),
+                       ("_pytest.debugging.pytestPDB", "_wrapped_pdb_cls")}
+# ... and those its own plugins set once while configuring (legacypath, debugging). The runner
+# compares against its start-up snapshot when the session starts, allowing exactly these, then
+# takes a fresh snapshot for the rest of the run.
+_CONFIGURE_CHANGES = {("_pytest.config.Config", "_getini_unknown_type"),
+                      ("_pytest.debugging.pytestPDB", "_pluginmanager"),
+                      ("_pytest.debugging.pytestPDB", "_config")}
 
 
 class Reporter:
@@ -76,12 +87,12 @@ class Reporter:
         self.fd = fd
         self.counts = {}
 
-    def send(self, kind, **fields):
-        count = self.counts.get(kind, 0)
-        if count >= _MAX_RECORDS_PER_KIND and kind in ("tamper", "note", "plugin"):
+    def send(self, event, /, **fields):
+        count = self.counts.get(event, 0)
+        if count >= _MAX_RECORDS_PER_KIND and event in ("tamper", "note"):
             return
-        self.counts[kind] = count + 1
-        fields["event"] = kind
+        self.counts[event] = count + 1
+        fields["event"] = event
         data = (_dumps(fields, default=str) + "\n").encode("utf-8", "replace")
         try:
             while data:
@@ -110,14 +121,15 @@ def copy_tree(source, dest):
                 if entry.is_symlink():
                     os.symlink(os.readlink(entry.path), target)
                 elif entry.is_dir(follow_symlinks=False):
-                    os.mkdir(target, 0o755)
+                    os.mkdir(target, 0o700)
                     pending.append((entry.path, target))
                 elif entry.is_file(follow_symlinks=False):
                     with open(entry.path, "rb") as src, open(target, "wb") as dst:
                         shutil.copyfileobj(src, dst, _COPY_CHUNK)
                     os.chmod(target, stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode)
                              | stat.S_IWUSR)
-        os.chmod(dst_dir, 0o755)
+        if dst_dir != dest:
+            os.chmod(dst_dir, 0o755)
 
 
 def protected_modules():
@@ -134,13 +146,14 @@ def snapshot_runner():
     for name, module in protected_modules().items():
         snapshot.append(("sys.modules", sys.modules, name, module))
         for attr, value in list(vars(module).items()):
-            if (name, attr) in _MUTABLE_GLOBALS:
+            if (name, attr) in _MUTABLE_ATTRIBUTES:
                 continue
             snapshot.append((name, module, attr, value))
             if isinstance(value, type) and getattr(value, "__module__", "") == name:
+                label = f"{name}.{value.__qualname__}"
                 for class_attr, class_value in list(vars(value).items()):
-                    snapshot.append((f"{name}.{value.__qualname__}", value, class_attr,
-                                     class_value))
+                    if (label, class_attr) not in _MUTABLE_ATTRIBUTES:
+                        snapshot.append((label, value, class_attr, class_value))
     for module, attrs in ((builtins, ("open", "print", "__import__")), (io, ("open", "FileIO")),
                           (os, ("_exit", "write", "open", "replace", "rename")),
                           (sys, ("exit",))):
@@ -149,14 +162,15 @@ def snapshot_runner():
     return snapshot
 
 
-def changed_runner_objects(snapshot):
-    """Labels of the snapshot's attributes that were rebound or deleted since."""
+def changed_runner_objects(snapshot, allowed=frozenset()):
+    """Labels of the snapshot's attributes that were rebound or deleted since, but `allowed`
+    ((label, attribute) pairs)."""
     missing = object()
     changed = []
     for label, holder, attr, value in snapshot:
         current = holder.get(attr, missing) if isinstance(holder, dict) else \
             vars(holder).get(attr, missing)
-        if current is not value:
+        if current is not value and (label, attr) not in allowed:
             changed.append(f"{label}.{attr} was {'deleted' if current is missing else 'replaced'}")
     return changed
 
@@ -243,6 +257,15 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path):
         def __init__(self):
             self.canaries = []
             self.tests_since_check = 0
+            self.snapshot = snapshot
+            self.reported = set()
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_sessionstart(self, session):
+            # Configuring is over (plugins set up, root conftests loaded): from the start-up
+            # snapshot only pytest's own configure-time changes are allowed; then re-snapshot.
+            self.check_runner(allowed=_CONFIGURE_CHANGES)
+            self.snapshot = snapshot_runner()
 
         def pytest_collect_file(self, file_path, parent):
             if settings["canaries"] and str(file_path) == canary_path:
@@ -293,9 +316,11 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path):
             if not caller.startswith(pytest_dirs) and caller != __file__:
                 reporter.send("tamper", what=f"plugin {plugin_name!r} registered from {caller}")
 
-        def check_runner(self):
-            for change in changed_runner_objects(snapshot)[:20]:
-                reporter.send("tamper", what=f"runner object changed: {change}")
+        def check_runner(self, allowed=frozenset(), against=None):
+            for change in changed_runner_objects(against or self.snapshot, allowed):
+                if change not in self.reported and len(self.reported) < 20:
+                    self.reported.add(change)
+                    reporter.send("tamper", what=f"runner object changed: {change}")
 
         @pytest.hookimpl(wrapper=True, tryfirst=True)
         def pytest_sessionfinish(self, session, exitstatus):
@@ -372,7 +397,8 @@ def main():
     args += [f"--junitxml={report_path}", "-o", f"junit_suite_name={settings['suite_name']}",
              "-o", "junit_family=xunit1", "-p", "no:cacheprovider"]
     code = pytest.main(args, plugins=[plugin, *extra_plugins])
-    plugin.check_runner()
+    # pytest undid its configure-time patches when it unconfigured: compare with start-up.
+    plugin.check_runner(allowed=_CONFIGURE_CHANGES, against=snapshot)
     data = read_report(report_path)
     reporter.send("exit", code=int(code), report_sha256=hashlib.sha256(data).hexdigest())
     try:

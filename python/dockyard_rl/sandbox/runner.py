@@ -1,0 +1,202 @@
+"""Running pytest on a patched worktree inside the sandbox, and collecting its evidence.
+
+    args = pytest_arguments(spec.test_command)          # ValueError for commands we cannot isolate
+    result, evidence = run_pytest(args, worktree, RunnerLimits(...), canaries=True)
+    grade = grading.grade_run(f2p, p2p, evidence, reward_mode)
+
+The executor's half of the protocol whose other half is `runner_bootstrap.py` (read its
+docstring for what happens inside). Here:
+- Which invocations are accepted (`pytest_arguments`): `pytest ARGS`, `py.test ARGS` or
+  `python[3[.N]] -m pytest ARGS` (any interpreter path), and only options the runner can isolate:
+  no `-p NAME` (only `-p no:NAME`), no JUnit options (the runner owns the report), no xdist
+  (`-n`, `--dist`, `--tx`: results would come from other processes), no `-c/--config-file`
+  (a config file the patch could write), no debugger, no leading `VAR=value` assignments. Other
+  runners (Django's runtests.py, sympy's bin/test, tox) are refused with that reason.
+- The sandbox's view: the interpreter's prefixes read-only; the patched worktree read-only at
+  `/.dockyard/src` and copied by the runner into a size-capped tmpfs at `/testbed` (the tests
+  never write to the host's disk, and a full tmpfs is the patch's "disk limit"); the runner's
+  files read-only under an unpredictable name; a small tmpfs for the report. Nothing else of the
+  host (isolation.py: deny by default). The runner's settings travel on stdin; its records and
+  the report come back on two pipes and are parsed as they arrive (`evidence.py`, bounded).
+- Environment: PATH with the interpreter first, HOME=/tmp, PYTHONHASHSEED=0 (reproducible
+  runs), PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 (no entry-point plugins, the worktree's included),
+  and nothing else; the interpreter runs with -s (no user site), -P (no script dir on sys.path)
+  and -B (no bytecode written).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import secrets
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from dockyard_rl.sandbox import isolation
+from dockyard_rl.sandbox.evidence import JUnitStream, RecordStream
+from dockyard_rl.sandbox.grading import RunEvidence
+
+SANDBOX_WORKTREE = pathlib.Path("/testbed")
+_SANDBOX_SOURCE = pathlib.Path("/.dockyard/src")
+_SANDBOX_REPORT_DIR = pathlib.Path("/.dockyard/out")
+_BOOTSTRAP = pathlib.Path(__file__).with_name("runner_bootstrap.py")
+
+_PYTEST_ENTRIES = ("pytest", "py.test")
+_PYTHON_RE = re.compile(r"^(?:.*/)?python(?:3(?:\.\d+)?)?$")
+_ENV_ASSIGNMENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+# Options whose value is the next argument (or joined with "=").
+_REFUSED_OPTIONS = {
+    "--junitxml": "the runner writes the JUnit report itself",
+    "--junit-xml": "the runner writes the JUnit report itself",
+    "--junit-prefix": "the runner writes the JUnit report itself",
+    "-n": "pytest-xdist runs tests in other processes the runner cannot watch",
+    "--numprocesses": "pytest-xdist runs tests in other processes the runner cannot watch",
+    "--dist": "pytest-xdist runs tests in other processes the runner cannot watch",
+    "--tx": "pytest-xdist runs tests in other processes the runner cannot watch",
+    "-c": "a configuration file named on the command line could be one the patch wrote",
+    "--config-file": "a configuration file named on the command line could be one the patch "
+                     "wrote",
+    "--inifile": "a configuration file named on the command line could be one the patch wrote",
+    "--pdb": "a debugger needs a terminal",
+    "--trace": "a debugger needs a terminal",
+    "--pdbcls": "a debugger needs a terminal",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerLimits:
+    """The sandbox's limits plus what the runner itself bounds."""
+
+    sandbox: isolation.SandboxLimits
+    worktree_size_bytes: int      # the /testbed tmpfs the worktree is copied into
+    max_report_bytes: int         # the report and the record stream, each
+    max_report_testcases: int
+
+
+def pytest_arguments(test_command: str | None) -> list[str] | None:
+    """The pytest arguments of a task's `test_command` (None for None: the default command).
+    Raises ValueError naming the field and the reason for commands the runner cannot isolate."""
+    if test_command is None:
+        return None
+    try:
+        words = shlex.split(test_command)
+    except ValueError as error:
+        raise ValueError(f"test_command: cannot be split into arguments: {error}") from None
+    if not words:
+        raise ValueError("test_command: must not be empty")
+    if _ENV_ASSIGNMENT_RE.match(words[0]):
+        raise ValueError(f"test_command: environment assignments ({words[0]!r}) are not "
+                         f"supported: the test environment is fixed by the executor")
+    if os.path.basename(words[0]) in _PYTEST_ENTRIES:
+        args = words[1:]
+    elif _PYTHON_RE.match(words[0]) and words[1:3] == ["-m", "pytest"]:
+        args = words[3:]
+    else:
+        raise ValueError(f"test_command: only pytest invocations can be isolated and graded "
+                         f"(`pytest ARGS` or `python -m pytest ARGS`), got {words[0]!r}; other "
+                         f"runners (Django's runtests.py, sympy's bin/test, tox) are not "
+                         f"supported")
+    for index, arg in enumerate(args):
+        name = arg.split("=", 1)[0]
+        if name in _REFUSED_OPTIONS or (name.startswith("-n") and name[2:].isdigit()):
+            reason = _REFUSED_OPTIONS.get(name, _REFUSED_OPTIONS["-n"])
+            raise ValueError(f"test_command: option {name} is not supported: {reason}")
+        plugin = None
+        if arg == "-p":
+            plugin = args[index + 1] if index + 1 < len(args) else ""
+        elif arg.startswith("-p") and not arg.startswith("--"):
+            plugin = arg[2:]
+        if plugin is not None and not plugin.startswith("no:"):
+            raise ValueError(f"test_command: `-p {plugin}` is not supported: plugins named on "
+                             f"the command line are imported from the worktree, which the patch "
+                             f"controls (only `-p no:NAME` is allowed)")
+        if arg in ("-o", "--override-ini") and index + 1 < len(args) and \
+                args[index + 1].startswith("junit_"):
+            raise ValueError("test_command: junit_* options are not supported: the runner "
+                             "writes the JUnit report itself")
+    return args
+
+
+def default_pytest_arguments(test_files: Sequence[str]) -> list[str]:
+    """Without a task command: pytest on the files the test patch touches."""
+    return ["-rN", *test_files]
+
+
+def interpreter_paths() -> list[pathlib.Path]:
+    """What the sandbox must see of this interpreter (bound read-only)."""
+    paths = {pathlib.Path(sys.prefix).resolve(), pathlib.Path(sys.base_prefix).resolve(),
+             pathlib.Path(os.path.realpath(sys.executable)).parent.parent,
+             # The venv's bin/python symlink can point at an interpreter outside both prefixes
+             # (e.g. a pyenv build under /root).
+             pathlib.Path(sys.executable).parent.parent}
+    return sorted(paths)
+
+
+def run_pytest(pytest_args: Sequence[str], worktree: pathlib.Path, scratch_dir: pathlib.Path,
+               limits: RunnerLimits, *, canaries: bool = True,
+               hidden_paths: Sequence[pathlib.Path] = (),
+               plugins: Sequence[str] = ()) -> tuple[isolation.SandboxResult, RunEvidence]:
+    """Runs pytest with `pytest_args` on a copy of `worktree` inside the sandbox (module
+    docstring). `scratch_dir` (executor-owned, outside the worktree) receives the runner's files.
+    `plugins`: module names of installed pytest plugins to load (imported before the worktree is
+    on sys.path). Raises isolation.SandboxUnavailableError when the sandbox cannot start;
+    whatever the tests do ends in the returned evidence."""
+    runner_dir = scratch_dir / f"runner-{secrets.token_hex(8)}"
+    runner_dir.mkdir(mode=0o755)
+    os.chmod(runner_dir, 0o755)
+    bootstrap = runner_dir / "runner_bootstrap.py"
+    shutil.copyfile(_BOOTSTRAP, bootstrap)
+    canary_file = runner_dir / f"test_{secrets.token_hex(6)}.txt"
+    canary_file.write_text("# collected by the executor's runner\n")
+    for path in (bootstrap, canary_file):
+        os.chmod(path, 0o644)
+    # The sandbox's uid must be able to read the checkout whatever the executor's umask was.
+    subprocess.run(["chmod", "-R", "a+rX", str(worktree)], check=False, timeout=600,
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    inside_runner = pathlib.Path(f"/.dockyard/{secrets.token_hex(8)}")
+    args = list(pytest_args)
+    if not any(arg == "--rootdir" or arg.startswith("--rootdir=") for arg in args):
+        args.append(f"--rootdir={SANDBOX_WORKTREE}")
+    suite_name = f"dockyard-{secrets.token_hex(16)}"
+    canary_names = (f"test_{secrets.token_hex(5)}", f"test_{secrets.token_hex(5)}")
+    records = RecordStream(limits.max_report_bytes)
+    report = JUnitStream(limits.max_report_bytes, limits.max_report_testcases)
+    events_channel = isolation.OutputChannel(records)
+    report_channel = isolation.OutputChannel(report)
+    settings = {
+        "source_dir": str(_SANDBOX_SOURCE), "worktree_dir": str(SANDBOX_WORKTREE),
+        "tmp_dir": "/tmp", "report_parent": str(_SANDBOX_REPORT_DIR),
+        "report_name": f"junit-{secrets.token_hex(8)}.xml", "suite_name": suite_name,
+        "canaries": canaries, "canary_path": str(inside_runner / canary_file.name),
+        "canary_names": list(canary_names), "events_fd": events_channel.child_fd,
+        "report_fd": report_channel.child_fd, "pytest_args": args, "plugins": list(plugins),
+    }
+    interpreter = [pathlib.Path(p) for p in interpreter_paths()]
+    mounts = [
+        isolation.Mount("ro", _SANDBOX_SOURCE, worktree),
+        isolation.Mount("ro", inside_runner, runner_dir),
+        isolation.Mount("tmpfs", SANDBOX_WORKTREE, size_bytes=limits.worktree_size_bytes,
+                        perms="1777"),
+        isolation.Mount("tmpfs", _SANDBOX_REPORT_DIR,
+                        size_bytes=limits.max_report_bytes + 1024 * 1024, perms="1777"),
+    ]
+    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
+           "HOME": "/tmp", "LANG": "C.UTF-8", "TMPDIR": "/tmp", "USER": "sandbox",
+           "LOGNAME": "sandbox", "PYTHONHASHSEED": "0", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    result = isolation.run_sandboxed(
+        [sys.executable, "-s", "-P", "-B", str(inside_runner / bootstrap.name)],
+        writable_dirs=[], limits=limits.sandbox, cwd=SANDBOX_WORKTREE,
+        hidden_paths=hidden_paths, readonly_paths=interpreter, mounts=mounts, env=env,
+        stdin_data=json.dumps(settings).encode(), channels=[events_channel, report_channel])
+    records.finish()
+    report.finish()
+    evidence = RunEvidence(records=records, report=report, exit_code=result.exit_code,
+                           timed_out=result.timed_out, suite_name=suite_name,
+                           canary_names=canary_names if canaries else None)
+    return result, evidence
