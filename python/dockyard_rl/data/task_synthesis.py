@@ -49,7 +49,6 @@ import random
 import shlex
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -176,9 +175,9 @@ def collect_test_ids(layout: sdist_repos.PackageLayout, scratch_dir: pathlib.Pat
         config = pipeline.PipelineConfig()
         limits = dataclasses.replace(config.limits(600.0),
                                      max_output_bytes=_COLLECT_OUTPUT_BYTES)
-        result = pipeline.run_tests_sandboxed(
-            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--rootdir=.",
-             "--collect-only", "-q", *_import_path_options(layout), *layout.test_paths],
+        result, _ = pipeline.run_pytest_sandboxed(
+            ["-p", "no:cacheprovider", "--rootdir=.", "--collect-only", "-q",
+             *_import_path_options(layout), *layout.test_paths],
             worktree, config, work_root, limits=limits)
     finally:
         shutil.rmtree(work_root, ignore_errors=True)

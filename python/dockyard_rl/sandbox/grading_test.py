@@ -1,192 +1,183 @@
-import os
-import subprocess
-import sys
+"""grading.grade_run on hand-built evidence: SWE-bench's rule, and every tampering and untrusted
+case its docstring lists, each with the FailureKind it must produce. (evidence_test parses real
+pytest reports; runner_test and pipeline_test produce the evidence for real.)"""
+
+import hashlib
+import json
+from xml.sax.saxutils import quoteattr
 
 import pytest
 
 from dockyard_rl.sandbox import grading
-from dockyard_rl.sandbox.task import RewardMode, TestOutcome
+from dockyard_rl.sandbox.evidence import JUnitStream, RecordStream
+from dockyard_rl.sandbox.task import FailureKind, RewardMode, TestOutcome
 
 NONCE = "dockyard-0123456789abcdef"
-
-TESTS = '''\
-import pytest
-
-
-def test_ok():
-    pass
-
-
-def test_bad():
-    assert False
+CANARIES = ("test_c4n4ry0", "test_c4n4ry1")
+BASE = "pkg/tests/test_mix.py"
+RESULTS = {f"{BASE}::test_ok": "passed", f"{BASE}::test_bad": "failed",
+           f"{BASE}::test_skipped": "skipped", f"{BASE}::test_param[one two]": "passed",
+           f"{BASE}::TestBox::test_inner": "passed", f"{BASE}::test_teardown": "error"}
+_TAGS = {"failed": "<failure message='x'/>", "error": "<error message='x'/>",
+         "skipped": "<skipped message='x'/>", "passed": ""}
 
 
-@pytest.mark.skip(reason="no")
-def test_skipped():
-    pass
+def _record(**fields) -> bytes:
+    return (json.dumps(fields) + "\n").encode()
 
 
-@pytest.mark.parametrize("x", [1, 2], ids=["one two", "three [four]"])
-def test_param(x):
-    assert x == 1
+def make_evidence(results=RESULTS, *, exit_code=1, canaries=True, suite=NONCE, report=None,
+                  records=(), end=True, exit_record=True, exit_record_code=None,
+                  timed_out=False, canary_outcomes=("passed", "failed")):
+    """Evidence of an honest run of `results` ({node id: outcome}), with overrides."""
+    ran = dict(results)
+    if canaries:
+        ran.update({f"::{CANARIES[0]}": canary_outcomes[0], f"::{CANARIES[1]}": canary_outcomes[1]})
+    stream = RecordStream(1 << 20)
+    for nodeid, outcome in ran.items():
+        if outcome == "error":
+            stream(_record(event="test", nodeid=nodeid, when="setup", outcome="failed",
+                           raised=True))
+            continue
+        stream(_record(event="test", nodeid=nodeid, when="setup", outcome="passed"))
+        stream(_record(event="test", nodeid=nodeid, when="call", outcome=outcome,
+                       raised=outcome == "failed"))
+        stream(_record(event="test", nodeid=nodeid, when="teardown", outcome="passed"))
+    for extra in records:
+        stream(extra)
+    if report is None:
+        cases = "".join(
+            f"<testcase classname={quoteattr(grading.junit_key(n)[0])} "
+            f"name={quoteattr(grading.junit_key(n)[1])}>{_TAGS[o]}</testcase>"
+            for n, o in ran.items())
+        report = f'<testsuites><testsuite name="{suite}">{cases}</testsuite></testsuites>'
+    data = report.encode()
+    digest = hashlib.sha256(data).hexdigest()
+    if end:
+        stream(_record(event="session_end", exitstatus=exit_code, report_sha256=digest,
+                       disk={}))
+    if exit_record:
+        code = exit_code if exit_record_code is None else exit_record_code
+        stream(_record(event="exit", code=code, report_sha256=digest))
+    stream.finish()
+    junit = JUnitStream(1 << 20, 1000)
+    junit(data)
+    junit.finish()
+    return grading.RunEvidence(records=stream, report=junit, exit_code=exit_code,
+                               timed_out=timed_out, suite_name=NONCE,
+                               canary_names=CANARIES if canaries else None)
 
 
-class TestBox:
-    def test_inner(self):
-        pass
+def grade(evidence, f2p=(f"{BASE}::test_ok",), p2p=(f"{BASE}::test_param[one two]",),
+          mode=RewardMode.BINARY):
+    return grading.grade_run(list(f2p), list(p2p), evidence, mode)
 
 
-@pytest.fixture
-def broken():
-    yield
-    raise RuntimeError("teardown")
+def test_honest_run_resolves_and_swe_bench_rule():
+    graded = grade(make_evidence())
+    assert graded.resolved and graded.reward == 1.0 and graded.failure_kind is FailureKind.NONE
+    for f2p in ([f"{BASE}::test_skipped"], [f"{BASE}::test_gone"], [f"{BASE}::test_bad"],
+                [f"{BASE}::test_teardown"]):
+        graded = grade(make_evidence(), f2p=f2p)
+        assert not graded.resolved and graded.failure_kind is FailureKind.TESTS_FAILED
+        assert f2p[0] in graded.detail
+    graded = grade(make_evidence(), p2p=[f"{BASE}::test_bad", f"{BASE}::test_skipped"],
+                   mode=RewardMode.PASS_RATE)
+    assert graded.reward == pytest.approx(1 / 3)
+    assert graded.pass_to_pass == {f"{BASE}::test_bad": TestOutcome.FAILED,
+                                   f"{BASE}::test_skipped": TestOutcome.SKIPPED}
+    assert graded.fail_to_pass[f"{BASE}::test_ok"] is TestOutcome.PASSED
+    assert not grade(make_evidence(), f2p=(), p2p=()).resolved  # nothing was checked
 
 
-def test_teardown_error(broken):
-    pass
-'''
+def test_a_run_without_canaries_may_exit_0():
+    results = {f"{BASE}::test_ok": "passed", f"{BASE}::test_param[one two]": "passed"}
+    assert grade(make_evidence(results, exit_code=0, canaries=False)).resolved
 
 
-def _run_pytest(tmp_path, files: dict[str, str], suite_name: str = NONCE):
-    """Runs the real pytest on `files` and returns (report path, exit code)."""
-    for name, content in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(content)
-    report = tmp_path / "out" / "junit.xml"
-    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
-                             "--rootdir", str(tmp_path), f"--junitxml={report}",
-                             "-o", f"junit_suite_name={suite_name}", "-o", "junit_family=xunit1",
-                             *files], cwd=tmp_path, capture_output=True, text=True)
-    return report, result.returncode
+ALL_PASSED = {n: "passed" for n in RESULTS}
+FORGED_XML = ('<testsuites><testsuite name="%s">' % NONCE + "".join(
+    f"<testcase classname={quoteattr(grading.junit_key(n)[0])} "
+    f"name={quoteattr(grading.junit_key(n)[1])}/>" for n in
+    [*RESULTS, f"::{CANARIES[0]}", f"::{CANARIES[1]}"]) + "</testsuite></testsuites>")
 
 
-@pytest.fixture(scope="module")
-def real_report(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("grading")
-    report, exit_code = _run_pytest(tmp_path, {"pkg/tests/test_mix.py": TESTS})
-    return report, exit_code
-
-
-def test_node_ids_map_to_real_pytest_outcomes(real_report):
-    report, exit_code = real_report
-    assert exit_code == 1
-    outcomes = grading.read_junit_xml(report, NONCE)
-    base = "pkg/tests/test_mix.py"
-
-    def outcome(node_id):
-        return outcomes.get(grading.junit_key(node_id), TestOutcome.MISSING)
-
-    assert outcome(f"{base}::test_ok") == TestOutcome.PASSED
-    assert outcome(f"{base}::test_bad") == TestOutcome.FAILED
-    assert outcome(f"{base}::test_skipped") == TestOutcome.SKIPPED
-    assert outcome(f"{base}::test_param[one two]") == TestOutcome.PASSED
-    assert outcome(f"{base}::test_param[three [four]]") == TestOutcome.FAILED
-    assert outcome(f"{base}::TestBox::test_inner") == TestOutcome.PASSED
-    assert outcome(f"{base}::test_teardown_error") == TestOutcome.ERROR
-    assert outcome(f"{base}::test_absent") == TestOutcome.MISSING
-
-
-def test_swe_bench_rule_and_rewards(real_report):
-    report, exit_code = real_report
-    outcomes = grading.read_junit_xml(report, NONCE)
-    base = "pkg/tests/test_mix.py"
-    passing = [f"{base}::test_ok", f"{base}::test_param[one two]"]
-    graded = grading.grade(passing[:1], passing[1:], outcomes, exit_code, False, RewardMode.BINARY)
-    assert graded.trusted and graded.resolved and graded.reward == 1.0
-    # A skipped or missing F2P test fails the task; so does a failing P2P test.
-    for f2p, p2p in [([f"{base}::test_skipped"], passing), ([f"{base}::test_gone"], passing),
-                     (passing, [f"{base}::test_bad"])]:
-        graded = grading.grade(f2p, p2p, outcomes, exit_code, False, RewardMode.BINARY)
-        assert not graded.resolved and graded.reward == 0.0
-    graded = grading.grade(passing, [f"{base}::test_bad", f"{base}::test_skipped"], outcomes,
-                           exit_code, False, RewardMode.PASS_RATE)
-    assert not graded.resolved and graded.reward == pytest.approx(0.5)
-    assert graded.pass_to_pass == {f"{base}::test_bad": TestOutcome.FAILED,
-                                   f"{base}::test_skipped": TestOutcome.SKIPPED}
-    # Nothing expected: nothing was checked, so not resolved.
-    assert not grading.grade([], [], outcomes, exit_code, False, RewardMode.BINARY).resolved
-
-
-def test_collection_error_fails_the_file(tmp_path):
-    report, exit_code = _run_pytest(tmp_path, {
-        "test_ok.py": "def test_fine():\n    pass\n",
-        "test_broken.py": "def test_x(:\n    pass\n"})
-    assert exit_code == 2
-    outcomes = grading.read_junit_xml(report, NONCE)
-    graded = grading.grade(["test_broken.py::test_x"], ["test_ok.py::test_fine"], outcomes,
-                           exit_code, False, RewardMode.PASS_RATE)
-    assert graded.trusted
-    assert graded.fail_to_pass == {"test_broken.py::test_x": TestOutcome.MISSING}
-    assert not graded.resolved
-
-
-def _xml(cases: str, suite: str = NONCE) -> str:
-    return f'<?xml version="1.0"?><testsuites><testsuite name="{suite}">{cases}' \
-           f'</testsuite></testsuites>'
-
-
-PASSED_CASE = '<testcase classname="t" name="test_a" />'
-FAILED_CASE = '<testcase classname="t" name="test_a"><failure message="x"/></testcase>'
-
-
-@pytest.mark.parametrize("content, exit_code, timed_out, trusted", [
-    (_xml(PASSED_CASE), 0, False, True),
-    (_xml(PASSED_CASE), 1, False, False),      # claims all passed, exit code says failure
-    (_xml(FAILED_CASE), 0, False, False),      # failures but exit 0
-    (_xml(FAILED_CASE), 1, False, True),
-    (_xml(PASSED_CASE), None, True, False),    # timed out
-    (_xml(PASSED_CASE), 137, False, False),    # killed by a signal
-    (_xml(PASSED_CASE), 4, False, False),      # usage error
-    (_xml(""), 5, False, True),
-    (_xml(PASSED_CASE), 5, False, False),
-    (_xml(PASSED_CASE + FAILED_CASE), 0, False, False),  # a forged duplicate cannot hide it
+@pytest.mark.parametrize("case, kwargs, expected", [
+    ("everything rewritten to passed, canary included",
+     dict(results=ALL_PASSED, canary_outcomes=("passed", "passed"), exit_code=0),
+     "canary"),
+    ("forced exit 0", dict(exit_code=0, exit_record_code=0), "exit code 0"),
+    ("exit record differs from the real exit", dict(exit_record_code=0), "reported exit code"),
+    ("report forged to all-passed", dict(report=FORGED_XML), "report disagrees"),
+    ("report suite name", dict(suite="pytest"), "nonce"),
+    ("a tamper record", dict(records=[_record(event="tamper", what="x")]), "runner: x"),
+    ("garbage on the stream", dict(records=[b"PASSED\n"]), "malformed"),
+    ("two end records", dict(records=[_record(event="exit", code=1, report_sha256="0")]),
+     "exit records"),
+    ("raised but passed", dict(records=[_record(event="test", nodeid=f"{BASE}::test_ok",
+                                                when="call", outcome="passed", raised=True)]),
+     "raised but were reported passed"),
 ])
-def test_exit_code_cross_check(tmp_path, content, exit_code, timed_out, trusted):
-    path = tmp_path / "junit.xml"
-    path.write_text(content)
-    graded = grading.grade(["t.py::test_a"], [], grading.read_junit_xml(path, NONCE), exit_code,
-                           timed_out, RewardMode.BINARY)
-    assert graded.trusted == trusted
-    assert graded.resolved == (trusted and exit_code == 0)
-    if not trusted:
-        assert graded.fail_to_pass == {"t.py::test_a": TestOutcome.MISSING}
-        assert graded.reason
-
-
-@pytest.mark.parametrize("content", [
-    _xml(PASSED_CASE, suite="pytest"),                        # not this run's nonce
-    "<testsuites>" + _xml(PASSED_CASE)[21:] + "</testsuites>",  # two suites deep
-    '<?xml version="1.0"?><!DOCTYPE lol [<!ENTITY a "aaaa">]><testsuites/>',
-    "<testsuites><testsuite name=",                            # truncated
-    "",
-])
-def test_forged_or_broken_reports_are_rejected(tmp_path, content):
-    path = tmp_path / "junit.xml"
-    path.write_text(content)
-    with pytest.raises(grading.ReportError):
-        grading.read_junit_xml(path, NONCE)
-
-
-def test_report_must_be_a_regular_file(tmp_path):
-    real = tmp_path / "real.xml"
-    real.write_text(_xml(PASSED_CASE))
-    link = tmp_path / "junit.xml"
-    link.symlink_to(real)
-    with pytest.raises(grading.ReportError, match="open"):
-        grading.read_junit_xml(link, NONCE)
-    fifo = tmp_path / "fifo.xml"
-    os.mkfifo(fifo)
-    with pytest.raises(grading.ReportError, match="regular"):
-        grading.read_junit_xml(fifo, NONCE)
-    with pytest.raises(grading.ReportError, match="no JUnit"):
-        grading.read_junit_xml(tmp_path / "absent.xml", NONCE)
-
-
-def test_missing_report_grades_as_missing():
-    graded = grading.grade(["a.py::t"], ["a.py::u"], None, 0, False, RewardMode.PASS_RATE,
-                           report_problem="no JUnit XML report was written")
-    assert not graded.trusted and graded.reward == 0.0
+def test_tampering(case, kwargs, expected):
+    graded = grade(make_evidence(**kwargs))
+    assert not graded.resolved and graded.reward == 0.0, case
+    assert graded.failure_kind is FailureKind.TAMPERING, (case, graded.detail)
+    assert expected in graded.detail, (case, graded.detail)
     assert set(graded.fail_to_pass.values()) == {TestOutcome.MISSING}
+
+
+def test_report_changed_after_pytest_wrote_it():
+    evidence = make_evidence()
+    evidence.records.by_kind["exit"][0]["report_sha256"] = "f" * 64
+    graded = grade(evidence)
+    assert graded.failure_kind is FailureKind.TAMPERING and "changed after" in graded.detail
+
+
+def test_report_lists_a_test_that_never_ran():
+    extra = FORGED_XML.replace("</testsuite>", '<testcase classname="x" name="ghost"/>'
+                                               "</testsuite>")
+    evidence = make_evidence(results=ALL_PASSED, report=extra)
+    graded = grade(evidence)
+    assert graded.failure_kind is FailureKind.TAMPERING and "never ran" in graded.detail
+
+
+@pytest.mark.parametrize("kwargs, expected_kind, expected", [
+    (dict(end=False, exit_record=False, exit_code=0), FailureKind.REPORT_UNTRUSTED,
+     "before the runner finished"),
+    (dict(report="<testsuites>"), FailureKind.REPORT_UNTRUSTED, "not well-formed"),
+    (dict(timed_out=True), FailureKind.TIMEOUT, "wall-clock"),
+    (dict(records=[_record(event="setup_error", kind="disk_limit", detail="copying: ENOSPC")]),
+     FailureKind.DISK_LIMIT, "ENOSPC"),
+    (dict(records=[_record(event="setup_error", kind="copy_failed", detail="boom")]),
+     FailureKind.REPORT_UNTRUSTED, "boom"),
+])
+def test_untrusted_runs(kwargs, expected_kind, expected):
+    graded = grade(make_evidence(**kwargs))
+    assert not graded.resolved and graded.failure_kind is expected_kind, graded.detail
+    assert expected in graded.detail
+
+
+def test_canaries_that_did_not_run_are_untrusted():
+    evidence = make_evidence()
+    for nodeid in [n for n in evidence.records.tests if CANARIES[0] in n]:
+        del evidence.records.tests[nodeid]
+    evidence.report.outcomes = {k: v for k, v in evidence.report.outcomes.items()
+                                if CANARIES[0] not in k[1]}
+    graded = grade(evidence)
+    assert graded.failure_kind is FailureKind.REPORT_UNTRUSTED and "canary" in graded.detail
+
+
+def test_full_disk_labels_a_failing_run():
+    evidence = make_evidence()
+    evidence.records.by_kind["session_end"][0]["disk"] = {
+        "worktree_dir": {"free": 0, "total": 1 << 30}}
+    assert grade(evidence, f2p=[f"{BASE}::test_bad"]).failure_kind is FailureKind.DISK_LIMIT
+    assert grade(evidence).resolved  # a full disk does not matter when everything passed
+
+
+def test_runtime_notes_become_flags():
+    graded = grade(make_evidence(records=[_record(event="note", what="gc.get_referrers")]))
+    assert graded.resolved and graded.notes == ("introspection: runtime gc.get_referrers",)
 
 
 @pytest.mark.parametrize("node_id, key", [

@@ -1,55 +1,60 @@
 """Scoring one task: `score_task(spec, config, work_root) -> Verdict`.
 
 Steps (each module's docstring has the details and the security reasoning):
-1. repo_cache: the repository's cached bare mirror → a fresh single-commit checkout of
+1. repo_cache: the repository's cached bare mirror -> a fresh single-commit checkout of
    base_commit in `<work_root>/tasks/<random>/repo` (no remotes, refs, tags or future history).
-2. integrity: the agent's patch must not touch the test_patch's files or test-runner config. A
-   violation scores 0; the patch is not even applied (ApplyMethod.NOT_ATTEMPTED) and no test runs.
-3. apply: git apply → git apply --3way → patch --fuzz, resetting between tries. Failure scores 0
-   (ApplyMethod.FAILED, the appliers' messages in the log tail); no test runs.
-4. The held-out test files are restored from base_commit (`git checkout <base> -- <files>`, a
-   second line of defence behind step 2), then the gold test_patch is applied with `git apply`.
-5. isolation: the tests run under bubblewrap with the config's limits. Default command:
-   `<sys.executable> -m pytest -p no:cacheprovider --rootdir <worktree> <files test_patch
-   touches>` — the executor's own interpreter (its prefix is bound read-only into the sandbox).
-   A task's `test_command` replaces it and must be a pytest invocation (it is split with shlex,
-   never given to a shell). Either way the JUnit arguments are appended: the report goes to a
-   fresh random directory outside the worktree with a per-run nonce as the suite name.
-6. grading: the report is cross-checked with the exit code, then graded SWE-bench style.
-The task directory (worktree, report, scratch) is deleted afterwards, whatever happened.
+2. integrity (patch headers) and screening: a patch that names protected files (the test
+   patch's files, the files of the FAIL_TO_PASS / PASS_TO_PASS tests, test-runner config,
+   `.git`, absolute or `..` paths) is an integrity violation: not applied, no test runs.
+   screening.py flags references to the runner's internals, the report, the process arguments,
+   exit hooks and forced exits (`Verdict.screening_flags`, for the reward pipeline; not a
+   failure by itself).
+3. apply: git apply -> git apply --3way -> patch --fuzz, resetting between tries; binary content
+   over `max_binary_patch_bytes` is refused before any applier runs (PATCH_TOO_LARGE). Failure
+   scores 0 (PATCH_NOT_APPLIED); no test runs.
+4. tree_audit: the tree AFTER the patch, inspected on disk (not from headers): symlinks,
+   bytecode, package metadata, modules shadowing the runner, runner configuration (parsed),
+   plugin declarations and hooks, protected test files. A violation scores 0, no test runs. A
+   patched tree larger than `worktree_size_bytes` is DISK_LIMIT.
+5. The held-out test files are restored from base_commit, then the gold test_patch is applied
+   with `git apply`. When that fails, it is retried on a fresh checkout without the patch: if it
+   applies there, the patch broke it (BREAKS_TEST_PATCH, the patch's failure); if not, the task
+   itself is invalid (ValueError).
+6. runner: pytest runs under bubblewrap on a copy of the worktree in a size-capped tmpfs, with
+   the runner's isolation (runner.py, runner_bootstrap.py); default arguments: the files the
+   test patch touches. A task's `test_command` must be a pytest invocation the runner can
+   isolate (runner.pytest_arguments; checked at submission too).
+7. grading: the streamed records, the report, the canaries and the exit status are cross-checked
+   and graded SWE-bench style (grading.py), which names the FailureKind.
+The task directory is removed afterwards by cleanup.remove_tree, which never raises (a leftover
+is moved to `<work_root>/trash` and removed at the next start).
 
-Errors: `InfrastructureError` for anything outside the patch's control (clone/fetch failure,
-bubblewrap missing or unable to start, disk errors, a worktree that cannot be reset) — the
-service retries those. `ValueError` for a malformed task (repo or base_commit not acceptable, a
-test_patch that does not apply at base_commit): retrying cannot help. Everything the patch or the
-tests do (crash, hang, fork bomb, flood of output, forged report) ends in a Verdict, never an
-exception.
+Errors: `InfrastructureError` for what the patch cannot cause (clone/fetch failure, bubblewrap
+missing or unable to start, disk errors on the executor's side, a trusted checkout git cannot
+read) — the service retries those. `ValueError` for a malformed task (repo or base_commit not
+acceptable, a test_patch that does not apply at base_commit, a test_command the runner cannot
+isolate): retrying cannot help. Everything the patch or the tests do (crash, hang, fork bomb,
+flood of output, deep trees, full disks, forged or rewritten reports, a test patch it blocks)
+ends in a Verdict with a FailureKind, never an exception.
 
-No git command runs in the worktree after the sandboxed tests started: the tests could have
-planted a .git/config (core.fsmonitor, hooks) that git would execute as the executor's user.
+No git command runs in the worktree after untrusted code could have touched it: the tests run on
+a copy inside the sandbox and never write the host's worktree.
 
 Limits: a task's `timeout_s` replaces `PipelineConfig.timeout_s` for its test run; the other
 limits always come from the config. A base_commit the repository does not have (after one
 refresh of the mirror) is an InfrastructureError, since a stale mirror looks the same.
 
-Not covered: the tests run with the worktree as the current directory (as SWE-bench does), so a
-patch could add modules that shadow pytest's own imports; like any code under test it already
-runs inside pytest's process, and grading.py says what such code can and cannot fake. The
-executor's interpreter and site-packages are the test environment: per-repository environments
-(SWE-bench's conda images) are out of scope here.
+Not covered: the executor's interpreter and site-packages are the test environment:
+per-repository environments (SWE-bench's images) are out of scope here. What in-process
+tampering remains possible is in docs/sandbox.md (threat model).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pathlib
-import secrets
-import shlex
-import shutil
-import stat
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -57,11 +62,13 @@ import time
 import unidiff
 
 from dockyard_rl.sandbox import apply as apply_lib
-from dockyard_rl.sandbox import grading, integrity, isolation, repo_cache
-from dockyard_rl.sandbox.task import ApplyMethod, TaskSpec, TestOutcome, Verdict
+from dockyard_rl.sandbox import (cleanup, grading, integrity, isolation, repo_cache, runner,
+                                 screening, tree_audit)
+from dockyard_rl.sandbox.task import ApplyMethod, FailureKind, TaskSpec, TestOutcome, Verdict
 from dockyard_rl.utils.config import require
 
-_JUNIT_FILE = "junit.xml"
+logger = logging.getLogger(__name__)
+
 
 
 class InfrastructureError(RuntimeError):
@@ -80,6 +87,10 @@ class PipelineConfig:
     max_num_open_files: int = 1024             # RLIMIT_NOFILE
     max_log_bytes: int = 64 * 1024             # head + tail of the test output kept in the verdict
     tmp_size_bytes: int = 512 * 1024**2        # the sandbox's private /tmp (tmpfs)
+    worktree_size_bytes: int = 1024**3         # the tmpfs the tests' copy of the worktree lives in
+    max_report_bytes: int = 32 * 1024**2       # the JUnit report and the runner's record stream
+    max_report_testcases: int = 200_000
+    max_binary_patch_bytes: int = 1024**2      # declared size of a patch's binary content
     cache_dir: str | None = None               # repository mirrors; None -> <work_root>/mirrors
 
     def __post_init__(self):
@@ -98,6 +109,10 @@ class PipelineConfig:
         positive_int("max_num_open_files", "file descriptors per process")
         positive_int("max_log_bytes", "bytes of test output kept")
         positive_int("tmp_size_bytes", "bytes of the sandbox's /tmp")
+        positive_int("worktree_size_bytes", "bytes of the tmpfs holding the tests' worktree")
+        positive_int("max_report_bytes", "bytes of the test report and of the result stream")
+        positive_int("max_report_testcases", "testcases in one report")
+        positive_int("max_binary_patch_bytes", "bytes of binary content in a patch")
         require(self.memory_bytes >= 64 * 1024**2, "memory_bytes",
                 f"must be at least 64 MiB (a Python interpreter needs more), got "
                 f"{self.memory_bytes}")
@@ -115,6 +130,12 @@ class PipelineConfig:
             num_processes=self.max_num_processes, file_size_bytes=self.max_file_size_bytes,
             num_open_files=self.max_num_open_files, max_output_bytes=self.max_log_bytes,
             tmp_size_bytes=self.tmp_size_bytes)
+
+    def runner_limits(self, timeout_s: float | None) -> runner.RunnerLimits:
+        return runner.RunnerLimits(sandbox=self.limits(timeout_s),
+                                   worktree_size_bytes=self.worktree_size_bytes,
+                                   max_report_bytes=self.max_report_bytes,
+                                   max_report_testcases=self.max_report_testcases)
 
     def cache_path(self, work_root: pathlib.Path) -> pathlib.Path:
         if self.cache_dir is None:
@@ -161,81 +182,63 @@ def test_files_of(test_patch: str) -> tuple[list[str], list[str]]:
     return sorted(names), sorted(kept)
 
 
-def _readonly_interpreter_paths() -> list[pathlib.Path]:
-    paths = {pathlib.Path(sys.prefix).resolve(), pathlib.Path(sys.base_prefix).resolve(),
-             pathlib.Path(os.path.realpath(sys.executable)).parent.parent}
-    # Without this the venv's bin/python symlink can point at an interpreter outside both
-    # prefixes (e.g. a pyenv build under /root).
-    paths.add(pathlib.Path(sys.executable).parent.parent)
-    return sorted(paths)
+def protected_test_files(spec: TaskSpec, all_test_files: list[str]) -> list[str]:
+    """The repository files the task's tests live in: the test patch's files and the module of
+    every FAIL_TO_PASS / PASS_TO_PASS node id. The patch may not touch them."""
+    files = set(all_test_files)
+    for test_id in (*spec.fail_to_pass, *spec.pass_to_pass):
+        path = test_id.split("::", 1)[0]
+        if path.endswith(".py"):
+            files.add(os.path.normpath(path))
+    return sorted(files)
 
 
-def run_tests_sandboxed(command: list[str], worktree: pathlib.Path, config: PipelineConfig,
-                        work_root: pathlib.Path, *,
-                        extra_writable_dirs: list[pathlib.Path] = (),
-                        limits: isolation.SandboxLimits | None = None) -> isolation.SandboxResult:
-    """Runs a test command in `worktree` under bubblewrap the way scoring does (step 5 of the
-    module docstring): worktree (and `extra_writable_dirs`) writable, the work root, mirror cache,
-    /root and /home hidden, this interpreter bound read-only and first on PATH, a minimal
-    environment. `limits` default to the config's. Raises InfrastructureError when the sandbox
-    cannot start; whatever the command does ends in the returned result."""
-    hidden = [work_root, config.cache_path(work_root), pathlib.Path("/root"),
-              pathlib.Path("/home")]
-    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
-           "HOME": "/tmp", "LANG": "C.UTF-8", "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
-           "PYTHONHASHSEED": "0"}
+def run_pytest_sandboxed(pytest_args: list[str], worktree: pathlib.Path, config: PipelineConfig,
+                         work_root: pathlib.Path, *, limits: isolation.SandboxLimits | None = None,
+                         canaries: bool = False) -> tuple[isolation.SandboxResult,
+                                                          grading.RunEvidence]:
+    """Runs pytest with `pytest_args` on `worktree` the way scoring does (step 6 of the module
+    docstring; no canaries by default, e.g. for collecting test ids). `limits` default to the
+    config's. Raises InfrastructureError when the sandbox cannot start."""
+    runner_limits = config.runner_limits(None)
+    if limits is not None:
+        runner_limits = dataclasses.replace(runner_limits, sandbox=limits)
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="runner-", dir=worktree.parent))
     try:
-        return isolation.run_sandboxed(
-            command, writable_dirs=[worktree, *extra_writable_dirs],
-            limits=limits if limits is not None else config.limits(None), cwd=worktree,
-            hidden_paths=hidden, readonly_paths=_readonly_interpreter_paths(), env=env)
+        return runner.run_pytest(pytest_args, worktree, scratch, runner_limits,
+                                 canaries=canaries,
+                                 hidden_paths=[work_root, config.cache_path(work_root)])
     except isolation.SandboxUnavailableError as error:
         raise InfrastructureError(str(error)) from error
+    finally:
+        cleanup.remove_tree(scratch)
 
 
-def _rmtree(path: pathlib.Path) -> None:
-    def make_writable_and_retry(function, failed_path, _):
-        # The tests may leave read-only directories behind (chmod 000); we own them, so we can
-        # make them writable again.
-        parent = os.path.dirname(failed_path)
-        for target in (parent, failed_path):
-            try:
-                os.chmod(target, stat.S_IRWXU)
-            except OSError:
-                pass
-        function(failed_path)
-
-    if path.exists():
-        shutil.rmtree(path, onerror=make_writable_and_retry)
-
-
-def _verdict(spec: TaskSpec, *, apply_method: ApplyMethod, violation: tuple[str, ...] = (),
-             grade: grading.Grade | None = None, exit_code: int | None = None,
-             timed_out: bool = False, timings: dict[str, float], log_tail: str) -> Verdict:
+def _verdict(spec: TaskSpec, *, apply_method: ApplyMethod, kind: FailureKind, detail: str,
+             violation: tuple[str, ...] = (), grade: grading.Grade | None = None,
+             exit_code: int | None = None, timed_out: bool = False,
+             flags: tuple[str, ...] = (), timings: dict[str, float], log_tail: str) -> Verdict:
     if grade is None:
         missing_f2p = {test_id: TestOutcome.MISSING for test_id in spec.fail_to_pass}
         missing_p2p = {test_id: TestOutcome.MISSING for test_id in spec.pass_to_pass}
         return Verdict(resolved=False, reward=0.0, fail_to_pass=missing_f2p,
                        pass_to_pass=missing_p2p, apply_method=apply_method,
                        integrity_violation=violation, test_exit_code=exit_code,
-                       timed_out=timed_out, timings_s=timings, log_tail=log_tail)
+                       timed_out=timed_out, timings_s=timings, log_tail=log_tail,
+                       failure_kind=kind, failure_detail=detail, screening_flags=flags)
     return Verdict(resolved=grade.resolved, reward=grade.reward, fail_to_pass=grade.fail_to_pass,
                    pass_to_pass=grade.pass_to_pass, apply_method=apply_method,
                    integrity_violation=violation, test_exit_code=exit_code, timed_out=timed_out,
-                   timings_s=timings, log_tail=log_tail)
+                   timings_s=timings, log_tail=log_tail, failure_kind=grade.failure_kind,
+                   failure_detail=grade.detail,
+                   screening_flags=tuple(sorted(set(flags) | set(grade.notes))))
 
 
 def remove_stale_task_dirs(work_root: pathlib.Path) -> int:
-    """Deletes the task directories a killed executor left under `work_root` and returns how many.
-
-    Only safe before any task of this work root runs: call it once at executor start-up (one
-    executor owns a work root). Mirrors are kept: they are shared and verified on use.
-    """
-    tasks_dir = pathlib.Path(work_root).expanduser() / "tasks"
-    stale = sorted(tasks_dir.glob("task-*")) if tasks_dir.is_dir() else []
-    for task_dir in stale:
-        _rmtree(task_dir)
-    return len(stale)
+    """Removes what a killed executor left under `work_root` (cleanup.remove_stale_task_dirs:
+    never raises, whatever the leftovers hold). Call once at start-up; one executor owns a work
+    root."""
+    return cleanup.remove_stale_task_dirs(pathlib.Path(work_root).expanduser())
 
 
 def score_task(spec: TaskSpec, config: PipelineConfig, work_root: pathlib.Path) -> Verdict:
@@ -247,6 +250,9 @@ def score_task(spec: TaskSpec, config: PipelineConfig, work_root: pathlib.Path) 
     work_root = pathlib.Path(work_root).expanduser().resolve()
     cache = repo_cache.RepoCache(config.cache_path(work_root))
     all_test_files, test_files = test_files_of(spec.test_patch)
+    pytest_args = runner.pytest_arguments(spec.test_command)
+    if pytest_args is None:
+        pytest_args = runner.default_pytest_arguments(test_files)
     try:
         (work_root / "tasks").mkdir(parents=True, exist_ok=True)
         task_dir = pathlib.Path(tempfile.mkdtemp(prefix="task-", dir=work_root / "tasks"))
@@ -254,125 +260,160 @@ def score_task(spec: TaskSpec, config: PipelineConfig, work_root: pathlib.Path) 
         raise InfrastructureError(f"cannot create a task directory under {work_root}: "
                                   f"{error}") from error
     try:
-        return _score_in(spec, config, work_root, cache, task_dir, all_test_files, test_files,
-                         timings, start)
-    except (OSError, subprocess.SubprocessError) as error:
-        # Disk full, a git command that hung past its timeout, ...: not the patch's doing.
+        return _Scoring(spec, config, work_root, cache, task_dir, timings, start).run(
+            all_test_files, pytest_args)
+    except (OSError, tree_audit.TreeAuditError) as error:
+        # Disk full, git failing on our own trusted checkout, ...: not the patch's doing (the
+        # patch's own effects are contained in the sandbox or judged by the checks above).
         raise InfrastructureError(f"disk or process error while scoring: {error}") from error
     finally:
-        _rmtree(task_dir)
+        problem = cleanup.remove_tree(task_dir, trash_dir=cleanup.trash_path(work_root))
+        if problem:
+            logger.warning("task directory %s not fully removed: %s", task_dir, problem)
 
 
-def _score_in(spec: TaskSpec, config: PipelineConfig, work_root: pathlib.Path,
-              cache: repo_cache.RepoCache, task_dir: pathlib.Path, all_test_files: list[str],
-              test_files: list[str], timings: dict[str, float], start: float) -> Verdict:
-    worktree = task_dir / "repo"
-    scratch = task_dir / "scratch"
-    scratch.mkdir()
+class _Scoring:
+    """One run of the module docstring's steps 1-7 in a fresh task directory."""
 
-    def lap(phase: str, since: float) -> float:
+    def __init__(self, spec: TaskSpec, config: PipelineConfig, work_root: pathlib.Path,
+                 cache: repo_cache.RepoCache, task_dir: pathlib.Path,
+                 timings: dict[str, float], start: float):
+        self.spec, self.config, self.work_root, self.cache = spec, config, work_root, cache
+        self.task_dir, self.timings, self.start = task_dir, timings, start
+        self.worktree = task_dir / "repo"
+        self.scratch = task_dir / "scratch"
+        self.flags: tuple[str, ...] = ()
+        self.phase_start = time.monotonic()
+
+    def lap(self, phase: str) -> None:
         now = time.monotonic()
-        timings[phase] = now - since
-        return now
+        self.timings[phase] = self.timings.get(phase, 0.0) + now - self.phase_start
+        self.phase_start = now
 
-    # 1. checkout
-    phase_start = time.monotonic()
-    try:
-        cache.checkout(spec.repo, spec.base_commit, worktree)
-    except repo_cache.RepoCacheError as error:
-        raise InfrastructureError(str(error)) from error
-    commit = apply_lib.git(worktree, "rev-parse", "HEAD", check=False).stdout.strip()
-    if not commit:
-        raise InfrastructureError(f"checkout of {spec.base_commit} in {worktree} has no HEAD")
-    phase_start = lap("checkout", phase_start)
+    def finish(self, **kwargs) -> Verdict:
+        self.timings["total"] = time.monotonic() - self.start
+        return _verdict(self.spec, timings=self.timings, flags=self.flags, **kwargs)
 
-    def finish(**kwargs) -> Verdict:
-        timings["total"] = time.monotonic() - start
-        return _verdict(spec, timings=timings, **kwargs)
+    def checkout(self, dest: pathlib.Path) -> str:
+        try:
+            self.cache.checkout(self.spec.repo, self.spec.base_commit, dest)
+        except repo_cache.RepoCacheError as error:
+            raise InfrastructureError(str(error)) from error
+        commit = apply_lib.git(dest, "rev-parse", "HEAD", check=False).stdout.strip()
+        if not commit:
+            raise InfrastructureError(f"checkout of {self.spec.base_commit} in {dest} has no HEAD")
+        return commit
 
-    # 2. integrity, before anything from the patch touches the disk
-    def read_base_file(path: str) -> str | None:
-        result = apply_lib.git(worktree, "show", f"HEAD:{path}", check=False)
-        return result.stdout if result.returncode == 0 else None
+    def run(self, all_test_files: list[str], pytest_args: list[str]) -> Verdict:
+        spec, config = self.spec, self.config
+        self.scratch.mkdir()
+        commit = self.checkout(self.worktree)
+        self.lap("checkout")
 
-    violation = integrity.check_integrity(spec.patch, all_test_files, read_base_file)
-    if violation:
-        lap("apply", phase_start)
+        # 2. integrity of the patch's headers, and screening
+        def read_base_file(path: str) -> str | None:
+            result = apply_lib.git(self.worktree, "show", f"HEAD:{path}", check=False)
+            return result.stdout if result.returncode == 0 else None
+
+        protected = protected_test_files(spec, all_test_files)
+        self.flags = screening.screen_patch(spec.patch)
+        violation = integrity.check_integrity(spec.patch, protected, read_base_file)
+        if violation:
+            self.lap("apply")
+            return self.violation(violation, "the patch touches protected files")
+
+        # 3. the agent's patch
+        try:
+            applied = apply_lib.apply_patch(self.worktree, spec.patch, self.scratch,
+                                            max_binary_bytes=config.max_binary_patch_bytes)
+        except apply_lib.ApplyInfrastructureError as error:
+            raise InfrastructureError(str(error)) from error
+        if applied.method == ApplyMethod.FAILED:
+            self.lap("apply")
+            kind = FailureKind.PATCH_TOO_LARGE if applied.too_large else \
+                FailureKind.PATCH_NOT_APPLIED
+            return self.finish(apply_method=ApplyMethod.FAILED, kind=kind,
+                               detail=applied.message.strip().splitlines()[-1]
+                               if applied.message.strip() else "the patch did not apply",
+                               log_tail=f"the patch did not apply:\n{applied.message}")
+
+        # 4. the tree after the patch
+        audit = tree_audit.audit_worktree(self.worktree, tree_audit.base_tree_state(
+            self.worktree), protected_test_files=protected)
+        if audit.violations:
+            self.lap("apply")
+            return self.violation(audit.violations, "the patched tree breaks integrity",
+                                  apply_method=applied.method)
+        if audit.num_bytes > config.worktree_size_bytes:
+            self.lap("apply")
+            detail = (f"the patched worktree holds {audit.num_bytes} bytes, more than the "
+                      f"{config.worktree_size_bytes}-byte limit (pipeline.worktree_size_bytes)")
+            return self.finish(apply_method=applied.method, kind=FailureKind.DISK_LIMIT,
+                               detail=detail, log_tail=detail)
+
+        # 5. held-out tests back to base, then the gold test patch
+        problem = self.install_tests(self.worktree, commit, all_test_files)
+        if problem:
+            self.confirm_test_patch_applies(all_test_files, problem)
+            self.lap("apply")
+            detail = f"the gold test patch no longer applies after this patch: {problem}"
+            return self.finish(apply_method=applied.method, kind=FailureKind.BREAKS_TEST_PATCH,
+                               detail=detail, log_tail=detail)
+        self.lap("apply")
+
+        # 6. tests, sandboxed; 7. grade
+        try:
+            result, evidence = runner.run_pytest(
+                pytest_args, self.worktree, self.scratch, config.runner_limits(spec.timeout_s),
+                canaries=True, hidden_paths=[self.work_root, config.cache_path(self.work_root)])
+        except isolation.SandboxUnavailableError as error:
+            raise InfrastructureError(str(error)) from error
+        self.lap("tests")
+        graded = grading.grade_run(spec.fail_to_pass, spec.pass_to_pass, evidence,
+                                   spec.reward_mode)
+        self.lap("grade")
+        log_tail = result.output
+        if not graded.resolved:
+            log_tail += f"\n[dockyard] {graded.failure_kind.value}: {graded.detail}\n"
+        return self.finish(apply_method=applied.method, grade=graded, kind=graded.failure_kind,
+                           detail=graded.detail, exit_code=result.exit_code,
+                           timed_out=result.timed_out, log_tail=log_tail)
+
+    def violation(self, violation: tuple[str, ...], what: str,
+                  apply_method: ApplyMethod = ApplyMethod.NOT_ATTEMPTED) -> Verdict:
         shown = ", ".join(violation[:20]) + (f" and {len(violation) - 20} more"
                                              if len(violation) > 20 else "")
-        return finish(apply_method=ApplyMethod.NOT_ATTEMPTED, violation=violation,
-                      log_tail=f"integrity violation: the patch touches protected files "
-                               f"({shown}); it was not applied and no test ran")
+        detail = f"integrity violation: {what} ({shown}); no test ran"
+        return self.finish(apply_method=apply_method, kind=FailureKind.INTEGRITY_VIOLATION,
+                           violation=tuple(violation), detail=detail, log_tail=detail)
 
-    # 3. the agent's patch
-    try:
-        applied = apply_lib.apply_patch(worktree, spec.patch, scratch)
-    except apply_lib.ApplyInfrastructureError as error:
-        raise InfrastructureError(str(error)) from error
-    if applied.method == ApplyMethod.FAILED:
-        lap("apply", phase_start)
-        return finish(apply_method=ApplyMethod.FAILED,
-                      log_tail=f"the patch did not apply:\n{applied.message}")
-
-    # 4. held-out tests back to base, then the gold test patch
-    existing = [p for p in all_test_files if read_base_file(p) is not None]
-    if existing:
-        restored = apply_lib.git(worktree, "checkout", commit, "--", *existing, check=False)
-        if restored.returncode != 0:
-            raise InfrastructureError(f"cannot restore test files: {restored.stderr.strip()}")
-    for path in all_test_files:
-        if path not in existing:
-            # A file test_patch creates must not pre-exist (integrity already refuses patches that
-            # touch it; this only guards against a failed check).
+    def install_tests(self, worktree: pathlib.Path, commit: str,
+                      all_test_files: list[str]) -> str:
+        """Restores the held-out files from `commit` and applies the gold test patch; returns
+        git's complaint, or "" when both worked."""
+        existing = [path for path in all_test_files
+                    if apply_lib.git(worktree, "cat-file", "-e", f"{commit}:{path}",
+                                     check=False).returncode == 0]
+        if existing:
+            restored = apply_lib.git(worktree, "checkout", commit, "--", *existing, check=False)
+            if restored.returncode != 0:
+                return f"restoring the held-out files failed: {restored.stderr.strip()[-500:]}"
+        for path in all_test_files:
             target = worktree / path
-            if target.is_symlink() or target.is_file():
-                target.unlink()
-    test_patch_file = scratch / "test.patch"
-    test_patch_file.write_text(spec.test_patch if spec.test_patch.endswith("\n")
-                               else spec.test_patch + "\n", encoding="utf-8")
-    applied_tests = apply_lib.git(worktree, "apply", "--whitespace=nowarn", str(test_patch_file),
-                                  check=False)
-    if applied_tests.returncode != 0:
-        raise ValueError(f"test_patch: does not apply at base_commit {commit}: "
-                         f"{applied_tests.stderr.strip()[-1000:]}")
-    phase_start = lap("apply", phase_start)
+            if path not in existing and (target.is_symlink() or target.is_file()):
+                target.unlink()  # a file the test patch creates must not pre-exist
+        test_patch_file = self.scratch / "test.patch"
+        test_patch = self.spec.test_patch
+        test_patch_file.write_text(test_patch if test_patch.endswith("\n") else test_patch + "\n",
+                                   encoding="utf-8")
+        applied = apply_lib.git(worktree, "apply", "--whitespace=nowarn", str(test_patch_file),
+                                check=False)
+        return "" if applied.returncode == 0 else applied.stderr.strip()[-1000:]
 
-    # 5. tests, sandboxed
-    results_dir = pathlib.Path(tempfile.mkdtemp(prefix="results-", dir=task_dir))
-    report = results_dir / _JUNIT_FILE
-    nonce = f"dockyard-{secrets.token_hex(16)}"
-    if spec.test_command:
-        try:
-            command = shlex.split(spec.test_command)
-        except ValueError as error:
-            raise ValueError(f"test_command: cannot be split into arguments: {error}") from None
-        if not command:
-            raise ValueError("test_command: must not be empty")
-    else:
-        command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--rootdir",
-                   str(worktree), "-rN", *test_files]
-    command += [f"--junitxml={report}", "-o", f"junit_suite_name={nonce}",
-                "-o", "junit_family=xunit1"]
-    result = run_tests_sandboxed(command, worktree, config, work_root,
-                                 extra_writable_dirs=[results_dir],
-                                 limits=config.limits(spec.timeout_s))
-    phase_start = lap("tests", phase_start)
-
-    # 6. grade
-    try:
-        outcomes = grading.read_junit_xml(report, nonce)
-        problem = ""
-    except grading.ReportError as error:
-        outcomes, problem = None, str(error)
-    graded = grading.grade(spec.fail_to_pass, spec.pass_to_pass, outcomes, result.exit_code,
-                           result.timed_out, spec.reward_mode, report_problem=problem)
-    lap("grade", phase_start)
-    log_tail = result.output
-    if not graded.trusted:
-        log_tail += f"\n[dockyard] test report not trusted: {graded.reason}\n"
-    if result.timed_out:
-        limit_s = config.limits(spec.timeout_s).wall_timeout_s
-        log_tail += f"\n[dockyard] killed after the {limit_s} s wall-clock limit\n"
-    return finish(apply_method=applied.method, grade=graded, exit_code=result.exit_code,
-                  timed_out=result.timed_out, log_tail=log_tail)
-
+    def confirm_test_patch_applies(self, all_test_files: list[str], problem: str) -> None:
+        """The test patch failed after the agent's patch: raises ValueError (invalid task) unless
+        it applies on a fresh checkout without that patch."""
+        clean = self.task_dir / "clean"
+        commit = self.checkout(clean)
+        if self.install_tests(clean, commit, all_test_files):
+            raise ValueError(f"test_patch: does not apply at base_commit {commit}: {problem}")
