@@ -13,7 +13,9 @@
   (`read_base_file` returns None for an existing file) any change to it counts, conservatively.
 - Paths that git or patch could be tricked with: absolute paths, `..` components, any `.git`
   component (hooks, config), and symlinks created by the patch (mode 120000: a link could point
-  a later write outside the tree). These are reported as violations too.
+  a later write outside the tree). These are reported as violations too. Header parsing is
+  the early, cheap layer: tree_audit.py inspects the tree after the patch is applied and is the
+  authoritative check for symlinks, bytecode, package metadata and runner configuration.
 
 How names are collected, so that the check cannot be dodged: the patch is parsed with `unidiff`
 (renames, copies, deletes, binary and mode-only changes: both the old and the new name count),
@@ -98,15 +100,41 @@ def touched_paths(patch: str) -> tuple[set[str], set[str], bool]:
                     if name:
                         names.add(_clean(name))
                 break
-    # git's extended headers: "new file mode 120000" / "new mode 120000" make a symlink.
+    # git's extended headers: "new file mode 120000" / "new mode 120000" make a symlink. The
+    # file is named by its "diff --git" line or, when that line is ambiguous (unquoted names
+    # with spaces: "diff --git a/my link b/my link"), by the equal-halves reading git itself
+    # uses, and by the "+++" / "rename to" line that follows.
     current: str | None = None
+    pending = False   # a symlink mode seen, its name not known yet
     for line in patch.splitlines():
-        match = _HEADER_RES[0].match(line)
-        if match:
-            current = normalize_path(match.group("b"))
-        elif current and re.match(rf"^(?:new file mode|new mode) {_SYMLINK_MODE}\s*$", line):
-            symlinks.add(_clean(current))
+        if line.startswith("diff --git "):
+            match = _HEADER_RES[0].match(line)
+            current = (normalize_path(match.group("b")) if match
+                       else _equal_halves_name(line[len("diff --git "):]))
+            pending = False
+        elif re.match(rf"^(?:new file mode|new mode) {_SYMLINK_MODE}\s*$", line):
+            if current:
+                symlinks.add(_clean(current))
+            pending = True
+        elif pending and (line.startswith("+++ ") or line.startswith("rename to ")):
+            match = (_HEADER_RES[1] if line.startswith("+++ ") else _HEADER_RES[3]).match(line)
+            name = normalize_path(match.group("a")) if match else None
+            if name:
+                symlinks.add(_clean(name))
+            pending = False
     return names, symlinks, parsed
+
+
+def _equal_halves_name(rest: str) -> str | None:
+    """"a/x y b/x y" -> "x y": git's reading of an unquoted header whose names contain spaces
+    (both sides name the same file); None when no split makes the halves equal."""
+    for index, char in enumerate(rest):
+        if char == " ":
+            old, new = rest[:index], rest[index + 1:].rstrip()
+            old_name, new_name = normalize_path(old), normalize_path(new)
+            if old_name and old_name == new_name:
+                return old_name
+    return None
 
 
 def _pyproject_touches_pytest(patch: str, path: str,

@@ -161,3 +161,19 @@ def test_touched_paths_reports_old_and_new_names():
             "rename to new.py\n--- a/old.py\n+++ b/new.py\n@@ -1 +1 @@\n-x\n+y\n"
     names, symlinks, parsed = integrity.touched_paths(patch)
     assert {"old.py", "new.py"} <= names and symlinks == set() and parsed
+
+
+@pytest.mark.parametrize("name", ["my link", "a b/c d", "plain"])
+def test_symlinks_with_spaces_in_their_names_are_found(name):
+    # git does not quote spaces: "diff --git a/my link b/my link" (issue 12, class 6).
+    patch = (f"diff --git a/{name} b/{name}\nnew file mode 120000\nindex 0000000..1111111\n"
+             f"--- /dev/null\n+++ b/{name}\n@@ -0,0 +1 @@\n+/etc/passwd\n"
+             "\\ No newline at end of file\n")
+    # (unidiff cannot parse some of these headers: "<unparseable patch>" may come with it)
+    assert name in integrity.check_integrity(patch, PROTECTED)
+
+
+def test_symlink_named_only_by_its_plus_header_is_found():
+    patch = ("diff --git a/x y b/z w\nnew file mode 120000\nindex 0000000..1111111\n"
+             "--- /dev/null\n+++ b/z w\n@@ -0,0 +1 @@\n+/etc\n")
+    assert "z w" in integrity.check_integrity(patch, PROTECTED)
