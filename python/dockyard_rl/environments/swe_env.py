@@ -9,7 +9,8 @@ Shape legend: B = samples in the batch.
 Per sample: a rollout whose patch could not be extracted (`invalid_reason` set) is not submitted;
 the others are submitted to the executor concurrently (at most `max_concurrency` in flight) and
 awaited. Each verdict becomes a `SampleOutcome` (raw reward, whether the patch applied, the files
-it touches and the held-out test files) and the `RewardPipeline` shapes all outcomes into rewards.
+it touches, the held-out test files and the executor's screening flags) and the `RewardPipeline`
+shapes all outcomes into rewards.
 
 Idempotency: a sample's task id is derived from (task_id_prefix, global_step, sample index,
 instance id), so calling `step` again with the same step and rollouts finds the tasks the
@@ -26,8 +27,17 @@ Per-sample metadata keys: `instance_id`, `task_id` (None when not submitted), `p
 (the extraction's reason or None), `patch_rejected` (the executor refused the patch itself, e.g.
 too large; or None), `apply_failure` (bool), `apply_method`, `integrity_violation` (files),
 `timed_out`, `test_outcomes` ({"FAIL_TO_PASS": {test id: outcome}, "PASS_TO_PASS": {...}}),
-`resolved`, `infra_error` (None or the last error), `num_tries`, plus the reward pipeline's keys
+`resolved`, `failure_kind` (why the verdict is not resolved: a `FailureKind` value, "none" when
+resolved, None without a verdict), `failure_detail` (the verdict's reason in words; None without
+a verdict), `screening_flags` (the executor's static screening of the patch, "category: token"),
+`infra_error` (None or the last error), `num_tries`, plus the reward pipeline's keys
 (`raw_reward`, `reward`, `<stage>/...`) for samples with a verdict.
+
+Metrics: `env/num_samples`, `env/num_infra_errors`, `env/num_parse_failures`,
+`env/num_apply_failures`, `env/num_integrity_violations`, `env/num_timed_out`, `env/num_resolved`,
+`env/num_tampering` (verdicts whose failure kind is tampering: the test process altered its own
+results), `env/num_screening_flagged` (verdicts with any screening flag, penalised or not), plus
+the reward pipeline's metrics as `env/<key>`.
 
 Not covered: extracting the patch from the model's text (the data layer does), multi-turn
 episodes, choosing among several executors (one URL; put a load balancer in front for a fleet).
@@ -51,7 +61,7 @@ from dockyard_rl.rewards.shaping import RewardPipeline
 from dockyard_rl.sandbox.client import (ExecutorClient, ExecutorRequestError,
                                         ExecutorUnavailableError)
 from dockyard_rl.sandbox.integrity import touched_paths
-from dockyard_rl.sandbox.task import ApplyMethod, TaskSpec, TaskStatus, Verdict
+from dockyard_rl.sandbox.task import ApplyMethod, FailureKind, TaskSpec, TaskStatus, Verdict
 
 __all__ = ["ClientFactory", "SweEnvironment", "SweRollout"]
 
@@ -244,6 +254,9 @@ class SweEnvironment(Environment):
                     "PASS_TO_PASS": {k: v.value for k, v in verdict.pass_to_pass.items()},
                 } if verdict is not None else {"FAIL_TO_PASS": {}, "PASS_TO_PASS": {}},
                 "resolved": bool(verdict is not None and verdict.resolved),
+                "failure_kind": verdict.failure_kind.value if verdict is not None else None,
+                "failure_detail": verdict.failure_detail if verdict is not None else None,
+                "screening_flags": list(verdict.screening_flags) if verdict is not None else [],
                 "infra_error": result.infra_error if result is not None else None,
                 "num_tries": result.num_tries if result is not None else 0,
             }
@@ -273,6 +286,10 @@ class SweEnvironment(Environment):
                                                             for m in metadata))
         metrics["env/num_timed_out"] = float(sum(m["timed_out"] for m in metadata))
         metrics["env/num_resolved"] = float(sum(m["resolved"] for m in metadata))
+        metrics["env/num_tampering"] = float(sum(m["failure_kind"] == FailureKind.TAMPERING.value
+                                                 for m in metadata))
+        metrics["env/num_screening_flagged"] = float(sum(bool(m["screening_flags"])
+                                                         for m in metadata))
         return EnvironmentResult(rewards_B=rewards_B, sample_mask_B=sample_mask_B,
                                  metadata=tuple(metadata), metrics=metrics)
 
@@ -300,4 +317,4 @@ class SweEnvironment(Environment):
                              patch_applied=_APPLIED[verdict.apply_method],
                              touched_files=tuple(sorted(set(touched) | set(flagged))),
                              held_out_files=tuple(sorted(set(held_out) | set(flagged))),
-                             **common)
+                             screening_flags=verdict.screening_flags, **common)

@@ -20,6 +20,7 @@ from dockyard_rl.sandbox.client import ExecutorClient, ExecutorRequestError
 from dockyard_rl.sandbox.config import ExecutorConfig
 from dockyard_rl.sandbox.pipeline import InfrastructureError
 from dockyard_rl.sandbox.service import pipeline_score_fn, running_server
+from dockyard_rl.sandbox.task import ApplyMethod, FailureKind, TestOutcome, Verdict
 from dockyard_rl.utils.config import from_dict
 
 PENALTY = -1.0
@@ -205,6 +206,62 @@ def test_patch_refused_by_executor_is_an_invalid_action(tmp_path, repo):
     assert result.rewards_B.tolist() == [PENALTY] and result.sample_mask_B.tolist() == [1.0]
     assert "max_patch_bytes" in result.metadata[0]["patch_rejected"]
     assert num_records == 0
+
+
+def test_failure_kind_and_screening_flags_reach_metadata_metrics_and_rewards(tmp_path, repo):
+    # The executor's documented seam (an injected score function) returns verdicts as the
+    # pipeline writes them for these cases; the HTTP service, client, environment and reward
+    # pipeline are real.
+    tampered = "diff --git a/tampered b/tampered\n"
+    resolved_flagged = "diff --git a/argv b/argv\n"
+    failed = "diff --git a/failed b/failed\n"
+    verdicts = {
+        tampered: (False, FailureKind.TAMPERING, "the must-fail canary passed",
+                   ("forced_exit: os._exit", "exit_hook: atexit")),
+        resolved_flagged: (True, FailureKind.NONE, "", ("process_arguments: sys.argv",)),
+        failed: (False, FailureKind.TESTS_FAILED, "tests/test_ops.py::test_mul failed", ()),
+    }
+
+    def score(spec, work_root):
+        resolved, kind, detail, flags = verdicts[spec.patch]
+        outcome = TestOutcome.PASSED if resolved else TestOutcome.FAILED
+        return Verdict(resolved=resolved, reward=float(resolved),
+                       fail_to_pass={t: outcome for t in spec.fail_to_pass},
+                       pass_to_pass={t: TestOutcome.PASSED for t in spec.pass_to_pass},
+                       apply_method=ApplyMethod.GIT_APPLY, integrity_violation=(),
+                       test_exit_code=0 if resolved else 1, timed_out=False,
+                       timings_s={"total": 0.0}, log_tail="", failure_kind=kind,
+                       failure_detail=detail, screening_flags=flags)
+
+    shaping = RewardPipeline(from_dict(RewardShapingConfig, {"stages": [
+        {"type": "integrity"}, {"type": "invalid_action", "penalty": PENALTY},
+        {"type": "screening", "penalty": -0.5, "categories": ["forced_exit"]}]}, "rewards"))
+    rollouts = [rollout(repo, tampered), rollout(repo, resolved_flagged), rollout(repo, failed),
+                rollout(repo, None, invalid_reason="no diff block")]
+
+    async def scenario():
+        async with running_server(executor_config(tmp_path), score) as server:
+            env = SweEnvironment(env_config(server.url), shaping)
+            return await env.step(rollouts, global_step=0)
+
+    result = asyncio.run(scenario())
+    # Tampering scores 0 raw and the forced exit is penalised; sys.argv is not in the categories.
+    assert result.rewards_B.tolist() == [-0.5, 1.0, 0.0, PENALTY]
+    assert result.sample_mask_B.tolist() == [1.0] * 4
+    tamper_meta, flagged_meta, failed_meta, unparsed_meta = result.metadata
+    assert tamper_meta["failure_kind"] == "tampering"
+    assert tamper_meta["failure_detail"] == "the must-fail canary passed"
+    assert tamper_meta["screening_flags"] == ["forced_exit: os._exit", "exit_hook: atexit"]
+    assert tamper_meta["screening/flags"] == ("forced_exit: os._exit",)
+    assert flagged_meta["failure_kind"] == "none" and flagged_meta["failure_detail"] == ""
+    assert flagged_meta["screening_flags"] == ["process_arguments: sys.argv"]
+    assert not flagged_meta["screening/triggered"]
+    assert failed_meta["failure_kind"] == "tests_failed" and failed_meta["screening_flags"] == []
+    assert unparsed_meta["failure_kind"] is None and unparsed_meta["failure_detail"] is None
+    assert unparsed_meta["screening_flags"] == []
+    assert result.metrics["env/num_tampering"] == 1.0
+    assert result.metrics["env/num_screening_flagged"] == 2.0
+    assert result.metrics["env/screening/num_triggered"] == 1.0
 
 
 def test_malformed_instance_raises_request_error(tmp_path, repo):

@@ -1,7 +1,8 @@
 """`SampleOutcome`: what the reward-shaping stages know about one scored sample.
 
 The environment fills one per sample after the sandbox's verdict: the raw reward, how long the
-response was, what the patch did, and which test files the task holds out. The stages in
+response was, what the patch did, which test files the task holds out, and what the sandbox's
+static screening of the patch flagged. The stages in
 `dockyard_rl.rewards.shaping` read it and never change it.
 
 Covered: validation of the fields (ValueError naming the field), so a wrongly filled record fails
@@ -15,7 +16,25 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["SampleOutcome"]
+__all__ = ["SCREENING_CATEGORIES", "SampleOutcome", "screening_category"]
+
+# The categories of the sandbox's static screening of a patch (dockyard_rl.sandbox.screening
+# writes its flags as "category: token"). Listed here so the reward config can be checked at
+# start-up without importing the sandbox.
+SCREENING_CATEGORIES: tuple[str, ...] = (
+    "runner_internals",   # the test runner's objects and hooks (_pytest, pluggy, TestReport...)
+    "report_path",        # the results report (junitxml, its path)
+    "process_arguments",  # the process's own arguments (sys.argv, /proc/self/cmdline)
+    "exit_hook",          # code run at interpreter exit (atexit, sys.exitfunc)
+    "forced_exit",        # exits that skip the runner (os._exit, kill of its own process)
+    "introspection",      # stack frames, gc.get_objects, audit hooks
+    "binary_content",     # a git binary hunk: content the screening cannot read
+)
+
+
+def screening_category(flag: str) -> str:
+    """The category of a screening flag: "forced_exit: os._exit" -> "forced_exit"."""
+    return flag.partition(":")[0].strip()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +53,9 @@ class SampleOutcome:
             ./ are normalised by the integrity check). A list is stored as a tuple.
         held_out_files: test files that come with the task (from its test patch), same rules.
         thinking_required: the response must hold a well-formed <think>...</think> block.
+        screening_flags: what the sandbox's static screening flagged in the patch, each
+            "category: token" (e.g. "forced_exit: os._exit"; categories in
+            SCREENING_CATEGORIES). A list is stored as a tuple.
     """
 
     reward: float
@@ -45,6 +67,7 @@ class SampleOutcome:
     touched_files: tuple[str, ...] = ()
     held_out_files: tuple[str, ...] = ()
     thinking_required: bool = False
+    screening_flags: tuple[str, ...] = ()
 
     def __post_init__(self):
         if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)):
@@ -76,16 +99,19 @@ class SampleOutcome:
             raise ValueError("patch_applied: is True but patch_parsed is False; a patch that was "
                              "not parsed cannot have been applied")
         for name in ("touched_files", "held_out_files"):
-            object.__setattr__(self, name, _paths(name, getattr(self, name)))
+            object.__setattr__(self, name, _strings(name, getattr(self, name), "path"))
+        object.__setattr__(
+            self, "screening_flags", _strings("screening_flags", self.screening_flags, "flag")
+        )
 
 
-def _paths(name: str, value: Sequence[str]) -> tuple[str, ...]:
+def _strings(name: str, value: Sequence[str], what: str) -> tuple[str, ...]:
     # A bare string is a Sequence[str] too; taking it letter by letter would be a silent bug.
     if isinstance(value, str) or not isinstance(value, Sequence):
-        raise ValueError(f"{name}: must be a list of paths, got {type(value).__name__}")
-    for path in value:
-        if not isinstance(path, str):
+        raise ValueError(f"{name}: must be a list of {what}s, got {type(value).__name__}")
+    for item in value:
+        if not isinstance(item, str):
             raise ValueError(
-                f"{name}: every path must be a str, got {type(path).__name__} {path!r}"
+                f"{name}: every {what} must be a str, got {type(item).__name__} {item!r}"
             )
     return tuple(value)

@@ -4,15 +4,16 @@
       stages:
         - {type: integrity}
         - {type: invalid_action, penalty: -1.0}
+        - {type: screening, penalty: -1.0, categories: [forced_exit, exit_hook, report_path]}
         - {type: malformed_thinking, penalty: -1.0}
         - {type: overlong, threshold: 3072, max_length: 4096, max_penalty: 1.0}
         - {type: scale, scale: 2.0, shift: -1.0, clip_min: -1.0, clip_max: 1.0}
 
 Stages run in list order; each receives the reward the previous one produced (the first gets the
 sandbox's raw reward, `SampleOutcome.reward`), so the order is part of the recipe. The order above
-is the usual one: verdict-level judgements first (integrity, invalid action, format), then length
-shaping, then the affine map into the trainer's range. Each type may appear once, so metadata and
-metric keys are unambiguous. An empty list leaves the raw rewards unchanged.
+is the usual one: verdict-level judgements first (integrity, invalid action, screening, format),
+then length shaping, then the affine map into the trainer's range. Each type may appear once, so
+metadata and metric keys are unambiguous. An empty list leaves the raw rewards unchanged.
 
 Stage types and their keys (defaults in brackets):
 
@@ -22,6 +23,15 @@ Stage types and their keys (defaults in brackets):
 - `invalid_action`: `penalty` [-1.0]. No parsable patch (`patch_parsed` False) or a patch that did
   not apply (`patch_applied` False; None = not tried, not penalised) -> the reward BECOMES
   `penalty`. Metadata: `invalid_action/reason` ("no_patch" | "patch_not_applied" | None).
+- `screening`: `penalty` [-1.0], `categories` [null = every category; else a non-empty list of
+  names from `SCREENING_CATEGORIES`: runner_internals, report_path, process_arguments, exit_hook,
+  forced_exit, introspection, binary_content]. A patch the sandbox's static screening flagged
+  (`screening_flags`, "category: token") in one of `categories` -> the reward BECOMES `penalty`,
+  whatever the tests said (reaching for the runner's internals, the report or a forced exit is an
+  attempt on the verdict even when the executor's runtime checks saw nothing). The flags are
+  static matches and can hit honest code (a CLI fix reads sys.argv; `binary_content` is every
+  binary hunk): choose `categories` for the task set. Metadata: `screening/flags` (the flags that
+  matched `categories`).
 - `malformed_thinking`: `penalty` [-1.0], `tag` ["think"], `opening_tag_in_prompt` [false]. When
   `thinking_required`, a malformed thinking block (see `dockyard_rl.rewards.thinking`) -> the
   reward BECOMES `penalty`. Metadata: `malformed_thinking/reason`.
@@ -52,7 +62,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Union
 
 from dockyard_rl.rewards.integrity import held_out_violations
-from dockyard_rl.rewards.outcome import SampleOutcome
+from dockyard_rl.rewards.outcome import SCREENING_CATEGORIES, SampleOutcome, screening_category
 from dockyard_rl.rewards.thinking import check_thinking_format, validate_tag
 from dockyard_rl.utils.config import from_dict, require
 
@@ -65,6 +75,7 @@ __all__ = [
     "RewardPipeline",
     "RewardShapingConfig",
     "ScaleStageConfig",
+    "ScreeningStageConfig",
     "ShapingResult",
     "StageResult",
 ]
@@ -111,6 +122,41 @@ class InvalidActionStageConfig:
 
     def __post_init__(self):
         _require_number(self.penalty, "penalty")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScreeningStageConfig:
+    """`{type: screening, penalty, categories}`: a flagged patch -> `penalty`."""
+
+    stage_type: ClassVar[str] = "screening"
+    penalty: float = -1.0
+    categories: tuple[str, ...] | None = None  # None: every category
+
+    def __post_init__(self):
+        _require_number(self.penalty, "penalty")
+        if self.categories is None:
+            return
+        valid = ", ".join(SCREENING_CATEGORIES)
+        require(
+            not isinstance(self.categories, (str, Mapping))
+            and isinstance(self.categories, Sequence),
+            "categories",
+            f"must be a list of screening categories ({valid}) or null for every category, got "
+            f"{type(self.categories).__name__} ({self.categories!r})",
+        )
+        require(
+            len(self.categories) > 0,
+            "categories",
+            "must not be empty (null = every category; drop the stage to penalise none)",
+        )
+        unknown = [name for name in self.categories if name not in SCREENING_CATEGORIES]
+        require(
+            not unknown,
+            "categories",
+            f"unknown screening categor{'y' if len(unknown) == 1 else 'ies'} "
+            f"{', '.join(map(repr, unknown))}; valid: {valid}",
+        )
+        object.__setattr__(self, "categories", tuple(self.categories))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +240,7 @@ class ScaleStageConfig:
 StageConfig = Union[
     IntegrityStageConfig,
     InvalidActionStageConfig,
+    ScreeningStageConfig,
     MalformedThinkingStageConfig,
     OverlongStageConfig,
     ScaleStageConfig,
@@ -304,6 +351,19 @@ class InvalidActionStage(RewardStage):
         return StageResult(float(self.cfg.penalty), True, {"reason": reason})
 
 
+class ScreeningStage(RewardStage):
+    def apply(self, reward: float, outcome: SampleOutcome) -> StageResult:
+        categories = self.cfg.categories
+        flags = tuple(
+            flag
+            for flag in outcome.screening_flags
+            if categories is None or screening_category(flag) in categories
+        )
+        if flags:
+            return StageResult(float(self.cfg.penalty), True, {"flags": flags})
+        return StageResult(reward, False, {"flags": ()})
+
+
 class MalformedThinkingStage(RewardStage):
     def apply(self, reward: float, outcome: SampleOutcome) -> StageResult:
         if not outcome.thinking_required:
@@ -350,6 +410,7 @@ class ScaleStage(RewardStage):
 _STAGES: dict[str, tuple[type, type[RewardStage]]] = {
     "integrity": (IntegrityStageConfig, IntegrityStage),
     "invalid_action": (InvalidActionStageConfig, InvalidActionStage),
+    "screening": (ScreeningStageConfig, ScreeningStage),
     "malformed_thinking": (MalformedThinkingStageConfig, MalformedThinkingStage),
     "overlong": (OverlongStageConfig, OverlongStage),
     "scale": (ScaleStageConfig, ScaleStage),

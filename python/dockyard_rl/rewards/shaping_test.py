@@ -12,6 +12,7 @@ from dockyard_rl.rewards.shaping import (
     RewardPipeline,
     RewardShapingConfig,
     ScaleStageConfig,
+    ScreeningStageConfig,
 )
 from dockyard_rl.utils.config import from_dict
 
@@ -158,6 +159,57 @@ def test_integrity_zeroes_and_reports_the_files():
     assert result.metrics["integrity/num_triggered"] == 2.0
 
 
+# --- screening. -----------------------------------------------------------------------------
+
+
+FLAGGED = ("forced_exit: os._exit", "process_arguments: sys.argv")
+
+
+def test_screening_every_category_by_default():
+    shaper = pipeline({"type": "screening"})
+    result = shaper([
+        outcome(1.0, screening_flags=FLAGGED),
+        outcome(1.0, screening_flags=("binary_content: GIT binary patch",)),
+        outcome(0.0),
+    ])
+    assert result.rewards == (-1.0, -1.0, 0.0)
+    assert result.metadata[0]["screening/triggered"] is True
+    assert result.metadata[0]["screening/flags"] == FLAGGED
+    assert result.metadata[2]["screening/triggered"] is False
+    assert result.metadata[2]["screening/flags"] == ()
+    assert result.metrics["screening/num_triggered"] == 2.0
+
+
+def test_screening_only_the_configured_categories():
+    shaper = pipeline({"type": "screening", "penalty": -0.5,
+                       "categories": ["forced_exit", "exit_hook"]})
+    result = shaper([
+        outcome(1.0, screening_flags=FLAGGED),  # forced_exit matches; sys.argv is not listed
+        outcome(1.0, screening_flags=("process_arguments: sys.argv",)),
+        outcome(0.0, screening_flags=("exit_hook:atexit",)),  # spacing after ':' is not needed
+    ])
+    assert result.rewards == (-0.5, 1.0, -0.5)
+    assert result.metadata[0]["screening/flags"] == ("forced_exit: os._exit",)
+    assert result.metadata[1]["screening/flags"] == ()
+    assert result.metadata[2]["screening/flags"] == ("exit_hook:atexit",)
+
+
+def test_screening_penalty_replaces_even_a_resolved_reward_and_composes():
+    # After the flag, the affine map applies to the penalty: 2 * -1 - 1 = -3 -> clipped to -1.
+    shaper = pipeline({"type": "screening"}, SCALE)
+    assert shaper([outcome(1.0, screening_flags=FLAGGED)]).rewards == (-1.0,)
+    # A stage placed before it cannot undo it, one placed after adds on.
+    shaper = pipeline({"type": "screening", "penalty": -0.25}, OVERLONG)
+    assert shaper([outcome(1.0, 100, screening_flags=FLAGGED)]).rewards == (-0.75,)
+
+
+def test_screening_config_lists_become_tuples():
+    cfg = from_dict(RewardShapingConfig, yaml.safe_load(
+        "stages: [{type: screening, categories: [report_path, runner_internals]}]"), "rewards")
+    assert cfg.stages == (ScreeningStageConfig(categories=("report_path", "runner_internals")),)
+    hash(cfg)
+
+
 # --- Composition. ---------------------------------------------------------------------------
 
 
@@ -181,6 +233,7 @@ def test_full_recipe_metadata_and_metrics():
     shaper = pipeline(
         {"type": "integrity"},
         {"type": "invalid_action", "penalty": -1.0},
+        {"type": "screening", "categories": ["forced_exit"]},
         {"type": "malformed_thinking", "penalty": -1.0},
         OVERLONG,
         SCALE,
@@ -207,6 +260,8 @@ def test_full_recipe_metadata_and_metrics():
         "invalid_action/num_triggered": 1.0,
         "invalid_action/fraction_triggered": 0.25,
         "invalid_action/num_no_patch": 1.0,
+        "screening/num_triggered": 0.0,
+        "screening/fraction_triggered": 0.0,
         "malformed_thinking/num_triggered": 0.0,
         "malformed_thinking/fraction_triggered": 0.0,
         "overlong/num_triggered": 1.0,
@@ -267,7 +322,7 @@ def test_yaml_recipe_parses_with_defaults():
 @pytest.mark.parametrize(
     "stages, pattern",
     [
-        ([{"type": "overlength"}], r"^rewards\.stages\[0\]\.type: unknown stage type 'overlength'; valid types: integrity, invalid_action, malformed_thinking, overlong, scale$"),
+        ([{"type": "overlength"}], r"^rewards\.stages\[0\]\.type: unknown stage type 'overlength'; valid types: integrity, invalid_action, screening, malformed_thinking, overlong, scale$"),
         ([SCALE, {"penalty": -1.0}], r"^rewards\.stages\[1\]\.type: missing; set it to one of integrity, "),
         (["integrity"], r"^rewards\.stages\[0\]: expected a mapping with a 'type' key"),
         ({"type": "scale"}, r"^rewards\.stages: must be a list of stages"),
@@ -285,6 +340,12 @@ def test_yaml_recipe_parses_with_defaults():
         ([{"type": "malformed_thinking", "tag": "<think>"}], r"^rewards\.stages\[0\]\.tag: tag must be a plain tag name"),
         ([{"type": "malformed_thinking", "opening_tag_in_prompt": "no"}], r"^rewards\.stages\[0\]\.opening_tag_in_prompt: must be true or false"),
         ([SCALE, OVERLONG, {"type": "scale"}], r"^rewards\.stages\[2\]\.type: 'scale' already appears at stages\[0\]"),
+        ([{"type": "screening", "categories": ["forced_exit", "network"]}], r"^rewards\.stages\[0\]\.categories: unknown screening category 'network'; valid: runner_internals, report_path, process_arguments, exit_hook, forced_exit, introspection, binary_content$"),
+        ([{"type": "screening", "categories": ["a", "b"]}], r"^rewards\.stages\[0\]\.categories: unknown screening categories 'a', 'b'"),
+        ([{"type": "screening", "categories": "forced_exit"}], r"^rewards\.stages\[0\]\.categories: must be a list of screening categories"),
+        ([{"type": "screening", "categories": []}], r"^rewards\.stages\[0\]\.categories: must not be empty"),
+        ([{"type": "screening", "penalty": "low"}], r"^rewards\.stages\[0\]\.penalty: must be a finite number"),
+        ([{"type": "screening", "categorys": None}], r"^rewards\.stages\[0\]: unknown key\(s\) 'categorys'; valid keys: categories, penalty$"),
     ],
 )
 def test_bad_config(stages, pattern):
