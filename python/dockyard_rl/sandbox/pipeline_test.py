@@ -11,7 +11,7 @@ import time
 import pytest
 
 from dockyard_rl.sandbox import pipeline
-from dockyard_rl.sandbox.task import ApplyMethod, RewardMode, TestOutcome
+from dockyard_rl.sandbox.task import ApplyMethod, FailureKind, RewardMode, TestOutcome
 from dockyard_rl.sandbox.testing_repos import OPS_BASE, OPS_FIXED, make_toy_repo
 from dockyard_rl.utils.config import from_dict
 
@@ -40,11 +40,14 @@ def _ops_with(prelude: str, fixed: bool = False) -> dict[str, str]:
     return {"calc/ops.py": prelude + "\n\n" + (OPS_FIXED if fixed else OPS_BASE)}
 
 
-# pytest captures fd 1/2 while it collects and runs tests, so what hostile code prints then never
-# reaches the log; evidence is printed from an atexit handler, after pytest restored the fds.
-_SAY = ("import atexit as _atexit, os as _os\n"
-        "_LINES = []\n"
-        "_atexit.register(lambda: _os.write(1, ('\\n'.join(_LINES) + '\\n').encode()))\n")
+# Hostile code reports what it saw by printing at once; the tests that use this run pytest with
+# -s (no capture), since the runner leaves with os._exit and atexit handlers never run.
+_SAY = ("import os as _os\n"
+        "class _Lines(list):\n"
+        "    def append(self, line):\n"
+        "        _os.write(1, (line + '\\n').encode())\n"
+        "_LINES = _Lines()\n")
+_UNCAPTURED = "python -m pytest -s tests/test_ops.py tests/test_mul_table.py"
 
 
 def _assert_not_resolved(verdict):
@@ -59,7 +62,9 @@ def test_gold_patch_is_resolved(toy, work_root):
     verdict = _score(toy, work_root, toy.gold_patch)
     assert verdict.resolved and verdict.reward == 1.0, verdict.log_tail
     assert verdict.apply_method == ApplyMethod.GIT_APPLY
-    assert verdict.test_exit_code == 0 and not verdict.timed_out
+    # The executor's must-fail canary makes every honest run exit 1.
+    assert verdict.test_exit_code == 1 and not verdict.timed_out
+    assert verdict.failure_kind == FailureKind.NONE and verdict.failure_detail == ""
     assert set(verdict.fail_to_pass.values()) == {TestOutcome.PASSED}
     assert set(verdict.pass_to_pass.values()) == {TestOutcome.PASSED}
     assert "tests/test_mul_table.py::test_table[2 x 3]" in verdict.fail_to_pass
@@ -114,22 +119,20 @@ def test_conftest_forcing_passes_is_a_violation(toy, work_root):
 
 
 def test_fake_passed_lines_and_exit_zero(toy, work_root):
-    # After the real run, print a fake all-green summary and force exit status 0.
+    # After the real run, print a fake all-green summary and force exit status 0 from atexit:
+    # the runner leaves with os._exit before atexit handlers could run, so the honest failures
+    # stand.
     prelude = ("import atexit, os\n"
                "def _lie():\n"
-               "    for test_id in ['tests/test_ops.py::test_mul',\n"
-               "                    'tests/test_mul_table.py::test_table[2 x 3]']:\n"
-               "        os.write(1, f'{test_id} PASSED\\n'.encode())\n"
-               "    os.write(1, b'======== 8 passed in 0.01s ========\\n')\n"
+               "    os.write(1, b'tests/test_ops.py::test_mul PASSED\\n')\n"
                "    os._exit(0)\n"
                "atexit.register(_lie)\n")
     verdict = _score(toy, work_root, toy.patch_for(_ops_with(prelude)))
     _assert_not_resolved(verdict)
-    assert verdict.test_exit_code == 0  # the exit status was forged...
-    assert "tests/test_ops.py::test_mul PASSED" in verdict.log_tail
-    # ...but the report (written before) says tests failed: the two disagree.
-    assert "exit code 0 but the report has" in verdict.log_tail
-    assert set(verdict.fail_to_pass.values()) == {TestOutcome.MISSING}
+    assert verdict.failure_kind == FailureKind.TESTS_FAILED
+    assert "tests/test_ops.py::test_mul PASSED" not in verdict.log_tail
+    assert verdict.test_exit_code == 1
+    assert {"exit_hook: atexit", "forced_exit: os._exit"} <= set(verdict.screening_flags)
 
 
 def test_exit_zero_during_collection(toy, work_root):
@@ -137,7 +140,8 @@ def test_exit_zero_during_collection(toy, work_root):
     verdict = _score(toy, work_root, toy.patch_for(_ops_with(prelude, fixed=True)))
     _assert_not_resolved(verdict)
     assert verdict.test_exit_code == 0
-    assert "no JUnit XML report was written" in verdict.log_tail
+    assert verdict.failure_kind == FailureKind.REPORT_UNTRUSTED
+    assert "before the runner finished" in verdict.failure_detail
 
 
 def test_replaced_stdout_printing_passes(toy, work_root):
@@ -174,7 +178,8 @@ def test_network_connection_is_blocked(toy, work_root):
                "        _LINES.append(f'NETWORK BLOCKED {_host} {error}')\n")
     ops = OPS_BASE.replace("    return a + b\n\n\ndef clamp",
                            "    return a * b if _ONLINE else a + b\n\n\ndef clamp")
-    verdict = _score(toy, work_root, toy.patch_for({"calc/ops.py": prelude + "\n\n" + ops}))
+    verdict = _score(toy, work_root, toy.patch_for({"calc/ops.py": prelude + "\n\n" + ops}),
+                     test_command=_UNCAPTURED)
     _assert_not_resolved(verdict)
     with pytest.raises(socket.timeout):
         server.accept()
@@ -201,14 +206,15 @@ def test_writes_outside_the_worktree_are_blocked(toy, work_root, tmp_path):
                "    text=True).stdout.split()))\n")
     ops = OPS_BASE.replace("    return a + b\n\n\ndef clamp",
                            "    return a * b if _ESCAPED else a + b\n\n\ndef clamp")
-    verdict = _score(toy, work_root, toy.patch_for({"calc/ops.py": prelude + "\n\n" + ops}))
+    verdict = _score(toy, work_root, toy.patch_for({"calc/ops.py": prelude + "\n\n" + ops}),
+                     test_command=_UNCAPTURED)
     _assert_not_resolved(verdict)
     for target in targets:
         assert not pathlib.Path(target).exists(), target
     assert "fix mul" not in verdict.log_tail  # the future commit is not in the worktree's git
     assert verdict.log_tail.count("WRITE BLOCKED") == len(targets), verdict.log_tail[-2000:]
     # `git log --all` inside the sandbox sees the base commit and nothing after it.
-    assert "HISTORY ['introduce', 'mul']" in verdict.log_tail
+    assert "HISTORY ['introduce', 'mul']" in verdict.log_tail, verdict.log_tail[:3000]
 
 
 def test_fork_bomb_is_killed_at_the_limit(toy, work_root):
@@ -256,55 +262,48 @@ def test_huge_output_is_bounded(toy, work_root):
     assert verdict.resolved, verdict.log_tail[-2000:]
 
 
-def test_report_rewritten_after_pytest_wrote_it(toy, work_root):
-    # An adaptive forger: finds the report path and nonce in argv and rewrites the report at
-    # exit with everything passing; also drops fake reports where a naive harness might look.
+def test_report_rewritten_by_a_plugin_the_repository_registers(toy, work_root):
+    # An adaptive forger: finds the running pytest Config through the garbage collector,
+    # registers a plugin that rewrites the report after pytest wrote it (all passed, this run's
+    # suite name read from the config) and forces exit status 0.
     prelude = '''\
-import atexit, sys
+import gc, os
 
-def _forge():
-    path = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--junitxml="))
-    suite = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("junit_suite_name="))
-    cases = "".join(
-        f'<testcase classname="{c}" name="{n}" />' for c, n in [
-            ("tests.test_ops", "test_mul"), ("tests.test_mul_table", "test_table[2 x 3]"),
-            ("tests.test_mul_table", "test_table[4 x 5]"), ("tests.test_ops", "test_add"),
-            ("tests.test_ops", "test_sub[five minus three]"),
-            ("tests.test_ops", "test_sub[one minus one]"),
-            ("tests.test_ops.TestClamp", "test_inside"),
-            ("tests.test_ops.TestClamp", "test_outside")])
-    xml = f'<testsuites><testsuite name="{suite}">{cases}</testsuite></testsuites>'
-    for target in (path, "report.xml", "junit.xml", "/tmp/junit.xml"):
-        with open(target, "w") as handle:
-            handle.write(xml)
+class _Forger:
+    def _finish(self, session):
+        config = session.config
+        path = config.option.xmlpath
+        suite = config.getini("junit_suite_name")
+        cases = "".join(f'<testcase classname="{i.nodeid.split("::")[0][:-3].replace("/", ".")}" '
+                        f'name="{i.name}" />' for i in session.items)
+        with open(path, "w") as handle:
+            handle.write(f'<testsuites><testsuite name="{suite}">{cases}</testsuite></testsuites>')
+        os._exit(0)
 
-atexit.register(_forge)
+# Named at run time, so that no hook is visible in the source.
+setattr(_Forger, "pytest_" + "sessionfinish", _Forger._finish)
+for _obj in gc.get_objects():
+    if type(_obj).__name__ == "Config" and hasattr(_obj, "pluginmanager"):
+        _obj.pluginmanager.register(_Forger(), "forger")
+        break
 '''
     verdict = _score(toy, work_root, toy.patch_for(_ops_with(prelude)))
     _assert_not_resolved(verdict)
-    assert verdict.test_exit_code == 1
-    assert "exit code 1 says tests failed but the report claims none did" in verdict.log_tail
+    assert verdict.failure_kind == FailureKind.TAMPERING, verdict.failure_detail
+    assert "registered from" in verdict.failure_detail
+    assert "introspection: gc.get_objects" in verdict.screening_flags
 
 
-def test_canned_report_and_exit_zero(toy, work_root):
-    prelude = '''\
-import os, sys
-_path = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--junitxml="))
-with open(_path, "w") as _handle:
-    _handle.write('<testsuites><testsuite name="pytest">'
-                  '<testcase classname="tests.test_ops" name="test_mul" /></testsuite>'
-                  '</testsuites>')
-os._exit(0)
-'''
+def test_canned_reports_in_the_repository_and_exit_zero(toy, work_root):
     canned = ('<testsuites><testsuite name="pytest"><testcase classname="tests.test_ops" '
               'name="test_mul" /></testsuite></testsuites>\n')
     # Reports committed into the repository, where a naive harness might pick them up.
-    files = {**_ops_with(prelude), "junit.xml": canned, "report.xml": canned,
-             "tests/junit.xml": canned}
+    files = {**_ops_with("import os\nos._exit(0)\n"), "junit.xml": canned,
+             "report.xml": canned, "tests/junit.xml": canned}
     verdict = _score(toy, work_root, toy.patch_for(files))
     _assert_not_resolved(verdict)
     assert verdict.apply_method == ApplyMethod.GIT_APPLY
-    assert "nonce" in verdict.log_tail
+    assert verdict.failure_kind == FailureKind.REPORT_UNTRUSTED
 
 
 # --- errors and configuration -----------------------------------------------------------------

@@ -20,7 +20,7 @@ docstring for what happens inside). Here:
   the report come back on two pipes and are parsed as they arrive (`evidence.py`, bounded).
 - Environment: PATH with the interpreter first, HOME=/tmp, PYTHONHASHSEED=0 (reproducible
   runs), PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 (no entry-point plugins, the worktree's included),
-  and nothing else; the interpreter runs with -s (no user site), -P (no script dir on sys.path)
+  git's safe.directory for /testbed, and nothing else; the interpreter runs with -s (no user site), -P (no script dir on sys.path)
   and -B (no bytecode written).
 """
 
@@ -188,7 +188,10 @@ def run_pytest(pytest_args: Sequence[str], worktree: pathlib.Path, scratch_dir: 
     ]
     env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
            "HOME": "/tmp", "LANG": "C.UTF-8", "TMPDIR": "/tmp", "USER": "sandbox",
-           "LOGNAME": "sandbox", "PYTHONHASHSEED": "0", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+           "LOGNAME": "sandbox", "PYTHONHASHSEED": "0", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+           # /testbed is a root-owned tmpfs; git would refuse its copied .git as "dubious".
+           "GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "safe.directory",
+           "GIT_CONFIG_VALUE_0": str(SANDBOX_WORKTREE)}
     result = isolation.run_sandboxed(
         [sys.executable, "-s", "-P", "-B", str(inside_runner / bootstrap.name)],
         writable_dirs=[], limits=limits.sandbox, cwd=SANDBOX_WORKTREE,
