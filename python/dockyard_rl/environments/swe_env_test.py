@@ -14,8 +14,9 @@ import torch
 
 from dockyard_rl.environments.config import SweEnvironmentConfig
 from dockyard_rl.environments.swe_env import SweEnvironment, SweRollout
+from dockyard_rl.rewards.outcome import SCREENING_CATEGORIES
 from dockyard_rl.rewards.shaping import RewardPipeline, RewardShapingConfig
-from dockyard_rl.sandbox import testing_repos
+from dockyard_rl.sandbox import screening, testing_repos
 from dockyard_rl.sandbox.client import ExecutorClient, ExecutorRequestError
 from dockyard_rl.sandbox.config import ExecutorConfig
 from dockyard_rl.sandbox.pipeline import InfrastructureError
@@ -262,6 +263,13 @@ def test_failure_kind_and_screening_flags_reach_metadata_metrics_and_rewards(tmp
     assert result.metrics["env/num_tampering"] == 1.0
     assert result.metrics["env/num_screening_flagged"] == 2.0
     assert result.metrics["env/screening/num_triggered"] == 1.0
+
+
+def test_reward_config_knows_the_executors_screening_categories():
+    # The reward config checks `categories` against its own list (no sandbox import there); the
+    # executor's screening is what writes the flags. They must name the same categories.
+    assert SCREENING_CATEGORIES == screening.CATEGORIES
+    assert screening.BINARY_FLAG.partition(":")[0] in SCREENING_CATEGORIES
 
 
 def test_malformed_instance_raises_request_error(tmp_path, repo):
