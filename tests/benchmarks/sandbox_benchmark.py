@@ -12,6 +12,10 @@ runs the whole suite (PASS_TO_PASS = every existing test), through the real serv
 Rows (each against the first, measured in the same run):
 - cached mirror, 1 worker: the production path; the mirror is cloned once before timing.
 - cached mirror, 2 workers: the same tasks with two workers.
+- no integrity layers, 1 worker: the same checkout, apply and bubblewrap, but pytest runs
+  directly on the host's worktree (no tree audit, no screening, no copy into the tmpfs, no
+  runner: no audit hook, runner-object checks, streamed records or canaries) and its report is
+  read from a file: what the hardening of the reward costs per task.
 - fresh clone, 1 worker: every task gets a new, empty work root, so the pipeline clones the
   repository from scratch (what a cache-less executor would do).
 
@@ -32,10 +36,12 @@ import sys
 import tempfile
 import time
 
+from dockyard_rl.sandbox import apply as apply_lib
+from dockyard_rl.sandbox import cleanup, evidence, grading, isolation, pipeline, repo_cache, runner
 from dockyard_rl.sandbox.client import ExecutorClient
 from dockyard_rl.sandbox.config import ExecutorConfig
 from dockyard_rl.sandbox.service import pipeline_score_fn, running_server
-from dockyard_rl.sandbox.task import TaskSpec, TaskStatus
+from dockyard_rl.sandbox.task import TaskSpec, TaskStatus, TestOutcome, Verdict
 
 _GIT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8",
             "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
@@ -127,10 +133,57 @@ def fresh_clone_score_fn(config: ExecutorConfig, scratch: pathlib.Path):
     return fresh_clone_score
 
 
+def unhardened_score_fn(config: ExecutorConfig):
+    """The pipeline's steps without the integrity layers (module docstring, third row)."""
+
+    def score(spec: TaskSpec, work_root: pathlib.Path) -> Verdict:
+        start = time.monotonic()
+        task_dir = pathlib.Path(tempfile.mkdtemp(prefix="task-", dir=work_root))
+        try:
+            worktree, scratch = task_dir / "repo", task_dir / "scratch"
+            scratch.mkdir()
+            cache = repo_cache.RepoCache(config.pipeline.cache_path(pathlib.Path(work_root)))
+            cache.checkout(spec.repo, spec.base_commit, worktree)
+            checkout_s = time.monotonic() - start
+            applied = apply_lib.apply_patch(worktree, spec.patch, scratch)
+            (scratch / "test.patch").write_text(spec.test_patch)
+            apply_lib.git(worktree, "apply", str(scratch / "test.patch"))
+            report = scratch / "junit.xml"
+            tests_start = time.monotonic()
+            result = isolation.run_sandboxed(
+                [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+                 f"--junitxml={report}", "-o", "junit_family=xunit1",
+                 *pipeline.test_files_of(spec.test_patch)[1]],
+                writable_dirs=[worktree, scratch], limits=config.pipeline.limits(None),
+                cwd=worktree, readonly_paths=runner.interpreter_paths(),
+                env={"PATH": f"{pathlib.Path(sys.executable).parent}:/usr/bin:/bin",
+                     "HOME": "/tmp", "LANG": "C.UTF-8"})
+            tests_s = time.monotonic() - tests_start
+            junit = evidence.JUnitStream(64 << 20, 1_000_000)
+            junit(report.read_bytes())
+            junit.finish()
+            outcomes = {test_id: junit.outcomes.get(grading.junit_key(test_id),
+                                                    TestOutcome.MISSING)
+                        for test_id in (*spec.fail_to_pass, *spec.pass_to_pass)}
+            resolved = result.exit_code == 0 and set(outcomes.values()) == {TestOutcome.PASSED}
+            return Verdict(resolved=resolved, reward=float(resolved),
+                           fail_to_pass={t: outcomes[t] for t in spec.fail_to_pass},
+                           pass_to_pass={t: outcomes[t] for t in spec.pass_to_pass},
+                           apply_method=applied.method, integrity_violation=(),
+                           test_exit_code=result.exit_code, timed_out=result.timed_out,
+                           timings_s={"checkout": checkout_s, "tests": tests_s,
+                                      "total": time.monotonic() - start},
+                           log_tail=result.output)
+        finally:
+            cleanup.remove_tree(task_dir)
+
+    return score
+
+
 async def run_row(name: str, task: dict, work_dir: pathlib.Path, num_workers: int,
-                  num_tasks: int, fresh_clone: bool) -> dict:
+                  num_tasks: int, fresh_clone: bool, hardened: bool = True) -> dict:
     config = ExecutorConfig(port=0, num_workers=num_workers, work_dir=str(work_dir))
-    score_fn = None
+    score_fn = None if hardened else unhardened_score_fn(config)
     if fresh_clone:
         scratch = work_dir / "fresh"
         scratch.mkdir(parents=True, exist_ok=True)
@@ -153,7 +206,8 @@ async def run_row(name: str, task: dict, work_dir: pathlib.Path, num_workers: in
     return {"name": name, "workers": num_workers, "tasks": num_tasks, "elapsed_s": elapsed_s,
             "tasks_per_min": 60.0 * num_tasks / elapsed_s,
             "checkout_s": statistics.mean(t["checkout"] for t in timings),
-            "tests_s": statistics.mean(t["tests"] for t in timings)}
+            "tests_s": statistics.mean(t["tests"] for t in timings),
+            "task_s": statistics.mean(t["total"] for t in timings)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,12 +233,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.num_commits + 2} commits, .git {repo_mib:.1f} MiB "
               f"(built in {time.monotonic() - started:.1f} s)", flush=True)
         rows = []
-        for name, num_workers, fresh_clone in (("cached mirror", 1, False),
-                                               ("cached mirror", 2, False),
-                                               ("fresh clone", 1, True)):
+        for name, num_workers, fresh_clone, hardened in (
+                ("cached mirror", 1, False, True), ("cached mirror", 2, False, True),
+                ("no integrity", 1, False, False), ("fresh clone", 1, True, True)):
             work_dir = root / f"work-{len(rows)}"
             rows.append(asyncio.run(run_row(name.replace(" ", "-"), task, work_dir, num_workers,
-                                            args.num_tasks, fresh_clone)))
+                                            args.num_tasks, fresh_clone, hardened)))
             rows[-1]["name"] = name
             print(f"  done: {name}, {num_workers} worker(s)", flush=True)
     finally:
@@ -192,13 +246,16 @@ def main(argv: list[str] | None = None) -> int:
 
     baseline = rows[0]["tasks_per_min"]
     header = (f"{'path':<15} {'workers':>7} {'tasks':>5} {'elapsed s':>9} {'tasks/min':>9} "
-              f"{'vs row 1':>8} {'checkout s':>10} {'tests s':>8}")
+              f"{'vs row 1':>8} {'s/task':>7} {'checkout s':>10} {'tests s':>8}")
     print(header)
     print("-" * len(header))
     for row in rows:
         print(f"{row['name']:<15} {row['workers']:>7} {row['tasks']:>5} {row['elapsed_s']:>9.1f} "
               f"{row['tasks_per_min']:>9.1f} {row['tasks_per_min'] / baseline:>7.2f}x "
-              f"{row['checkout_s']:>10.3f} {row['tests_s']:>8.2f}")
+              f"{row['task_s']:>7.2f} {row['checkout_s']:>10.3f} {row['tests_s']:>8.2f}")
+    hardened, plain = rows[0]["task_s"], rows[2]["task_s"]
+    print(f"integrity layers: {hardened:.2f} s/task vs {plain:.2f} s/task without "
+          f"({hardened / plain:.2f}x); {rows[1]['tasks_per_min']:.1f} tasks/min at 2 workers")
     return 0
 
 
