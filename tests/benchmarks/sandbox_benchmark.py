@@ -150,10 +150,11 @@ def unhardened_score_fn(config: ExecutorConfig):
             apply_lib.git(worktree, "apply", str(scratch / "test.patch"))
             report = scratch / "junit.xml"
             tests_start = time.monotonic()
+            args = runner.pytest_arguments(spec.test_command) or \
+                pipeline.test_files_of(spec.test_patch)[1]
             result = isolation.run_sandboxed(
                 [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
-                 f"--junitxml={report}", "-o", "junit_family=xunit1",
-                 *pipeline.test_files_of(spec.test_patch)[1]],
+                 f"--junitxml={report}", "-o", "junit_family=xunit1", *args],
                 writable_dirs=[worktree, scratch], limits=config.pipeline.limits(None),
                 cwd=worktree, readonly_paths=runner.interpreter_paths(),
                 env={"PATH": f"{pathlib.Path(sys.executable).parent}:/usr/bin:/bin",

@@ -325,7 +325,8 @@ class _Scoring:
         # 3. the agent's patch
         try:
             applied = apply_lib.apply_patch(self.worktree, spec.patch, self.scratch,
-                                            max_binary_bytes=config.max_binary_patch_bytes)
+                                            max_binary_bytes=config.max_binary_patch_bytes,
+                                            max_file_bytes=config.max_file_size_bytes)
         except apply_lib.ApplyInfrastructureError as error:
             raise InfrastructureError(str(error)) from error
         if applied.method == ApplyMethod.FAILED:
