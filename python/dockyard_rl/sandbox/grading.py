@@ -15,7 +15,8 @@ first failing check names the verdict's `FailureKind`:
    a report testcase that never ran, an exit status that contradicts the report (the must-fail
    canary makes an honest run exit 1 or 2, so exit 0 is a forged exit) -> TAMPERING;
 4. the run ended before the runner finished (a crash, `os._exit`, a kill signal), the report is
-   missing or malformed, or the canaries did not run -> REPORT_UNTRUSTED (DISK_LIMIT instead when
+   missing or malformed, or the canaries did not run although some test did (collection errors
+   stop pytest before any test, canaries included) -> REPORT_UNTRUSTED (DISK_LIMIT instead when
    the worktree or /tmp was full at the end);
 5. SWE-bench's rule on the now-trusted outcomes: resolved only if every FAIL_TO_PASS and every
    PASS_TO_PASS test passed (skipped, errored or missing counts as failed; a collection error
@@ -203,7 +204,10 @@ def _untrusted_reason(evidence: RunEvidence) -> str:
                 f"finished: a crash, a forced exit or a kill; no result can be trusted")
     if report.error:
         return report.error
-    if evidence.canary_names is not None:
+    # Collection errors stop pytest before any test runs (canaries included): then nothing
+    # passed, and the expected tests grade as missing.
+    stopped_by_collection = not records.tests and bool(records.records("collect_error"))
+    if evidence.canary_names is not None and not stopped_by_collection:
         missing = [name for name in evidence.canary_names
                    if _find_canary(records.tests, name) is None]
         if missing:

@@ -187,3 +187,15 @@ def test_runtime_notes_become_flags():
 ])
 def test_junit_key(node_id, key):
     assert grading.junit_key(node_id) == key
+
+
+def test_collection_errors_before_any_test_grade_as_failed_not_untrusted():
+    evidence = make_evidence(results={}, canaries=False, exit_code=2, records=[
+        _record(event="collect_error", nodeid=f"{BASE}")], report=(
+            f'<testsuites><testsuite name="{NONCE}"><testcase classname="" '
+            f'name="pkg.tests.test_mix"><error message="x"/></testcase></testsuite>'
+            f'</testsuites>'))
+    evidence.canary_names = CANARIES
+    graded = grade(evidence)
+    assert graded.failure_kind is FailureKind.TESTS_FAILED, graded.detail
+    assert set(graded.fail_to_pass.values()) == {TestOutcome.MISSING}

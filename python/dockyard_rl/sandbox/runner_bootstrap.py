@@ -21,8 +21,8 @@ What it does, in order (the order is the point):
    notes introspection that tampering needs (gc.get_objects / get_referrers, ctypes).
 5. Puts the worktree first on sys.path (what `python -m pytest` in the worktree does) and runs
    `pytest.main` in-process with `RunnerPlugin`, which
-   - collects two canary tests from an executor-owned file with an unpredictable name (one must
-     pass, one must fail) and keeps them selected and last;
+   - adds two canary tests from an executor-owned file with an unpredictable name (one must
+     pass, one must fail) after collection and deselection, at the end of the run;
    - streams one JSON line per test phase as it finishes (outcome from the report, plus whether
      the phase really raised, read from the CallInfo) on the events fd;
    - flags plugins registered by anything but pytest itself, and changes to the runner's
@@ -267,19 +267,18 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path):
             self.check_runner(allowed=_CONFIGURE_CHANGES)
             self.snapshot = snapshot_runner()
 
-        def pytest_collect_file(self, file_path, parent):
-            if settings["canaries"] and str(file_path) == canary_path:
-                return CanaryFile.from_parent(parent, path=file_path)
-            return None
-
         @pytest.hookimpl(wrapper=True, tryfirst=True)
         def pytest_collection_modifyitems(self, session, config, items):
-            canaries = [item for item in items if isinstance(item, CanaryItem)]
             result = yield
-            # Deselection (-k, -m, --deselect) must not drop them; they run last so that -x stops
-            # at a real failure first.
-            items[:] = [item for item in items if not isinstance(item, CanaryItem)] + canaries
-            self.canaries = canaries
+            # Added after every other implementation ran, so deselection (-k, -m, --deselect)
+            # cannot drop them, and last, so that -x stops at a real failure first. They are not
+            # command-line arguments: those would change pytest's rootdir and ini-file search.
+            if settings["canaries"]:
+                import pathlib
+                canary_file = CanaryFile.from_parent(session, path=pathlib.Path(canary_path))
+                self.canaries = list(canary_file.collect())
+                items[:] = [item for item in items if not isinstance(item, CanaryItem)] + \
+                    self.canaries
             return result
 
         @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -392,8 +391,6 @@ def main():
     # From here on, repository code may run.
     sys.path.insert(0, worktree)
     args = list(settings["pytest_args"])
-    if settings["canaries"]:
-        args.append(settings["canary_path"])
     args += [f"--junitxml={report_path}", "-o", f"junit_suite_name={settings['suite_name']}",
              "-o", "junit_family=xunit1", "-p", "no:cacheprovider"]
     code = pytest.main(args, plugins=[plugin, *extra_plugins])
