@@ -366,7 +366,8 @@ class _Scoring:
         try:
             result, evidence = runner.run_pytest(
                 pytest_args, self.worktree, self.scratch, config.runner_limits(spec.timeout_s),
-                canaries=True, hidden_paths=[self.work_root, config.cache_path(self.work_root)])
+                canaries=True, hidden_paths=[self.work_root, config.cache_path(self.work_root)],
+                patched_files=sorted(integrity.touched_paths(spec.patch)[0]))
         except isolation.SandboxUnavailableError as error:
             raise InfrastructureError(str(error)) from error
         self.lap("tests")

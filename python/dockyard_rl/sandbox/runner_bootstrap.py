@@ -43,6 +43,7 @@ reimplements this protocol exactly (docs/sandbox.md, "threat model").
 """
 
 import hashlib
+import inspect
 import io
 import json
 import os
@@ -219,6 +220,12 @@ class Guard:
                 if isinstance(arg, (str, bytes)) and self.report_name in os.fsdecode(arg):
                     self.reporter.send("tamper", what=f"{event} on the report file")
                     return
+        elif event == "object.__setattr__" and len(args) > 1 and args[1] == "__code__" and \
+                callable(args[0]):
+            # Swapping a function's code rewrites a test without touching its file. (Only code:
+            # the stdlib itself rebinds __defaults__ of its own functions.)
+            self.reporter.send("tamper", what=f"{args[1]} of {getattr(args[0], '__qualname__', '?')}"
+                                              f" was replaced at run time")
         elif event in ("gc.get_objects", "gc.get_referrers", "gc.get_referents") or \
                 event.startswith("ctypes."):
             self.reporter.send("note", what=event)
@@ -226,6 +233,8 @@ class Guard:
 
 def make_plugin(pytest, settings, reporter, snapshot, report_path):
     canary_path = settings["canary_path"]
+    patched = {os.path.join(settings["worktree_dir"], path)
+               for path in settings.get("patched_files", ())}
     must_pass, must_fail = settings["canary_names"]
     raised = {}
     pytest_dirs = tuple(os.path.dirname(os.path.dirname(m.__file__)) + os.sep
@@ -298,6 +307,27 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path):
                 # Every test for small suites, then every 25th: the check walks ~10^4 objects.
                 if self.tests_since_check <= 50 or self.tests_since_check % 25 == 0:
                     self.check_runner()
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_runtest_call(self, item):
+            # A test must run its own code, and see the real runner, not substitutes planted by
+            # code the patch changed (e.g. a package that rewrites the test module importing it).
+            module = getattr(item, "module", None)
+            module_file = getattr(module, "__file__", None)
+            obj = getattr(item, "obj", None)
+            try:
+                code = getattr(inspect.unwrap(obj), "__code__", None) if obj is not None else None
+            except Exception:  # noqa: BLE001 - unwrap of a hostile object
+                code = None
+            if code is not None and code.co_filename in patched and \
+                    code.co_filename != module_file:
+                reporter.send("tamper", what=f"{item.nodeid} runs code from "
+                                             f"{code.co_filename}, a file the patch changed")
+            namespace = getattr(module, "__dict__", {})
+            for name in _PROTECTED_PREFIXES:
+                if name in namespace and namespace[name] is not sys.modules.get(name):
+                    reporter.send("tamper", what=f"{item.nodeid}: its module's {name!r} is not "
+                                                 f"the real {name} module")
 
         def pytest_collectreport(self, report):
             if report.failed:
