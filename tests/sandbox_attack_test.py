@@ -64,8 +64,10 @@ from dockyard_rl.sandbox.service import running_server
 from dockyard_rl.sandbox.task import FailureKind, TaskStatus
 from dockyard_rl.utils.config import from_dict
 
-import sandbox_attacks
-from sandbox_attacks import ATTACKS, Attack, AttackContext
+# The catalogue sits beside this file; Bazel's runfiles do not put tests/ on sys.path.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sandbox_attacks  # noqa: E402
+from sandbox_attacks import ATTACKS, Attack, AttackContext  # noqa: E402
 
 _MiB = 1024 * 1024
 _TASK_TIMEOUT_S = 60.0
