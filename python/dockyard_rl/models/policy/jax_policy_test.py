@@ -425,11 +425,8 @@ def test_data_parallel_over_two_devices_matches_one(cache_dir):
     m1, m2 = one.train(batch, LOSS_FN), two.train(batch, LOSS_FN)
     for key in ("loss", "grad_norm", "ratio_mean"):
         assert m2[key] == pytest.approx(m1[key], rel=1e-5), key
-    # The 2-device all-reduce sums in another order; AdamW's first step is ~lr * sign(g), so
-    # compare to 1% of the learning rate (1e-3).
-    w1, w2 = _refit(one), _refit(two)
-    for name in w1:
-        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-5)
+    # The 2-device all-reduce sums in another order.
+    _assert_first_updates_close(_refit(two), _refit(one))
 
 
 def test_wrapped_torch_loss_matches_the_port(cache_dir):
@@ -443,11 +440,20 @@ def test_wrapped_torch_loss_matches_the_port(cache_dir):
     assert set(m_ported) == set(m_wrapped)
     for key in ("loss", "grad_norm", "clip_fraction", "reference_kl"):
         assert m_wrapped[key] == pytest.approx(m_ported[key], rel=1e-5, abs=1e-7), key
-    # Float32 rounding differs between the two gradient paths; AdamW's first step is ~lr * sign(g),
-    # so compare updates to 1% of the learning rate (1e-3).
-    w_ported, w_wrapped = _refit(ported), _refit(wrapped)
-    for name in w_ported:
-        torch.testing.assert_close(w_wrapped[name], w_ported[name], rtol=0, atol=1e-5)
+    # Float32 rounding differs between the two gradient paths.
+    _assert_first_updates_close(_refit(wrapped), _refit(ported))
+
+
+def _assert_first_updates_close(actual, expected, learning_rate=1e-3):
+    """Weights after one AdamW step from the same start. The step is lr * g / (|g| + eps), about
+    lr * sign(g): float32 rounding that differs between two gradient paths moves it by far less
+    than 1% of lr, except for the odd element whose gradient is within rounding of 0, which can
+    move by up to lr. So: every element within lr, all but 0.1% within 1% of lr."""
+    for name in expected:
+        difference = (actual[name] - expected[name]).abs()
+        assert float(difference.max()) <= learning_rate, name
+        num_off = int((difference > 0.01 * learning_rate).sum())
+        assert num_off <= 0.001 * difference.numel(), (name, num_off)
 
 
 def test_save_load_resume_is_bit_identical(cache_dir, tmp_path):
