@@ -183,16 +183,25 @@ def _chain(patch_file: pathlib.Path) -> list[tuple[ApplyMethod, list[str]]]:
     ]
 
 
-def git(worktree: pathlib.Path, *args: str, check: bool = True,
-        timeout: float = _APPLY_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """Runs git in `worktree` with a fixed identity and no user/system config."""
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8",
+# git and the appliers run with no user or system configuration and a fixed identity.
+GIT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8",
            "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
-           "GIT_TERMINAL_PROMPT": "0", "GIT_AUTHOR_NAME": "dockyard", "GIT_AUTHOR_EMAIL":
-           "dockyard@localhost", "GIT_COMMITTER_NAME": "dockyard",
+           "GIT_TERMINAL_PROMPT": "0", "GIT_AUTHOR_NAME": "dockyard",
+           "GIT_AUTHOR_EMAIL": "dockyard@localhost", "GIT_COMMITTER_NAME": "dockyard",
            "GIT_COMMITTER_EMAIL": "dockyard@localhost"}
-    return subprocess.run(["git", "-C", str(worktree), *args], env=env, capture_output=True,
-                          text=True, errors="replace", timeout=timeout, check=check)
+
+
+def git(worktree: pathlib.Path, *args: str, check: bool = True,
+        timeout: float = _APPLY_TIMEOUT_S, text: bool = True,
+        input: bytes | None = None) -> subprocess.CompletedProcess:
+    """Runs git in `worktree` with GIT_ENV. `text=False`: bytes in (`input`) and out, for -z
+    output whose file names need not be UTF-8 (text mode decodes with replacement)."""
+    if text:
+        return subprocess.run(["git", "-C", str(worktree), *args], env=GIT_ENV,
+                              capture_output=True, text=True, errors="replace", timeout=timeout,
+                              check=check)
+    return subprocess.run(["git", "-C", str(worktree), *args], env=GIT_ENV, input=input,
+                          capture_output=True, timeout=timeout, check=check)
 
 
 def reset_worktree(worktree: pathlib.Path) -> None:
@@ -254,10 +263,7 @@ def apply_patch(worktree: pathlib.Path, patch: str, scratch_dir: pathlib.Path, *
             result = subprocess.run([*limit, *command], cwd=worktree, capture_output=True,
                                     text=True, errors="replace", timeout=_APPLY_TIMEOUT_S,
                                     stdin=subprocess.DEVNULL,
-                                    env={"PATH": "/usr/local/bin:/usr/bin:/bin",
-                                         "HOME": "/nonexistent", "LANG": "C.UTF-8",
-                                         "GIT_CONFIG_NOSYSTEM": "1",
-                                         "GIT_CONFIG_GLOBAL": "/dev/null"})
+                                    env=GIT_ENV)
         except subprocess.TimeoutExpired:
             messages.append(f"{method.value}: timed out after {_APPLY_TIMEOUT_S}s")
             continue

@@ -393,9 +393,11 @@ class _Scoring:
                       all_test_files: list[str]) -> str:
         """Restores the held-out files from `commit` and applies the gold test patch; returns
         git's complaint, or "" when both worked."""
-        existing = [path for path in all_test_files
-                    if apply_lib.git(worktree, "cat-file", "-e", f"{commit}:{path}",
-                                     check=False).returncode == 0]
+        # One listing of the base tree (no pathspecs: test file names may hold glob characters).
+        listed = apply_lib.git(worktree, "ls-tree", "-r", "-z", "--name-only", "--full-tree",
+                               commit, text=False).stdout
+        at_base = {os.fsdecode(name) for name in listed.split(b"\0") if name}
+        existing = [path for path in all_test_files if path in at_base]
         if existing:
             restored = apply_lib.git(worktree, "checkout", commit, "--", *existing, check=False)
             if restored.returncode != 0:

@@ -141,12 +141,10 @@ def interpreter_paths() -> list[pathlib.Path]:
 def run_pytest(pytest_args: Sequence[str], worktree: pathlib.Path, scratch_dir: pathlib.Path,
                limits: RunnerLimits, *, canaries: bool = True,
                hidden_paths: Sequence[pathlib.Path] = (),
-               plugins: Sequence[str] = (),
                patched_files: Sequence[str] = ()) -> tuple[isolation.SandboxResult, RunEvidence]:
     """Runs pytest with `pytest_args` on a copy of `worktree` inside the sandbox (module
     docstring). `scratch_dir` (executor-owned, outside the worktree) receives the runner's files.
-    `plugins`: module names of installed pytest plugins to load (imported before the worktree is
-    on sys.path). `patched_files`: repository paths the agent's patch changed; a test whose code
+    `patched_files`: repository paths the agent's patch changed; a test whose code
     comes from one of them (other than its own module) is tampering. Raises isolation.SandboxUnavailableError when the sandbox cannot start;
     whatever the tests do ends in the returned evidence."""
     runner_dir = scratch_dir / f"runner-{secrets.token_hex(8)}"
@@ -177,7 +175,7 @@ def run_pytest(pytest_args: Sequence[str], worktree: pathlib.Path, scratch_dir: 
         "report_name": f"junit-{secrets.token_hex(8)}.xml", "suite_name": suite_name,
         "canaries": canaries, "canary_path": str(inside_runner / canary_file.name),
         "canary_names": list(canary_names), "events_fd": events_channel.child_fd,
-        "report_fd": report_channel.child_fd, "pytest_args": args, "plugins": list(plugins),
+        "report_fd": report_channel.child_fd, "pytest_args": args,
         "patched_files": list(patched_files),
     }
     interpreter = [pathlib.Path(p) for p in interpreter_paths()]

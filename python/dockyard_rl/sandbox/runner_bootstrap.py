@@ -42,11 +42,13 @@ anything. This script makes the generic tricks visible; the residual risk is an 
 reimplements this protocol exactly (docs/sandbox.md, "threat model").
 """
 
+import errno
 import hashlib
 import inspect
 import io
 import json
 import os
+import pathlib
 import shutil
 import stat
 import sys
@@ -55,7 +57,6 @@ import tempfile
 # Captured before any untrusted code runs: later rebinding of these names cannot stop the report.
 _write = os.write
 _exit = os._exit
-_fspath = os.fspath
 _basename = os.path.basename
 _getframe = sys._getframe
 _dumps = json.dumps
@@ -94,12 +95,7 @@ class Reporter:
             return
         self.counts[event] = count + 1
         fields["event"] = event
-        data = (_dumps(fields, default=str) + "\n").encode("utf-8", "replace")
-        try:
-            while data:
-                data = data[_write(self.fd, data):]
-        except OSError:
-            pass
+        self.send_bytes(self.fd, (_dumps(fields, default=str) + "\n").encode("utf-8", "replace"))
 
     def send_bytes(self, fd, data):
         try:
@@ -111,8 +107,9 @@ class Reporter:
 
 
 def copy_tree(source, dest):
-    """Copies `source` into the existing directory `dest`, without recursion and without following
-    symlinks; keeps modes. Raises OSError (ENOSPC when the tmpfs is full)."""
+    """Copies `source` into the existing directory `dest`, without recursion (shutil.copytree
+    recurses, and a patch can nest directories past Python's recursion limit) and without following
+    symlinks; keeps file modes. Raises OSError (ENOSPC when the tmpfs is full)."""
     pending = [(source, dest)]
     while pending:
         src_dir, dst_dir = pending.pop()
@@ -122,15 +119,13 @@ def copy_tree(source, dest):
                 if entry.is_symlink():
                     os.symlink(os.readlink(entry.path), target)
                 elif entry.is_dir(follow_symlinks=False):
-                    os.mkdir(target, 0o700)
+                    os.mkdir(target, 0o755)
                     pending.append((entry.path, target))
                 elif entry.is_file(follow_symlinks=False):
                     with open(entry.path, "rb") as src, open(target, "wb") as dst:
                         shutil.copyfileobj(src, dst, _COPY_CHUNK)
                     os.chmod(target, stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode)
                              | stat.S_IWUSR)
-        if dst_dir != dest:
-            os.chmod(dst_dir, 0o755)
 
 
 def protected_modules():
@@ -239,11 +234,10 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path):
     raised = {}
     pytest_dirs = tuple(os.path.dirname(os.path.dirname(m.__file__)) + os.sep
                         for m in (pytest, sys.modules["pluggy"]))
-    register_codes = set()
     import pluggy
     from _pytest.config import PytestPluginManager
-    register_codes.add(pluggy.PluginManager.register.__code__)
-    register_codes.add(PytestPluginManager.register.__code__)
+    register_codes = {pluggy.PluginManager.register.__code__,
+                      PytestPluginManager.register.__code__}
 
     class CanaryItem(pytest.Item):
         def __init__(self, *, must_fail_, **kwargs):
@@ -264,7 +258,6 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path):
 
     class RunnerPlugin:
         def __init__(self):
-            self.canaries = []
             self.tests_since_check = 0
             self.snapshot = snapshot
             self.reported = set()
@@ -283,11 +276,9 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path):
             # cannot drop them, and last, so that -x stops at a real failure first. They are not
             # command-line arguments: those would change pytest's rootdir and ini-file search.
             if settings["canaries"]:
-                import pathlib
                 canary_file = CanaryFile.from_parent(session, path=pathlib.Path(canary_path))
-                self.canaries = list(canary_file.collect())
                 items[:] = [item for item in items if not isinstance(item, CanaryItem)] + \
-                    self.canaries
+                    list(canary_file.collect())
             return result
 
         @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -398,7 +389,6 @@ def main():
     try:
         copy_tree(settings["source_dir"], worktree)
     except OSError as error:
-        import errno
         kind = "disk_limit" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "copy_failed"
         reporter.send("setup_error", kind=kind, detail=f"copying the worktree: {error}")
         _exit(_SETUP_FAILED_EXIT)
@@ -408,10 +398,6 @@ def main():
 
     import pytest
     from _pytest import junitxml
-    extra_plugins = []
-    for name in settings.get("plugins", ()):
-        __import__(name)
-        extra_plugins.append(sys.modules[name])
     snapshot = snapshot_runner()
     guard = Guard(reporter, report_path)
     guard.writer_codes.add(junitxml.LogXML.pytest_sessionfinish.__code__)
@@ -423,7 +409,7 @@ def main():
     args = list(settings["pytest_args"])
     args += [f"--junitxml={report_path}", "-o", f"junit_suite_name={settings['suite_name']}",
              "-o", "junit_family=xunit1", "-p", "no:cacheprovider"]
-    code = pytest.main(args, plugins=[plugin, *extra_plugins])
+    code = pytest.main(args, plugins=[plugin])
     # pytest undid its configure-time patches when it unconfigured: compare with start-up.
     plugin.check_runner(allowed=_CONFIGURE_CHANGES, against=snapshot)
     data = read_report(report_path)

@@ -103,6 +103,8 @@ import unicodedata
 import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping
 
+from dockyard_rl.sandbox import apply as apply_lib
+
 MAX_CHECKED_FILE_BYTES = 8 * 1024 * 1024
 MAX_VIOLATIONS = 200
 _GIT_TIMEOUT_S = 120
@@ -124,9 +126,6 @@ _HOOK_WORDS_RE = re.compile(r"\b(?:pytest_\w+|\w*hook(?:impl|spec))\b")
 
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_GIT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8",
-            "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
-            "GIT_TERMINAL_PROMPT": "0"}
 
 
 class TreeAuditError(RuntimeError):
@@ -181,12 +180,11 @@ class BaseTree:
 
 
 def _git_bytes(worktree: pathlib.Path, *args: str, stdin: bytes | None = None) -> bytes:
-    """git with the hardened environment of sandbox.apply.git, but bytes in and out: -z output
-    carries file names that need not be UTF-8 (apply.git decodes with replacement)."""
+    """sandbox.apply.git in bytes mode: -z output carries file names that need not be UTF-8.
+    Raises TreeAuditError when git fails (our own checkout: not the patch's doing)."""
     try:
-        result = subprocess.run(["git", "-C", str(worktree), *args], env=_GIT_ENV,
-                                input=stdin, capture_output=True, timeout=_GIT_TIMEOUT_S,
-                                check=False)
+        result = apply_lib.git(worktree, *args, check=False, timeout=_GIT_TIMEOUT_S, text=False,
+                               input=stdin)
     except (OSError, subprocess.TimeoutExpired) as error:
         raise TreeAuditError(f"git {args[0]} in {worktree}: {error}") from error
     if result.returncode != 0:
