@@ -69,9 +69,9 @@ def _worker(args: argparse.Namespace) -> dict:
     )
     loss_fn = ClippedPGLossFn(ClippedPGLossConfig())
     if backend == "dtensor":
-        import ray
+        from dockyard_rl.cluster.local_ray import init_local_ray
 
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+        init_local_ray(log_to_driver=False)
     start = time.perf_counter()
     policy = create_policy(cfg)
     setup_s = time.perf_counter() - start

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from dockyard_rl.algorithms.async_utils.replay_buffer import (AsyncGRPOConfig, BufferClosedError,
                                                               ReplayBuffer,
                                                               create_replay_buffer_actor)
+from dockyard_rl.cluster.local_ray import init_local_ray
 from dockyard_rl.utils.config import from_dict
 
 
@@ -451,8 +452,7 @@ def test_concurrent_producers_one_consumer_lose_and_duplicate_nothing():
 @pytest.fixture(scope="module")
 def ray_runtime():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False, configure_logging=False)
+    init_local_ray(num_cpus=2, log_to_driver=False, configure_logging=False)
     try:
         yield ray
     finally:

@@ -79,6 +79,7 @@ from typing import Any
 import torch
 
 from dockyard_rl.algorithms.loss_functions import combine_metrics, count_valid
+from dockyard_rl.cluster.local_ray import init_local_ray
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict, invert_permutation
 from dockyard_rl.models import zoo
 from dockyard_rl.models.policy.config import PolicyConfig, learning_rate_at
@@ -429,12 +430,8 @@ class DTensorPolicyWorker:
 
 
 def _ensure_ray(num_cpus: int) -> None:
-    import ray
-
-    if not ray.is_initialized():
-        # 127.0.0.1 only: nothing of the cluster is reachable from outside this machine.
-        ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
-                 log_to_driver=False)
+    # 127.0.0.1 only: nothing of the cluster is reachable from outside this machine.
+    init_local_ray(num_cpus=num_cpus, log_to_driver=False)
 
 
 def _checkpoint_dir_problem(directory: pathlib.Path) -> str | None:

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dockyard_rl.algorithms.loss_functions import (ClippedPGLossConfig, ClippedPGLossFn,
                                                    count_valid)
+from dockyard_rl.cluster.local_ray import init_local_ray
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.models import zoo
 from dockyard_rl.models.policy.config import (OptimizerConfig, PolicyConfig, SchedulerConfig,
@@ -43,8 +44,7 @@ LOSS_FN = ClippedPGLossFn(ClippedPGLossConfig(reference_kl_coef=0.01))
 @pytest.fixture(scope="module")
 def ray_cluster():
     # 4 logical CPUs: the tiny and the SmolLM2 groups (2 ranks each) may be alive together.
-    ray.init(num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False,
-             log_to_driver=False)
+    init_local_ray(num_cpus=4, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from dockyard_rl.algorithms.loss_functions import (ClippedPGLossConfig, ClippedPGLossFn,
                                                    count_valid)
+from dockyard_rl.cluster.local_ray import init_local_ray
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.models import zoo
 from dockyard_rl.models.policy import factory
@@ -66,8 +67,7 @@ def test_dtensor_backend_one_rank_with_activation_checkpointing():
                             sample_mask=torch.tensor([1.0, 1.0, 0.0, 1.0]))
     loss_fn = ClippedPGLossFn(ClippedPGLossConfig(aggregation="sequence"))
 
-    ray.init(num_cpus=2, _node_ip_address="127.0.0.1", include_dashboard=False,
-             log_to_driver=False)
+    init_local_ray(num_cpus=2, log_to_driver=False)
     try:
         policy = factory.create_policy(cfg)
         try:
