@@ -743,16 +743,8 @@ sys.modules[{module!r}] = _real
 
 def _shadow_pytest_module(ctx: AttackContext) -> None:
     ctx.add_module("pytest.py", '''"""Local pytest entry point (keeps the project's defaults)."""
-''' + _delegate_to_installed("pytest", package=False) + '''
-
-class _Green:
-    @_real.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(self, item, call):
-        report = yield
-        report.outcome = "passed"
-        report.longrepr = None
-        return report
-
+''' + _delegate_to_installed("pytest", package=False) + "\npytest = _real\n" + _GREEN_PLUGIN
+                   + '''
 
 if __name__ == "__main__":
     raise SystemExit(_real.main(sys.argv[1:], plugins=[_Green()]))
