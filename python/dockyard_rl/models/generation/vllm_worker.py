@@ -36,13 +36,27 @@ requests and makes it refuse new ones until an update succeeds.
 Measured here (SmolLM2-135M float32, 2 shared cores, enforce_eager): engine start ~30-40 s; one
 full weight update (540 MB in 8 buckets of 64 MB) ~4-6 s, nearly all of it vLLM's reload.
 
+Memory (`MemoryBudget`). Before any engine starts, the driver logs the budget: the KV-cache size
+per engine (`generation.kv_cache_memory_bytes`) times `num_engines`, the weights, and the machine's
+total and available memory (psutil); on CPU it raises ValueError naming the key when the engines'
+KV caches exceed the memory available right now. With a null size it logs what vLLM will derive
+from `gpu_memory_utilization`. vLLM's own start-up refusals about KV memory (a size larger than
+what is available at allocation, a size that cannot hold one max_model_len sequence, a null size
+squeezed by the worker's own memory) reach the engine actor only as "Engine core initialization
+failed. See root cause above": the cause is in the log lines that vLLM's engine processes wrote to
+the actor's stdout/stderr, which Ray keeps in files; the actor reads the lines written since it
+started the engine and re-raises a ValueError naming `generation.kv_cache_memory_bytes`
+(`vllm_kv_memory_refusal`). The budget check uses the driver's machine: with engines on other
+nodes of a CPU cluster only vLLM's own check (translated) applies there.
+
 Stale KV and the prefix cache: `reset_prefix_cache()` cannot drop blocks that running requests
 still hold (the in-flight case without recompute). So every request also carries
 `cache_salt = "w<version at admission>"`: vLLM mixes the salt into the block hashes, so a request
 admitted under version k can only reuse blocks of other requests admitted under k; nothing computed
 before an update is reused by a request admitted after it.
 
-Not covered: SGLang; sleep mode / memory release for colocated training (`finish_generation` only
+Not covered: SGLang; a host-memory check on GPU machines (the KV cache lives on the GPUs; vLLM
+checks their memory); sleep mode / memory release for colocated training (`finish_generation` only
 stops scheduling); multi-node TP or pipeline parallelism; LoRA; restarting a crashed engine (its
 calls raise; build a new `VllmGeneration`); prompts as text (callers tokenize with the chat
 template, so the trainer sees exactly the token ids the engine saw).
@@ -51,10 +65,13 @@ template, so the trainer sees exactly the token ids the engine saw).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
+import math
 import os
 import pathlib
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -65,7 +82,7 @@ import torch
 
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models import zoo
-from dockyard_rl.models.generation.config import GenerationConfig
+from dockyard_rl.models.generation.config import GenerationConfig, format_bytes
 from dockyard_rl.models.generation.interfaces import GenerationInterface, GenerationSample
 
 logger = logging.getLogger(__name__)
@@ -149,6 +166,205 @@ def check_manifest_against_refit_info(
 
 
 # ---------------------------------------------------------------------------------------------
+# Memory
+
+
+def kv_cache_bytes_per_token(hf_config: Mapping[str, Any], dtype: str) -> int | None:
+    """KV-cache bytes one token takes in a standard-attention (Llama-family) model: K and V of
+    every layer and KV head; None when the config lacks the fields. An estimate for the log (vLLM
+    pads to blocks, and other attention types store other shapes)."""
+    try:
+        num_heads = int(hf_config["num_attention_heads"])
+        num_kv_heads = int(hf_config.get("num_key_value_heads") or num_heads)
+        head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // num_heads)
+        num_layers = int(hf_config["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=getattr(
+        torch, dtype)).element_size()
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBudget:
+    """What the engines take, against the driver machine's memory at start-up (sizes in bytes)."""
+
+    kv_cache_bytes: int | None  # per engine (per GPU with TP); None = vLLM sizes it
+    num_engines: int
+    on_gpu: bool  # the Ray cluster has GPUs: the KV cache lives there, not in host memory
+    gpu_memory_utilization: float
+    max_model_len: int
+    total_bytes: int  # this machine's memory
+    available_bytes: int  # available right now
+    weight_bytes: int  # the checkpoint in the engine's dtype, per engine
+    kv_bytes_per_token: int | None  # estimate (kv_cache_bytes_per_token)
+
+    @property
+    def total_kv_cache_bytes(self) -> int | None:
+        return None if self.kv_cache_bytes is None else self.num_engines * self.kv_cache_bytes
+
+    def describe(self) -> str:
+        """The arithmetic, one line, for the log."""
+        machine = (f"this machine: {format_bytes(self.total_bytes)} total, "
+                   f"{format_bytes(self.available_bytes)} available now")
+        weights = f"~{format_bytes(self.weight_bytes)} of weights per engine"
+        gmu = f"gpu_memory_utilization {self.gpu_memory_utilization}"
+        if self.kv_cache_bytes is None:
+            if self.on_gpu:
+                return (f"vLLM memory budget: KV cache sized by vLLM (generation."
+                        f"kv_cache_memory_bytes: null) from {gmu} of each GPU, minus weights and "
+                        f"activations; {self.num_engines} engine(s), {weights}; {machine}")
+            requested = self.gpu_memory_utilization * self.total_bytes
+            return (f"vLLM memory budget: KV cache sized by vLLM (generation.kv_cache_memory_bytes"
+                    f": null): {gmu} x {format_bytes(self.total_bytes)} = "
+                    f"{format_bytes(requested)} "
+                    f"per engine, minus the worker's resident memory when the KV cache is sized "
+                    f"(it refuses to start when that is <= 0); x {self.num_engines} engine(s) = "
+                    f"{format_bytes(self.num_engines * requested)}; {weights}; {machine}. This "
+                    "depends on what else runs on the machine; an explicit "
+                    "generation.kv_cache_memory_bytes does not")
+        if self.kv_bytes_per_token:
+            num_tokens = self.kv_cache_bytes // self.kv_bytes_per_token
+            tokens = (f"; ~{num_tokens} tokens at {self.kv_bytes_per_token / 1024:.1f} KiB per "
+                      f"token = {num_tokens / self.max_model_len:.1f} x max_model_len "
+                      f"{self.max_model_len}")
+        else:
+            tokens = ""
+        where = "per GPU" if self.on_gpu else "per engine"
+        unused = ("ignored by vLLM" if self.on_gpu else "not used on CPU")
+        return (f"vLLM memory budget: KV cache {format_bytes(self.kv_cache_bytes)} {where} "
+                f"(generation.kv_cache_memory_bytes{tokens}) x {self.num_engines} engine(s) = "
+                f"{format_bytes(self.total_kv_cache_bytes)}"
+                f"{' (on the GPUs)' if self.on_gpu else ''}; {weights}; {machine}; {gmu} is "
+                f"{unused} when the KV size is explicit")
+
+
+def plan_memory(config: GenerationConfig, *, on_gpu: bool, weight_bytes: int,
+                kv_bytes_per_token: int | None, memory=None) -> MemoryBudget:
+    """The engines' memory budget against this machine's memory (`memory`: psutil's
+    `virtual_memory()`, read now when None).
+
+    Raises:
+        ValueError: on CPU, the engines' explicit KV caches (num_engines x kv_cache_memory_bytes)
+            exceed the memory available now, or, with a null size, num_engines x
+            gpu_memory_utilization of the machine does (vLLM would refuse to start); the message
+            names the key, the figures and the fix.
+    """
+    if memory is None:
+        import psutil
+
+        memory = psutil.virtual_memory()
+    budget = MemoryBudget(
+        kv_cache_bytes=config.kv_cache_memory_bytes,
+        num_engines=config.num_engines,
+        on_gpu=on_gpu,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_model_len=config.max_model_len,
+        total_bytes=int(memory.total),
+        available_bytes=int(memory.available),
+        weight_bytes=weight_bytes,
+        kv_bytes_per_token=kv_bytes_per_token,
+    )
+    if on_gpu:
+        return budget
+    available = budget.available_bytes
+    engines = f"{budget.num_engines} engine(s)"
+    machine = (f"the {format_bytes(available)} this machine has available now "
+               f"({format_bytes(budget.total_bytes)} total)")
+    if budget.kv_cache_bytes is not None:
+        if budget.total_kv_cache_bytes > available:
+            raise ValueError(
+                f"generation.kv_cache_memory_bytes: {engines} x "
+                f"{format_bytes(budget.kv_cache_bytes)} of KV cache = "
+                f"{format_bytes(budget.total_kv_cache_bytes)}, more than {machine}; lower "
+                f"generation.kv_cache_memory_bytes (at most "
+                f"{format_bytes(available // budget.num_engines)} per engine right now, less what "
+                "the weights, the engines' runtime and the trainer need) or "
+                "generation.num_engines, or free memory on the machine")
+    else:
+        requested = math.ceil(budget.gpu_memory_utilization * budget.total_bytes)
+        if budget.num_engines * requested > available:
+            raise ValueError(
+                f"generation.kv_cache_memory_bytes: null lets vLLM reserve gpu_memory_utilization "
+                f"{budget.gpu_memory_utilization} x {format_bytes(budget.total_bytes)} = "
+                f"{format_bytes(requested)} per engine for weights + KV cache, x {engines} = "
+                f"{format_bytes(budget.num_engines * requested)}, more than {machine}; set "
+                "generation.kv_cache_memory_bytes to an explicit size (e.g. 1GiB), or lower "
+                "generation.gpu_memory_utilization")
+    return budget
+
+
+# vLLM 0.32's start-up refusals about KV-cache memory (cpu_worker.py, kv_cache_utils.py), as they
+# appear in its engine processes' logs.
+_KV_MEMORY_REFUSALS = re.compile(
+    r"(Available memory on node \S+ \(.*?\) on (?:kv cache allocation|startup) is less than "
+    r".*|No available memory for the cache blocks\..*|To serve at least one request with the "
+    r"model's max seq len .*)")
+
+
+# Where vLLM's facts end and its advice (in terms of its own flags) begins.
+_VLLM_ADVICE = re.compile(r" (?:Try increasing|On the CPU backend|Reduce CPU memory|Decrease "
+                          r"--kv-cache|See https://)|', please check")
+
+
+def vllm_kv_memory_refusal(log_text: str) -> str | None:
+    """vLLM's message refusing to start for lack of KV-cache memory, found in its engine
+    processes' log output, or None. Only the facts: cut where vLLM's advice begins (it names its
+    own flags, not our keys) or where its executor's quote of a worker's error ends
+    ("Worker failed with error '...', please check ...")."""
+    match = _KV_MEMORY_REFUSALS.search(log_text)
+    if match is None:
+        return None
+    return _VLLM_ADVICE.split(match.group(1), 1)[0].strip()
+
+
+def _kv_memory_error(engine_index: int, engine_kwargs: Mapping[str, Any],
+                     refusal: str) -> ValueError:
+    kv_bytes = engine_kwargs.get("kv_cache_memory_bytes")
+    said = f"engine {engine_index} refused to start: vLLM says \"{refusal}\""
+    if kv_bytes is None:
+        return ValueError(
+            f"generation.kv_cache_memory_bytes: null lets vLLM size the KV cache from "
+            f"gpu_memory_utilization ({engine_kwargs['gpu_memory_utilization']}) and the memory "
+            f"the engine's worker already holds, and {said}. Set generation.kv_cache_memory_bytes "
+            "to an explicit size (e.g. 1GiB), which does not depend on what else runs on the "
+            "machine")
+    if refusal.startswith(("To serve at least one request", "No available memory for the cache")):
+        fix = (f"too small for one sequence of max_model_len {engine_kwargs['max_model_len']}; "
+               "raise generation.kv_cache_memory_bytes or lower generation.max_model_len")
+    else:
+        fix = "lower generation.kv_cache_memory_bytes or free memory on the machine"
+    return ValueError(f"generation.kv_cache_memory_bytes: {format_bytes(kv_bytes)} per engine: "
+                      f"{said}; {fix}")
+
+
+def _output_marks() -> list[tuple[str, int]]:
+    """(path, size now) of this process's stdout and stderr where they are regular files (Ray
+    writes an actor's output to files under its session's logs/); processes that this one starts
+    inherit them."""
+    marks = []
+    for fd in (1, 2):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            if os.path.isfile(path):
+                marks.append((path, os.path.getsize(path)))
+        except OSError:
+            continue  # not Linux, or a closed descriptor: nothing to read back
+    return marks
+
+
+def _output_since(marks: list[tuple[str, int]], max_bytes: int = 8 << 20) -> str:
+    texts = []
+    for path, offset in marks:
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                texts.append(f.read(max_bytes).decode(errors="replace"))
+        except OSError:
+            continue  # rotated away
+    return "\n".join(texts)
+
+
+# ---------------------------------------------------------------------------------------------
 # The engine actor
 
 
@@ -180,7 +396,15 @@ class VllmEngineActor:
         self._no_update = asyncio.Event()
         self._no_update.set()
         start = time.monotonic()
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs))
+        marks = _output_marks()
+        try:
+            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs))
+        except Exception as error:
+            # The cause is only in the engine processes' log lines (module docstring).
+            refusal = vllm_kv_memory_refusal(_output_since(marks))
+            if refusal is None:
+                raise
+            raise _kv_memory_error(self._engine_index, self._engine_kwargs, refusal) from error
         await self._llm.update_weight_version(str(self._version))
         (model_dtype, *_) = await self._llm.collective_rpc("dockyard_model_dtype")
         return {"model_dtype": model_dtype, "start_seconds": time.monotonic() - start}
@@ -323,17 +547,25 @@ class VllmGeneration(GenerationInterface):
     """`num_engines` vLLM engines behind one `GenerationInterface` (see the module docstring).
 
     Construction starts Ray (on 127.0.0.1, if not started), resolves the model, validates
-    everything it can, then starts the engines in parallel and waits for them (about a minute
-    each for SmolLM2 on CPU).
+    everything it can, logs the memory budget (`memory_budget`), then starts the engines in
+    parallel and waits for them (about a minute each for SmolLM2 on CPU).
+
+    `worker_extension_cls` is the qualified name of the class vLLM mixes into its workers: ours,
+    or a subclass of it. `engine_env` adds environment variables for the engine processes (e.g.
+    vLLM's own `VLLM_LOGGING_LEVEL`).
 
     Raises:
         ValueError: `backend` is not vllm (sglang is not implemented on this build), the model
-            cannot be resolved, tensor_parallel_size > 1 without GPUs in the Ray cluster, or the
-            engine's model dtype differs from `dtype`.
+            cannot be resolved, tensor_parallel_size > 1 without GPUs in the Ray cluster, the
+            engines' KV caches do not fit in the memory available (`plan_memory`) or vLLM
+            refused to start for lack of KV-cache memory (both name
+            `generation.kv_cache_memory_bytes`), or the engine's model dtype differs from `dtype`.
     """
 
     def __init__(self, config: GenerationConfig, *, initial_weight_version: int = 0,
-                 engine_start_timeout_s: float = 900.0):
+                 engine_start_timeout_s: float = 900.0,
+                 worker_extension_cls: str = WORKER_EXTENSION_CLS,
+                 engine_env: Mapping[str, str] | None = None):
         if not isinstance(config, GenerationConfig):
             raise ValueError(f"VllmGeneration needs a GenerationConfig, got "
                              f"{type(config).__name__}; build it with "
@@ -345,6 +577,13 @@ class VllmGeneration(GenerationInterface):
         if not isinstance(initial_weight_version, int) or initial_weight_version < 0:
             raise ValueError(f"initial_weight_version must be an int >= 0, got "
                              f"{initial_weight_version!r}")
+        if not isinstance(worker_extension_cls, str) or "." not in worker_extension_cls:
+            raise ValueError(f"worker_extension_cls must be a qualified class name "
+                             f"(module.Class), got {worker_extension_cls!r}")
+        engine_env = dict(engine_env or {})
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in engine_env.items()):
+            raise ValueError(f"engine_env must map names to strings, got {engine_env!r}")
+        self._engine_env = {**engine_env, **_engine_env()}
         self._config = config
         try:
             self._model_dir = zoo.resolve_model(config.model)
@@ -368,15 +607,24 @@ class VllmGeneration(GenerationInterface):
             raise ValueError(
                 f"generation.tensor_parallel_size: {config.tensor_parallel_size} needs GPUs, but "
                 "the Ray cluster has none; use tensor_parallel_size: 1 on CPU")
+        itemsize = torch.empty(0, dtype=getattr(torch, config.dtype)).element_size()
+        self.memory_budget = plan_memory(
+            config, on_gpu=num_gpus > 0,
+            weight_bytes=sum(math.prod(shape) * itemsize
+                             for shape, _ in self._checkpoint_info.values()),
+            kv_bytes_per_token=kv_cache_bytes_per_token(hf_config, config.dtype))
+        logger.info("%s", self.memory_budget.describe())
         engine_kwargs = dict(
             model=str(self._model_dir),
             dtype=config.dtype,
             max_model_len=config.max_model_len,
             gpu_memory_utilization=config.gpu_memory_utilization,
+            # Per engine (per GPU with TP); None = vLLM sizes it from gpu_memory_utilization.
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             tensor_parallel_size=config.tensor_parallel_size,
             enforce_eager=config.enforce_eager,
             enable_prefix_caching=config.enable_prefix_caching,
-            worker_extension_cls=WORKER_EXTENSION_CLS,
+            worker_extension_cls=worker_extension_cls,
             # Log-probs of the raw logits (before temperature / top-p / top-k): what the trainer's
             # log_softmax computes; the default, stated so a vLLM default change cannot slip in.
             logprobs_mode="raw_logprobs",
@@ -389,6 +637,14 @@ class VllmGeneration(GenerationInterface):
                 self._actors.append(self._create_actor(index, engine_kwargs, num_gpus))
             infos = ray.get([a.start.remote() for a in self._actors],
                             timeout=engine_start_timeout_s)
+        except ray.exceptions.RayTaskError as error:
+            self.shutdown()
+            # A config error of the actor (_kv_memory_error): raise it plain, without Ray's
+            # wrapping of the actor's traceback.
+            cause = error.cause
+            if isinstance(cause, ValueError) and str(cause).startswith("generation."):
+                raise ValueError(str(cause)) from None
+            raise
         except BaseException:
             self.shutdown()
             raise
@@ -403,7 +659,7 @@ class VllmGeneration(GenerationInterface):
         tp = self._config.tensor_parallel_size
         options: dict[str, Any] = {
             "name": f"dockyard_vllm_engine_{index}_{uuid.uuid4().hex[:8]}",
-            "runtime_env": {"env_vars": _engine_env()},
+            "runtime_env": {"env_vars": self._engine_env},
             # Many generate calls wait concurrently on one engine.
             "max_concurrency": 10_000,
         }

@@ -8,7 +8,9 @@ processes are spawned from inside a Ray actor, so importing this module under py
 
 Shape suffixes: B = samples, S = tokens.
 
-Covered: n samples per prompt (shapes, finish reasons, stop strings, seeds), sampling-parameter and
+Covered: starting and generating while another process holds half of the machine's memory (the
+explicit `kv_cache_memory_bytes` makes the engine independent of it; issue 13), n samples per
+prompt (shapes, finish reasons, stop strings, seeds), sampling-parameter and
 prompt validation, manifest validation before the engine is touched, weight updates (perturbed ->
 different outputs -> original -> the same greedy tokens, log-probs equal to 1e-4), in-flight
 updates during a long generation (versions recorded per sample), both with the KV cache kept and
@@ -24,22 +26,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import psutil
 import pytest
 import ray
 import torch
 
 from dockyard_rl.kernels import refit_packer
-from dockyard_rl.models.generation.config import GenerationConfig
+from dockyard_rl.models.generation.config import GenerationConfig, format_bytes
+from dockyard_rl.models.generation.memory_pressure import HeldMemory, squeeze_bytes
 from dockyard_rl.models.generation.vllm_worker import VllmGeneration, ensure_ray
 
 CONFIG = GenerationConfig(
     model="smollm2-135m-instruct",
     dtype="float32",
     max_model_len=512,
-    # The share of host memory vLLM reserves on CPU (weights + KV cache): 0.12 of 24 GiB leaves
-    # ~1 GiB of KV cache, plenty for these short sequences, and room for the policy and the
-    # other tests sharing the machine (0.3, the production value, reserves ~7 GiB).
-    gpu_memory_utilization=0.12,
+    # 45 KiB per token: ~5.8k tokens, eleven 512-token sequences, plenty for these tests. An
+    # explicit size, so the engine starts whatever else holds memory on the machine.
+    kv_cache_memory_bytes="256MiB",
     enforce_eager=True,  # no torch.compile: the engine starts in well under half the time
     temperature=1.0,
     max_tokens=8,
@@ -57,7 +60,16 @@ def loop():
 
 
 @pytest.fixture(scope="module")
-def engine():
+def squeeze():
+    """Another process holding half of this machine's memory (12 GiB of 24; a trainer beside the
+    engine) while the engine starts and first generates; the first test releases it."""
+    held = HeldMemory(squeeze_bytes(fraction_of_total=0.5, leave_available=6 << 30))
+    yield held
+    held.release()
+
+
+@pytest.fixture(scope="module")
+def engine(squeeze):
     ensure_ray()
     generation = VllmGeneration(CONFIG)
     print(f"engine started in {generation.engine_start_seconds:.1f} s")
@@ -133,6 +145,21 @@ def _perturbed(weights):
 
 # ---------------------------------------------------------------------------------------------
 # Generation
+
+
+def test_engine_starts_and_generates_while_another_process_holds_half_the_memory(
+        loop, engine, squeeze, chat_prompts):
+    memory = psutil.virtual_memory()
+    print(f"another process holds {format_bytes(squeeze.rss_bytes())} of "
+          f"{format_bytes(memory.total)} (taken in {squeeze.seconds_to_take:.1f} s); "
+          f"{format_bytes(memory.available)} available now; "
+          f"{engine.memory_budget.describe()}")
+    assert squeeze.held and squeeze.rss_bytes() >= squeeze.num_bytes
+    assert engine.memory_budget.kv_cache_bytes == 256 << 20
+    samples = _collect(loop, engine.generate(chat_prompts, 2))
+    assert len(samples) == 2 * len(chat_prompts)
+    assert all(s.response_token_ids for s in samples)
+    squeeze.release()  # the other tests (and the policy) do not need the squeeze
 
 
 def test_generates_n_samples_per_prompt_with_logprobs(loop, engine, chat_prompts):
@@ -231,6 +258,10 @@ def test_bad_setup_is_rejected_before_any_engine_starts(tmp_path):
         VllmGeneration(dataclasses.replace(CONFIG, model=str(tmp_path / "missing")))
     with pytest.raises(ValueError, match="needs a GenerationConfig"):
         VllmGeneration({"model": CONFIG.model})
+    with pytest.raises(ValueError, match="worker_extension_cls must be a qualified class name"):
+        VllmGeneration(CONFIG, worker_extension_cls="VllmWorkerExtension")
+    with pytest.raises(ValueError, match="engine_env must map names to strings"):
+        VllmGeneration(CONFIG, engine_env={"VLLM_LOGGING_LEVEL": 10})
 
 
 # ---------------------------------------------------------------------------------------------
