@@ -80,6 +80,7 @@ from typing import Any
 import ray
 import torch
 
+from dockyard_rl.cluster.local_ray import init_local_ray
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models import zoo
 from dockyard_rl.models.generation.config import GenerationConfig, format_bytes
@@ -112,8 +113,7 @@ _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 def ensure_ray() -> None:
     """Starts a local Ray on 127.0.0.1 unless the caller already started or joined one."""
-    if not ray.is_initialized():
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=True)
+    init_local_ray(log_to_driver=True)
 
 
 def checkpoint_refit_info(model_dir: pathlib.Path,
