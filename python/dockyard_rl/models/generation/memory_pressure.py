@@ -27,6 +27,7 @@ import time
 
 import psutil
 
+from dockyard_rl.models.generation.config import format_bytes
 from dockyard_rl.models.generation.vllm_worker_extension import VllmWorkerExtension
 
 BALLAST_BYTES_ENV = "DOCKYARD_TEST_WORKER_BALLAST_BYTES"
@@ -118,3 +119,11 @@ def process_tree_rss(pid: int) -> dict[int, int]:
         except psutil.NoSuchProcess:
             continue
     return rss
+
+
+def describe_squeeze(squeeze: HeldMemory, budget_description: str) -> str:
+    """One line for a test's log: what the helper holds, what is left, the engine's budget."""
+    memory = psutil.virtual_memory()
+    return (f"another process holds {format_bytes(squeeze.rss_bytes())} of "
+            f"{format_bytes(memory.total)} (taken in {squeeze.seconds_to_take:.1f} s); "
+            f"{format_bytes(memory.available)} available now; {budget_description}")

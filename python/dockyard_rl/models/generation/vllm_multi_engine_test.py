@@ -27,15 +27,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-import psutil
 import pytest
 import ray
 import torch
 
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models import zoo
-from dockyard_rl.models.generation.config import GenerationConfig, format_bytes
-from dockyard_rl.models.generation.memory_pressure import HeldMemory, squeeze_bytes
+from dockyard_rl.models.generation.config import GenerationConfig
+from dockyard_rl.models.generation.memory_pressure import (HeldMemory, describe_squeeze,
+                                                           squeeze_bytes)
 from dockyard_rl.models.generation.vllm_worker import VllmGeneration, ensure_ray
 
 NUM_ENGINES = 2
@@ -142,11 +142,7 @@ def _assert_logprobs_close(samples, expected_samples):
 
 def test_both_engines_start_and_generate_while_another_process_holds_half_the_memory(
         loop, engine, squeeze):
-    memory = psutil.virtual_memory()
-    print(f"another process holds {format_bytes(squeeze.rss_bytes())} of "
-          f"{format_bytes(memory.total)} (taken in {squeeze.seconds_to_take:.1f} s); "
-          f"{format_bytes(memory.available)} available now; "
-          f"{engine.memory_budget.describe()}")
+    print(describe_squeeze(squeeze, engine.memory_budget.describe()))
     assert squeeze.held and squeeze.rss_bytes() >= squeeze.num_bytes
     assert engine.memory_budget.total_kv_cache_bytes == NUM_ENGINES * (64 << 20)
     samples = _generate(loop, engine, PROMPTS[:2], 2)

@@ -26,14 +26,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-import psutil
 import pytest
 import ray
 import torch
 
 from dockyard_rl.kernels import refit_packer
-from dockyard_rl.models.generation.config import GenerationConfig, format_bytes
-from dockyard_rl.models.generation.memory_pressure import HeldMemory, squeeze_bytes
+from dockyard_rl.models.generation.config import GenerationConfig
+from dockyard_rl.models.generation.memory_pressure import (HeldMemory, describe_squeeze,
+                                                           squeeze_bytes)
 from dockyard_rl.models.generation.vllm_worker import VllmGeneration, ensure_ray
 
 CONFIG = GenerationConfig(
@@ -149,11 +149,7 @@ def _perturbed(weights):
 
 def test_engine_starts_and_generates_while_another_process_holds_half_the_memory(
         loop, engine, squeeze, chat_prompts):
-    memory = psutil.virtual_memory()
-    print(f"another process holds {format_bytes(squeeze.rss_bytes())} of "
-          f"{format_bytes(memory.total)} (taken in {squeeze.seconds_to_take:.1f} s); "
-          f"{format_bytes(memory.available)} available now; "
-          f"{engine.memory_budget.describe()}")
+    print(describe_squeeze(squeeze, engine.memory_budget.describe()))
     assert squeeze.held and squeeze.rss_bytes() >= squeeze.num_bytes
     assert engine.memory_budget.kv_cache_bytes == 256 << 20
     samples = _collect(loop, engine.generate(chat_prompts, 2))
