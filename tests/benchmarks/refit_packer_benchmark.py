@@ -1,10 +1,14 @@
 """Benchmark: refit packer bandwidth on a SmolLM2-135M-size parameter set, against memcpy.
 
     tools/bazel run //tests/benchmarks:refit_packer_benchmark [-- --device cuda --bucket-mb 64]
+    tools/bazel run //tests/benchmarks:refit_packer_benchmark -- --shrink 64   # per-call overhead
 
 The parameter set has SmolLM2-135M's real shapes (hidden 576, 30 layers, 9 query heads and 3 KV
 heads of dim 64, MLP intermediate 1536, vocabulary 49152, tied embeddings: no lm_head), as
 separate tensors like a model's, ~134.5M parameters; measured in float32 and bfloat16.
+``--shrink N`` divides every dim by N (rounded up): the same 272 tensors, a few hundred KB in all,
+so that the rows measure per-call host overhead (validation, conversions, native calls) rather
+than bandwidth.
 
 Rows, each the median over the repeats (after one warm-up), in GB/s of parameter bytes moved:
 
@@ -18,6 +22,8 @@ Rows, each the median over the repeats (after one warm-up), in GB/s of parameter
   one native call per bucket.
 - ``iter_pack ext`` / ``iter_pack torch``: the functional ``iter_pack`` (validates and converts
   every tensor on every call), with the C++/CUDA extension or the plain-torch path.
+- ``pack_bucket ext``: the functional ``pack_bucket`` once per bucket, each call given only that
+  bucket's tensors, into two reused buffers (what a sender that gathers one bucket at a time does).
 - ``unpack_into plan``: ``UnpackPlan.unpack_into`` of every bucket into preallocated destinations
   (one native call).
 - ``unpack_into ext`` / ``unpack_into torch``: the functional ``unpack_into``.
@@ -38,6 +44,7 @@ import time
 
 import torch
 
+from dockyard_rl.kernels import _extension
 from dockyard_rl.kernels import refit_packer as rp
 
 # SmolLM2-135M (HF LlamaForCausalLM config).
@@ -50,8 +57,11 @@ INTERMEDIATE = 1536
 VOCAB = 49152
 
 
-def smollm2_135m_shapes() -> dict[str, tuple[int, ...]]:
-    """HF parameter names and shapes of SmolLM2-135M (tied embeddings: no lm_head.weight)."""
+def smollm2_135m_shapes(shrink: int = 1) -> dict[str, tuple[int, ...]]:
+    """HF parameter names and shapes of SmolLM2-135M (tied embeddings: no lm_head.weight).
+
+    ``shrink``: every dim divided by it, rounded up (1 = the real shapes).
+    """
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, HIDDEN)}
     kv = NUM_KV_HEADS * HEAD_DIM
     for i in range(NUM_LAYERS):
@@ -66,7 +76,7 @@ def smollm2_135m_shapes() -> dict[str, tuple[int, ...]]:
         shapes[p + "input_layernorm.weight"] = (HIDDEN,)
         shapes[p + "post_attention_layernorm.weight"] = (HIDDEN,)
     shapes["model.norm.weight"] = (HIDDEN,)
-    return shapes
+    return {name: tuple(-(-d // shrink) for d in shape) for name, shape in shapes.items()}
 
 
 def _sync(device: torch.device) -> None:
@@ -88,11 +98,13 @@ def _median_seconds(fn, device: torch.device, repeats: int) -> tuple[float, floa
     return statistics.median(call_times), statistics.median(times)
 
 
-def run(dtype: torch.dtype, device: torch.device, bucket_bytes: int, repeats: int) -> tuple:
+def run(
+    dtype: torch.dtype, device: torch.device, bucket_bytes: int, repeats: int, shrink: int
+) -> tuple:
     gen = torch.Generator().manual_seed(0)
     named = {
         name: torch.randn(shape, generator=gen).to(dtype).to(device)
-        for name, shape in smollm2_135m_shapes().items()
+        for name, shape in smollm2_135m_shapes(shrink).items()
     }
     manifest = rp.plan_buckets(rp.describe_tensors(named), bucket_bytes)
     total = sum(t.numel() * t.element_size() for t in named.values())
@@ -119,7 +131,7 @@ def run(dtype: torch.dtype, device: torch.device, bucket_bytes: int, repeats: in
             [t.reshape(-1).view(torch.uint8) for t in tensors], out=cat_out
         ),
     }
-    ext_supports_device = rp.HAS_EXTENSION and (device.type == "cpu" or rp._ext.with_cuda)
+    ext_supports_device = _extension.supports_device(_extension.EXTENSION, device)
     plan_kind = "ext" if ext_supports_device else "torch"
     # Built once, as a sender / receiver does; falls back to torch without the extension.
     pack_plan = rp.PackPlan(named, manifest)
@@ -129,6 +141,14 @@ def run(dtype: torch.dtype, device: torch.device, bucket_bytes: int, repeats: in
     if ext_supports_device:
         ops["iter_pack ext"] = lambda: drain(rp.iter_pack(named, manifest, buffers, use_extension=True))
     ops["iter_pack torch"] = lambda: drain(rp.iter_pack(named, manifest, buffers, use_extension=False))
+    per_bucket = [
+        {e.name: named[e.name] for e in manifest.bucket_entries(b)} for b in range(manifest.num_buckets)
+    ]
+    if ext_supports_device:
+        ops["pack_bucket ext"] = lambda: [
+            rp.pack_bucket(per_bucket[b], manifest, b, out=buffers[b % 2], use_extension=True)
+            for b in range(manifest.num_buckets)
+        ]
     ops[f"unpack_into plan {plan_kind}"] = lambda: unpack_plan.unpack_into(packed)
     if ext_supports_device:
         ops["unpack_into ext"] = lambda: rp.unpack_into(packed, manifest, dests, use_extension=True)
@@ -166,20 +186,26 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=64, help="bucket size in MiB")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument(
+        "--shrink", type=int, default=1, help="divide every dim by this (per-call overhead)"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     print(
         f"device={device} extension={rp.HAS_EXTENSION} "
-        f"cpu_threads={torch.get_num_threads()} bucket={args.bucket_mb} MiB repeats={args.repeats}"
+        f"cpu_threads={torch.get_num_threads()} bucket={args.bucket_mb} MiB repeats={args.repeats} "
+        f"shrink={args.shrink}"
     )
     header = (
         f"{'dtype':<9} {'operation':<22} {'call ms':>8} {'ms':>8} {'GB/s':>8} {'vs memcpy':>10}"
     )
     for dtype_name in args.dtypes:
         dtype = rp.DTYPES[dtype_name]
-        rows, total, num_buckets, exact = run(dtype, device, args.bucket_mb << 20, args.repeats)
+        rows, total, num_buckets, exact = run(
+            dtype, device, args.bucket_mb << 20, args.repeats, args.shrink
+        )
         print(
-            f"\n{dtype_name}: {total / 1e6:.1f} MB in {len(smollm2_135m_shapes())} tensors, "
+            f"\n{dtype_name}: {total / 1e6:.3f} MB in {len(smollm2_135m_shapes())} tensors, "
             f"{num_buckets} buckets; round trip bit-exact: {exact}"
         )
         print(header)
