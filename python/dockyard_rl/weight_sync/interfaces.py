@@ -13,6 +13,8 @@ States and the only legal order (anything else raises WeightSyncOrderError):
     STALE   --mark_stale()-->  STALE    (one more pending version)
     SYNCED  --mark_stale()-->  STALE    (the trainer stepped again before the wake)
     STALE   --sync_weights() whose hook raises or times out-->  FAILED
+            (a hook raising TimeoutError, e.g. a transport whose peer died, is reported as
+            WeightSyncTimeoutError like a missed deadline)
     FAILED  --sync_weights()-->  SYNCED (retry)          FAILED --mark_stale()--> FAILED
     SYNCED  --prepare_for_generation() whose hook raises or times out-->  SYNCED (retry)
     READY   --prepare_for_generation()-->  READY    (idempotent no-op; the hook is not called)
@@ -43,6 +45,9 @@ Who calls it: only the driver/controller process (the GRPO loop), never the trai
 ranks themselves; the transport hooks fan out to the ranks. All methods are thread-safe (one
 lock), so a metrics reporter thread may read state while the loop syncs.
 
+`BucketSender` (end of this file) is the trainer-side half of a push transport: what each
+transport module implements for the trainer's sending rank (weight_sync/sender.py drives it).
+
 Not covered here: the transports, bucketing, and the check of incoming names/shapes/dtypes
 (each transport validates its manifest before touching the engine), and the factory.
 """
@@ -54,7 +59,12 @@ import enum
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from dockyard_rl.kernels.refit_packer import Manifest
 
 EXPECTED_ORDER = "mark_stale() -> sync_weights() -> prepare_for_generation()"
 
@@ -373,5 +383,53 @@ class WeightSynchronizer(abc.ABC):
                 f"succeeds (raise the timeout if the model is large, or check the transport)")
         if "error" in outcome:
             error = outcome["error"]
+            if isinstance(error, TimeoutError):
+                # The transport's own deadline: a peer died or went silent mid-transfer.
+                raise WeightSyncTimeoutError(
+                    f"{type(self).__name__}.{name} for weight version {version} timed out: "
+                    f"{error}") from error
             raise WeightSyncError(f"{type(self).__name__}.{name} for weight version {version} "
                                   f"failed: {type(error).__name__}: {error}") from error
+
+
+class BucketSender(abc.ABC):
+    """The sending endpoint of one transport session (lives in the trainer's sending rank).
+
+    Call order per sync: `buffer(b)` -> pack into it -> `send(b, bucket)`, for b = 0, 1, ... in
+    order, then `finish()`. `close()` ends the session (idempotent). Any method may raise; the
+    session is then unusable and the driver closes it.
+    """
+
+    num_buffers = 2
+
+    def __init__(self, manifest: Manifest):
+        self.manifest = manifest
+        self.version = -1
+
+    def begin(self, manifest: Manifest, version: int) -> None:
+        """Starts one sync of `manifest` at weight `version` (the session may outlive a
+        manifest: the trainer's refit layout never changes, but it is re-checked)."""
+        if manifest.to_dict() != self.manifest.to_dict():
+            raise ValueError("the manifest changed since the session was opened; close the "
+                             "session and open a new one")
+        self.version = version
+
+    @abc.abstractmethod
+    def buffer(self, bucket_index: int) -> torch.Tensor:
+        """A 1-D uint8 tensor of at least the bucket's size to pack bucket `bucket_index` into;
+        blocks until the send that last used it has completed."""
+
+    @abc.abstractmethod
+    def send(self, bucket_index: int, bucket: torch.Tensor) -> None:
+        """Starts sending the packed bucket (may return before it is delivered)."""
+
+    @abc.abstractmethod
+    def finish(self) -> None:
+        """Blocks until every bucket of this sync is delivered (raises on failure/timeout)."""
+
+    def endpoint(self) -> dict[str, Any]:
+        """What the engine side needs to reach this sender (plain data)."""
+        return {}
+
+    def close(self) -> None:
+        """Releases the session's resources. Idempotent."""

@@ -7,8 +7,10 @@ Who calls what. The GRPO loop (driver process) holds ONE `GenerationInterface` o
 controller over one or more engine actors (data-parallel engines, each with its tensor-parallel
 ranks) and fans every call out itself. The driver calls `generate`, `prepare_for_generation`,
 `finish_generation` and `shutdown`; the weight-sync transports (weight_sync/, driven by the
-`WeightSynchronizer`) call `prepare_refit_info`, `update_weights_from_buckets` and
-`pause_generation` / `resume_generation`. Methods are `async` and may be called concurrently from
+`WeightSynchronizer`) call `prepare_refit_info`, `update_weights_from_buckets` (buckets through the
+driver) or `open_weight_receiver` / `begin_weight_update` / `finish_weight_update` /
+`abort_weight_update` (buckets straight from the trainer), and `pause_generation` /
+`resume_generation`. Methods are `async` and may be called concurrently from
 one event loop: `generate` streams while a transport updates weights (in-flight updates).
 
 Call order:
@@ -152,6 +154,51 @@ class GenerationInterface(abc.ABC):
             RuntimeError: an engine failed while loading; it aborts its running requests and
                 refuses new ones until a later update succeeds.
         """
+
+    # The push transports (weight_sync/collective.py, ipc_zmq.py, http_push.py) deliver the
+    # buckets straight from the trainer: the driver opens the update, the transport fills it,
+    # the driver closes it. Call order per update: begin_weight_update -> finish_weight_update
+    # (which receives and loads) | abort_weight_update.
+
+    @abc.abstractmethod
+    def open_weight_receiver(self, transport: str, *, host: str = "127.0.0.1",
+                             max_bucket_bytes: int = 1 << 30) -> list[dict[str, Any]]:
+        """Per engine, what `transport` needs to reach it: at least "num_workers" (its
+        tensor-parallel ranks, each of which receives the buckets) and "node_id" (its Ray node);
+        for "http" also the "url" and "token" of its endpoint (bound on `host`; started on the
+        first call, accepting buckets up to `max_bucket_bytes`). Idempotent."""
+
+    @abc.abstractmethod
+    def engine_node_ids(self) -> list[str]:
+        """The Ray node id of every engine, for the transport choice (weight_sync/factory.py)."""
+
+    @abc.abstractmethod
+    async def begin_weight_update(self, manifest_dict: Mapping[str, Any], version: int, *,
+                                  recompute_kv_cache: bool | None = None) -> None:
+        """Checks the manifest and version as `update_weights_from_buckets` does, then pauses
+        every engine and opens a pending update of `version`.
+
+        Raises:
+            ValueError: a check failed (no engine touched). RuntimeError: an update is pending.
+        """
+
+    @abc.abstractmethod
+    async def finish_weight_update(self, receive_specs: Sequence[Mapping[str, Any]]
+                                   ) -> list[dict[str, float]]:
+        """Engine i receives the buckets as `receive_specs[i]` says (the transport's spec),
+        loads them, labels the version and resumes; returns per-engine timing figures
+        (at least "load_seconds").
+
+        Raises:
+            RuntimeError: no update is pending, or an engine failed (the cause is chained; a
+                TimeoutError when the trainer died). An engine that failed before loading keeps
+                its weights; one whose reload broke half-way refuses to generate until an update
+                succeeds.
+        """
+
+    @abc.abstractmethod
+    async def abort_weight_update(self) -> None:
+        """Drops a pending update everywhere; the models keep their weights. Idempotent."""
 
     @abc.abstractmethod
     async def pause_generation(self) -> None:

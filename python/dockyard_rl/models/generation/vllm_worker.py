@@ -85,6 +85,7 @@ from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models import zoo
 from dockyard_rl.models.generation.config import GenerationConfig, format_bytes
 from dockyard_rl.models.generation.interfaces import GenerationInterface, GenerationSample
+from dockyard_rl.weight_sync.manifest_check import check_manifest_against_refit_info, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -132,37 +133,6 @@ def checkpoint_refit_info(model_dir: pathlib.Path,
             for name in f.keys():
                 info[name] = (tuple(f.get_slice(name).get_shape()), dtype)
     return info
-
-
-def _dtype_name(dtype: torch.dtype | str) -> str:
-    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-
-
-def check_manifest_against_refit_info(
-    manifest: refit_packer.Manifest,
-    expected: Mapping[str, tuple[Sequence[int], torch.dtype | str]],
-) -> None:
-    """Raises ValueError naming the first difference between the manifest's tensors and
-    `expected` (names, shapes, dtypes); the manifest must hold exactly the expected names."""
-    expected_names = set(expected)
-    for entry in manifest.tensors:
-        if entry.name not in expected_names:
-            raise ValueError(
-                f"weight manifest: unexpected tensor {entry.name!r}: the engine's model has no "
-                f"such weight (expected HF names like {sorted(expected_names)[0]!r}); send the "
-                "names of prepare_refit_info()")
-        shape, dtype = expected[entry.name]
-        if tuple(entry.shape) != tuple(shape):
-            raise ValueError(f"weight manifest: tensor {entry.name!r} has shape {entry.shape} but "
-                             f"the engine expects {tuple(shape)}")
-        if entry.dtype != _dtype_name(dtype):
-            raise ValueError(f"weight manifest: tensor {entry.name!r} has dtype {entry.dtype} but "
-                             f"the engine expects {_dtype_name(dtype)}")
-    missing = sorted(expected_names - set(manifest.names))
-    if missing:
-        raise ValueError(
-            f"weight manifest: {len(missing)} expected tensor(s) missing, e.g. {missing[0]!r}; a "
-            "partial update would leave the engine with mixed weights, send all of them")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,8 +342,9 @@ class VllmEngineActor:
     """One vLLM AsyncLLM in a Ray async actor (create with `ray.remote(VllmEngineActor)`).
 
     All methods are coroutines on the actor's event loop, so generation requests, weight updates
-    and pauses interleave; `_update_lock` serialises weight updates and `_no_update` holds new
-    requests back while one runs (so a request's admission version is exact for requests that
+    and pauses interleave; one weight update at a time is pending (between
+    `begin_weight_update` and `finish_weight_update` / `abort_weight_update`), and `_no_update`
+    holds new requests back while it runs (so a request's admission version is exact for requests that
     arrive during an update).
     """
 
@@ -382,8 +353,9 @@ class VllmEngineActor:
         self._engine_index = engine_index
         self._version = initial_version
         self._llm = None
-        self._update_lock: asyncio.Lock | None = None
         self._no_update: asyncio.Event | None = None
+        self._pending: dict[str, Any] | None = None  # the update between begin and finish
+        self._http = None  # the HTTP endpoint of transport http, started on demand
         self._paused_by_caller = False
         self._weights_error: str | None = None  # set when a load failed half-way
 
@@ -392,7 +364,6 @@ class VllmEngineActor:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self._update_lock = asyncio.Lock()
         self._no_update = asyncio.Event()
         self._no_update.set()
         start = time.monotonic()
@@ -464,47 +435,63 @@ class VllmEngineActor:
 
     async def update_weights(self, manifest_dict: dict, buckets: list[torch.Tensor],
                              version: int, recompute_kv_cache: bool) -> dict[str, float]:
-        """Pause (keep requests) -> load -> label -> reset prefix cache -> resume."""
-        llm = self._engine()
-        async with self._update_lock:
-            if version <= self._version:
-                raise ValueError(f"weight version {version} is not newer than the engine's "
-                                 f"{self._version}")
-            self._no_update.clear()
-            start = time.monotonic()
-            try:
-                # clear_cache=True also drops the KV cache of running requests (vLLM preempts
-                # them; on resume they recompute prompt + tokens so far with the new weights);
-                # False keeps it.
-                await llm.pause_generation(mode="keep", clear_cache=recompute_kv_cache)
-                paused = time.monotonic()
-                await self._load(llm, manifest_dict, buckets)
-                loaded = time.monotonic()
-                self._version = version
-                await llm.update_weight_version(str(version))
-                # Returns False while running requests hold blocks (in-flight update without
-                # recompute); the cache salt covers that case (module docstring).
-                prefix_cache_reset = await llm.reset_prefix_cache(
-                    reset_running_requests=recompute_kv_cache)
-            finally:
-                if not self._paused_by_caller:
-                    await llm.resume_generation()
-                self._no_update.set()
-            return {"pause_seconds": paused - start, "load_seconds": loaded - paused,
-                    "total_seconds": time.monotonic() - start,
-                    "prefix_cache_reset": float(prefix_cache_reset)}
+        """The object_store path in one call: begin, the buckets as bytes, finish."""
+        await self.begin_weight_update(manifest_dict, version, recompute_kv_cache)
+        return await self.finish_weight_update({"transport": "object_store"}, buckets)
 
-    async def _load(self, llm, manifest_dict: dict, buckets: list[torch.Tensor]) -> None:
+    async def begin_weight_update(self, manifest_dict: dict, version: int,
+                                  recompute_kv_cache: bool) -> None:
+        """Pauses the scheduler (requests kept) and starts a pending update in the workers.
+        Exactly one `finish_weight_update` or `abort_weight_update` must follow."""
+        llm = self._engine()
+        if self._pending is not None:
+            raise RuntimeError(f"engine {self._engine_index}: the update to version "
+                               f"{self._pending['version']} is still pending; finish or abort it")
+        if version <= self._version:
+            raise ValueError(f"weight version {version} is not newer than the engine's "
+                             f"{self._version}")
+        self._pending = {"version": version, "start": time.monotonic(),
+                         "recompute": recompute_kv_cache}
+        self._no_update.clear()
         try:
+            # clear_cache=True also drops the KV cache of running requests (vLLM preempts
+            # them; on resume they recompute prompt + tokens so far with the new weights);
+            # False keeps it.
+            await llm.pause_generation(mode="keep", clear_cache=recompute_kv_cache)
+            self._pending["paused"] = time.monotonic()
             await llm.collective_rpc("dockyard_begin_weight_update", args=(manifest_dict,))
-            for index, bucket in enumerate(buckets):
-                # A memoryview of the CPU bucket: no copy before vLLM's serialiser.
-                data = bucket.detach().cpu().contiguous().numpy().data
-                await llm.collective_rpc("dockyard_receive_bucket", args=(index, data))
+            if self._http is not None:
+                self._http.expect(refit_packer.Manifest.from_dict(manifest_dict), version)
         except BaseException:
-            # Nothing was loaded yet: the model keeps its weights.
-            await llm.collective_rpc("dockyard_abort_weight_update")
+            await self.abort_weight_update()
             raise
+
+    async def finish_weight_update(self, receive: dict[str, Any],
+                                   buckets: list[torch.Tensor] | None = None) -> dict[str, float]:
+        """Receives the buckets the way `receive["transport"]` says, loads them, labels the new
+        version, resets the prefix cache and resumes. On a receive failure the pending update
+        is dropped (model untouched); on a load failure the engine refuses to generate until an
+        update succeeds."""
+        llm = self._engine()
+        pending = self._pending
+        if pending is None:
+            raise RuntimeError(f"engine {self._engine_index}: finish_weight_update without "
+                               "begin_weight_update")
+        try:
+            transport = receive["transport"]
+            if transport == "object_store":
+                for index, bucket in enumerate(buckets):
+                    # A memoryview of the CPU bucket: no copy before vLLM's serialiser.
+                    data = bucket.detach().cpu().contiguous().numpy().data
+                    await llm.collective_rpc("dockyard_receive_bucket", args=(index, data))
+            elif transport == "http":
+                await self._http.wait_complete(float(receive["timeout_s"]))
+            else:
+                await llm.collective_rpc("dockyard_receive_buckets", args=(receive,))
+        except BaseException:
+            await self.abort_weight_update()
+            raise
+        received = time.monotonic()
         try:
             await llm.collective_rpc("dockyard_finish_weight_update")
         except BaseException:
@@ -513,8 +500,69 @@ class VllmEngineActor:
             self._weights_error = f"weight update failed while loading (version {self._version} " \
                                   "was partly overwritten)"
             await llm.pause_generation(mode="abort", clear_cache=True)
+            await self._end_update()
             raise
+        loaded = time.monotonic()
         self._weights_error = None
+        self._version = pending["version"]
+        try:
+            await llm.update_weight_version(str(self._version))
+            # Returns False while running requests hold blocks (in-flight update without
+            # recompute); the cache salt covers that case (module docstring).
+            prefix_cache_reset = await llm.reset_prefix_cache(
+                reset_running_requests=pending.get("recompute", False))
+        finally:
+            await self._end_update()
+        return {"pause_seconds": pending.get("paused", pending["start"]) - pending["start"],
+                "receive_seconds": received - pending.get("paused", pending["start"]),
+                "load_seconds": loaded - received,
+                "total_seconds": time.monotonic() - pending["start"],
+                "prefix_cache_reset": float(prefix_cache_reset)}
+
+    async def abort_weight_update(self) -> None:
+        """Drops a pending update (the model keeps its weights) and resumes. Idempotent."""
+        if self._pending is None:
+            return
+        if self._http is not None:
+            self._http.cancel()
+        try:
+            await self._engine().collective_rpc("dockyard_abort_weight_update")
+        finally:
+            await self._end_update()
+
+    async def _end_update(self) -> None:
+        self._pending = None
+        try:
+            if not self._paused_by_caller:
+                await self._engine().resume_generation()
+        finally:
+            self._no_update.set()
+
+    async def open_weight_receiver(self, transport: str, host: str,
+                                   max_bucket_bytes: int) -> dict[str, Any]:
+        """What the driver needs to connect a transport to this engine (plain data)."""
+        import ray
+
+        info: dict[str, Any] = {"num_workers": self._engine_kwargs["tensor_parallel_size"],
+                                "node_id": ray.get_runtime_context().get_node_id()}
+        if transport == "http":
+            from dockyard_rl.weight_sync.http_push import HttpBucketReceiver
+
+            if self._http is None:
+                llm = self._engine()
+
+                async def deliver(index: int, data: bytes) -> None:
+                    await llm.collective_rpc("dockyard_receive_bucket", args=(index, data))
+
+                self._http = HttpBucketReceiver(deliver)
+                await self._http.start(host, max_bucket_bytes)
+            info.update(url=self._http.url, token=self._http.token)
+        return info
+
+    async def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     async def pause(self) -> None:
         self._paused_by_caller = True
@@ -528,6 +576,9 @@ class VllmEngineActor:
         return await self._engine().is_paused()
 
     async def shutdown(self) -> None:
+        if self._http is not None:
+            http, self._http = self._http, None
+            await http.stop()
         if self._llm is not None:
             llm, self._llm = self._llm, None
             llm.shutdown()
@@ -599,6 +650,7 @@ class VllmGeneration(GenerationInterface):
         self._ready = True
         self._closed = False
         self._update_lock = asyncio.Lock()
+        self._pending_version: int | None = None
         self._placement_groups = []
 
         ensure_ray()
@@ -815,7 +867,7 @@ class VllmGeneration(GenerationInterface):
         for name, value in refit_info.items():
             if not (isinstance(value, (tuple, list)) and len(value) == 2):
                 raise ValueError(f"refit_info[{name!r}] must be (shape, dtype), got {value!r}")
-            shape, dtype = tuple(value[0]), _dtype_name(value[1])
+            shape, dtype = tuple(value[0]), dtype_name(value[1])
             if name not in self._checkpoint_info:
                 raise ValueError(f"refit_info: the engine's model has no weight {name!r}; the "
                                  "trainer and the engine must run the same architecture")
@@ -837,15 +889,9 @@ class VllmGeneration(GenerationInterface):
                                           buckets: Sequence[torch.Tensor], version: int, *,
                                           recompute_kv_cache: bool | None = None) -> None:
         self._check_open()
-        if recompute_kv_cache is None:
-            recompute_kv_cache = self._config.recompute_kv_cache_after_weight_updates
-        if not isinstance(recompute_kv_cache, bool):
-            raise ValueError(f"recompute_kv_cache must be None (the config's "
-                             f"recompute_kv_cache_after_weight_updates) or a bool, got "
-                             f"{recompute_kv_cache!r}")
+        recompute_kv_cache = self._recompute_kv_cache(recompute_kv_cache)
         # Every check before any engine is touched.
-        manifest = refit_packer.Manifest.from_dict(manifest_dict)
-        check_manifest_against_refit_info(manifest, self._expected_refit_info)
+        manifest = self._checked_manifest(manifest_dict)
         if not isinstance(buckets, Sequence) or len(buckets) != manifest.num_buckets:
             raise ValueError(f"got {len(buckets) if isinstance(buckets, Sequence) else buckets!r} "
                              f"buckets but the manifest has {manifest.num_buckets}")
@@ -857,23 +903,109 @@ class VllmGeneration(GenerationInterface):
                     f"got {getattr(bucket, 'dtype', type(bucket).__name__)} of shape "
                     f"{tuple(getattr(bucket, 'shape', ()))}")
         async with self._update_lock:
-            if isinstance(version, bool) or not isinstance(version, int) \
-                    or version <= self._version:
-                raise ValueError(f"version must be an int larger than the engine's current weight "
-                                 f"version {self._version}, got {version!r}")
+            self._check_new_version(version)
             manifest_plain = manifest.to_dict()
             buckets_ref = ray.put([bucket.detach().cpu() for bucket in buckets])
-            results = await asyncio.gather(
-                *[_await_ref(a.update_weights.remote(manifest_plain, buckets_ref, version,
+            await self._on_every_engine(version, [
+                a.update_weights.remote(manifest_plain, buckets_ref, version, recompute_kv_cache)
+                for a in self._actors])
+
+    async def begin_weight_update(self, manifest_dict: Mapping[str, Any], version: int, *,
+                                  recompute_kv_cache: bool | None = None) -> None:
+        """Starts an update that a push transport delivers (weight_sync/push.py): checks the
+        manifest against the expected refit info and the version, then pauses every engine and
+        opens a pending update in its workers. `finish_weight_update` or `abort_weight_update`
+        must follow."""
+        self._check_open()
+        recompute_kv_cache = self._recompute_kv_cache(recompute_kv_cache)
+        manifest = self._checked_manifest(manifest_dict)
+        self._check_new_version(version)
+        if self._pending_version is not None:
+            raise RuntimeError(f"the update to version {self._pending_version} is still pending; "
+                               "finish or abort it first")
+        self._pending_version = version
+        results = await asyncio.gather(
+            *[_await_ref(a.begin_weight_update.remote(manifest.to_dict(), version,
                                                       recompute_kv_cache))
-                  for a in self._actors], return_exceptions=True)
-            errors = [r for r in results if isinstance(r, BaseException)]
-            if errors:
-                raise RuntimeError(f"weight update to version {version} failed on "
-                                   f"{len(errors)} of {len(self._actors)} engine(s); their weights "
-                                   f"are not trusted until an update succeeds") from errors[0]
-            self._version = version
-            self.last_update_stats = results
+              for a in self._actors], return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.abort_weight_update()
+            raise errors[0]
+
+    async def finish_weight_update(self, receive_specs: Sequence[Mapping[str, Any]]
+                                   ) -> list[dict[str, float]]:
+        """Each engine receives its buckets (`receive_specs[i]` for engine i, from the
+        transport), loads them and resumes. Returns each engine's timing figures.
+
+        Raises:
+            RuntimeError: no update is pending; or it failed on some engine (the cause is
+            chained: a TimeoutError when the trainer died); those engines keep their previous
+            weights, or refuse to generate when their reload broke half-way.
+        """
+        self._check_open()
+        version = self._pending_version
+        if version is None:
+            raise RuntimeError("finish_weight_update without begin_weight_update")
+        if len(receive_specs) != len(self._actors):
+            raise ValueError(f"got {len(receive_specs)} receive specs for "
+                             f"{len(self._actors)} engines")
+        try:
+            return await self._on_every_engine(version, [
+                a.finish_weight_update.remote(dict(spec))
+                for a, spec in zip(self._actors, receive_specs)])
+        finally:
+            self._pending_version = None
+
+    async def abort_weight_update(self) -> None:
+        """Drops the pending update on every engine (models untouched). Idempotent."""
+        self._pending_version = None
+        await asyncio.gather(*[_await_ref(a.abort_weight_update.remote())
+                               for a in self._actors], return_exceptions=True)
+
+    def open_weight_receiver(self, transport: str, *, host: str = "127.0.0.1",
+                             max_bucket_bytes: int = 1 << 30) -> list[dict[str, Any]]:
+        """Per engine: what a transport needs to reach it ({"num_workers", "node_id"}, plus
+        "url" and "token" of its HTTP endpoint for transport http, started on first call)."""
+        self._check_open()
+        return ray.get([a.open_weight_receiver.remote(transport, host, max_bucket_bytes)
+                        for a in self._actors], timeout=120)
+
+    def engine_node_ids(self) -> list[str]:
+        """The Ray node id of every engine actor (for the transport choice)."""
+        self._check_open()
+        return ray.get([a.node_id.remote() for a in self._actors], timeout=120)
+
+    async def _on_every_engine(self, version: int, refs: list) -> list[dict[str, float]]:
+        results = await asyncio.gather(*[_await_ref(ref) for ref in refs],
+                                       return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise RuntimeError(f"weight update to version {version} failed on "
+                               f"{len(errors)} of {len(self._actors)} engine(s); their weights "
+                               f"are not trusted until an update succeeds") from errors[0]
+        self._version = version
+        self.last_update_stats = results
+        return results
+
+    def _recompute_kv_cache(self, recompute_kv_cache: bool | None) -> bool:
+        if recompute_kv_cache is None:
+            return self._config.recompute_kv_cache_after_weight_updates
+        if not isinstance(recompute_kv_cache, bool):
+            raise ValueError(f"recompute_kv_cache must be None (the config's "
+                             f"recompute_kv_cache_after_weight_updates) or a bool, got "
+                             f"{recompute_kv_cache!r}")
+        return recompute_kv_cache
+
+    def _checked_manifest(self, manifest_dict: Mapping[str, Any]) -> refit_packer.Manifest:
+        manifest = refit_packer.Manifest.from_dict(manifest_dict)
+        check_manifest_against_refit_info(manifest, self._expected_refit_info)
+        return manifest
+
+    def _check_new_version(self, version: Any) -> None:
+        if isinstance(version, bool) or not isinstance(version, int) or version <= self._version:
+            raise ValueError(f"version must be an int larger than the engine's current weight "
+                             f"version {self._version}, got {version!r}")
 
     # ------------------------------------------------------------------------------ lifecycle
 

@@ -17,17 +17,20 @@ each layer's checkpoint-format parameters, feeds the HF-named tensors through th
 re-runs the layer's post-processing (repacking) in place. Tensors are handed to it as views into
 the received buckets (`refit_packer.unpack_bucket(copy=False)`).
 
-Buckets arrive as raw bytes, one `collective_rpc` per bucket, because vLLM's client -> engine-core
-RPC decodes untyped arguments as plain msgpack (a tensor argument would arrive as a list); the
-worker keeps the received buckets until the last one is in (peak memory: one model copy).
+Buckets reach the worker in one of two ways. Through the engine actor (transports object_store
+and http): as raw bytes, one `collective_rpc` per bucket, because vLLM's client -> engine-core RPC
+decodes untyped arguments as plain msgpack (a tensor argument would arrive as a list). Or straight
+from the trainer (collective, ipc_zmq): `dockyard_receive_buckets` runs the transport's receiver
+inside the worker (a gloo/NCCL broadcast, or a mapping of the trainer's shared memory). Either
+way the worker keeps the received buckets until the last one is in (peak memory: one model copy;
+none for ipc_zmq, whose buckets are mappings of the trainer's segments).
 
 The caller (vllm_worker.py's engine actor) validates the manifest against the expected refit info
 before calling in here and pauses the scheduler around the call; this module checks only what it
 must to not corrupt memory: the manifest's own consistency and every bucket's size, before the
 model is touched.
 
-Not covered: LoRA adapters, speculative-decoding draft models, quantised checkpoints, and
-receiving over NCCL (a collective transport would fill the same pending buckets).
+Not covered: LoRA adapters, speculative-decoding draft models, quantised checkpoints.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ class VllmWorkerExtension:
 
     A weight update is three collective calls, in this order (anything else raises RuntimeError):
     `dockyard_begin_weight_update(manifest_dict)`, then `dockyard_receive_bucket(index, data)` for
-    every bucket in any order, then `dockyard_finish_weight_update()`, which loads all buckets into
+    every bucket in any order (or one `dockyard_receive_buckets(spec)`), then `dockyard_finish_weight_update()`, which loads all buckets into
     the model at once (vLLM's reload must see every weight of a layer in one `load_weights` pass).
     `dockyard_abort_weight_update()` drops a half-received update without touching the model.
     """
@@ -82,6 +85,28 @@ class VllmWorkerExtension:
         pending.buckets[bucket_index] = (
             torch.frombuffer(bytearray(data), dtype=torch.uint8)
             if len(data) else torch.empty(0, dtype=torch.uint8))
+
+    def dockyard_receive_buckets(self, spec: dict) -> int:
+        """Receives every bucket of the begun update through a push transport (`collective`,
+        `ipc_zmq`: see dockyard_rl/weight_sync/); `spec` is the driver's receive spec (its
+        `transport` key picks the module). Returns the number of buckets received.
+
+        Raises:
+            RuntimeError: no update was begun. TimeoutError: the trainer died or went silent
+            (the pending update is dropped; the model is untouched).
+        """
+        from dockyard_rl.weight_sync import factory
+
+        pending = self._dockyard_pending("dockyard_receive_buckets")
+        device = next(self.get_model().parameters()).device
+        try:
+            buckets = factory.transport_module(spec["transport"]).receive_buckets(
+                pending.manifest, spec, int(getattr(self, "rank", 0)), device)
+        except BaseException:
+            self._dockyard_update = None
+            raise
+        pending.buckets[:] = buckets
+        return len(buckets)
 
     def dockyard_finish_weight_update(self) -> int:
         """Loads every received tensor (HF names) into the model in place; returns how many.

@@ -81,6 +81,7 @@ import torch
 from dockyard_rl.algorithms.loss_functions import combine_metrics, count_valid
 from dockyard_rl.cluster.local_ray import init_local_ray
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict, invert_permutation
+from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models import zoo
 from dockyard_rl.models.policy.config import PolicyConfig, learning_rate_at
 from dockyard_rl.models.policy.interfaces import LossFunction, PolicyInterface
@@ -96,8 +97,8 @@ _SCHEDULER_FILE = "scheduler.pt"
 _IDENTITY_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "intermediate_size",
                   "tie_word_embeddings")
-# Refit weights travel through Ray's object store in buckets of about this many bytes: one
-# all-gather round trip per bucket rather than per tensor, and a bounded peak on rank 0.
+# `iter_refit_weights` gathers in buckets of about this many bytes (the transports use their own
+# `weight_sync.bucket_size_bytes`).
 _REFIT_BUCKET_BYTES = 256 * 1024 * 1024
 # How long to wait for the placement group before concluding the cluster cannot hold it.
 _PLACEMENT_TIMEOUT_S = 120.0
@@ -339,6 +340,47 @@ class DTensorPolicyWorker:
             if self.rank == 0:
                 out[name] = full.to(device="cpu", dtype=dtype)
         return out if self.rank == 0 else None
+
+    def iter_full_buckets(self, manifest: refit_packer.Manifest
+                          ) -> Iterator[tuple[int, dict[str, torch.Tensor] | None]]:
+        """(bucket index, full tensors of that bucket) on rank 0, (index, None) elsewhere.
+        Collective: every rank must iterate to the end, in step."""
+        for b in range(manifest.num_buckets):
+            yield b, self.gather_weights([e.name for e in manifest.bucket_entries(b)])
+
+    def weight_sender_node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def open_weight_sender(self, session: str, transport: str, manifest_dict: dict,
+                           options: dict) -> dict[str, Any]:
+        from dockyard_rl.weight_sync import sender
+
+        return sender.open_session(session, transport, manifest_dict, options)
+
+    def send_weights(self, session: str, manifest_dict: dict,
+                     version: int) -> dict[str, float] | None:
+        """Collective: every rank gathers each bucket; rank 0 sends it (weight_sync/sender.py)."""
+        from dockyard_rl.weight_sync import sender
+
+        manifest = refit_packer.Manifest.from_dict(manifest_dict)
+        buckets = self.iter_full_buckets(manifest)
+        if self.rank != 0:
+            for _ in buckets:
+                pass
+            return None
+        try:
+            return sender.send_weights(session, manifest, version, buckets)
+        except BaseException:
+            for _ in buckets:  # finish the all-gathers, so the other ranks are not left waiting
+                pass
+            raise
+
+    def close_weight_sender(self, session: str) -> None:
+        from dockyard_rl.weight_sync import sender
+
+        sender.close_session(session)
 
     # -- checkpoints
 
@@ -660,20 +702,37 @@ class DTensorPolicy(PolicyInterface):
         return dict(self._refit_info)
 
     def iter_refit_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        info = self.prepare_refit_info()
-        buckets: list[list[str]] = [[]]
-        bucket_bytes = 0
-        for name, (shape, dtype) in info.items():
-            num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            if buckets[-1] and bucket_bytes + num_bytes > _REFIT_BUCKET_BYTES:
-                buckets.append([])
-                bucket_bytes = 0
-            buckets[-1].append(name)
-            bucket_bytes += num_bytes
-        for names in buckets:
+        # One all-gather round trip per bucket of the refit packer's layout (not per tensor),
+        # and a bounded peak on rank 0.
+        manifest = refit_packer.plan_buckets(self.prepare_refit_info(), _REFIT_BUCKET_BYTES)
+        for b in range(manifest.num_buckets):
+            names = [entry.name for entry in manifest.bucket_entries(b)]
             tensors = self._call_all("gather_weights", names)[0]
             for name in names:
                 yield name, tensors.pop(name)
+
+    def weight_sender_node_id(self) -> str:
+        import ray
+
+        return ray.get(self._actors[0].weight_sender_node_id.remote())
+
+    def open_weight_sender(self, session: str, transport: str, manifest_dict: dict[str, Any],
+                           options: dict[str, Any]) -> dict[str, Any]:
+        import ray
+
+        # The sender lives in rank 0, next to the gathered weights.
+        return ray.get(self._actors[0].open_weight_sender.remote(
+            session, transport, manifest_dict, options))
+
+    def send_weights(self, session: str, manifest_dict: dict[str, Any],
+                     version: int) -> dict[str, float]:
+        return self._call_all("send_weights", session, manifest_dict, version)[0]
+
+    def close_weight_sender(self, session: str) -> None:
+        import ray
+
+        if self._actors:
+            ray.get(self._actors[0].close_weight_sender.remote(session))
 
     def save_checkpoint(self, directory: pathlib.Path) -> None:
         import ray

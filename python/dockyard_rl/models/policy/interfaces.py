@@ -84,6 +84,43 @@ class PolicyInterface(abc.ABC):
         mapped back to what a Hugging Face checkpoint / vLLM expects). Tensors may be views of
         internal buffers: consume (copy or send) each before advancing the iterator."""
 
+    # -- weight-sync senders (weight_sync/sender.py). The defaults run the sender in the caller's
+    # process and export through `iter_refit_weights`; multi-rank backends override them to run
+    # it in their rank 0, next to the weights (only the driver's synchronizer calls these).
+
+    def weight_sender_node_id(self) -> str | None:
+        """The Ray node id of the process that sends weights (None: Ray is not running)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+    def open_weight_sender(self, session: str, transport: str, manifest_dict: dict[str, Any],
+                           options: dict[str, Any]) -> dict[str, Any]:
+        """Creates `transport`'s sender for `session` in the sending process (idempotent) and
+        returns its endpoint (plain data for the engines). Raises ValueError for an unknown
+        transport or a bad manifest."""
+        from dockyard_rl.weight_sync import sender
+
+        return sender.open_session(session, transport, manifest_dict, options)
+
+    def send_weights(self, session: str, manifest_dict: dict[str, Any],
+                     version: int) -> dict[str, float]:
+        """Packs every refit weight into the manifest's buckets and sends them through the open
+        `session` (blocking; the engines receive concurrently). Returns timing figures. Raises
+        whatever the transport raises (TimeoutError: the engine side died or went silent)."""
+        from dockyard_rl.kernels import refit_packer
+        from dockyard_rl.weight_sync import bucket_stream, sender
+
+        manifest = refit_packer.Manifest.from_dict(manifest_dict)
+        return sender.send_weights(session, manifest, version, bucket_stream.iter_manifest_buckets(
+            manifest, self.iter_refit_weights()))
+
+    def close_weight_sender(self, session: str) -> None:
+        """Closes `session`'s sender. Idempotent; unknown sessions are ignored."""
+        from dockyard_rl.weight_sync import sender
+
+        sender.close_session(session)
+
     @abc.abstractmethod
     def save_checkpoint(self, directory: pathlib.Path) -> None:
         """Writes HF-format weights (safetensors + config + tokenizer, loadable by transformers
