@@ -4,7 +4,8 @@ One module per kernel, each with a plain-torch path used when the extension is a
 
 - `advantages`: group-relative (leave-one-out / group-mean) advantages.
 - `logprobs`: fused log-prob gather (forward + backward, optional entropy).
-- `refit_packer`: packing named tensors into flat byte buckets for weight sync.
+- `refit_packer`: packing named tensors into flat byte buckets for weight sync (the facade of
+  `refit_manifest`, `refit_planning` and `refit_copy`).
 
 The extension is a top-level module the build puts on sys.path; `HAS_EXTENSION` says whether it
 imported.

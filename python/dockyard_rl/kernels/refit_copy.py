@@ -36,9 +36,10 @@ under two names) are not detected and receive the bytes of one of them.
 from __future__ import annotations
 
 import bisect
+import itertools
 import operator
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import torch
 
@@ -104,11 +105,11 @@ class _CopyPlan:
         manifest: Manifest,
         named: Mapping[str, torch.Tensor] | None,
         *,
-        device: torch.device | str | None,
-        use_extension: bool | None,
-        num_threads: int,
-        on_reallocation: str,
         where: str,
+        device: torch.device | str | None = None,
+        use_extension: bool | None = None,
+        num_threads: int = 0,
+        on_reallocation: str = "rebuild",
         one_call: bool = False,
     ) -> None:
         # where: starts every message ("PackPlan", or the functional call's name). one_call: the
@@ -174,43 +175,22 @@ class _CopyPlan:
         Raises:
             ValueError: a bad argument. RuntimeError: ``use_extension=True`` without the extension.
         """
-        plan = cls.__new__(cls)
-        _CopyPlan.__init__(
-            plan,
+        return cls._create(
             manifest,
             None,
+            cls.__name__,
             device=device,
             use_extension=use_extension,
             num_threads=num_threads,
-            on_reallocation="rebuild",
-            where=cls.__name__,
         )
-        return plan
 
     @classmethod
-    def _for_one_call(
-        cls,
-        manifest: Manifest,
-        named: Mapping[str, torch.Tensor] | None,
-        where: str,
-        *,
-        device: torch.device | None = None,
-        use_extension: bool | None,
-        num_threads: int,
+    def _create(
+        cls, manifest: Manifest, named: Mapping[str, torch.Tensor] | None, where: str, **kwargs: Any
     ) -> Self:
-        """The plan behind one call of the functional API ``where`` (messages start with it)."""
+        """A plan built past the subclass's ``__init__`` (whose signature requires tensors)."""
         plan = cls.__new__(cls)
-        _CopyPlan.__init__(
-            plan,
-            manifest,
-            named,
-            device=device,
-            use_extension=use_extension,
-            num_threads=num_threads,
-            on_reallocation="rebuild",
-            where=where,
-            one_call=True,
-        )
+        _CopyPlan.__init__(plan, manifest, named, where=where, **kwargs)
         return plan
 
     # -- Validation -------------------------------------------------------------------------------
@@ -284,13 +264,16 @@ class _CopyPlan:
 
     def _build(self) -> None:
         entries = self.manifest.tensors
+        self._memory = None  # Built when a bucket is first checked against the tensors.
+        self._native = None
+        if self._one_call:  # Nothing to keep alive or to track: only what the copy needs.
+            self._views = list(map(_same_size_int_view, self._tensors)) if self.uses_extension else []
+            return
         # Views keep the memory alive (see the class docstring); detach: DLPack refuses tensors
         # that require grad, and the plan never records autograd history.
         self._views = [_same_size_int_view(t) for t in self._tensors]
         self._data_ptrs = list(map(_DATA_PTR, self._tensors))
-        self._memory = _MemoryRanges(self._tensors, self.manifest.names)
-        self._native = None
-        if self.uses_extension and not self._one_call:
+        if self.uses_extension:
             self._native = _ext.RefitCopyPlan(
                 self._views,
                 [e.bucket for e in entries],
@@ -337,6 +320,8 @@ class _CopyPlan:
         """The per-call check: are the held tensors still where the plan copies them?"""
         if self._tensors is None:
             raise ValueError(f"{self._where}: {self._holds_nothing()}")
+        if self._one_call:  # Validated just now.
+            return
         if named is not None:
             if not isinstance(named, Mapping):
                 raise ValueError(
@@ -390,25 +375,32 @@ class _CopyPlan:
         first_bucket: int,
         given: list[torch.Tensor] | None = None,
         device: torch.device | None = None,
+        *,
+        fresh: bool = False,
     ) -> None:
         """THE copy between buckets ``first_bucket, ...`` and their tensors.
 
         ``buckets``: already checked (``_checked_bucket``), exactly their sizes. ``given``: None =
         the tensors the plan holds; else ONE bucket's tensors in manifest order, validated, on
         ``device``. Raises ValueError, before writing anything, when a tensor shares memory with
-        a bucket.
+        a bucket; ``fresh``: the caller allocated the buckets or the tensors just now, so they
+        cannot share memory and the check is skipped.
         """
         addresses = [b.data_ptr() for b in buckets]
-        memory = self._memory if given is None else _MemoryRanges(
-            given, [e.name for e in self._bucket(first_bucket).entries]
-        )
-        for k, (bucket, address) in enumerate(zip(buckets, addresses)):
-            name = memory.overlapping(address, bucket.numel())
-            if name is not None:
-                raise ValueError(
-                    f"{self._where}: {self._role} {name!r} shares memory with bucket "
-                    f"{first_bucket + k}"
-                )
+        if not fresh:
+            if given is not None:
+                memory = _MemoryRanges(given, [e.name for e in self._bucket(first_bucket).entries])
+            else:
+                if self._memory is None:
+                    self._memory = _MemoryRanges(self._tensors, self.manifest.names)
+                memory = self._memory
+            for k, (bucket, address) in enumerate(zip(buckets, addresses)):
+                name = memory.overlapping(address, bucket.numel())
+                if name is not None:
+                    raise ValueError(
+                        f"{self._where}: {self._role} {name!r} shares memory with bucket "
+                        f"{first_bucket + k}"
+                    )
         if given is None:
             device, uses_extension = self.device, self.uses_extension
             if self._native is not None:  # 1. The prepared native plan: addresses only.
@@ -541,16 +533,17 @@ class PackPlan(_CopyPlan):
         sizes = self.manifest.bucket_sizes
         if out is None:
             buckets = [torch.empty(size, dtype=torch.uint8, device=self.device) for size in sizes]
-        else:
-            label = self._label("pack")
-            if not isinstance(out, Sequence) or len(out) != len(sizes):
-                raise ValueError(
-                    f"{label}: out must be a sequence of {len(sizes)} tensors (one per bucket)"
-                )
-            buckets = [
-                _checked_bucket(o, b, sizes[b], self.device, f"{label}: out[{b}]", False, "tensor")
-                for b, o in enumerate(out)
-            ]
+            self._run(buckets, 0, fresh=True)
+            return buckets
+        label = self._label("pack")
+        if not isinstance(out, Sequence) or len(out) != len(sizes):
+            raise ValueError(
+                f"{label}: out must be a sequence of {len(sizes)} tensors (one per bucket)"
+            )
+        buckets = [
+            _checked_bucket(o, b, sizes[b], self.device, f"{label}: out[{b}]", False, "tensor")
+            for b, o in enumerate(out)
+        ]
         self._run(buckets, 0)
         return buckets
 
@@ -586,7 +579,7 @@ class PackPlan(_CopyPlan):
 
     def _pack_one(self, bucket_index: int, out: torch.Tensor | None) -> torch.Tensor:
         bucket = self._out_bucket(bucket_index, out, self.device, "pack_bucket")
-        self._run([bucket], bucket_index)
+        self._run([bucket], bucket_index, fresh=out is None)
         return bucket
 
     def pack_bucket_from(
@@ -632,7 +625,7 @@ class PackPlan(_CopyPlan):
             named, self._bucket(bucket_index).entries, device, exact=exact, bucket_index=bucket_index
         )
         bucket = self._out_bucket(bucket_index, out, device, "pack_bucket_from")
-        self._run([bucket], bucket_index, tensors, device)
+        self._run([bucket], bucket_index, tensors, device, fresh=out is None)
         return bucket
 
     def _out_bucket(
@@ -748,6 +741,9 @@ class UnpackPlan(_CopyPlan):
         self._run([checked], bucket_index, tensors, device)
 
 
+_PlanT = TypeVar("_PlanT", bound=_CopyPlan)
+
+
 # --- Functional API: one plan per call -----------------------------------------------------------
 
 
@@ -764,10 +760,7 @@ def pack(
     one device (the buckets' device). Raises ValueError naming the first mismatch, before packing.
     ``use_extension`` and ``num_threads`` as for ``PackPlan``.
     """
-    plan = PackPlan._for_one_call(
-        manifest, named_tensors, "pack", use_extension=use_extension, num_threads=num_threads
-    )
-    return plan.pack()
+    return _plan_for_call(PackPlan, "pack", manifest, named_tensors, use_extension, num_threads).pack()
 
 
 def iter_pack(
@@ -782,9 +775,7 @@ def iter_pack(
 
     Checks as ``pack``, when the first bucket is asked for.
     """
-    plan = PackPlan._for_one_call(
-        manifest, named_tensors, "iter_pack", use_extension=use_extension, num_threads=num_threads
-    )
+    plan = _plan_for_call(PackPlan, "iter_pack", manifest, named_tensors, use_extension, num_threads)
     yield from plan.iter_pack(buffers)
 
 
@@ -799,29 +790,13 @@ def pack_bucket(
 ) -> torch.Tensor:
     """Packs the tensors of bucket ``bucket_index`` and returns the bucket (1-D ``uint8``).
 
-    As ``PackPlan.pack_bucket_from``, except that ``named_tensors`` may hold other names too
-    (e.g. every tensor): only this bucket's are read. Without ``out`` the bucket is allocated on
-    the tensors' device.
-
-    Args:
-        named_tensors: must hold this bucket's names with the manifest's shapes and dtypes, on
-            one device; any strides.
-        out: a 1-D contiguous ``uint8`` tensor of at least the bucket's size on that device,
-            16-byte aligned (any fresh allocation is); the result is ``out[:size]``. None = a new
-            tensor.
-        use_extension: None = the extension when it supports the device, else torch; True = the
-            extension or RuntimeError; False = torch.
-        num_threads: CPU copy workers for the extension, 0 = automatic.
-
-    On CUDA the copy is queued on torch's current stream (not waited for).
-
-    Raises:
-        ValueError: a missing name, a shape, dtype or device mismatch, a bad ``out``, or a tensor
-            sharing memory with ``out``; all checked before anything is written.
+    ``PackPlan.from_manifest(manifest).pack_bucket_from(...)`` in one call (same arguments,
+    checks and errors; on CUDA queued on torch's current stream), except that ``named_tensors``
+    may hold other names too (e.g. every tensor): only this bucket's are read and checked. The
+    bucket lives on ``out``'s device, else on the tensors'. ``use_extension`` and ``num_threads``
+    as for ``PackPlan``.
     """
-    plan = PackPlan._for_one_call(
-        manifest, None, "pack_bucket", use_extension=use_extension, num_threads=num_threads
-    )
+    plan = _plan_for_call(PackPlan, "pack_bucket", manifest, None, use_extension, num_threads)
     return plan._pack_given(named_tensors, bucket_index, out, exact=False)
 
 
@@ -845,16 +820,11 @@ def unpack(
     checked = _checked_buckets(buckets, manifest, device, "unpack", "tensor")
     if not copy:
         return {e.name: _typed_view(checked[e.bucket], e) for e in manifest.tensors}
+    plan = _plan_for_call(UnpackPlan, "unpack", manifest, None, use_extension, num_threads, device)
     destinations = _new_tensors(manifest.tensors, device)
-    plan = UnpackPlan._for_one_call(
-        manifest,
-        destinations,
-        "unpack",
-        device=device,
-        use_extension=use_extension,
-        num_threads=num_threads,
-    )
-    plan.unpack_into(checked)
+    for b, bucket in enumerate(checked):  # New tensors from the manifest: nothing to validate.
+        tensors = [destinations[e.name] for e in plan._bucket(b).entries]
+        plan._run([bucket], b, tensors, device, fresh=True)
     return destinations
 
 
@@ -877,16 +847,12 @@ def unpack_bucket(
     checked = _checked_bucket(bucket, bucket_index, size, None, where, True, "tensor")
     if not copy:
         return {e.name: _typed_view(checked, e) for e in entries}
-    destinations = _new_tensors(entries, checked.device)
-    plan = UnpackPlan._for_one_call(
-        manifest,
-        None,
-        "unpack_bucket",
-        device=checked.device,
-        use_extension=use_extension,
-        num_threads=num_threads,
+    device = checked.device
+    plan = _plan_for_call(
+        UnpackPlan, "unpack_bucket", manifest, None, use_extension, num_threads, device
     )
-    plan.unpack_bucket_to(checked, bucket_index, destinations)
+    destinations = _new_tensors(entries, device)  # From the manifest: nothing to validate.
+    plan._run([checked], bucket_index, list(destinations.values()), device, fresh=True)
     return destinations
 
 
@@ -907,13 +873,9 @@ def unpack_into(
     and none may share memory with a bucket. The message names the first mismatch in manifest
     order, with the expected and the actual value.
     """
-    plan = UnpackPlan._for_one_call(
-        manifest,
-        destinations,
-        "unpack_into",
-        device=_device_of(buckets),
-        use_extension=use_extension,
-        num_threads=num_threads,
+    device = _device_of(buckets)
+    plan = _plan_for_call(
+        UnpackPlan, "unpack_into", manifest, destinations, use_extension, num_threads, device
     )
     plan.unpack_into(buckets)
 
@@ -928,15 +890,25 @@ def unpack_bucket_into(
     num_threads: int = 0,
 ) -> None:
     """``unpack_into`` for one bucket: only that bucket's names must be in ``destinations``."""
-    plan = UnpackPlan._for_one_call(
-        manifest,
-        None,
-        "unpack_bucket_into",
-        device=_device_of([bucket]),
-        use_extension=use_extension,
-        num_threads=num_threads,
+    device = _device_of([bucket])
+    plan = _plan_for_call(
+        UnpackPlan, "unpack_bucket_into", manifest, None, use_extension, num_threads, device
     )
     plan.unpack_bucket_to(bucket, bucket_index, destinations)
+
+
+def _plan_for_call(
+    cls: type[_PlanT],
+    where: str,
+    manifest: Manifest,
+    named: Mapping[str, torch.Tensor] | None,
+    use_extension: bool | None,
+    num_threads: int,
+    device: torch.device | None = None,
+) -> _PlanT:
+    """The plan behind one call of the functional API ``where`` (its messages start with it)."""
+    kwargs = {"device": device, "use_extension": use_extension, "num_threads": num_threads}
+    return cls._create(manifest, named, where, one_call=True, **kwargs)
 
 
 # --- Helpers -------------------------------------------------------------------------------------
@@ -966,23 +938,18 @@ class _MemoryRanges:
     def __init__(self, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> None:
         spans = []
         for t, name in zip(tensors, names):
-            n = t.numel()
-            if n == 0:
+            nbytes = t.nbytes
+            if nbytes == 0:
                 continue
+            if not t.is_contiguous():  # Strides are never negative in torch.
+                last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+                nbytes = (last + 1) * t.element_size()
             start = t.data_ptr()
-            if t.is_contiguous():
-                extent = n
-            else:  # Strides are never negative in torch.
-                extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-            spans.append((start, start + extent * t.element_size(), name))
+            spans.append((start, start + nbytes, name))
         spans.sort()
         self._spans = spans
-        self._starts = [s for s, _, _ in spans]
-        self._max_end = []
-        end = 0
-        for _, e, _ in spans:
-            end = max(end, e)
-            self._max_end.append(end)
+        self._starts = [start for start, _, _ in spans]
+        self._max_end = list(itertools.accumulate((end for _, end, _ in spans), max))
 
     def overlapping(self, address: int, nbytes: int) -> str | None:
         """The name of a tensor with a byte in ``[address, address + nbytes)``, else None."""
@@ -1091,6 +1058,8 @@ def _get_matching(
 
 def _overlaps_itself(t: torch.Tensor) -> bool:
     """True unless each stride clears the extent of all smaller ones (as the C++ core checks)."""
+    if t.is_contiguous():
+        return False
     dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1)
     extent = 0  # In elements, of the dims seen so far.
     for stride, size in dims:

@@ -858,7 +858,7 @@ def test_unpack_bucket_to(ext, use_extension):
         plan.unpack_into(buckets)
 
 
-def test_functional_messages_name_the_call(ext):
+def test_messages_name_the_call(ext):
     named = {"a": torch.ones(5), "b": torch.ones(2, 2)}
     manifest = plan_buckets(describe_tensors(named), 256, 16)
     with pytest.raises(ValueError, match=r"^pack: tensor 'b' of the manifest is missing"):
@@ -872,6 +872,8 @@ def test_functional_messages_name_the_call(ext):
         rc.unpack_into([bucket], manifest, {"b": torch.zeros(2, 2)})
     with pytest.raises(ValueError, match=r"^unpack: got 2 buckets but the manifest has 1"):
         rc.unpack([bucket, bucket], manifest)
+    with pytest.raises(ValueError, match=r"PackPlan.pack: out\[0\] is on meta but the tensors on cpu"):
+        rc.PackPlan(named, manifest).pack(out=[torch.empty(64, dtype=torch.uint8, device="meta")])
     with pytest.raises(ValueError, match=r"^unpack_bucket: bucket 0: expected 48 bytes"):
         rc.unpack_bucket(bucket[:32], manifest, 0, copy=False)
     with pytest.raises(ValueError, match=r"expected device meta \(the buckets'\), got cpu"):
@@ -1006,8 +1008,30 @@ def test_cuda_plan_side_stream_and_errors(ext):
         rc.UnpackPlan(manifest, dest).unpack_into([bucket])
     torch.cuda.synchronize()
     _assert_bit_equal(dest["w"], named["w"])
-    with pytest.raises(ValueError, match="is on cpu but the plan's tensors on cuda"):
+    with pytest.raises(ValueError, match="out\\[0\\] is on cpu but the tensors on cuda"):
         plan.pack(out=[torch.empty(manifest.bucket_sizes[0], dtype=torch.uint8)])
     with pytest.raises(ValueError, match="expected device cuda:0 \\(the plan's\\), got cpu"):
         rc.PackPlan({"w": torch.zeros(1024, 1024)}, manifest, device="cuda")
     assert rc.PackPlan(named, manifest, device="cuda").device == named["w"].device
+
+
+@requires_gpu
+@both_paths
+def test_cuda_pack_bucket_from(ext, use_extension):
+    if use_extension and not ext.with_cuda:
+        pytest.skip("_dockyard_kernels was built without CUDA (build with --config=cuda)")
+    gen = torch.Generator().manual_seed(13)
+    named_cpu = _layouts(torch.bfloat16, gen)
+    manifest = plan_buckets(describe_tensors(named_cpu), 1 << 12, 256)
+    expected = rc.pack(named_cpu, manifest, use_extension=False)
+    plan = rc.PackPlan.from_manifest(manifest, device="cuda", use_extension=use_extension)
+    buffers = [
+        torch.empty(manifest.max_bucket_size, dtype=torch.uint8, device="cuda") for _ in range(2)
+    ]
+    for b in range(manifest.num_buckets):
+        # "Gathered" on the current stream right before the pack, then dropped.
+        bucket_named = {e.name: named_cpu[e.name].cuda() for e in manifest.bucket_entries(b)}
+        bucket = plan.pack_bucket_from(bucket_named, b, out=buffers[b % 2])
+        assert bucket.is_cuda and torch.equal(bucket.cpu(), expected[b]), b
+    with pytest.raises(ValueError, match=r"expected device cuda:0 \(the plan's\), got cpu"):
+        plan.pack_bucket_from({e.name: named_cpu[e.name] for e in manifest.bucket_entries(0)}, 0)
