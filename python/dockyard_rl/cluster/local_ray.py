@@ -23,15 +23,29 @@ order (`RAY_AUTH_*` are Ray's own variables):
    outside this process tree can connect.
 
 Token authentication stays on in every case but 1. Not covered: joining a multi-node cluster
-(its token must be distributed by the operator, case 2-4).
+(its token must be distributed by the operator, case 2-4; see bootstrap.py).
+
+Two Ray 2.60 behaviours `init_local_ray` works around:
+
+- `ray.init()` without an address connects to the cluster named in `/tmp/ray/ray_current_cluster`
+  (written by `ray start` and by `ray.cluster_utils.Cluster`), even a stale one or another
+  user's: a local start passes address="local" (RAY_ADDRESS still wins, as Ray documents).
+- Ray rewrites a loopback address (127.0.0.1, localhost) given to `ray.init` or `ray start` into
+  the machine's outward IP ("make sure localhost isn't resolved to the loopback ip"), so
+  `_node_ip_address="127.0.0.1"` alone still binds every Ray server to that IP, reachable from
+  other machines. `loopback_resolution()` makes Ray's node-IP lookup answer 127.0.0.1 for the
+  duration of the call: the switch Ray itself uses where it does not support multi-node
+  clusters (`ray_constants.ENABLE_RAY_CLUSTER`, set by RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import os
 import pathlib
 import secrets
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
 
 AUTH_MODE, AUTH_TOKEN, AUTH_TOKEN_PATH = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
 
@@ -70,13 +84,45 @@ def ensure_ray_auth_token(environ: MutableMapping[str, str] = os.environ) -> str
     return "generated"
 
 
+def is_loopback(host: str) -> bool:
+    """True for localhost, 127.0.0.0/8 and ::1: an address that never leaves this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@contextlib.contextmanager
+def loopback_resolution(host: str = "127.0.0.1") -> Iterator[None]:
+    """While active, Ray resolves "this node's IP" to 127.0.0.1 instead of the outward IP, so a
+    loopback address given to ray.init stays loopback (module docstring). A no-op for a
+    non-loopback `host`. Only for the duration of a ray.init / node start: once connected, Ray
+    takes the node IP from the node it joined."""
+    if not is_loopback(host):
+        yield
+        return
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
 def init_local_ray(**init_kwargs) -> None:
     """`ray.init` for a cluster on this machine only (127.0.0.1, no dashboard), after
     `ensure_ray_auth_token`; a no-op when Ray is already initialised in this process (the caller
-    started or joined a cluster). `init_kwargs` go to ray.init (num_cpus, log_to_driver, ...)."""
+    started or joined a cluster). `init_kwargs` go to ray.init (num_cpus, log_to_driver, labels,
+    ...). RAY_ADDRESS, when set, makes this a connection to that cluster (Ray's rule)."""
     import ray
 
     if ray.is_initialized():
         return
     ensure_ray_auth_token()
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, **init_kwargs)
+    with loopback_resolution():
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+                 **init_kwargs)
