@@ -56,7 +56,9 @@ def _plasma_bytes_created() -> int:
     """Bytes ever created in Ray's object store (plasma) on this cluster."""
     from ray._private.internal_api import get_memory_info_reply, get_state_from_address
 
-    return get_memory_info_reply(get_state_from_address()).store_stats.cumulative_created_bytes
+    return get_memory_info_reply(
+        get_state_from_address(ray.get_runtime_context().gcs_address)  # ours, not another's
+    ).store_stats.cumulative_created_bytes
 
 
 def test_four_producers_every_batch_exactly_once(actors):

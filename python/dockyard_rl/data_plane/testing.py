@@ -140,8 +140,11 @@ class ExperienceProducer:
     def cache_batch(self, batch_size: int, seq_len: int) -> None:
         self._cached = ids_and_logprobs_batch(batch_size, seq_len)
 
-    def send_cached(self) -> int:
-        return self._sender.send(self._cached)
+    def send_cached(self, num_batches: int = 1) -> int:
+        """Sends the cached batch `num_batches` times; returns the last seq."""
+        for _ in range(num_batches):
+            seq = self._sender.send(self._cached)
+        return seq
 
     def return_cached(self) -> BatchedDataDict:
         """The object-store baseline: the batch as a task result."""
@@ -186,11 +189,9 @@ class ExperienceTrainer:
             return _error_name(error)
         return f"{delivery.producer_id}/{delivery.seq}"
 
-    def receive_count(self) -> int:
-        """Receives one batch; returns its number of tensor bytes (the benchmark's consumer)."""
-        batch = self._receiver.receive().batch
-        return sum(v.numel() * v.element_size() for v in batch.values()
-                   if isinstance(v, torch.Tensor))
+    def receive_count(self, num_batches: int = 1) -> int:
+        """Receives `num_batches`; returns their tensor bytes (the benchmark's consumer)."""
+        return sum(self.take_batch(self._receiver.receive().batch) for _ in range(num_batches))
 
     def take_batch(self, batch: BatchedDataDict) -> int:
         """The object-store baseline's consumer: the batch as a task argument."""
