@@ -7,7 +7,7 @@
       tensor_transport: gloo         # ray_direct only: gloo (CPU) | nccl (CUDA) | nixl
       max_in_flight_batches: 4       # per trainer-side receiver: reserved + delivered, unconsumed
       backpressure_timeout_s: 300    # a producer's send waits this long for a free slot
-      transfer_timeout_s: 120        # one transfer (reserve, tensors, acknowledgement)
+      transfer_timeout_s: 30         # one transfer (reserve, tensors, acknowledgement)
       receive_timeout_s: 600         # the trainer's receive waits this long for a batch
       max_metadata_bytes: 65536      # JSON size of metadata + list fields of one batch
 
@@ -51,7 +51,9 @@ class DataPlaneConfig:
             exceed it waits (back-pressure), then raises BackpressureTimeoutError.
         backpressure_timeout_s: how long `send` waits for a free slot, seconds > 0.
         transfer_timeout_s: deadline of one transfer (slot request, tensors, acknowledgement),
-            seconds > 0; a transfer that misses it raises DataPlaneTransportError.
+            seconds > 0; a transfer that misses it raises DataPlaneTransportError. Keep it under
+            Ray's own RDT limit (RAY_rdt_fetch_fail_timeout_milliseconds, 60 s), past which Ray
+            kills both actors of a stuck collective transfer (ray_direct.py).
         receive_timeout_s: how long `receive` waits for a batch, seconds > 0.
         max_metadata_bytes: upper bound on the JSON size of one batch's metadata dict plus its
             list fields. Keeps the non-tensor part small enough to ride inline in Ray's task
@@ -62,7 +64,7 @@ class DataPlaneConfig:
     tensor_transport: str = "gloo"
     max_in_flight_batches: int = 4
     backpressure_timeout_s: float = 300.0
-    transfer_timeout_s: float = 120.0
+    transfer_timeout_s: float = 30.0
     receive_timeout_s: float = 600.0
     max_metadata_bytes: int = 65536
 

@@ -24,10 +24,9 @@ turns verdicts into the exceptions of interfaces.py. Its state machine:
     unacked --send--> DataPlaneError ("call resend()")
     unacked --resend: ACCEPTED/DUPLICATE--> idle (next_seq += 1)
 
-Not covered: durability (a receiver that dies loses its buffer and its `expected` table; its
-producers then get SequenceGapError, which is how the loss is detected) and reservations of a
-producer that dies between reserve and deliver (the slot stays held until the plane is closed;
-a restarted producer with the same id reuses it).
+Not covered: durability (the ledger and buffer live in the receiver's memory and die with
+it) and reservations of a producer that dies between reserve and deliver (its slot stays held
+until the plane is closed).
 """
 
 from __future__ import annotations
@@ -349,8 +348,8 @@ class SequencedSender(DataPlaneSender):
             raise SequenceGapError(
                 f"{self._producer_id}: the receiver expects seq {reply.expected_seq} but this "
                 f"sender is at seq {seq}: batches {reply.expected_seq}..{seq - 1} never arrived "
-                f"(did the receiver restart?); the data plane cannot recover them: close the "
-                f"plane and connect a new one")
+                f"(was the sender restored from stale state?); the data plane cannot recover "
+                f"them: close the plane and connect a new one")
         if reply.verdict is Verdict.CLOSED:
             raise DataPlaneClosedError(f"{self._producer_id}: the receiver is closed")
         assert reply.verdict in (Verdict.ACCEPTED, Verdict.DUPLICATE), reply

@@ -25,9 +25,9 @@ Guarantees:
 - Exactly once per channel. Each batch carries (producer_id, seq). The receiver accepts seq ==
   expected only: a lower seq is a duplicate and is dropped (counted; the sender is told
   DUPLICATE and treats it as delivered); a higher seq is a gap and is rejected with
-  SequenceGapError on the sender (something was lost: a receiver that restarted, a sender that
-  lost its state). `send` returns only after the receiver acknowledged the batch, so a returned
-  seq is in the receiver's buffer (or already consumed).
+  SequenceGapError on the sender (batches were lost in between, e.g. a sender restored from
+  stale state, or a receiver whose ledger was reset). `send` returns only after the receiver
+  acknowledged the batch, so a returned seq is in the receiver's buffer (or already consumed).
 - Back-pressure. A receiver holds at most `max_in_flight_batches` batches: slots reserved for a
   transfer plus delivered-but-unconsumed batches. A producer reserves a slot BEFORE any tensor
   moves; when none is free it waits up to `backpressure_timeout_s` and raises
@@ -82,7 +82,7 @@ class ReceiveTimeoutError(DataPlaneError, TimeoutError):
 
 class SequenceGapError(DataPlaneError):
     """The receiver expects an earlier sequence number than the one sent: batches in between
-    never arrived (e.g. the receiver restarted and lost its state). Not retryable as is."""
+    never arrived. Not retryable as is."""
 
 
 class DataPlaneTransportError(DataPlaneError):

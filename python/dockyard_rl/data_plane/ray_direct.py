@@ -33,8 +33,8 @@ RDT alpha limits met, and what this module does about them:
    with the same backend: `connect` raises ValueError.
 3. A collective transfer cannot be aborted: when an RDT send/recv fails or exceeds
    RAY_rdt_fetch_fail_timeout_milliseconds (60 s), Ray kills BOTH actors and destroys the
-   group. The sender's own deadline (`transfer_timeout_s`) surfaces a DataPlaneTransportError
-   first; the run should treat it as fatal for that channel.
+   group. The sender's own deadline (`transfer_timeout_s`, 30 s by default) surfaces a
+   DataPlaneTransportError first; the run should treat it as fatal for that channel.
 4. Membership is fixed at `connect` (gloo/NCCL world sizes are static).
 
 Requirements on the actor classes (checked at `connect` where Ray allows):

@@ -104,6 +104,7 @@ def test_large_batch_arrives_bit_identical_outside_the_object_store(actors):
         "token_mask_BS": ("torch.bool", (256, 4096)),
         "loss_mask_BS": ("torch.float32", (256, 4096)),
         "rewards_B": ("torch.float32", (256,)),
+        "ref_logprobs_BS": ("torch.float32", (256, 4096)),
         "instance_ids": ("list", 256),
     }
     assert received["digest"] == sent_digest  # every byte, NaN payloads included

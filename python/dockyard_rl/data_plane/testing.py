@@ -35,7 +35,7 @@ def pattern_batch(producer_index: int, number: int, batch_size: int, seq_len: in
 def random_experience_batch(seed: int, batch_size: int, seq_len: int) -> BatchedDataDict:
     """Experience with arbitrary bit patterns: full-range int64 ids, float32 log-probs drawn as
     raw 32-bit words (NaN payloads, infinities, denormals, -0.0 included), bool and float masks,
-    float32 rewards and a list field."""
+    float32 rewards, a non-contiguous field and a list field."""
     generator = torch.Generator().manual_seed(seed)
     shape = (batch_size, seq_len)
     ids_BS = torch.randint(-2**63, 2**63 - 1, shape, dtype=torch.int64, generator=generator)
@@ -47,6 +47,8 @@ def random_experience_batch(seed: int, batch_size: int, seq_len: int) -> Batched
         token_mask_BS=torch.rand(shape, generator=generator) < 0.7,
         loss_mask_BS=(torch.rand(shape, generator=generator) < 0.5).to(torch.float32),
         rewards_B=torch.randn((batch_size,), generator=generator),
+        # A transposed view: not contiguous on the producer (collective transports copy it).
+        ref_logprobs_BS=torch.randn((seq_len, batch_size), generator=generator).t(),
         instance_ids=[f"instance-{seed}-{i}" for i in range(batch_size)])
 
 
