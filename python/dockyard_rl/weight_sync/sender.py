@@ -22,6 +22,7 @@ and a buffer is handed out again only after the send that used it completed.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -33,9 +34,16 @@ from dockyard_rl.kernels import refit_packer
 from dockyard_rl.weight_sync.interfaces import BucketSender
 
 
-# Sessions of this process: session id -> sender. Senders are created by the policy in the
+@dataclasses.dataclass
+class _Session:
+    sender: BucketSender
+    # Built once per session: validates the layout once; each bucket is then one native call.
+    pack_plan: refit_packer.PackPlan
+
+
+# Sessions of this process: session id -> sender and pack plan. Created by the policy in the
 # sending rank's process and used by later calls into that same process.
-_SESSIONS: dict[str, BucketSender] = {}
+_SESSIONS: dict[str, _Session] = {}
 _SESSIONS_LOCK = threading.Lock()
 
 
@@ -52,16 +60,18 @@ def open_session(session: str, transport: str, manifest_dict: Mapping[str, Any],
         if session not in _SESSIONS:
             manifest = refit_packer.Manifest.from_dict(manifest_dict)
             module = factory.transport_module(transport)
-            _SESSIONS[session] = module.create_sender(manifest, {**options, "session": session})
-        return _SESSIONS[session].endpoint()
+            _SESSIONS[session] = _Session(
+                module.create_sender(manifest, {**options, "session": session}),
+                refit_packer.PackPlan.from_manifest(manifest))
+        return _SESSIONS[session].sender.endpoint()
 
 
 def close_session(session: str) -> None:
     """Closes and forgets `session`; unknown sessions are ignored (idempotent)."""
     with _SESSIONS_LOCK:
-        sender = _SESSIONS.pop(session, None)
-    if sender is not None:
-        sender.close()
+        closing = _SESSIONS.pop(session, None)
+    if closing is not None:
+        closing.sender.close()
 
 
 def send_weights(session: str, manifest: refit_packer.Manifest, version: int,
@@ -76,7 +86,7 @@ def send_weights(session: str, manifest: refit_packer.Manifest, version: int,
         if session not in _SESSIONS:
             raise KeyError(f"weight-sync session {session!r} is not open in this process; "
                            "open_weight_sender must run first on the sending rank")
-        sender = _SESSIONS[session]
+        sender, pack_plan = _SESSIONS[session].sender, _SESSIONS[session].pack_plan
     start = time.monotonic()
     sender.begin(manifest, version)
     pack_seconds = 0.0
@@ -89,7 +99,7 @@ def send_weights(session: str, manifest: refit_packer.Manifest, version: int,
         packing = time.monotonic()
         # The sender's buffers decide the device (e.g. CPU buckets for HTTP from a GPU trainer).
         named = {name: tensor.to(out.device) for name, tensor in named.items()}
-        bucket = refit_packer.pack_bucket(named, manifest, bucket_index, out=out)
+        bucket = pack_plan.pack_bucket_from(named, bucket_index, out=out)
         pack_seconds += time.monotonic() - packing
         sender.send(bucket_index, bucket)
         expected += 1

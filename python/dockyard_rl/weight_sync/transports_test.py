@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import multiprocessing
 import os
 import threading
 import time
@@ -22,11 +21,11 @@ import requests
 import torch
 
 from dockyard_rl.kernels import refit_packer
-from dockyard_rl.weight_sync import collective, http_push, ipc_zmq, sender
+from dockyard_rl.weight_sync import collective, http_push, ipc_zmq, sender, testing
 from dockyard_rl.weight_sync.bucket_stream import iter_manifest_buckets
 
 PEER_TIMEOUT_S = 5.0
-SPAWN = multiprocessing.get_context("spawn")
+SPAWN = testing.SPAWN
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -45,55 +44,37 @@ def _expected_buckets() -> list[bytes]:
     return [bytes(b.numpy()) for b in refit_packer.pack(_weights(), _manifest())]
 
 
-def _send(session: str, version: int = 1) -> dict:
+def _send(session: str, version: int = 1, device: str = "cpu") -> dict:
     manifest = _manifest()
+    weights = {name: tensor.to(device) for name, tensor in _weights().items()}
     return sender.send_weights(session, manifest, version,
-                               iter_manifest_buckets(manifest, _weights().items()))
+                               iter_manifest_buckets(manifest, weights.items()))
 
 
-def _receiver_process(transport: str, spec: dict, worker_rank: int, results, die_after: int = -1,
-                      num_syncs: int = 1):
-    """Spawned engine-worker stand-in: receives every bucket `num_syncs` times (or dies after
-    `die_after` buckets)."""
-    manifest = _manifest()
-    try:
-        if die_after >= 0 and transport == "collective":
-            from torch.distributed import PrefixStore, TCPStore
-            import datetime
+def _dying_receiver(spec: dict, die_after: int) -> None:
+    """Spawned engine worker that joins the group, receives `die_after` buckets and dies."""
+    import datetime
 
-            store = TCPStore(spec["master_addr"], spec["master_port"], spec["world_size"],
-                             is_master=False, timeout=datetime.timedelta(seconds=10))
-            group = collective._make_group(PrefixStore(spec["session"], store),
-                                           spec["rank_offset"] + worker_rank,
-                                           spec["world_size"], 10.0, torch.device("cpu"))
-            for size in manifest.bucket_sizes[:die_after]:
-                collective._broadcast(group, torch.empty(size, dtype=torch.uint8)).wait()
-            os._exit(3)
-        module = {"collective": collective, "ipc_zmq": ipc_zmq}[transport]
-        for version in range(1, num_syncs + 1):
-            buckets = module.receive_buckets(manifest, {**spec, "version": version}, worker_rank,
-                                             torch.device("cpu"))
-            results.put(("ok", [bytes(b.numpy()) for b in buckets]))
-    except BaseException as error:  # reported to the test
-        results.put(("error", f"{type(error).__name__}: {error}"))
+    from torch.distributed import PrefixStore, TCPStore
+
+    store = TCPStore(spec["master_addr"], spec["master_port"], spec["world_size"],
+                     is_master=False, timeout=datetime.timedelta(seconds=10))
+    group = collective._make_group(PrefixStore(spec["session"], store), spec["rank_offset"],
+                                   spec["world_size"], 10.0, torch.device("cpu"))
+    for size in _manifest().bucket_sizes[:die_after]:
+        collective._broadcast(group, torch.empty(size, dtype=torch.uint8)).wait()
+    os._exit(3)
 
 
-def _start_receivers(transport: str, specs: list[dict], die_after: int = -1, num_syncs: int = 1):
-    results = SPAWN.Queue()
-    processes = [SPAWN.Process(target=_receiver_process,
-                               args=(transport, spec, 0, results, die_after if i == 0 else -1,
-                                     num_syncs))
-                 for i, spec in enumerate(specs)]
-    for process in processes:
-        process.start()
-    return processes, results
+def _start_receivers(transport: str, specs: list[dict], num_syncs: int = 1):
+    return testing.start_receivers(transport, _manifest(), specs, num_syncs=num_syncs)
 
 
 def _sender_process(transport: str, session: str, options: dict, endpoint_queue, die_after: int):
     """Spawned trainer stand-in that dies after sending `die_after` buckets."""
     manifest = _manifest()
     endpoint_queue.put(sender.open_session(session, transport, manifest.to_dict(), options))
-    session_sender = sender._SESSIONS[session]
+    session_sender = sender._SESSIONS[session].sender
     session_sender.begin(manifest, 1)
     for b, named in iter_manifest_buckets(manifest, _weights().items()):
         if b == die_after:
@@ -126,8 +107,8 @@ def test_collective_broadcasts_every_bucket_to_every_engine_and_reuses_the_group
         outcomes = [results.get(timeout=60) for _ in range(2 * len(processes))]
         for process in processes:
             process.join(30)
-        assert [status for status, _ in outcomes] == ["ok"] * 4, outcomes
-        assert all(buckets == _expected_buckets() for _, buckets in outcomes)
+        assert [status for status, *_ in outcomes] == ["ok"] * 4, outcomes
+        assert all(buckets == _expected_buckets() for _, buckets, _ in outcomes)
         assert stats[0]["num_bytes"] == _manifest().total_bytes
     finally:
         sender.close_session(session)
@@ -135,19 +116,20 @@ def test_collective_broadcasts_every_bucket_to_every_engine_and_reuses_the_group
 
 def test_collective_engine_killed_mid_transfer_raises_then_a_new_session_works():
     session, specs = _collective_session(num_engines=1)
-    processes, _ = _start_receivers("collective", specs, die_after=1)
+    dying = SPAWN.Process(target=_dying_receiver, args=(specs[0], 1))
+    dying.start()
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="collective transport"):
         _send(session)
     assert time.monotonic() - start < PEER_TIMEOUT_S + 10
     sender.close_session(session)
-    processes[0].join(30)
+    dying.join(30)
 
     session, specs = _collective_session(num_engines=1)  # the retry: a new group
     try:
         processes, results = _start_receivers("collective", specs)
         _send(session)
-        status, buckets = results.get(timeout=60)
+        status, buckets, _ = results.get(timeout=60)
         assert status == "ok" and buckets == _expected_buckets()
     finally:
         sender.close_session(session)
@@ -188,7 +170,7 @@ def test_ipc_zmq_engines_map_the_trainers_segments_and_close_unlinks_them():
         _send(session)
         outcomes = [results.get(timeout=60) for _ in processes]
         assert all(status == "ok" and buckets == _expected_buckets()
-                   for status, buckets in outcomes), outcomes
+                   for status, buckets, _ in outcomes), outcomes
         segments = [p for p in os.listdir(ipc_zmq.SHM_DIR) if session in p]
         assert len(segments) == _manifest().num_buckets
     finally:
@@ -215,7 +197,7 @@ def test_ipc_zmq_engine_that_dies_makes_the_sender_raise_then_a_new_session_work
     try:
         processes, results = _start_receivers("ipc_zmq", specs)
         _send(session)
-        assert results.get(timeout=60) == ("ok", _expected_buckets())
+        assert results.get(timeout=60)[:2] == ("ok", _expected_buckets())
     finally:
         sender.close_session(session)
 
@@ -337,3 +319,28 @@ def test_open_session_rejects_an_unknown_transport_and_send_an_unknown_session()
         sender.open_session("s", "pigeon", _manifest().to_dict(), {})
     with pytest.raises(KeyError, match="not open"):
         _send("never-opened")
+
+
+# ---------------------------------------------------------------------------------------- on GPU
+
+NO_GPU = "needs a CUDA GPU (NCCL group, CUDA IPC handles); this machine has none"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
+@pytest.mark.parametrize("transport", ["collective", "ipc_zmq"])
+def test_cuda_buckets_reach_the_engine_bit_for_bit(transport):
+    session = f"test-{uuid.uuid4().hex[:8]}"
+    options = {"timeout_s": 60.0, "device": "cuda"}
+    options.update({"world_size": 2, "address": "127.0.0.1"} if transport == "collective"
+                   else {"num_receivers": 1})
+    endpoint = sender.open_session(session, transport, _manifest().to_dict(), options)
+    spec = {"transport": transport, "session": session, **endpoint, "world_size": 2,
+            "rank_offset": 1, "timeout_s": 60.0}
+    try:
+        processes, results = testing.start_receivers(transport, _manifest(), [spec],
+                                                     device="cuda")
+        _send(session, device="cuda")
+        status, buckets, _ = results.get(timeout=120)
+        assert status == "ok" and buckets == _expected_buckets()
+    finally:
+        sender.close_session(session)

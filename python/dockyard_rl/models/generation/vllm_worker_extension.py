@@ -125,6 +125,7 @@ class VllmWorkerExtension:
             weights_iterator=_iter_named_views(pending.manifest, pending.buckets, device),
             is_checkpoint_format=True,
         )
+        _refresh_tied_kernels(self.get_model())
         return len(pending.manifest.tensors)
 
     def dockyard_abort_weight_update(self) -> None:
@@ -161,3 +162,27 @@ def _iter_named_views(
         if bucket.device != device:
             bucket = bucket.to(device)  # one bucket at a time bounds the extra device memory
         yield from refit_packer.unpack_bucket(bucket, manifest, b, copy=False).items()
+
+
+def _refresh_tied_kernels(model: torch.nn.Module) -> None:
+    """Re-runs the CPU kernel set-up of modules that share a weight with another (tied weights).
+
+    vLLM's CPU layers keep a kernel-specific packed copy of their weight (`layer.cpu_linear`, a
+    oneDNN / sgl-kernel handle built by `process_weights_after_loading`). The reload rebuilds it
+    for every layer that received weights, but a tied `lm_head` receives none (its weight is the
+    embedding's, which the loader skips for it): its storage is refreshed through the embedding,
+    while its packed copy would keep the old weights, and the logits with it. Modules that own
+    no such copy are left alone.
+    """
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None and weight.numel() > 0:
+            owners.setdefault(id(weight), []).append(module)
+    for modules in owners.values():
+        if len(modules) < 2:
+            continue
+        for module in modules:
+            quant_method = getattr(module, "quant_method", None)
+            if hasattr(module, "cpu_linear") and quant_method is not None:
+                quant_method.process_weights_after_loading(module)
