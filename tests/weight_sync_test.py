@@ -6,7 +6,7 @@ from), saved as a checkpoint. The reference: a vLLM engine started from that sav
 its greedy tokens and their log-probs are the truth. The engine under test starts from the
 original SmolLM2; after each transport's sync (mark_stale -> sync_weights ->
 prepare_for_generation, through `create_weight_synchronizer`) its greedy tokens and log-probs
-must equal the reference's bit for bit, then the original weights are pushed back so the next
+must equal the reference's (tokens bit for bit), then the original weights are pushed back so the next
 transport has something to change. (Log-probs too: a tied lm_head whose CPU kernel kept the old
 weights once gave the same first tokens and log-probs 1e-2 off.)
 
@@ -59,6 +59,15 @@ def _greedy(loop, engine) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
         return [s async for s in engine.generate(PROMPTS, 1)]
     samples = sorted(loop.run_until_complete(run()), key=lambda s: s.prompt_index)
     return [(s.response_token_ids, s.response_logprobs) for s in samples]
+
+
+def _assert_same_generation(got, want) -> None:
+    """The same greedy tokens, bit for bit; log-probs equal up to float noise (vLLM may batch
+    the two prompts differently in two engines), far below the 1e-2 of stale weights."""
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+    for (_, got_logprobs), (_, want_logprobs) in zip(got, want):
+        assert torch.allclose(torch.tensor(got_logprobs), torch.tensor(want_logprobs),
+                              rtol=0, atol=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +132,8 @@ def test_transport_gives_the_engine_the_trainers_weights_bit_for_bit(
     policy, _ = trainer
     _restore_original(loop, engine, original)
     before = _greedy(loop, engine)
-    assert before != reference_tokens, "one optimizer step must change the greedy tokens"
+    assert [t for t, _ in before] != [t for t, _ in reference_tokens], \
+        "one optimizer step must change the greedy tokens"
 
     sync = create_weight_synchronizer(
         WeightSyncConfig(transport=transport, bucket_size_bytes="64MiB", sync_timeout_s=300,
@@ -133,7 +143,7 @@ def test_transport_gives_the_engine_the_trainers_weights_bit_for_bit(
         sync.sync_weights()
         sync.prepare_for_generation()
         assert sync.state is SyncState.READY and engine.weight_version == version
-        assert _greedy(loop, engine) == reference_tokens
+        _assert_same_generation(_greedy(loop, engine), reference_tokens)
         metrics = sync.metrics()
         print(f"{transport}: {metrics['last_sync_bytes'] / 1e6:.0f} MB in "
               f"{metrics['last_transfer_seconds']:.2f} s ({metrics['last_transfer_gb_per_s']:.3f}"
@@ -145,7 +155,7 @@ def test_transport_gives_the_engine_the_trainers_weights_bit_for_bit(
             sync.mark_stale()
             sync.sync_weights()
             sync.prepare_for_generation()
-            assert _greedy(loop, engine) == reference_tokens
+            _assert_same_generation(_greedy(loop, engine), reference_tokens)
     finally:
         sync.close()
 
@@ -170,5 +180,6 @@ def test_a_manifest_the_engine_does_not_expect_fails_before_the_engine_is_touche
     with pytest.raises(WeightSyncError, match="'model.norm.weight' has shape"):
         sync.sync_weights()
     assert sync.state is SyncState.FAILED
-    assert engine.weight_version == version and _greedy(loop, engine) == before
+    assert engine.weight_version == version
+    _assert_same_generation(_greedy(loop, engine), before)
     sync.close()
