@@ -60,7 +60,8 @@ class _Join:
             return self._lines.get(timeout=timeout)
         except queue.Empty:
             self.process.kill()
-            raise AssertionError(f"join did not start: {self.process.stderr.read()[-2000:]}")
+            raise AssertionError(f"join did not start: {self.process.stderr.read()[-2000:]}") \
+                from None
 
     def stop(self) -> int:
         self.process.send_signal(signal.SIGTERM)

@@ -18,13 +18,13 @@ worker gets its own group of k bundles and sits on its first, and what it starts
 group (vLLM's tensor-parallel workers of one engine, PACK: one node). A worker's own
 num_cpus / num_gpus / custom resources default to its whole bundle when k=1 and to 0 otherwise.
 
-Each worker is told its place: WorkerInfo (role, rank, world size, local rank, master address and
-port) goes to `worker_args(info)`, which returns the constructor's (args, kwargs), and into its
-environment as torch's env:// variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT; `current_worker()` reads them inside the actor). The master is rank 0's
-node IP and a port found free there when the group starts. The runtime_env is the fleet's
-(bootstrap.fleet_runtime_env: NCCL settings, PYTHONPATH so actors import dockyard_rl, the role)
-plus the caller's `runtime_env` (its env_vars may not set NCCL_*).
+Each worker is told its place (workers.py): WorkerInfo (role, rank, world size, local rank,
+master address and port) goes to `worker_args(info)`, which returns the constructor's (args,
+kwargs), and into its environment as torch's env:// variables (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; `current_worker()` reads them inside the actor). The
+master is rank 0's node IP and a port found free there when the group starts. The runtime_env
+is the fleet's (bootstrap.fleet_runtime_env: NCCL settings, PYTHONPATH so actors import
+dockyard_rl, the role) plus the caller's `runtime_env` (its env_vars may not set NCCL_*).
 
 Calls fan out to every rank and fail fast: the first rank that raises or dies ends the wait, the
 others' pending calls are cancelled (best effort: Ray cannot interrupt a running call of a
@@ -51,83 +51,17 @@ waits for it up to `ready_timeout_s`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
-import socket
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dockyard_rl.cluster.bootstrap import fleet_runtime_env, place_fleet
 from dockyard_rl.cluster.config import ClusterConfig
+from dockyard_rl.distributed.workers import (WorkerDiedError, WorkerError, WorkerInfo,
+                                             WorkerRestartError, current_worker, describe_error,
+                                             gather, node_address_and_free_port, worker_error)
 
 logger = logging.getLogger(__name__)
-
-
-class WorkerError(RuntimeError):
-    """A call on a worker group failed: `rank`, `method`, `cause` (text) name what and where."""
-
-    def __init__(self, message: str, rank: int | None, method: str, cause: str):
-        super().__init__(message)
-        self.rank, self.method, self.cause = rank, method, cause
-
-
-class WorkerDiedError(WorkerError):
-    """The worker's process is gone; `restart_dead_workers()` re-creates it."""
-
-
-class WorkerRestartError(WorkerError):
-    """A rank died more often than the group may restart it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerInfo:
-    role: str
-    rank: int
-    world_size: int
-    local_rank: int        # among this group's workers on the same node
-    local_world_size: int
-    master_addr: str       # rank 0's node
-    master_port: int
-    node_id: str
-
-    def env_vars(self) -> dict[str, str]:
-        """torch.distributed's env:// variables for this worker."""
-        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
-                "LOCAL_RANK": str(self.local_rank),
-                "LOCAL_WORLD_SIZE": str(self.local_world_size),
-                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
-
-
-def current_worker() -> WorkerInfo:
-    """Inside a worker: its WorkerInfo, from the environment the group gave it."""
-    import ray
-
-    env = os.environ
-    return WorkerInfo(role=env["DOCKYARD_FLEET_ROLE"], rank=int(env["RANK"]),
-                      world_size=int(env["WORLD_SIZE"]), local_rank=int(env["LOCAL_RANK"]),
-                      local_world_size=int(env["LOCAL_WORLD_SIZE"]),
-                      master_addr=env["MASTER_ADDR"], master_port=int(env["MASTER_PORT"]),
-                      node_id=ray.get_runtime_context().get_node_id())
-
-
-def _free_port_here() -> tuple[str, int]:
-    import ray
-
-    address = ray.util.get_node_ip_address()
-    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as sock:
-        sock.bind((address, 0))
-        return address, sock.getsockname()[1]
-
-
-def _describe(error: BaseException) -> str:
-    import ray
-
-    if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
-        error = error.cause
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text[:800]}"
 
 
 class WorkerGroup:
@@ -163,8 +97,7 @@ class WorkerGroup:
                              "the group")
         self.role, self.num_workers = role, num_workers
         self.max_restarts = fleet.max_worker_restarts if max_restarts is None else max_restarts
-        self._config, self._bundle, self._bundles_per_worker = cluster_config, bundle, \
-            bundles_per_worker
+        self._config, self._bundles_per_worker = cluster_config, bundles_per_worker
         self._runtime_env = dict(runtime_env or {})
         self._worker_args = worker_args or (lambda info: ((), {}))
         self._on_restart, self._ready_timeout_s = on_restart, ready_timeout_s
@@ -179,7 +112,9 @@ class WorkerGroup:
             **({"max_concurrency": max_concurrency} if max_concurrency is not None else {}),
             **dict(actor_options or {}),
         }
-        self._actor_cls = ray.remote(actor_cls)
+        # A plain class, or one already decorated with @ray.remote.
+        self._actor_cls = actor_cls if isinstance(actor_cls, ray.actor.ActorClass) \
+            else ray.remote(actor_cls)
         self._groups: list[Any] = []
         self._actors: list[Any] = []
         self._restarts = [0] * num_workers
@@ -211,7 +146,7 @@ class WorkerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         group, index = self._slots[0]
-        probe = ray.remote(num_cpus=0)(_free_port_here).options(
+        probe = ray.remote(num_cpus=0)(node_address_and_free_port).options(
             runtime_env=fleet_runtime_env(self.role, self._config),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 group, placement_group_bundle_index=index))
@@ -296,51 +231,11 @@ class WorkerGroup:
 
     def _gather(self, refs: list[tuple[int, Any]], method: str,
                 timeout_s: float | None) -> list[Any]:
-        import ray
-
-        pending = {ref: rank for rank, ref in refs}
-        results: dict[int, Any] = {}
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
-            if not done:
-                ranks = sorted(pending.values())
-                self._cancel(pending)
-                raise WorkerError(f"{self.role} worker group: {method} on rank(s) {ranks} gave "
-                                  f"no answer within {timeout_s:g} s", ranks[0], method,
-                                  "timeout")
-            rank = pending.pop(done[0])
-            try:
-                results[rank] = ray.get(done[0])
-            except Exception as error:
-                self._cancel(pending)
-                raise self._error(rank, method, error) from error
-        return [results[rank] for rank in sorted(results)]
-
-    def _error(self, rank: int, method: str, error: Exception) -> WorkerError:
-        import ray
-
-        cause = _describe(error)
-        died = isinstance(error, ray.exceptions.RayActorError) and not isinstance(
-            error, ray.exceptions.ActorUnavailableError)
-        if died:
-            self._dead[rank] = cause
-            hint = "; group.restart_dead_workers() re-creates it"
-            return WorkerDiedError(f"{self.role} worker group: rank {rank} died during {method}"
-                                   f" ({cause}){hint}", rank, method, cause)
-        return WorkerError(f"{self.role} worker group: {method} failed on rank {rank}: {cause}",
-                           rank, method, cause)
-
-    @staticmethod
-    def _cancel(pending: Iterable[Any]) -> None:
-        import ray
-
-        for ref in pending:
-            try:
-                ray.cancel(ref)
-            except Exception:  # finished meanwhile, or not cancellable: nothing to do
-                pass
+        try:
+            return gather(refs, self.role, method, timeout_s)
+        except WorkerDiedError as error:
+            self._dead[error.rank] = error.cause
+            raise
 
     # ------------------------------------------------------------------------ health, restarts
 
@@ -358,7 +253,10 @@ class WorkerGroup:
             try:
                 ray.get(ref)
             except Exception as error:
-                problems[refs[ref]] = self._error(refs[ref], "health_check", error).cause
+                failure = worker_error(refs[ref], self.role, "health_check", error)
+                problems[refs[ref]] = failure.cause
+                if isinstance(failure, WorkerDiedError):
+                    self._dead[refs[ref]] = failure.cause
         return dict(sorted(problems.items()))
 
     def restart_dead_workers(self, timeout_s: float = 10.0) -> list[int]:
@@ -426,7 +324,7 @@ class WorkerGroup:
                     ray.get(ref)
                 except Exception as error:
                     logger.warning("%s worker group: %s failed: %s", self.role, method,
-                                   _describe(error))
+                                   describe_error(error))
             if not_done:
                 logger.warning("%s worker group: %s did not finish on %d rank(s) in %g s",
                                self.role, method, len(not_done), timeout_s)
