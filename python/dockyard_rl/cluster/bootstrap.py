@@ -28,8 +28,8 @@ and PYTHONPATH with the driver's import roots (so actors import dockyard_rl from
 does; on other machines that path must exist, e.g. the same container image).
 
 Token auth: joining or connecting to a cluster needs its token (RAY_AUTH_TOKEN,
-RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token on every node, see local_ray); a token this process would
-make up is useless to the others, so that is a ValueError.
+RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token on every node; nodes.require_shared_token); a token this
+process would make up is useless to the others, so that is a ValueError.
 
 Not covered: Ray client (ray://) addresses, autoscaling, node draining, changing a running
 node's labels or resources.
@@ -45,12 +45,12 @@ from typing import Any
 
 from dockyard_rl.cluster.config import (FLEET_ROLES, ROLE_ENV, ROLES, ClusterConfig,
                                         parse_address)
-from dockyard_rl.cluster.local_ray import (AUTH_MODE, ensure_ray_auth_token, init_local_ray,
-                                           is_loopback, loopback_resolution)
+from dockyard_rl.cluster.local_ray import init_local_ray, is_loopback, loopback_resolution
+from dockyard_rl.cluster.nodes import (DEFAULT_HEAD_PORT, RayNode, require_shared_token,
+                                       start_ray_node)
 
 FLEET_LABEL = "dockyard.io/fleet"
 EVERY_ROLE = "all"  # label value of a node that hosts every fleet (the local cluster)
-DEFAULT_HEAD_PORT = 6379
 
 
 class PlacementTimeoutError(ValueError):
@@ -88,27 +88,6 @@ def label_selector(role: str) -> dict[str, str]:
 
 
 @dataclasses.dataclass
-class RayNode:
-    """A Ray node (raylet and, for a head, the GCS) started by this process."""
-    role: str
-    address: str        # the cluster's GCS address, HOST:PORT
-    node_id: str
-    ip_address: str
-    head: bool
-    _node: Any = dataclasses.field(repr=False)
-
-    def dead_processes(self) -> list[str]:
-        """Names of this node's Ray processes that exited (empty while it is healthy)."""
-        return [kind for kind, _ in self._node.dead_processes()] if self._node else []
-
-    def stop(self) -> None:
-        """Stops this node's processes; safe to repeat."""
-        node, self._node = self._node, None
-        if node is not None:
-            node.kill_all_processes(check_alive=False, allow_graceful=True, wait=True)
-
-
-@dataclasses.dataclass
 class RayContext:
     """What `init_ray` did: `node` is the node this process started (None for a driver that
     connected to an existing cluster); `connected`: this process is a Ray driver."""
@@ -135,24 +114,6 @@ def _cluster_address(cluster_config: ClusterConfig, environ: Mapping[str, str]) 
     if address is not None:
         parse_address(address, "RAY_ADDRESS")
     return address
-
-
-def _require_shared_token(what: str, environ: MutableMapping[str, str]) -> None:
-    """Makes sure `what` (joining / connecting / a head) finds the cluster's shared token, and
-    turns token auth on for this process and the Ray processes it starts."""
-    probe = dict(environ)
-    if ensure_ray_auth_token(probe) == "disabled":
-        return
-    if probe != dict(environ):  # ensure_ray_auth_token made up a token: nobody else has it
-        raise ValueError(f"{what} needs the cluster's Ray token: set RAY_AUTH_TOKEN or "
-                         "RAY_AUTH_TOKEN_PATH, or write it to ~/.ray/auth_token, on every node "
-                         "(`ray get-auth-token --generate` makes one); or RAY_AUTH_MODE=disabled")
-    if environ.get(AUTH_MODE) is None:
-        from ray._private.authentication.authentication_token_setup import \
-            maybe_enable_token_auth_if_token_available
-
-        # Sets RAY_AUTH_MODE=token and refreshes Ray's cached config in this process.
-        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def init_ray(cluster_config: ClusterConfig, *, environ: MutableMapping[str, str] = os.environ,
@@ -193,7 +154,7 @@ def init_ray(cluster_config: ClusterConfig, *, environ: MutableMapping[str, str]
                        **resources, **init_kwargs)
         return RayContext(role=role, address=ray.get_runtime_context().gcs_address,
                           connected=True)
-    _require_shared_token(f"connecting to the Ray cluster at {address}", environ)
+    require_shared_token(f"connecting to the Ray cluster at {address}", environ)
     host, _ = parse_address(address, "cluster.address")
     ip_address = "127.0.0.1" if is_loopback(host) else node_cfg.ip_address
     with loopback_resolution(host):
@@ -204,46 +165,13 @@ def init_ray(cluster_config: ClusterConfig, *, environ: MutableMapping[str, str]
 def start_node(cluster_config: ClusterConfig, role: str, *, address: str | None = None,
                head: bool = False, port: int = DEFAULT_HEAD_PORT, temp_dir: str | None = None,
                environ: MutableMapping[str, str] = os.environ) -> RayNode:
-    """Starts a Ray node of `role` on this machine: a worker node joining `address`, or with
-    `head=True` the head of a new cluster listening on `port`. Its label is the role, its
-    resources are `cluster_config.node`'s; its IP is `cluster.node.ip_address`, else 127.0.0.1
-    for a head or a loopback cluster, else Ray's detection. Stopped by `RayNode.stop()` or when
-    this process exits.
-
-    Uses Ray's node launcher (ray._private.node.Node, what `ray start` and
-    ray.cluster_utils.Cluster run), because `ray start` rewrites a loopback address.
-    """
-    from ray._private.node import Node
-    from ray._private.parameter import RayParams
-
+    """Starts a Ray node of `role` on this machine, labelled with the role and offering
+    `cluster.node`'s resources: a worker node joining `address`, or with `head=True` the head of
+    a new cluster listening on `port` (nodes.start_ray_node)."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
-    if head == (address is not None):
-        raise ValueError("start_node: pass address= to join a cluster, or head=True to start "
-                         "one, not both")
-    node_cfg = cluster_config.node
-    if head:
-        _require_shared_token("a head node that other nodes join", environ)
-        ip_address = node_cfg.ip_address or "127.0.0.1"
-    else:
-        host, _ = parse_address(address, "cluster.address")
-        _require_shared_token(f"joining the Ray cluster at {address}", environ)
-        ip_address = node_cfg.ip_address or ("127.0.0.1" if is_loopback(host) else None)
-        if ip_address is None:  # this machine's IP as the head sees it, as `ray start` does
-            from ray._private.services import get_node_ip_address
-
-            ip_address = get_node_ip_address(address)
-    params = RayParams(
-        gcs_address=address, node_ip_address=ip_address, num_cpus=node_cfg.num_cpus,
-        num_gpus=node_cfg.num_gpus, memory=node_cfg.memory,
-        resources=dict(node_cfg.resources), labels=node_labels(role), temp_dir=temp_dir,
-        include_dashboard=False,
-        # Random ports where Ray's fixed defaults would clash with another node on this machine.
-        dashboard_agent_listen_port=None, gcs_server_port=port if head else None)
-    with loopback_resolution(ip_address or ""):
-        node = Node(params, head=head, shutdown_at_exit=True, spawn_reaper=True)
-    return RayNode(role=role, address=node.gcs_address, node_id=node.node_id,
-                   ip_address=node.node_ip_address, head=head, _node=node)
+    return start_ray_node(cluster_config.node, role, node_labels(role), address=address,
+                          head=head, port=port, temp_dir=temp_dir, environ=environ)
 
 
 # ------------------------------------------------------------------------------------ placement
