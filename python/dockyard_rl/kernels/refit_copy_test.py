@@ -789,7 +789,8 @@ def test_pack_bucket_from_errors(ext, use_extension):
         plan.pack_bucket_from(named, 1)
     with pytest.raises(ValueError, match="expected a mapping name -> tensor, got list"):
         plan.pack_bucket_from([named["a"], named["b"]], 0)
-    with pytest.raises(ValueError, match=r"PackPlan.pack_bucket_from: out has 16 bytes but bucket 0 needs 48"):
+    pattern = r"PackPlan.pack_bucket_from: out has 16 bytes but bucket 0 needs 48"
+    with pytest.raises(ValueError, match=pattern):
         plan.pack_bucket_from(named, 0, out=torch.empty(16, dtype=torch.uint8))
     with pytest.raises(ValueError, match="aligned address"):
         plan.pack_bucket_from(named, 0, out=torch.empty(200, dtype=torch.uint8)[1:])
@@ -804,7 +805,7 @@ def test_pack_bucket_from_errors(ext, use_extension):
     assert torch.equal(bucket, rc.pack({"a": torch.full((5,), 4.0), "b": named["b"]}, manifest)[0])
     # A plan without tensors has nothing to pack by itself.
     for call in (plan.pack, lambda: plan.pack_bucket(0), lambda: list(plan.iter_pack()), plan.rebuild):
-        with pytest.raises(ValueError, match=r"built by from_manifest and holds no tensors.*pack_bucket_from"):
+        with pytest.raises(ValueError, match=r"from_manifest and holds no tensors.*pack_bucket_from"):
             call()
     with pytest.raises(ValueError, match="manifest must be a Manifest"):
         rc.PackPlan.from_manifest(manifest.to_dict())
@@ -846,7 +847,7 @@ def test_unpack_bucket_to(ext, use_extension):
     for name, t in named.items():
         _assert_bit_equal(dests[name], t, name)
     assert torch.equal(dests["not_synced"], torch.full((2,), 3.0))
-    with pytest.raises(ValueError, match=r"UnpackPlan: destination '0.contiguous' of the manifest is missing"):
+    with pytest.raises(ValueError, match=r"UnpackPlan: destination '0.contiguous' of the manifest is"):
         plan.unpack_bucket_to(buckets[0], 0, {})
     first = manifest.bucket_entries(0)[0]
     expanded = torch.zeros(1, *first.shape[1:], dtype=first.torch_dtype).expand(*first.shape)

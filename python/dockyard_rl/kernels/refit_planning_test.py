@@ -23,7 +23,11 @@ ext = testing.ext
 
 
 def test_describe_tensors_keeps_order_shapes_and_dtypes():
-    named = {"b": torch.zeros(2, 3, dtype=torch.bfloat16), "a": torch.zeros(()).t(), "c": torch.zeros(4, 5).t()}
+    named = {
+        "b": torch.zeros(2, 3, dtype=torch.bfloat16),
+        "a": torch.zeros(()),
+        "c": torch.zeros(4, 5).t(),
+    }
     assert rpl.describe_tensors(named) == {
         "b": ((2, 3), torch.bfloat16),
         "a": ((), torch.float32),
