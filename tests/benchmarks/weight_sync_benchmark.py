@@ -125,6 +125,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--transports", default="collective,ipc_zmq,http",
+                        help="comma-separated push transports to measure")
     args = parser.parse_args()
     init_local_ray(num_cpus=2, log_to_driver=False)
     weights = load_weights()
@@ -134,11 +136,13 @@ def main() -> None:
           f"{args.bucket_mb} MiB; median of {args.repeats} syncs after a warm-up")
     rows = [("memcpy (1 buffer)", time_memcpy(num_bytes, args.repeats)),
             ("object_store (baseline)", time_object_store(weights, bucket_bytes, args.repeats))]
-    for transport in ("collective", "ipc_zmq", "http"):
+    transports = [t for t in args.transports.split(",") if t]
+    for transport in transports:
         rows.append((transport, time_push(transport, weights, bucket_bytes, args.repeats)))
-    # 256 B buckets: every tensor (all are larger) gets a bucket of its own.
-    rows.append(("collective, 1 msg/tensor", time_push("collective", weights, 256,
-                                                       args.repeats)))
+    if "collective" in transports:
+        # 256 B buckets: every tensor (all are larger) gets a bucket of its own.
+        rows.append(("collective, 1 msg/tensor", time_push("collective", weights, 256,
+                                                           args.repeats)))
     baseline = statistics.median(rows[1][1])
     memcpy = statistics.median(rows[0][1])
     print(f"{'row':28s} {'seconds':>8s} {'GB/s':>7s} {'vs object_store':>16s} {'of memcpy':>10s}")

@@ -45,12 +45,12 @@ from typing import Any
 
 from dockyard_rl.cluster.config import (FLEET_ROLES, ROLE_ENV, ROLES, ClusterConfig,
                                         parse_address)
-from dockyard_rl.cluster.local_ray import init_local_ray, is_loopback, loopback_resolution
+from dockyard_rl.cluster.local_ray import (EVERY_ROLE, FLEET_LABEL, init_local_ray,
+                                           loopback_resolution)
 from dockyard_rl.cluster.nodes import (DEFAULT_HEAD_PORT, RayNode, require_shared_token,
                                        start_ray_node)
+from dockyard_rl.utils.addresses import is_loopback
 
-FLEET_LABEL = "dockyard.io/fleet"
-EVERY_ROLE = "all"  # label value of a node that hosts every fleet (the local cluster)
 
 
 class PlacementTimeoutError(ValueError):

@@ -41,6 +41,7 @@ import ipaddress
 import re
 from collections.abc import Mapping
 
+from dockyard_rl.utils.byte_sizes import parse_byte_size
 from dockyard_rl.utils.config import require
 
 ROLE_ENV = "DOCKYARD_FLEET_ROLE"
@@ -52,8 +53,6 @@ STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
 _NCCL_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 # Binary units only: "GB" would leave open whether 10**9 or 2**30 was meant.
-_BYTE_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
-_BYTE_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)\s*")
 # Custom resource names: what `ray start --resources` accepts, minus Ray's own names.
 _RESOURCE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]*")
 _RAY_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
@@ -98,7 +97,7 @@ class NodeConfig:
             require(value is None or (_is_int(value) and value >= 0), key,
                     f"must be an int >= 0 or null (Ray detects), got {value!r}")
         if self.memory is not None:
-            object.__setattr__(self, "memory", _byte_size(self.memory, "memory"))
+            object.__setattr__(self, "memory", parse_byte_size(self.memory, "memory"))
         require(isinstance(self.resources, Mapping), "resources",
                 f"must be a mapping of resource name to amount, got {self.resources!r}")
         for name, amount in self.resources.items():
@@ -109,20 +108,6 @@ class NodeConfig:
             require(_is_number(amount) and amount >= 0, f"resources.{name}",
                     f"must be a number >= 0, got {amount!r}")
         object.__setattr__(self, "resources", dict(self.resources))
-
-
-def _byte_size(value, key: str) -> int:
-    units = ", ".join(_BYTE_UNITS)
-    if _is_int(value):
-        size = value
-    elif isinstance(value, str) and (match := _BYTE_SIZE.fullmatch(value)) \
-            and match.group(2) in _BYTE_UNITS:
-        size = int(float(match.group(1)) * _BYTE_UNITS[match.group(2)])
-    else:
-        raise ValueError(f"{key}: must be an int of bytes or a string with a unit ({units}), "
-                         f"e.g. \"64GiB\", got {value!r}")
-    require(size > 0, key, f"must be > 0 bytes, got {value!r}")
-    return size
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,13 +41,19 @@ Two Ray 2.60 behaviours `init_local_ray` works around:
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 import pathlib
 import secrets
 from collections.abc import Iterator, MutableMapping
 
+from dockyard_rl.utils.addresses import is_loopback
+
 AUTH_MODE, AUTH_TOKEN, AUTH_TOKEN_PATH = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
+
+# The node label that places fleets (bootstrap.py), and the value of a node that hosts every
+# fleet: what a local single-node cluster is.
+FLEET_LABEL = "dockyard.io/fleet"
+EVERY_ROLE = "all"
 
 
 def default_token_path() -> pathlib.Path:
@@ -84,16 +90,6 @@ def ensure_ray_auth_token(environ: MutableMapping[str, str] = os.environ) -> str
     return "generated"
 
 
-def is_loopback(host: str) -> bool:
-    """True for localhost, 127.0.0.0/8 and ::1: an address that never leaves this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 @contextlib.contextmanager
 def loopback_resolution(host: str = "127.0.0.1") -> Iterator[None]:
     """While active, Ray resolves "this node's IP" to 127.0.0.1 instead of the outward IP, so a
@@ -117,12 +113,15 @@ def init_local_ray(**init_kwargs) -> None:
     """`ray.init` for a cluster on this machine only (127.0.0.1, no dashboard), after
     `ensure_ray_auth_token`; a no-op when Ray is already initialised in this process (the caller
     started or joined a cluster). `init_kwargs` go to ray.init (num_cpus, log_to_driver, labels,
-    ...). RAY_ADDRESS, when set, makes this a connection to that cluster (Ray's rule)."""
+    ...). The node is labelled as hosting every fleet (`dockyard.io/fleet=all`) unless `labels`
+    say otherwise, so worker groups of every role can be placed on it. RAY_ADDRESS, when set,
+    makes this a connection to that cluster (Ray's rule)."""
     import ray
 
     if ray.is_initialized():
         return
     ensure_ray_auth_token()
+    init_kwargs.setdefault("labels", {FLEET_LABEL: EVERY_ROLE})
     with loopback_resolution():
         ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
                  **init_kwargs)

@@ -32,8 +32,8 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from dockyard_rl.cluster.config import NodeConfig, parse_address
-from dockyard_rl.cluster.local_ray import (AUTH_MODE, ensure_ray_auth_token, is_loopback,
-                                           loopback_resolution)
+from dockyard_rl.cluster.local_ray import AUTH_MODE, ensure_ray_auth_token, loopback_resolution
+from dockyard_rl.utils.addresses import is_loopback
 
 DEFAULT_HEAD_PORT = 6379
 

@@ -13,11 +13,11 @@ exposes it to the network, so a non-loopback `host` requires `auth_token`.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import os
 import pathlib
 
 from dockyard_rl.sandbox.pipeline import PipelineConfig
+from dockyard_rl.utils.addresses import is_loopback
 from dockyard_rl.utils.config import require
 
 
@@ -32,15 +32,6 @@ def default_num_workers() -> int:
     except AttributeError:  # not every platform has affinity masks
         num_cpus = os.cpu_count() or 1
     return max(1, int(0.75 * num_cpus))
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +56,7 @@ class ExecutorConfig:
     def __post_init__(self):
         require(isinstance(self.host, str) and bool(self.host), "host",
                 f"must be a host name or IP address, got {self.host!r}")
-        require(_is_loopback(self.host) or self.auth_token is not None, "host",
+        require(is_loopback(self.host) or self.auth_token is not None, "host",
                 f"{self.host!r} is not a loopback address; the executor runs untrusted code, so "
                 f"serving beyond this machine requires auth_token to be set")
         require(_is_int(self.port) and 0 <= self.port <= 65535, "port",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dockyard_rl.models.generation.config import parse_byte_size
+from dockyard_rl.utils.byte_sizes import parse_byte_size
 from dockyard_rl.utils.config import require
 
 # The refit packer's default alignment: bucket sizes are multiples of it.

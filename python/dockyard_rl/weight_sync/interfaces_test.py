@@ -334,3 +334,25 @@ def test_concurrent_readers_during_cycles(sync):
     assert [t for t, _ in seen] == sorted(t for t, _ in seen)
     assert [e for _, e in seen] == sorted(e for _, e in seen)
     assert (sync.trainer_version, sync.engine_version) == (20, 20)
+
+
+def test_a_transport_timeout_is_a_weight_sync_timeout_and_the_retry_succeeds():
+    """A hook raising TimeoutError (a transport whose peer died) -> WeightSyncTimeoutError,
+    state FAILED; the next sync_weights() retries."""
+    class PeerDiesOnce(WeightSynchronizer):
+        attempts = 0
+
+        def _transfer_weights(self, version):
+            self.attempts += 1
+            if self.attempts == 1:
+                raise TimeoutError("the engine stopped answering")
+
+        def _wake_engine(self, version):
+            pass
+
+    sync = PeerDiesOnce(sync_timeout_s=5, wake_timeout_s=5)
+    sync.mark_stale()
+    with pytest.raises(WeightSyncTimeoutError, match="timed out: the engine stopped answering"):
+        sync.sync_weights()
+    assert sync.state is SyncState.FAILED and sync.is_stale
+    assert sync.sync_weights() == 1 and sync.state is SyncState.SYNCED

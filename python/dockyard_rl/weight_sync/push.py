@@ -156,6 +156,9 @@ def _is_peer_loss(error: BaseException) -> bool:
     if isinstance(error, (TimeoutError, ConnectionError, ray.exceptions.RayActorError,
                           ray.exceptions.GetTimeoutError)):
         return True
-    cause = getattr(error, "cause", None) or error.__cause__
+    # Ray's task errors keep the original in `cause`; our own wrappers chain it.
+    cause = getattr(error, "cause", None)
+    if not isinstance(cause, BaseException):
+        cause = error.__cause__
     return cause is not None and cause is not error and _is_peer_loss(cause)
 

@@ -10,13 +10,17 @@ vLLM mixes `vllm_worker_extension.VllmWorkerExtension` into those workers
   the engine with the fewest samples in flight. Each sample is one vLLM request (n=1), so samples
   stream back as they finish; sample i of a prompt uses seed `seed + i` (what vLLM itself does
   for n > 1), so the same seed gives the same tokens.
-- Placement: on CPU each engine actor takes 1 CPU of the Ray cluster and vLLM uses the machine's
-  cores. With GPUs, an engine with tensor_parallel_size=1 takes one GPU; with TP > 1 the engine's
-  ranks are placed together: a placement group of TP bundles {GPU: 1, CPU: 1} with strategy PACK
-  (one node, so TP all-reduces stay on NVLink); the actor runs in it, owns no GPU itself, and vLLM's
-  Ray executor (`distributed_executor_backend="ray"`) starts the TP workers in the captured group.
-  The GPU paths are written but cannot run on this machine (no GPU): they are untested here.
-- Ray is started on 127.0.0.1 only when the caller has not started it (`ensure_ray`).
+- Placement: the engine actors are a `WorkerGroup` of the inference fleet
+  (distributed/worker_group.py): on nodes labelled for inference, with the fleet's strategy and
+  NCCL environment from `cluster.fleets.inference`. On CPU each engine actor takes a bundle of 1
+  CPU and vLLM uses the machine's cores. With GPUs, an engine with tensor_parallel_size=1 takes
+  one GPU; with TP > 1 each engine gets its own placement group of TP bundles {GPU: 1, CPU: 1}
+  (PACK by default: one node, so TP all-reduces stay on NVLink); the actor sits on its first
+  bundle owning nothing itself, and vLLM's Ray executor (`distributed_executor_backend="ray"`)
+  starts the TP workers in the captured group. The GPU paths are written but cannot run on this
+  machine (no GPU): they are untested here.
+- Ray is started on 127.0.0.1 only when the caller has not started or joined a cluster
+  (`ensure_ray`).
 - vLLM spawns processes (engine core, workers). Inside a Ray actor it always uses the `spawn`
   start method (set explicitly below), whose children re-import only the actor's modules, so the
   caller needs no `__main__` guard for the engine processes (a script that builds
@@ -80,7 +84,10 @@ from typing import Any
 import ray
 import torch
 
+from dockyard_rl.cluster.config import ClusterConfig
 from dockyard_rl.cluster.local_ray import init_local_ray
+from dockyard_rl.distributed.worker_group import WorkerGroup
+from dockyard_rl.distributed.workers import WorkerError
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models import zoo
 from dockyard_rl.models.generation.config import GenerationConfig, format_bytes
@@ -101,13 +108,6 @@ _ENGINE_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
-
-def _engine_env() -> dict[str, str]:
-    # The actor (and vLLM's spawned processes) import dockyard_rl from where the driver does.
-    import_root = str(pathlib.Path(os.path.abspath(__file__)).parents[3])
-    python_path = os.pathsep.join(p for p in (import_root, os.environ.get("PYTHONPATH", "")) if p)
-    return {**_ENGINE_ENV, "PYTHONPATH": python_path}
-
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -366,6 +366,15 @@ class VllmEngineActor:
 
         self._no_update = asyncio.Event()
         self._no_update.set()
+        # The worker group gives every actor torch's env:// variables (RANK, MASTER_ADDR, ...);
+        # vLLM's processes form their own groups and must not see this engine's rank among
+        # the engines.
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                     "MASTER_PORT"):
+            os.environ.pop(name, None)
+        # vLLM's Ray executor compares its own host IP with Ray's node IP (127.0.0.1 on a local
+        # cluster, which vLLM would not guess).
+        os.environ.setdefault("VLLM_HOST_IP", ray.util.get_node_ip_address())
         start = time.monotonic()
         marks = _output_marks()
         try:
@@ -616,7 +625,8 @@ class VllmGeneration(GenerationInterface):
     def __init__(self, config: GenerationConfig, *, initial_weight_version: int = 0,
                  engine_start_timeout_s: float = 900.0,
                  worker_extension_cls: str = WORKER_EXTENSION_CLS,
-                 engine_env: Mapping[str, str] | None = None):
+                 engine_env: Mapping[str, str] | None = None,
+                 cluster_config: ClusterConfig | None = None):
         if not isinstance(config, GenerationConfig):
             raise ValueError(f"VllmGeneration needs a GenerationConfig, got "
                              f"{type(config).__name__}; build it with "
@@ -634,7 +644,9 @@ class VllmGeneration(GenerationInterface):
         engine_env = dict(engine_env or {})
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in engine_env.items()):
             raise ValueError(f"engine_env must map names to strings, got {engine_env!r}")
-        self._engine_env = {**engine_env, **_engine_env()}
+        self._engine_env = {**engine_env, **_ENGINE_ENV}
+        self._cluster_config = cluster_config or ClusterConfig()
+        self._workers: WorkerGroup | None = None
         self._config = config
         try:
             self._model_dir = zoo.resolve_model(config.model)
@@ -651,7 +663,6 @@ class VllmGeneration(GenerationInterface):
         self._closed = False
         self._update_lock = asyncio.Lock()
         self._pending_version: int | None = None
-        self._placement_groups = []
 
         ensure_ray()
         num_gpus = int(ray.cluster_resources().get("GPU", 0))
@@ -685,15 +696,14 @@ class VllmGeneration(GenerationInterface):
         )
         self._actors = []
         try:
-            for index in range(config.num_engines):
-                self._actors.append(self._create_actor(index, engine_kwargs, num_gpus))
-            infos = ray.get([a.start.remote() for a in self._actors],
-                            timeout=engine_start_timeout_s)
-        except ray.exceptions.RayTaskError as error:
+            self._workers = self._start_group(engine_kwargs, num_gpus)
+            self._actors = self._workers.actors
+            infos = self._workers.call_all("start", timeout_s=engine_start_timeout_s)
+        except WorkerError as error:
             self.shutdown()
             # A config error of the actor (_kv_memory_error): raise it plain, without Ray's
             # wrapping of the actor's traceback.
-            cause = error.cause
+            cause = getattr(error.__cause__, "cause", None)
             if isinstance(cause, ValueError) and str(cause).startswith("generation."):
                 raise ValueError(str(cause)) from None
             raise
@@ -707,33 +717,22 @@ class VllmGeneration(GenerationInterface):
                                  f"{info['model_dtype']}, not {config.dtype}")
         self.engine_start_seconds = max(info["start_seconds"] for info in infos)
 
-    def _create_actor(self, index: int, engine_kwargs: dict, num_gpus: int):
+    def _start_group(self, engine_kwargs: dict, num_gpus: int) -> WorkerGroup:
+        """The engines as a WorkerGroup of the inference fleet (module docstring: Placement)."""
         tp = self._config.tensor_parallel_size
-        options: dict[str, Any] = {
-            "name": f"dockyard_vllm_engine_{index}_{uuid.uuid4().hex[:8]}",
-            "runtime_env": {"env_vars": self._engine_env},
-            # Many generate calls wait concurrently on one engine.
-            "max_concurrency": 10_000,
-        }
+        bundle: dict[str, float] = {"CPU": 1, **({"GPU": 1} if num_gpus else {})}
         kwargs = dict(engine_kwargs)
-        if num_gpus == 0:
-            options["num_cpus"] = 1
-        elif tp == 1:
-            options.update(num_cpus=1, num_gpus=1)
-        else:
-            from ray.util.placement_group import placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            group = placement_group([{"GPU": 1, "CPU": 1}] * tp, strategy="PACK")
-            self._placement_groups.append(group)
-            ray.get(group.ready(), timeout=600)
-            options.update(
-                num_cpus=0, num_gpus=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=group, placement_group_capture_child_tasks=True))
+        if tp > 1:
+            # The actor owns nothing; vLLM's Ray executor starts the TP workers in the engine's
+            # own placement group (captured), one bundle each.
             kwargs["distributed_executor_backend"] = "ray"
-        actor_cls = ray.remote(VllmEngineActor)
-        return actor_cls.options(**options).remote(kwargs, index, self._version)
+        version = self._version
+        return WorkerGroup(
+            VllmEngineActor, self._config.num_engines, "inference", self._cluster_config,
+            bundle=bundle, bundles_per_worker=tp,
+            # Many generate calls wait concurrently on one engine.
+            max_concurrency=10_000, runtime_env={"env_vars": self._engine_env},
+            worker_args=lambda info: ((kwargs, info.rank, version), {}))
 
     # ------------------------------------------------------------------------------ properties
 
@@ -1013,16 +1012,10 @@ class VllmGeneration(GenerationInterface):
         if self._closed:
             return
         self._closed = True
-        for actor in getattr(self, "_actors", []):
-            try:
-                ray.get(actor.shutdown.remote(), timeout=60)
-            except Exception as error:  # a dead actor has nothing left to shut down
-                logger.warning("engine shutdown failed: %s", error)
-            ray.kill(actor)
         self._actors = []
-        for group in self._placement_groups:
-            ray.util.remove_placement_group(group)
-        self._placement_groups = []
+        if self._workers is not None:
+            workers, self._workers = self._workers, None
+            workers.shutdown(method="shutdown")
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,0 +1,396 @@
+"""The DTensor policy's rank worker: one data-parallel rank of FSDP2 training, in a Ray actor.
+
+`DTensorPolicy` (dtensor_policy.py, the controller) starts `policy.dp_size` of these as a
+`WorkerGroup` and calls every model method on all ranks at once with equally sized shards: they
+are collective.
+
+`setup` joins one torch process group (gloo on CPU, NCCL on GPU) at the group's master address,
+builds a 1-D DeviceMesh "dp", loads the model with `AutoModelForCausalLM` and shards it with
+`fully_shard` per decoder layer (the classes in `_no_split_modules`), then at the root:
+parameters are DTensors `Shard(0)` over "dp", each forward all-gathers one layer at a time.
+
+Log-probs: microbatches of `policy.micro_batch_size` rows sorted longest first, each cut to its
+longest row (rows are right-padded, attention is causal: no mask needed); the fused
+`gather_logprobs` kernel reads log p(ids[t + 1] | ids[:t + 1]) at position t, shifted one column
+right into the interface's alignment (0 in column 0 and on padding).
+
+Training: gradients accumulate over the microbatches, the loss multiplied by the world size so
+that FSDP's averaging reduce-scatter yields the SUM over ranks the loss's aggregation needs
+(algorithms/loss_functions.py); then `clip_grad_norm_` (pre-clip norm reported), AdamW and a
+LambdaLR whose factor is `learning_rate_at(step)` (base rate 1.0: exactly the shared schedule).
+With bfloat16, parameters, gradients and optimizer state stay float32 and FSDP computes in
+bfloat16. The frozen reference model is a second FSDP model of the initial weights (CPU-offloaded
+per layer on GPU with `policy.offload_reference_policy`).
+
+Refit: `gather_weights` all-gathers full tensors (rank 0 receives them, in `policy.dtype`);
+`send_weights` does that per bucket of a weight-sync manifest and rank 0 sends each bucket
+(weight_sync/sender.py). Checkpoints: rank 0 writes the HF files, optimizer and scheduler;
+every rank its RNG state.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import shutil
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from dockyard_rl.distributed.batched_data_dict import BatchedDataDict, invert_permutation
+from dockyard_rl.kernels import refit_packer
+from dockyard_rl.models.policy.config import PolicyConfig, learning_rate_at
+from dockyard_rl.models.policy.interfaces import LossFunction
+
+WEIGHTS_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _read_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules to shard one by one: instances of the classes in `_no_split_modules`."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(
+            f"policy.model: {type(model).__name__} names no decoder layer classes in "
+            f"_no_split_modules ({sorted(names)}), so it cannot be sharded per layer; use a "
+            "Hugging Face causal LM that declares them (Llama, Qwen2, Mistral, ...)")
+    return layers
+
+
+def _tied_duplicate_names(model: torch.nn.Module) -> dict[str, str]:
+    """Parameter names that are another parameter (tied weights) -> the name kept for it.
+
+    `named_parameters()` yields a shared parameter once, under its first name (for tied
+    embeddings `model.embed_tokens.weight`); a HF checkpoint holds that name only.
+    """
+    first_name: dict[int, str] = {}
+    duplicates: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first_name:
+            duplicates[name] = first_name[id(param)]
+        else:
+            first_name[id(param)] = name
+    return duplicates
+
+
+def shifted_logprobs(model: torch.nn.Module, input_ids_BS: torch.Tensor,
+                     input_lengths_B: torch.Tensor) -> torch.Tensor:
+    """(B, S) float32 log-probs in the interface's alignment (see the module docstring).
+
+    Differentiable when grad is enabled. Padding positions and column 0 are exactly 0.
+    """
+    from dockyard_rl.kernels.logprobs import gather_logprobs
+
+    num_rows, width_full = input_ids_BS.shape
+    width = int(input_lengths_B.max())
+    ids_BS = input_ids_BS[:, :width]
+    logits_BSV = model(input_ids=ids_BS, use_cache=False).logits
+    # Targets are the ids shifted one left. The last column has no next token: it gets a dummy
+    # valid id (its own) and is dropped below. Gathering from the full (B, S, V) logits keeps
+    # them a view (no copy of the largest tensor of the step, as logits[:, :-1] would force).
+    targets_BS = torch.cat([ids_BS[:, 1:], ids_BS[:, -1:]], dim=1)
+    next_logprobs_BS = gather_logprobs(logits_BSV, targets_BS)
+    # next_logprobs_BS[:, t] = log p(ids[t + 1] | ids[:t + 1]) -> column t + 1 of the output.
+    logprobs_BS = torch.nn.functional.pad(next_logprobs_BS[:, :-1], (1, width_full - width))
+    positions_S = torch.arange(width_full, device=logprobs_BS.device)
+    valid_BS = (positions_S[None, :] >= 1) & (positions_S[None, :] < input_lengths_B.to(
+        logprobs_BS.device)[:, None])
+    return torch.where(valid_BS, logprobs_BS, 0.0)
+
+
+def _length_order(shard: BatchedDataDict) -> list[int]:
+    """Shard positions sorted longest first (stable), so that a microbatch holds rows of
+    similar length and is cut to little more than its rows' own lengths (length bucketing)."""
+    lengths = shard["input_lengths"].tolist()
+    return sorted(range(len(lengths)), key=lambda i: -lengths[i])
+
+
+class DTensorPolicyWorker:
+    """One data-parallel rank. Created by `DTensorPolicy` as a Ray actor; not used directly.
+
+    Every method that touches the model is collective: the controller calls it on all ranks at
+    once with equally sized shards.
+    """
+
+    def __init__(self, cfg: PolicyConfig, rank: int, world_size: int):
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+
+    def setup(self, model_dir: str, master_addr: str, master_port: int,
+              num_threads: int) -> dict[str, Any]:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        cfg = self.cfg
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+                          RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        # Ray exposes exactly the GPU of this actor's bundle, if any, as cuda:0.
+        self.device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        else:
+            torch.set_num_threads(num_threads)
+        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                rank=self.rank, world_size=self.world_size)
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,),
+                                     mesh_dim_names=("dp",))
+        self.model_dir = pathlib.Path(model_dir)
+        torch.manual_seed(cfg.seed)
+        self.model = self._build_model(trainable=True)
+        self.reference_model = self._build_model(trainable=False)
+        self.tied_duplicates = _tied_duplicate_names(self.model)
+        self.refit_names = [name for name, _ in self.model.named_parameters()]
+        opt = cfg.optimizer
+        # Base lr 1.0 and a LambdaLR factor equal to the schedule: lr == learning_rate_at(step).
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1.0,
+                                           betas=(opt.beta1, opt.beta2), eps=opt.eps,
+                                           weight_decay=opt.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: learning_rate_at(step, cfg.optimizer, cfg.scheduler))
+        return {"max_position_embeddings": int(getattr(
+            self.model.config, "max_position_embeddings", 0) or 0),
+            "vocab_size": int(self.model.config.vocab_size)}
+
+    def _build_model(self, trainable: bool) -> torch.nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from transformers import AutoModelForCausalLM
+
+        cfg = self.cfg
+        compute_dtype = _TORCH_DTYPES[cfg.dtype]
+        # Trainable: float32 master weights, bf16 compute through FSDP's mixed precision.
+        # Reference: loaded directly in the compute dtype (it has no optimizer state).
+        load_dtype = torch.float32 if trainable else compute_dtype
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=load_dtype)
+        kwargs: dict[str, Any] = {"mesh": self.mesh}
+        if trainable and compute_dtype != torch.float32:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype,
+                                                       reduce_dtype=torch.float32)
+        if not trainable:
+            model.requires_grad_(False)
+            model.eval()
+            if cfg.offload_reference_policy and self.device.type == "cuda":
+                kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+        if trainable and cfg.activation_checkpointing:
+            # Non-reentrant torch.utils.checkpoint around every decoder layer (HF's own hook):
+            # the recomputation re-runs FSDP's pre-forward all-gather of that layer.
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        for layer in _decoder_layers(model):
+            fully_shard(layer, **kwargs)
+        # The root group holds what is left: embeddings, final norm, (tied) lm_head.
+        fully_shard(model, **kwargs)
+        if "offload_policy" not in kwargs:
+            model.to(self.device)
+        return model
+
+    # -- log-probs
+
+    def get_logprobs(self, shard: BatchedDataDict, reference: bool) -> torch.Tensor:
+        model = self.reference_model if reference else self.model
+        model.eval()
+        order = _length_order(shard)
+        pieces_BS = []
+        with torch.no_grad():
+            for mb in shard.select_indices(order).make_microbatch_iterator(
+                    self.cfg.micro_batch_size, allow_partial=True):
+                pieces_BS.append(shifted_logprobs(model, mb["input_ids"].to(self.device),
+                                                  mb["input_lengths"]).cpu())
+        return torch.cat(pieces_BS, dim=0)[invert_permutation(order)]
+
+    # -- training
+
+    def train(self, shard: BatchedDataDict, loss_fn: LossFunction,
+              global_num_valid_tokens: int, global_num_valid_sequences: int) -> dict[str, Any]:
+        from torch.distributed.tensor import DTensor
+
+        model = self.model
+        model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        # Microbatch order does not change the summed loss; length order cuts padding.
+        microbatches = list(shard.select_indices(_length_order(shard)).make_microbatch_iterator(
+            self.cfg.micro_batch_size, allow_partial=True))
+        metrics_list = []
+        for index, mb in enumerate(microbatches):
+            # Accumulate unsharded gradients locally; reduce-scatter once, after the last.
+            model.set_requires_gradient_sync(index == len(microbatches) - 1)
+            logprobs_BS = shifted_logprobs(model, mb["input_ids"].to(self.device),
+                                           mb["input_lengths"])
+            loss, metrics = loss_fn(logprobs_BS, mb, global_num_valid_tokens,
+                                    global_num_valid_sequences)
+            # FSDP averages gradients over ranks; the loss's pieces must be summed instead.
+            (loss * self.world_size).backward()
+            metrics_list.append(metrics)
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
+        # With max_norm = inf the clip coefficient is clamped to 1.0: gradients are untouched.
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        learning_rate = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"metrics": metrics_list, "grad_norm": float(grad_norm),
+                "learning_rate": float(learning_rate)}
+
+    def step_count(self) -> int:
+        return int(self.scheduler.last_epoch)
+
+    # -- refit
+
+    def refit_info(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        params = dict(self.model.named_parameters())
+        dtype = _TORCH_DTYPES[self.cfg.dtype]
+        return [(name, tuple(params[name].shape), dtype) for name in self.refit_names]
+
+    def gather_weights(self, names: Sequence[str]) -> dict[str, torch.Tensor] | None:
+        """Full tensors of `names` (collective); rank 0 returns them, other ranks None."""
+        from torch.distributed.tensor import DTensor
+
+        params = dict(self.model.named_parameters())
+        dtype = _TORCH_DTYPES[self.cfg.dtype]
+        out = {}
+        for name in names:
+            param = params[name].detach()
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            if self.rank == 0:
+                out[name] = full.to(device="cpu", dtype=dtype)
+        return out if self.rank == 0 else None
+
+    def iter_full_buckets(self, manifest: refit_packer.Manifest
+                          ) -> Iterator[tuple[int, dict[str, torch.Tensor] | None]]:
+        """(bucket index, full tensors of that bucket) on rank 0, (index, None) elsewhere.
+        Collective: every rank must iterate to the end, in step."""
+        for b in range(manifest.num_buckets):
+            yield b, self.gather_weights([e.name for e in manifest.bucket_entries(b)])
+
+    def weight_sender_node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def open_weight_sender(self, session: str, transport: str, manifest_dict: dict,
+                           options: dict) -> dict[str, Any]:
+        from dockyard_rl.weight_sync import sender
+
+        return sender.open_session(session, transport, manifest_dict, options)
+
+    def send_weights(self, session: str, manifest_dict: dict,
+                     version: int) -> dict[str, float] | None:
+        """Collective: every rank gathers each bucket; rank 0 sends it (weight_sync/sender.py)."""
+        from dockyard_rl.weight_sync import sender
+
+        manifest = refit_packer.Manifest.from_dict(manifest_dict)
+        buckets = self.iter_full_buckets(manifest)
+        if self.rank != 0:
+            for _ in buckets:
+                pass
+            return None
+        try:
+            return sender.send_weights(session, manifest, version, buckets)
+        except BaseException:
+            for _ in buckets:  # finish the all-gathers, so the other ranks are not left waiting
+                pass
+            raise
+
+    def close_weight_sender(self, session: str) -> None:
+        from dockyard_rl.weight_sync import sender
+
+        sender.close_session(session)
+
+    # -- checkpoints
+
+    def save_checkpoint(self, directory: str) -> None:
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+
+        directory = pathlib.Path(directory)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        # Both are collectives; with cpu_offload only rank 0 receives the full dicts.
+        model_state = get_model_state_dict(self.model, options=options)
+        optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        torch.save(self._rng_state(), directory / f"rng_rank{self.rank}.pt")
+        if self.rank != 0:
+            return
+        # A HF checkpoint holds a tied weight once; safetensors also refuses shared storage.
+        weights = {name: tensor.contiguous() for name, tensor in model_state.items()
+                   if name not in self.tied_duplicates}
+        save_file(weights, directory / WEIGHTS_FILE, metadata={"format": "pt"})
+        self.model.config.save_pretrained(directory)
+        for source in self.model_dir.iterdir():
+            # Tokenizer, generation config, chat template: everything but weights and config.
+            if (source.is_file() and not source.name.startswith(".")
+                    and source.name != "config.json"
+                    and not source.name.endswith((".safetensors", ".bin", ".pt", ".pth",
+                                                  ".index.json"))):
+                shutil.copy2(source, directory / source.name)
+        torch.save(optimizer_state, directory / OPTIMIZER_FILE)
+        torch.save(self.scheduler.state_dict(), directory / SCHEDULER_FILE)
+
+    def load_checkpoint(self, directory: str) -> None:
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+
+        directory = pathlib.Path(directory)
+        weights = load_file(directory / WEIGHTS_FILE)
+        for duplicate, kept in self.tied_duplicates.items():
+            weights[duplicate] = weights[kept]
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, weights, options=options)
+        optimizer_state = torch.load(directory / OPTIMIZER_FILE, weights_only=True)
+        set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
+        self.scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE,
+                                                  weights_only=True))
+        rng_file = directory / f"rng_rank{self.rank}.pt"
+        if rng_file.is_file():
+            self._set_rng_state(torch.load(rng_file, weights_only=False))
+        else:
+            torch.manual_seed(self.cfg.seed + self.rank)
+
+    def _rng_state(self) -> dict[str, Any]:
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def _set_rng_state(self, state: Mapping[str, Any]) -> None:
+        torch.set_rng_state(state["cpu"])
+        if self.device.type == "cuda" and "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+
+    def memory_stats(self, reset: bool) -> dict[str, int]:
+        """Peak memory of this rank since the last reset: resident set high-water mark (VmHWM)
+        and, on GPU, torch's peak allocated device memory. `reset` starts a new window."""
+        stats = {"peak_rss_bytes": _read_status_bytes("VmHWM")}
+        if self.device.type == "cuda":
+            stats["peak_device_bytes"] = int(torch.cuda.max_memory_allocated(self.device))
+        if reset:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+            except OSError:
+                pass
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+        return stats
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
