@@ -1,0 +1,458 @@
+"""Tests of checkpoint.py: the `checkpointing` config, atomic saves (a failing writer, leftovers,
+real SIGKILLs of a saving process), metric-ranked retention, the trainer-state round trip and
+the prompt sampler's exact resume."""
+
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dockyard_rl.utils.checkpoint import (MANIFEST_NAME, CheckpointingConfig, CheckpointManager,
+                                          PromptSampler, RngState, TrainerState,
+                                          load_trainer_state, save_trainer_state)
+from dockyard_rl.utils.config import from_dict
+
+def config(**overrides) -> CheckpointingConfig:
+    return from_dict(CheckpointingConfig, overrides, "checkpointing")
+
+
+def write_payload(step: int):
+    def write(tmp: pathlib.Path) -> None:
+        (tmp / "policy").mkdir()
+        (tmp / "policy" / "weights.bin").write_bytes(bytes([step % 256]) * 1000)
+    return write
+
+
+def steps(manager: CheckpointManager) -> list[int]:
+    return [info.step for info in manager.list()]
+
+
+def step_dirs(root: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
+
+
+# --- config ---------------------------------------------------------------------------------
+
+
+def test_defaults_are_valid_and_rank_by_resolve_rate():
+    cfg = config()
+    assert cfg.enabled and cfg.keep_top_k == 3 and cfg.metric_name == "val/resolve_rate"
+    assert cfg.higher_is_better and cfg.save_period >= 1
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    ({"keep_top_k": 2, "metric_name": None},
+     r"^checkpointing\.keep_top_k: .*needs a metric.*checkpointing\.metric_name.*keep_top_k: null"),
+    ({"save_period": 0}, r"^checkpointing\.save_period: must be an integer >= 1"),
+    ({"save_period": 2.5}, r"^checkpointing\.save_period: must be an integer >= 1"),
+    ({"keep_top_k": 0}, r"^checkpointing\.keep_top_k: must be an integer >= 1 or null"),
+    ({"keep_top_k": True}, r"^checkpointing\.keep_top_k: must be an integer >= 1 or null"),
+    ({"metric_name": ""}, r"^checkpointing\.metric_name: must be a metric name"),
+    ({"checkpoint_dir": " "}, r"^checkpointing\.checkpoint_dir: must be a directory path"),
+    ({"enabled": "yes"}, r"^checkpointing\.enabled: must be true or false"),
+    ({"higher_is_better": 1}, r"^checkpointing\.higher_is_better: must be true or false"),
+    ({"keep_top_k_": 1}, r"^checkpointing: unknown key\(s\) 'keep_top_k_'"),
+])
+def test_config_errors_name_the_key(overrides, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        config(**overrides)
+
+
+def test_keeping_everything_needs_no_metric():
+    cfg = config(keep_top_k=None, metric_name=None)
+    assert cfg.keep_top_k is None and cfg.metric_name is None
+
+
+def test_relative_checkpoint_dir_is_resolved_against_the_run_dir(tmp_path):
+    assert config().resolve_dir(tmp_path) == tmp_path / "results" / "checkpoints"
+    assert config(checkpoint_dir="/abs/ckpt").resolve_dir(tmp_path) == pathlib.Path("/abs/ckpt")
+
+
+def test_should_save_every_period():
+    assert [s for s in range(0, 10) if config(save_period=3).should_save(s)] == [3, 6, 9]
+    assert not config(enabled=False, save_period=1).should_save(4)
+
+
+# --- saving and atomicity ---------------------------------------------------------------------
+
+
+def test_save_writes_the_callers_files_and_a_manifest_last(tmp_path):
+    manager = CheckpointManager(config(keep_top_k=None), tmp_path / "ckpt")
+    path = manager.save(3, write_payload(3), metrics={"val/resolve_rate": 0.25})
+    assert path == tmp_path / "ckpt" / "step_3"
+    assert (path / "policy" / "weights.bin").read_bytes() == b"\x03" * 1000
+    manifest = json.loads((path / MANIFEST_NAME).read_text())
+    assert manifest["complete"] is True and manifest["step"] == 3
+    assert manifest["metrics"] == {"val/resolve_rate": 0.25}
+    assert step_dirs(tmp_path / "ckpt") == ["step_3"]  # no temporary directory left
+    latest = manager.latest()
+    assert latest.step == 3 and latest.path == path and latest.metrics == {"val/resolve_rate": 0.25}
+    assert manager.best() == latest
+
+
+def test_a_failing_write_leaves_the_previous_checkpoints_untouched(tmp_path):
+    manager = CheckpointManager(config(keep_top_k=None), tmp_path)
+    manager.save(1, write_payload(1))
+
+    def crash(tmp):
+        write_payload(2)(tmp)
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        manager.save(2, crash)
+    assert step_dirs(tmp_path) == ["step_1"]
+    assert manager.latest().step == 1
+    manager.save(2, write_payload(2))  # the step can be saved again afterwards
+    assert steps(manager) == [1, 2]
+
+
+def test_leftovers_of_crashes_are_ignored_and_cleaned(tmp_path):
+    manager = CheckpointManager(config(keep_top_k=None), tmp_path)
+    manager.save(1, write_payload(1))
+    # A save killed before its rename (even after writing its manifest), a save killed
+    # mid-write, a deletion killed mid-rmtree, and a step directory without a manifest.
+    crashed = tmp_path / ".tmp-step_2-999-abcd"
+    crashed.mkdir()
+    write_payload(2)(crashed)
+    (crashed / MANIFEST_NAME).write_text(json.dumps({"step": 2, "complete": True}))
+    (tmp_path / ".tmp-step_3-999-ef01").mkdir()
+    (tmp_path / ".trash-step_0-1234" / "policy").mkdir(parents=True)
+    (tmp_path / "step_5").mkdir()
+    write_payload(5)(tmp_path / "step_5")
+    (tmp_path / "step_6").mkdir()
+    (tmp_path / "step_6" / MANIFEST_NAME).write_text('{"step": 6, "comp')  # torn write
+    assert manager.latest().step == 1  # the incomplete ones are invisible
+
+    restarted = CheckpointManager(config(keep_top_k=None), tmp_path)
+    assert step_dirs(tmp_path) == ["step_1"]
+    assert restarted.latest().step == 1
+    assert restarted.save(2, write_payload(2)).name == "step_2"
+
+
+def test_leftovers_are_also_cleaned_by_the_next_save(tmp_path):
+    manager = CheckpointManager(config(keep_top_k=None), tmp_path)
+    (tmp_path / ".tmp-step_1-999-abcd").mkdir()
+    manager.save(1, write_payload(1))
+    assert step_dirs(tmp_path) == ["step_1"]
+
+
+def test_steps_must_increase_and_the_manifest_name_is_reserved(tmp_path):
+    manager = CheckpointManager(config(keep_top_k=None), tmp_path)
+    manager.save(4, write_payload(4))
+    with pytest.raises(ValueError, match=r"cannot save step 4: .*continue at step 5"):
+        manager.save(4, write_payload(4))
+    with pytest.raises(ValueError, match="cannot save step 2"):
+        manager.save(2, write_payload(2))
+    with pytest.raises(ValueError, match="reserved"):
+        manager.save(5, lambda tmp: (tmp / MANIFEST_NAME).write_text("{}"))
+    with pytest.raises(ValueError, match="integer >= 0"):
+        manager.save(-1, write_payload(0))
+    with pytest.raises(ValueError, match=r"metrics\['x'\] must be a number"):
+        manager.save(6, write_payload(6), metrics={"x": "high"})
+    assert steps(manager) == [4] and step_dirs(tmp_path) == ["step_4"]
+
+
+def test_a_file_as_checkpoint_dir_is_a_config_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"checkpointing\.checkpoint_dir: .*not a directory"):
+        CheckpointManager(config(), tmp_path / "file")
+
+
+_SAVER = textwrap.dedent("""
+    import pathlib, sys
+    from dockyard_rl.utils.checkpoint import CheckpointManager, CheckpointingConfig
+
+    root = pathlib.Path(sys.argv[1])
+    manager = CheckpointManager(CheckpointingConfig(keep_top_k=2, metric_name="m"), root)
+    latest = manager.latest()
+    step = 0 if latest is None else latest.step
+    while True:
+        step += 1
+        def write(tmp, step=step):
+            for index in range(20):
+                (tmp / f"shard_{index}.bin").write_bytes(step.to_bytes(4, "big") * 4096)
+        manager.save(step, write, metrics={"m": float(step % 3)})
+        print(step, flush=True)
+""")
+
+
+def test_sigkill_at_any_moment_leaves_only_complete_checkpoints(tmp_path):
+    """A real process saving in a loop, SIGKILLed at random moments and restarted: every
+    checkpoint that latest()/list() report is complete, and the steps keep growing."""
+    script = tmp_path / "saver.py"
+    script.write_text(_SAVER)
+    root = tmp_path / "ckpt"
+    # The child imports what this process imports (a plain checkout or Bazel's runfiles).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    rng = random.Random(0)
+    previous_latest = 0
+    num_kills_mid_save = 0
+    for _ in range(6):
+        process = subprocess.Popen([sys.executable, str(script), str(root)], env=env,
+                                   stdout=subprocess.PIPE, text=True)
+        process.stdout.readline()  # at least one save finished in this run
+        time.sleep(rng.uniform(0.0, 0.15))
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        process.stdout.close()
+        num_kills_mid_save += any(p.name.startswith(".") for p in root.iterdir())
+        manager = CheckpointManager(CheckpointingConfig(keep_top_k=2, metric_name="m"), root)
+        infos = manager.list()
+        assert infos and infos[-1].step > previous_latest
+        previous_latest = infos[-1].step
+        for info in infos:
+            shards = sorted(info.path.glob("shard_*.bin"))
+            assert len(shards) == 20
+            assert all(s.read_bytes() == info.step.to_bytes(4, "big") * 4096 for s in shards)
+        assert not [p for p in root.iterdir() if p.name.startswith(".")]  # cleaned at start
+        assert len(infos) <= 3  # top 2 + latest; one more only if killed before retention ran
+    assert num_kills_mid_save > 0  # (saving is most of the loop's time: nearly every kill)
+
+
+# --- retention ----------------------------------------------------------------------------------
+
+
+def test_top_k_with_metrics_given_before_during_and_after_saving(tmp_path):
+    manager = CheckpointManager(config(keep_top_k=2, metric_name="val/resolve_rate"), tmp_path)
+    metric = "val/resolve_rate"
+    manager.save(1, write_payload(1), metrics={metric: 0.5})
+    manager.save(2, write_payload(2))                 # validation comes later
+    assert steps(manager) == [1, 2]
+    manager.record_metrics(2, {metric: 0.1})          # after the save
+    manager.save(3, write_payload(3), metrics={metric: 0.7})
+    assert steps(manager) == [1, 3]                   # top 2 = {3: 0.7, 1: 0.5}
+    manager.record_metrics(4, {metric: 0.2})          # before the save
+    manager.save(4, write_payload(4))
+    assert manager.latest().metrics == {metric: 0.2}
+    assert steps(manager) == [1, 3, 4]                # top 2 + the latest
+    manager.save(5, write_payload(5))                 # no metric yet: ranks last, kept as latest
+    assert steps(manager) == [1, 3, 5]
+    manager.record_metrics(5, {metric: 0.9, "val/mean_reward": 1.5})
+    assert steps(manager) == [3, 5]                   # 5 (0.9) and 3 (0.7); 1 falls out
+    manager.save(6, write_payload(6), metrics={metric: 0.0})
+    assert steps(manager) == [3, 5, 6]
+    assert manager.best().step == 5
+    assert manager.best().metrics == {metric: 0.9, "val/mean_reward": 1.5}
+    # The metrics live in the manifests: a restarted manager ranks the same way.
+    restarted = CheckpointManager(config(keep_top_k=2, metric_name=metric), tmp_path)
+    assert restarted.best().step == 5 and restarted.latest().step == 6
+
+
+def test_lower_is_better(tmp_path):
+    manager = CheckpointManager(config(keep_top_k=2, metric_name="val/loss",
+                                       higher_is_better=False), tmp_path)
+    for step, loss in enumerate([3.0, 1.0, 2.0, 0.5, 4.0, 5.0], start=1):
+        manager.save(step, write_payload(step), metrics={"val/loss": loss})
+    assert steps(manager) == [2, 4, 6]  # 0.5 and 1.0 are best; 6 is the latest
+    assert manager.best().step == 4
+
+
+def test_the_latest_is_kept_even_when_it_ranks_worst(tmp_path):
+    manager = CheckpointManager(config(keep_top_k=1, metric_name="m"), tmp_path)
+    manager.save(1, write_payload(1), metrics={"m": 1.0})
+    for step in range(2, 5):
+        manager.save(step, write_payload(step), metrics={"m": 0.0})
+        assert steps(manager) == [1, step]
+    manager.record_metrics(4, {"m": -5.0})
+    assert steps(manager) == [1, 4]
+
+
+def test_missing_metric_ranks_last_and_ties_prefer_the_newer_step(tmp_path):
+    manager = CheckpointManager(config(keep_top_k=2, metric_name="m"), tmp_path)
+    manager.save(1, write_payload(1), metrics={"m": 0.3})
+    manager.save(2, write_payload(2), metrics={"other": 9.0})
+    manager.save(3, write_payload(3), metrics={"m": 0.3})
+    manager.save(4, write_payload(4), metrics={"m": float("nan")})  # NaN counts as missing
+    assert steps(manager) == [1, 3, 4]
+    manager.save(5, write_payload(5), metrics={"m": 0.3})
+    assert steps(manager) == [3, 5]  # three-way tie at 0.3: the two newest win
+    # Without any metric the newest ones are kept.
+    manager = CheckpointManager(config(keep_top_k=2, metric_name="m"), tmp_path / "none")
+    for step in range(1, 5):
+        manager.save(step, write_payload(step))
+    assert steps(manager) == [3, 4]
+    assert manager.best() is None
+
+
+def test_keep_all(tmp_path):
+    manager = CheckpointManager(config(keep_top_k=None), tmp_path)
+    for step in range(1, 6):
+        manager.save(step, write_payload(step), metrics={"val/resolve_rate": -step})
+    assert steps(manager) == [1, 2, 3, 4, 5]
+    assert manager.best().step == 1
+
+
+def test_metrics_for_an_unsaved_older_step_are_dropped(tmp_path):
+    manager = CheckpointManager(config(keep_top_k=2, metric_name="m"), tmp_path)
+    manager.record_metrics(1, {"m": 1.0})   # validation at step 1, no save at step 1
+    manager.save(2, write_payload(2))
+    manager.record_metrics(1, {"m": 1.0})
+    assert manager.latest().metrics == {}
+    manager.save(3, write_payload(3))
+    assert [info.metrics for info in manager.list()] == [{}, {}]
+
+
+# --- trainer state -------------------------------------------------------------------------------
+
+
+def draw() -> tuple:
+    return (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist(),
+            torch.randint(0, 1000, (2,)).tolist())
+
+
+def test_trainer_state_round_trip_continues_the_rng_streams(tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    draw()
+    sampler = PromptSampler(num_prompts=5, batch_size=2, seed=7)
+    next(sampler)
+    buffer = {"trajectories": [torch.arange(4), {"reward": 1.0}], "versions": [3, 4]}
+    state = TrainerState(step=12, weight_version=12, sampler=sampler.state_dict(),
+                         rng=RngState.capture(), config_text="grpo:\n  val_period: 5\n",
+                         extras={"replay_buffer": buffer, "collector": {"in_flight": [1, 2]}})
+    expected = [draw() for _ in range(3)]
+
+    save_trainer_state(tmp_path / "trainer_state", state)
+    draw()  # the RNGs move on; loading must bring them back
+    loaded = load_trainer_state(tmp_path / "trainer_state")
+    loaded.rng.restore()
+    assert [draw() for _ in range(3)] == expected
+    assert (loaded.step, loaded.weight_version) == (12, 12)
+    assert loaded.config_text == "grpo:\n  val_period: 5\n"
+    assert loaded.sampler == sampler.state_dict()
+    assert sorted(loaded.extras) == ["collector", "replay_buffer"]
+    assert torch.equal(loaded.extras["replay_buffer"]["trajectories"][0], torch.arange(4))
+    assert loaded.extras["replay_buffer"]["versions"] == [3, 4]
+    assert loaded.extras["collector"] == {"in_flight": [1, 2]}
+    files = sorted(str(p.relative_to(tmp_path / "trainer_state"))
+                   for p in (tmp_path / "trainer_state").rglob("*") if p.is_file())
+    assert files == ["config.yaml", "extras/collector.pt", "extras/replay_buffer.pt", "rng.pkl",
+                     "trainer_state.json"]
+
+
+def test_trainer_state_errors(tmp_path):
+    rng = RngState.capture()
+    with pytest.raises(ValueError, match=r"TrainerState\.step must be an integer >= 0"):
+        TrainerState(step=-1, weight_version=0, sampler={}, rng=rng)
+    with pytest.raises(ValueError, match=r"extras: name '\.\./x' must match"):
+        TrainerState(step=0, weight_version=0, sampler={}, rng=rng, extras={"../x": 1})
+    state = TrainerState(step=0, weight_version=0, sampler={}, rng=rng, extras={"a": 1})
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "old.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        save_trainer_state(tmp_path / "used", state)
+    with pytest.raises(ValueError, match=r"trainer_state\.json is missing"):
+        load_trainer_state(tmp_path / "used")
+    save_trainer_state(tmp_path / "state", state)
+    (tmp_path / "state" / "extras" / "a.pt").unlink()
+    with pytest.raises(ValueError, match="incomplete"):
+        load_trainer_state(tmp_path / "state")
+
+
+# --- prompt sampler ------------------------------------------------------------------------------
+
+
+def stream(sampler: PromptSampler, num_batches: int) -> list[list[int]]:
+    return [next(sampler) for _ in range(num_batches)]
+
+
+def test_each_epoch_hands_out_every_prompt_once_in_a_fresh_order():
+    sampler = PromptSampler(num_prompts=7, batch_size=3, seed=0)
+    flat = [i for batch in stream(sampler, 7) for i in batch]  # 21 prompts = 3 epochs
+    epochs = [flat[0:7], flat[7:14], flat[14:21]]
+    assert all(sorted(epoch) == list(range(7)) for epoch in epochs)
+    assert len({tuple(epoch) for epoch in epochs}) == 3
+    assert (sampler.epoch, sampler.position, sampler.num_consumed) == (3, 0, 21)
+    assert epochs == [sampler.permutation(e) for e in range(3)]
+
+
+def test_the_order_is_pinned():
+    # A changed order would make runs started with an older version resume differently.
+    pinned = [3, 6, 7, 0, 1, 5, 9, 8, 4, 2]
+    assert PromptSampler(10, 4, seed=0).permutation(0) == pinned
+    assert PromptSampler(10, 1, seed=0).permutation(0) == pinned  # independent of batch size
+    assert PromptSampler(10, 4, seed=1).permutation(0) != pinned
+
+
+@pytest.mark.parametrize("num_prompts, batch_size", [(7, 3), (6, 3), (2, 5), (1, 1)])
+def test_resume_at_any_point_gives_the_uninterrupted_sequence(num_prompts, batch_size):
+    uninterrupted = stream(PromptSampler(num_prompts, batch_size, seed=11), 12)
+    for stop in range(12):
+        first = PromptSampler(num_prompts, batch_size, seed=11)
+        before = stream(first, stop)
+        state = json.loads(json.dumps(first.state_dict()))  # as stored in a checkpoint
+        resumed = PromptSampler(num_prompts, batch_size, seed=11)
+        resumed.load_state_dict(state)
+        assert before + stream(resumed, 12 - stop) == uninterrupted
+
+
+def test_resume_with_another_batch_size_continues_the_same_prompt_stream():
+    flat = [i for batch in stream(PromptSampler(7, 3, seed=5), 6) for i in batch]
+    first = PromptSampler(7, 3, seed=5)
+    before = [i for batch in stream(first, 2) for i in batch]
+    resumed = PromptSampler(7, 4, seed=5)
+    resumed.load_state_dict(first.state_dict())
+    after = [i for batch in stream(resumed, 3) for i in batch]
+    assert before + after == flat[:18]
+
+
+def test_sampler_state_from_other_data_is_rejected():
+    state = PromptSampler(7, 3, seed=5).state_dict()
+    with pytest.raises(ValueError, match="seed 5 over 7 prompts, this run has seed 6 over 7"):
+        PromptSampler(7, 3, seed=6).load_state_dict(state)
+    with pytest.raises(ValueError, match="over 8"):
+        PromptSampler(8, 3, seed=5).load_state_dict(state)
+    with pytest.raises(ValueError, match="0 <= position < 7"):
+        PromptSampler(7, 3, seed=5).load_state_dict({**state, "position": 7})
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        PromptSampler(7, 0, seed=5)
+
+
+# --- all together: crash and resume ------------------------------------------------------------
+
+
+def train(root: pathlib.Path, num_steps: int, crash_at: int | None = None) -> list[list[int]]:
+    """A miniature training loop: draws a batch and a random number per step, checkpoints every
+    2 steps; returns the (prompt batch, noise) it consumed per step."""
+    cfg = config(save_period=2, keep_top_k=1, metric_name="val/resolve_rate")
+    manager = CheckpointManager(cfg, root)
+    sampler = PromptSampler(num_prompts=5, batch_size=2, seed=3)
+    step = 0
+    latest = manager.latest()
+    if latest is not None:
+        state = load_trainer_state(latest.path / "trainer_state")
+        sampler.load_state_dict(state.sampler)
+        state.rng.restore()
+        step = state.step
+    else:
+        torch.manual_seed(0)
+    consumed = []
+    while step < num_steps:
+        step += 1
+        consumed.append((step, next(sampler), torch.rand(1).item()))
+        if step == crash_at:
+            return consumed
+        if cfg.should_save(step):
+            state = TrainerState(step=step, weight_version=step, sampler=sampler.state_dict(),
+                                 rng=RngState.capture())
+            manager.save(step, lambda tmp: save_trainer_state(tmp / "trainer_state", state))
+            manager.record_metrics(step, {"val/resolve_rate": 1.0 / step})
+    return consumed
+
+
+def test_a_crashed_run_resumes_exactly(tmp_path):
+    uninterrupted = train(tmp_path / "a", 9)
+    crashed = train(tmp_path / "b", 9, crash_at=7)    # killed during step 7: last save was 6
+    resumed = train(tmp_path / "b", 9)
+    assert [s for s, _, _ in resumed] == [7, 8, 9]    # no step repeated or skipped
+    assert crashed[:6] + resumed == uninterrupted     # same prompts, same random numbers
