@@ -368,16 +368,29 @@ class _MlflowBackend:
 
     def __init__(self, config: MlflowConfig, tracking_uri: str, run_id: str | None,
                  run_name: str):
+        if tracking_uri.startswith("file:") or "://" not in tracking_uri:
+            # MLflow 3 keeps its file store in maintenance mode and refuses to open one unless
+            # this is set. We keep it: it needs nothing but a folder (no database packages),
+            # holds runs and artifacts under log_dir, and `mlflow ui` reads it (with the same
+            # variable). The alternative is `tracking_uri: sqlite:///<path>/mlflow.db`, which
+            # needs the full `mlflow` package (sqlalchemy, alembic).
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
         self._client = MlflowClient(tracking_uri=tracking_uri)
         experiment = self._client.get_experiment_by_name(config.experiment_name)
         experiment_id = (experiment.experiment_id if experiment is not None
                          else self._client.create_experiment(config.experiment_name))
+        self.run_id = None
         if run_id is not None:
-            self._client.update_run(run_id, status="RUNNING")
-            self.run_id = run_id
-        else:
+            try:
+                self._client.update_run(run_id, status="RUNNING")
+                self.run_id = run_id
+            except MlflowException as error:  # the store was moved or deleted since
+                _log.warning("MLflow run %s of the resumed run is not in %s (%s); starting a "
+                             "new MLflow run", run_id, tracking_uri, error)
+        if self.run_id is None:
             self.run_id = self._client.create_run(
                 experiment_id, run_name=config.run_name or run_name).info.run_id
 
@@ -735,7 +748,7 @@ def plot_metrics(metrics_path: str | os.PathLike, plot_path: str | os.PathLike,
             style = {"marker": "o", "markersize": 4} if key.startswith("val/") else {}
             line, = ax.plot(steps, values, label=key, alpha=0.5 if len(steps) > 20 else 1, **style)
             if not key.startswith("val/") and len(steps) > 20:
-                window = max(2, len(steps) // 20)
+                window = max(2, len(steps) // 10)
                 ax.plot(steps[window - 1:], _moving_average(values, window),
                         color=line.get_color(), label=f"{key} (mean of {window})")
             drawn = True
