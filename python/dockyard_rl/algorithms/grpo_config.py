@@ -1,0 +1,662 @@
+"""The whole training recipe as one frozen dataclass: `MasterConfig`, and the `grpo` section.
+
+A recipe (configs/*.yaml) has one top-level key per section; each section is the config dataclass
+of the package that owns it, so its defaults and per-key checks live there and nowhere else:
+
+| section        | dataclass (module)                                                     |
+|----------------|------------------------------------------------------------------------|
+| `grpo`         | GRPOConfig (here); `grpo.advantage`: AdvantageConfig (advantages.py)   |
+| `policy`       | PolicyConfig (models/policy/config.py)                                 |
+| `generation`   | GenerationConfig (models/generation/config.py)                         |
+| `loss_fn`      | ClippedPGLossConfig (loss_functions.py)                                |
+| `async_grpo`   | AsyncGRPOConfig (async_utils/replay_buffer.py); read in async mode only |
+| `data`         | DataConfig (data/config.py)                                            |
+| `synthesis`    | TaskSynthesisConfig (here); null = off                                 |
+| `env`          | EnvConfig (here): `env.swe` SweEnvironmentConfig (environments/config.py) |
+| `rewards`      | RewardShapingConfig (rewards/shaping.py)                               |
+| `executor`     | ExecutorConfig (sandbox/config.py); null = use a running executor       |
+| `cluster`      | ClusterConfig (cluster/config.py)                                      |
+| `weight_sync`  | WeightSyncConfig (weight_sync/config.py)                               |
+| `data_plane`   | DataPlaneConfig (data_plane/config.py); null = the in-memory path      |
+| `checkpointing`| CheckpointingConfig (utils/checkpoint.py)                              |
+| `logger`       | LoggerConfig (utils/logger.py)                                         |
+
+`load_config(path, overrides)` reads the YAML, applies command-line overrides `a.b.c=value`,
+makes relative paths absolute against the workspace root and builds the dataclasses; every
+error is a `ConfigError` (a ValueError) that starts with the file and names the full dotted key.
+`MasterConfig.__post_init__` holds the checks that span sections (async mode needs importance
+sampling, the batch must split over the data-parallel ranks, prompts must fit the context, ...).
+`describe_config()` lists every key with its type and default (the launcher's --help);
+`config_to_dict` / `config_to_yaml` give the resolved config back (what --dry-run prints and
+what a checkpoint stores).
+
+YAML: the loader is PyYAML's safe loader plus one fix: `1e-6` (no dot) is a float, as in YAML 1.2
+(YAML 1.1 reads it as a string). Values are type-checked against the dataclass annotations
+before a section validates them, so `lr: "fast"` fails with the key named instead of deep inside
+a comparison.
+
+Relative paths (`PATH_KEYS`, and `policy.model` / `generation.model` unless they are zoo names)
+are resolved against the workspace root: $BUILD_WORKSPACE_DIRECTORY under `bazel run`, else the
+nearest folder above the config file holding WORKSPACE or MODULE.bazel, else the current
+directory. `~` is expanded. Nothing checks here that a path exists: the GPU recipes name cluster
+paths, and `grpo.run` checks (or creates) what it needs at setup. The run directory is
+`<logger.log_dir>/<grpo.run_name>` (`run_name` defaults to the recipe's file name); a relative
+`checkpointing.checkpoint_dir` lives inside it (CheckpointingConfig.resolve_dir).
+
+Not covered: several environments at once (`env` has only `swe`), list indices in overrides
+(`rewards.stages=[...]` replaces the whole list), and cross-checks that need the model or the
+machine (vocabulary, GPU count): those fail at setup, before the first step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import types
+import typing
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import yaml
+
+from dockyard_rl.algorithms.advantages import AdvantageConfig
+from dockyard_rl.algorithms.async_utils.replay_buffer import AsyncGRPOConfig
+from dockyard_rl.algorithms.loss_functions import ClippedPGLossConfig
+from dockyard_rl.cluster.config import ClusterConfig
+from dockyard_rl.data.config import DataConfig
+from dockyard_rl.data.task_synthesis import SynthesisConfig
+from dockyard_rl.data_plane.config import DataPlaneConfig
+from dockyard_rl.environments.config import SweEnvironmentConfig
+from dockyard_rl.models import zoo
+from dockyard_rl.models.generation.config import GenerationConfig
+from dockyard_rl.models.policy.config import PolicyConfig
+from dockyard_rl.rewards.shaping import OverlongStageConfig, RewardShapingConfig
+from dockyard_rl.sandbox.config import ExecutorConfig
+from dockyard_rl.utils.checkpoint import CheckpointingConfig
+from dockyard_rl.utils.config import from_dict, require
+from dockyard_rl.utils.logger import LoggerConfig
+from dockyard_rl.weight_sync.config import WeightSyncConfig
+
+
+__all__ = [
+    "ConfigError", "EnvConfig", "GRPOConfig", "MasterConfig", "TaskSynthesisConfig",
+    "apply_overrides", "config_to_dict", "config_to_yaml", "describe_config", "load_config",
+    "master_config_from_dict",
+]
+
+MODES = ("sync", "async")
+# Keys holding file-system paths, made absolute at load time (module docstring).
+# Not `checkpointing.checkpoint_dir`: a relative one lives inside the run directory
+# (<logger.log_dir>/<grpo.run_name>, CheckpointingConfig.resolve_dir).
+PATH_KEYS = (
+    "data.train_path", "data.validation_path", "logger.log_dir", "executor.work_dir",
+    "executor.db_path", "executor.pipeline.cache_dir",
+)
+# A zoo name or a local checkpoint directory: resolved like a path unless it is a zoo name.
+MODEL_KEYS = ("policy.model", "generation.model")
+# The file the task synthesizer writes into its output folder.
+SYNTHESIZED_TASKS_FILE = "tasks.jsonl"
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+class ConfigError(ValueError):
+    """A recipe that cannot be used; the message is one line: `<file>: <dotted.key>: <why, fix>`."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """YAML section `grpo`: the loop's shape (steps, batch, validation, mode)."""
+
+    num_prompts_per_step: int = 32
+    # Rollouts per prompt: the group GRPO's baseline is computed over (>= 2).
+    num_generations_per_prompt: int = 8
+    # Single-shot only: one response (a patch) per rollout. Multi-turn agents are not built yet.
+    max_rollout_turns: int = 1
+    max_num_steps: int = 100
+    # Validate every this many optimizer steps on the held-out split; 0 = never (except the
+    # val_at_start / val_at_end runs).
+    val_period: int = 0
+    val_at_start: bool = False
+    val_at_end: bool = False
+    val_num_prompts: int | None = None  # null = the whole validation split
+    val_temperature: float = 0.0  # 0 = greedy
+    seed: int = 0  # the driver's RNGs (random, numpy, torch) at setup
+    # Skip the reference policy's forward pass; only valid with loss_fn.reference_kl_coef = 0.
+    skip_reference_policy_logprobs: bool = False
+    # sync: generate -> score -> train in lock step. async: a trajectory collector generates and
+    # scores into the replay buffer (section async_grpo) while the trainer consumes.
+    mode: str = "sync"
+    # Names the run directory <logger.log_dir>/<run_name> (metrics, checkpoints); keep it stable
+    # across a resume. null = the recipe file's name without .yaml (load_config fills it in).
+    run_name: str | None = None
+    advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
+
+    def __post_init__(self):
+        for key, minimum in (("num_prompts_per_step", 1), ("num_generations_per_prompt", 2),
+                             ("max_num_steps", 1), ("val_period", 0)):
+            value = getattr(self, key)
+            hint = " (0 = no periodic validation)" if key == "val_period" else ""
+            if key == "num_generations_per_prompt":
+                hint = " (the group baseline needs at least 2 samples per prompt)"
+            require(_is_int(value) and value >= minimum, key,
+                    f"must be an integer >= {minimum}{hint}, got {value!r}")
+        require(self.max_rollout_turns == 1 and _is_int(self.max_rollout_turns),
+                "max_rollout_turns", f"only single-shot rollouts (1) are supported, got "
+                                     f"{self.max_rollout_turns!r}; set it to 1")
+        for key in ("val_at_start", "val_at_end", "skip_reference_policy_logprobs"):
+            value = getattr(self, key)
+            require(isinstance(value, bool), key, f"must be true or false, got {value!r}")
+        require(self.val_num_prompts is None
+                or (_is_int(self.val_num_prompts) and self.val_num_prompts >= 1),
+                "val_num_prompts", f"must be an integer >= 1 or null (= the whole validation "
+                                   f"split), got {self.val_num_prompts!r}")
+        require(_is_number(self.val_temperature) and self.val_temperature >= 0,
+                "val_temperature", f"must be a number >= 0 (0 = greedy), got "
+                                   f"{self.val_temperature!r}")
+        require(_is_int(self.seed) and self.seed >= 0, "seed",
+                f"must be an integer >= 0, got {self.seed!r}")
+        require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got "
+                                            f"{self.mode!r}")
+        require(self.run_name is None
+                or (isinstance(self.run_name, str) and bool(_RUN_NAME.fullmatch(self.run_name))),
+                "run_name", f"must be 1-100 letters, digits, '.', '_' or '-' (it names a folder), "
+                            f"or null (= the recipe's file name), got {self.run_name!r}")
+
+    @property
+    def num_samples_per_step(self) -> int:
+        return self.num_prompts_per_step * self.num_generations_per_prompt
+
+    @property
+    def validation_enabled(self) -> bool:
+        return self.val_period > 0 or self.val_at_start or self.val_at_end
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+    """YAML section `env`: the environment(s) rollouts are scored in (today the SWE one)."""
+
+    swe: SweEnvironmentConfig = dataclasses.field(default_factory=SweEnvironmentConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSynthesisConfig:
+    """YAML section `synthesis` (null = off): tasks to make when `data.train_path` is missing.
+
+    When set and the training file does not exist, `grpo.run` runs the task synthesizer
+    (data/synthesize_swe_tasks.py) once before training, with the folder of `data.train_path` as
+    its output folder: it writes `<folder>/tasks.jsonl` (so the training file must be named
+    tasks.jsonl), its repositories and report, and later runs reuse them (a cache). An
+    interrupted synthesis resumes package by package.
+    """
+
+    # PyPI requirements (`name==version`; pin them, the tasks depend on the code) or absolute
+    # paths of sdist archives.
+    packages: tuple[str, ...] = ()
+    num_workers: int | None = None  # scoring workers of its executor; null = the CPU count
+    search: SynthesisConfig = dataclasses.field(default_factory=SynthesisConfig)
+
+    def __post_init__(self):
+        packages = (self.packages,) if isinstance(self.packages, str) else self.packages
+        require(isinstance(packages, (list, tuple)) and bool(packages)
+                and all(isinstance(p, str) and p.strip() for p in packages), "packages",
+                f"must be a non-empty list of PyPI requirements (e.g. xmltodict==1.0.4) or sdist "
+                f"paths, got {self.packages!r}")
+        object.__setattr__(self, "packages", tuple(packages))
+        require(self.num_workers is None or (_is_int(self.num_workers) and self.num_workers >= 1),
+                "num_workers", f"must be an integer >= 1 or null, got {self.num_workers!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MasterConfig:
+    """The whole recipe (module docstring). Build it with `load_config` or
+    `master_config_from_dict`; constructing it directly runs the cross-section checks too."""
+
+    grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+    policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
+    generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
+    loss_fn: ClippedPGLossConfig = dataclasses.field(default_factory=ClippedPGLossConfig)
+    async_grpo: AsyncGRPOConfig = dataclasses.field(default_factory=AsyncGRPOConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    synthesis: TaskSynthesisConfig | None = None
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    rewards: RewardShapingConfig = dataclasses.field(default_factory=RewardShapingConfig)
+    executor: ExecutorConfig | None = None
+    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
+    weight_sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
+    data_plane: DataPlaneConfig | None = None
+    checkpointing: CheckpointingConfig = dataclasses.field(default_factory=CheckpointingConfig)
+    logger: LoggerConfig = dataclasses.field(default_factory=LoggerConfig)
+
+    def __post_init__(self):
+        grpo, policy, generation, loss_fn = self.grpo, self.policy, self.generation, self.loss_fn
+        if grpo.mode == "async":
+            require(loss_fn.use_importance_sampling_correction,
+                    "loss_fn.use_importance_sampling_correction",
+                    "must be true when grpo.mode is async: the trainer learns from samples up to "
+                    "async_grpo.max_trajectory_age_steps old, and only the importance weights "
+                    "correct for that; set it to true or use grpo.mode: sync")
+            require(self.async_grpo.max_buffer_groups >= grpo.num_prompts_per_step,
+                    "async_grpo.max_buffer_groups",
+                    f"({self.async_grpo.max_buffer_groups}) must be >= "
+                    f"grpo.num_prompts_per_step ({grpo.num_prompts_per_step}): one step samples "
+                    "that many groups from the buffer")
+        require(grpo.num_samples_per_step % policy.dp_size == 0, "policy.dp_size",
+                f"({policy.dp_size}) must divide the samples per step, grpo.num_prompts_per_step"
+                f" x grpo.num_generations_per_prompt = {grpo.num_samples_per_step}: every "
+                "data-parallel rank trains on the same number of samples")
+        require(grpo.num_generations_per_prompt == 1 or generation.temperature > 0,
+                "generation.temperature", "is 0 (greedy): every rollout of a group would be the "
+                "same, so every advantage is 0; use > 0 for training (grpo.val_temperature sets "
+                "validation's)")
+        context = self.data.prompt.max_context_tokens
+        require(context + generation.max_tokens < generation.max_model_len,
+                "data.prompt.max_context_tokens",
+                f"({context}) + generation.max_tokens ({generation.max_tokens}) must be below "
+                f"generation.max_model_len ({generation.max_model_len}): the code context alone "
+                "could fill the context window (the issue text and instructions come on top); "
+                "lower one of the first two or raise max_model_len")
+        if loss_fn.reference_kl_coef > 0:
+            require(not grpo.skip_reference_policy_logprobs, "grpo.skip_reference_policy_logprobs",
+                    f"cannot be true while loss_fn.reference_kl_coef is {loss_fn.reference_kl_coef}"
+                    ": the KL penalty needs the reference log-probs; set the coefficient to 0 or "
+                    "this to false")
+        require(policy.model == generation.model, "generation.model",
+                f"({generation.model!r}) must be the policy's model (policy.model: "
+                f"{policy.model!r}): the engine receives the policy's weights")
+        require(policy.dtype == generation.dtype, "generation.dtype",
+                f"({generation.dtype}) must equal policy.dtype ({policy.dtype}): weight sync sends "
+                "the policy's tensors as they are")
+        if grpo.validation_enabled:
+            require(self.data.validation_path is not None or self.data.validation_fraction > 0,
+                    "grpo.val_period", "validation is on (val_period > 0, val_at_start or "
+                    "val_at_end) but the data has no validation split; set "
+                    "data.validation_fraction or data.validation_path, or turn validation off")
+        self._check_rewards()
+        self._check_checkpointing()
+        self._check_executor()
+        self._check_synthesis()
+
+    def _check_rewards(self) -> None:
+        for index, stage in enumerate(self.rewards.stages):
+            if isinstance(stage, OverlongStageConfig) and stage.threshold is not None:
+                require(stage.threshold < self.generation.max_tokens,
+                        f"rewards.stages[{index}].threshold",
+                        f"({stage.threshold}) must be below generation.max_tokens "
+                        f"({self.generation.max_tokens}), or the penalty never applies")
+
+    def _check_checkpointing(self) -> None:
+        ckpt = self.checkpointing
+        if ckpt.keep_top_k is not None:
+            require(bool(ckpt.metric_name), "checkpointing.keep_top_k",
+                    f"is {ckpt.keep_top_k} but checkpointing.metric_name is not set: name the "
+                    "validation metric that ranks checkpoints, or set keep_top_k to null")
+
+    def _check_executor(self) -> None:
+        executor = self.executor
+        if executor is None:
+            return
+        require(executor.auth_token is None, "executor.auth_token",
+                "must be null in a recipe (recipes are logged and saved with checkpoints); the "
+                "executor the loop starts listens on a loopback address, where no token is needed")
+        if executor.port != 0:
+            url = urllib.parse.urlsplit(self.env.swe.executor_url)
+            require(url.hostname == executor.host.strip("[]") and url.port == executor.port,
+                    "env.swe.executor_url", f"({self.env.swe.executor_url}) must point at the "
+                    f"executor the loop starts (executor.host {executor.host}, executor.port "
+                    f"{executor.port}); or set executor.port: 0 (a free port, used automatically)")
+
+    def _check_synthesis(self) -> None:
+        if self.synthesis is None:
+            return
+        require(self.data.dataset == "jsonl", "data.dataset",
+                f"must be jsonl when the synthesis section is set (it writes "
+                f"{SYNTHESIZED_TASKS_FILE}), got {self.data.dataset!r}")
+        require(pathlib.PurePath(self.data.train_path).name == SYNTHESIZED_TASKS_FILE,
+                "data.train_path", f"({self.data.train_path}) must be <folder>/"
+                f"{SYNTHESIZED_TASKS_FILE} when the synthesis section is set: the synthesizer "
+                "writes that file into the folder")
+
+
+# ---------------------------------------------------------------------------------------------
+# Building from YAML
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading `1e-6` (no dot) as a float as YAML 1.2 does."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def _parse_yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(error, "problem", None) or str(error)
+        raise ConfigError(f"{source}: not valid YAML{where}: {_one_line(problem)}") from None
+
+
+def _one_line(text: Any) -> str:
+    return " ".join(str(text).split())
+
+
+def _optional_dataclass(hint: Any) -> type | None:
+    """The dataclass in `X` or `X | None`, else None."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    members = [m for m in typing.get_args(hint) if m is not type(None)]
+    if _is_union(hint) and len(members) == 1 and dataclasses.is_dataclass(members[0]):
+        return members[0]
+    return None
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+_SCALAR_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+                 type(None): "null"}
+
+
+def _matches(value: Any, scalar: type) -> bool:
+    if scalar is bool:
+        return isinstance(value, bool)
+    if scalar is int:
+        return _is_int(value)
+    if scalar is float:
+        return _is_number(value)
+    if scalar is str:
+        return isinstance(value, str)
+    return value is None
+
+
+def _check_types(cls: type, data: Any, key_path: str) -> None:
+    """Raises ValueError naming the key for a value whose type its annotation excludes.
+
+    Only scalar annotations (bool, int, float, str, None and unions of them) are checked;
+    containers and unions of dataclasses are left to the sections, as are unknown keys
+    (from_dict lists the valid ones)."""
+    if not isinstance(data, Mapping):
+        return
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    for name, value in data.items():
+        if name not in names:
+            continue
+        key, hint = f"{key_path}.{name}", hints[name]
+        nested = _optional_dataclass(hint)
+        if nested is not None:
+            _check_types(nested, value, key)
+            continue
+        members = typing.get_args(hint) if _is_union(hint) else (hint,)
+        if not all(m in _SCALAR_NAMES for m in members) or any(_matches(value, m) for m in members):
+            continue
+        expected = " or ".join(_SCALAR_NAMES[m] for m in members)
+        fix = ""
+        if isinstance(value, str) and float in members:
+            fix = " (write numbers unquoted, e.g. 1.0e-6)"
+        elif isinstance(value, str) and bool in members:
+            fix = " (write true or false unquoted)"
+        raise ValueError(f"{key}: expected {expected}, got {type(value).__name__} {value!r}{fix}")
+
+
+def _section_fields() -> dict[str, Any]:
+    hints = typing.get_type_hints(MasterConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(MasterConfig)}
+
+
+def master_config_from_dict(raw: Mapping[str, Any] | None, source: str = "<config>"
+                            ) -> MasterConfig:
+    """Builds and validates a MasterConfig from parsed YAML (no path resolution, no overrides).
+
+    Raises:
+        ConfigError: `<source>: <dotted.key>: <message>` for an unknown section or key, a value
+            of the wrong type, a bad value or an inconsistency between sections.
+    """
+    raw = {} if raw is None else raw
+    try:
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"the file must hold a mapping of sections, got "
+                             f"{type(raw).__name__}")
+        sections = _section_fields()
+        unknown = sorted(set(raw) - set(sections))
+        if unknown:
+            raise ValueError(f"unknown section(s) {', '.join(map(repr, unknown))}; valid "
+                             f"sections: {', '.join(sections)}")
+        built = {}
+        for name, hint in sections.items():
+            value, cls = raw.get(name), _optional_dataclass(hint)
+            if value is None and cls is not hint:  # an optional section left off
+                built[name] = None
+                continue
+            _check_types(cls, value, name)
+            try:
+                built[name] = from_dict(cls, value, name)
+            except TypeError as error:  # a value the section compared without checking
+                raise ValueError(f"{name}: {error}") from None
+        return MasterConfig(**built)
+    except ValueError as error:
+        raise ConfigError(f"{source}: {_one_line(error)}") from None
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str],
+                    source: str = "<config>") -> dict[str, Any]:
+    """A deep copy of `raw` with each `a.b.c=value` applied in order (value: a YAML value).
+
+    Setting a key inside a null optional section (`data_plane.transport=ray_direct`) turns the
+    section on with defaults for its other keys; `data_plane=null` turns it off.
+
+    Raises:
+        ConfigError: a malformed override, or a path that is not a key (the message lists the
+            valid keys at the level where it went wrong).
+    """
+    result = _deep_copy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise ConfigError(f"{source}: override {item!r}: expected KEY=VALUE with a dotted "
+                              f"key, e.g. grpo.max_num_steps=10")
+        value = _parse_yaml(text, f"{source}: override {item!r}")
+        node: dict[str, Any] = result
+        cls: Any = MasterConfig
+        for depth, part in enumerate(parts):
+            prefix = ".".join(parts[:depth]) or "the top level"
+            last = depth == len(parts) - 1
+            if cls is not None:  # a dataclass level: only its fields are keys
+                hints = typing.get_type_hints(cls)
+                names = [f.name for f in dataclasses.fields(cls) if f.init]
+                if part not in names:
+                    raise ConfigError(f"{source}: override {item!r}: {key}: no key {part!r} in "
+                                      f"{prefix}; valid keys: {', '.join(names)}")
+                hint = hints[part]
+            else:  # inside a free-form mapping (e.g. cluster.node.resources)
+                hint = Any
+            if last:
+                node[part] = value
+                break
+            nested = _optional_dataclass(hint)
+            free_form = typing.get_origin(hint) in (Mapping, dict) or hint in (dict, Any)
+            if nested is None and not free_form:
+                raise ConfigError(f"{source}: override {item!r}: {'.'.join(parts[:depth + 1])} "
+                                  f"is a value ({hint}), it has no key {parts[depth + 1]!r}")
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"{source}: override {item!r}: "
+                                  f"{'.'.join(parts[:depth + 1])} holds {child!r}, not a mapping")
+            node, cls = child, nested
+    return result
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+def workspace_root(config_path: str | os.PathLike | None = None) -> pathlib.Path:
+    """What relative paths in a recipe are relative to (module docstring)."""
+    from_bazel = os.environ.get("BUILD_WORKSPACE_DIRECTORY")
+    if from_bazel:
+        return pathlib.Path(from_bazel)
+    if config_path is not None:
+        for folder in pathlib.Path(config_path).absolute().parents:
+            if (folder / "WORKSPACE").is_file() or (folder / "MODULE.bazel").is_file():
+                return folder
+    return pathlib.Path.cwd()
+
+
+def _resolve_paths(raw: dict[str, Any], base_dir: pathlib.Path) -> None:
+    def resolve(value: str) -> str:
+        return os.path.normpath(os.path.join(base_dir, os.path.expanduser(value)))
+
+    for key in PATH_KEYS + MODEL_KEYS:
+        *parents, leaf = key.split(".")
+        node: Any = raw
+        for part in parents:
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if not isinstance(node, dict) or not isinstance(node.get(leaf), str) or not node[leaf]:
+            continue
+        if key in MODEL_KEYS and node[leaf] in zoo.ZOO_NAMES:
+            continue
+        node[leaf] = resolve(node[leaf])
+
+
+def load_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
+                base_dir: str | os.PathLike | None = None) -> MasterConfig:
+    """Reads the recipe at `path`, applies `overrides` (`a.b.c=value`), resolves relative paths
+    against `base_dir` (default: `workspace_root(path)`) and validates everything.
+
+    Raises:
+        ConfigError: one line, starting with `path` and naming the full dotted key (and the
+            override, when the bad value came from one).
+    """
+    source = str(path)
+    try:
+        text = pathlib.Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise ConfigError(f"{source}: cannot read the config file: "
+                          f"{error.strerror or error}") from None
+    raw = _parse_yaml(text, source)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the file must hold a mapping of sections, got "
+                          f"{type(raw).__name__}")
+    raw = apply_overrides(raw, overrides, source)
+    grpo = raw.setdefault("grpo", {}) if isinstance(raw.get("grpo", {}), dict) else None
+    if grpo is not None and grpo.get("run_name") is None:
+        grpo["run_name"] = pathlib.Path(path).stem
+    _resolve_paths(raw, pathlib.Path(base_dir) if base_dir is not None else workspace_root(path))
+    try:
+        return master_config_from_dict(raw, source)
+    except ConfigError as error:
+        message = str(error)[len(source) + 2:]
+        culprits = [item for item in overrides
+                    if message.startswith((item.partition("=")[0] + ":",
+                                           item.partition("=")[0] + "."))]
+        suffix = f" (set by the override {culprits[-1]!r})" if culprits else ""
+        raise ConfigError(f"{error}{suffix}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Printing
+
+
+def config_to_dict(config: Any) -> Any:
+    """Plain YAML-ready data (dicts, lists, scalars) for a config dataclass tree; loading it back
+    gives an equal config. Stage configs get their `type` key back; `executor.auth_token`-style
+    secrets are not special-cased because recipes may not hold them (MasterConfig checks)."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        result: dict[str, Any] = {}
+        stage_type = getattr(type(config), "stage_type", None)
+        if isinstance(stage_type, str):
+            result["type"] = stage_type
+        for f in dataclasses.fields(config):
+            result[f.name] = config_to_dict(getattr(config, f.name))
+        return result
+    if isinstance(config, Mapping):
+        return {k: config_to_dict(v) for k, v in config.items()}
+    if isinstance(config, (list, tuple)):
+        return [config_to_dict(v) for v in config]
+    if isinstance(config, pathlib.PurePath):
+        return str(config)
+    return config
+
+
+def config_to_yaml(config: MasterConfig) -> str:
+    return yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=False)
+
+
+def describe_config() -> str:
+    """Every section and key of a recipe with its type and default (the launcher's --help)."""
+    lines = [
+        "Recipe sections and keys (type = default). Override any key as a.b.c=value (a YAML",
+        "value). Relative paths are relative to the workspace root; ~ is expanded.",
+    ]
+    master_defaults = {f.name: f for f in dataclasses.fields(MasterConfig)}
+    for name, hint in _section_fields().items():
+        cls = _optional_dataclass(hint)
+        header = f"{name}:  ({cls.__name__}, {cls.__module__})"
+        if master_defaults[name].default is None:
+            header += "  null by default; a mapping turns it on"
+        lines += ["", header]
+        lines += _describe_fields(cls, None, name)
+        note = _default_problem(cls)
+        if note:
+            lines.append(f"  (the defaults alone are not valid: {name}.{note})")
+    return "\n".join(lines) + "\n"
+
+
+def _describe_fields(cls: type, instance: Any, key_path: str) -> list[str]:
+    lines = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        key = f"{key_path}.{f.name}"
+        computed = False
+        if instance is not None:
+            default = getattr(instance, f.name)
+        elif f.default is not dataclasses.MISSING:
+            default = f.default
+        elif dataclasses.is_dataclass(f.default_factory):
+            lines += _describe_fields(f.default_factory, None, key)
+            continue
+        else:
+            default = f.default_factory()
+            computed = not isinstance(f.default_factory, type)
+        if dataclasses.is_dataclass(default) and not isinstance(default, type):
+            lines += _describe_fields(type(default), default, key)
+            continue
+        lines.append(f"  {key}: {f.type} = {json.dumps(config_to_dict(default), default=str)}"
+                     + ("  (computed on this machine)" if computed else ""))
+    return lines
+
+
+def _default_problem(cls: type) -> str | None:
+    try:
+        cls()
+    except ValueError as error:
+        return _one_line(error)
+    return None
