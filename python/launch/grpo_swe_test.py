@@ -1,4 +1,4 @@
-"""Tests of the grpo_swe launcher as a real process: --help, --dry-run on every recipe, bad configs."""
+"""Tests of the grpo_swe launcher as a process: --help, --dry-run of every recipe, bad configs."""
 
 import importlib.util
 import os

@@ -3,23 +3,23 @@
 A recipe (configs/*.yaml) has one top-level key per section; each section is the config dataclass
 of the package that owns it, so its defaults and per-key checks live there and nowhere else:
 
-| section        | dataclass (module)                                                     |
-|----------------|------------------------------------------------------------------------|
-| `grpo`         | GRPOConfig (here); `grpo.advantage`: AdvantageConfig (advantages.py)   |
-| `policy`       | PolicyConfig (models/policy/config.py)                                 |
-| `generation`   | GenerationConfig (models/generation/config.py)                         |
-| `loss_fn`      | ClippedPGLossConfig (loss_functions.py)                                |
-| `async_grpo`   | AsyncGRPOConfig (async_utils/replay_buffer.py); read in async mode only |
-| `data`         | DataConfig (data/config.py)                                            |
-| `synthesis`    | TaskSynthesisConfig (here); null = off                                 |
-| `env`          | EnvConfig (here): `env.swe` SweEnvironmentConfig (environments/config.py) |
-| `rewards`      | RewardShapingConfig (rewards/shaping.py)                               |
-| `executor`     | ExecutorConfig (sandbox/config.py); null = use a running executor       |
-| `cluster`      | ClusterConfig (cluster/config.py)                                      |
-| `weight_sync`  | WeightSyncConfig (weight_sync/config.py)                               |
-| `data_plane`   | DataPlaneConfig (data_plane/config.py); null = the in-memory path      |
-| `checkpointing`| CheckpointingConfig (utils/checkpoint.py)                              |
-| `logger`       | LoggerConfig (utils/logger.py)                                         |
+| section         | dataclass (module)                                                        |
+|-----------------|---------------------------------------------------------------------------|
+| `grpo`          | GRPOConfig (here); `grpo.advantage`: AdvantageConfig (advantages.py)      |
+| `policy`        | PolicyConfig (models/policy/config.py)                                    |
+| `generation`    | GenerationConfig (models/generation/config.py)                            |
+| `loss_fn`       | ClippedPGLossConfig (loss_functions.py)                                   |
+| `async_grpo`    | AsyncGRPOConfig (async_utils/replay_buffer.py); read in async mode only   |
+| `data`          | DataConfig (data/config.py)                                               |
+| `synthesis`     | TaskSynthesisConfig (here); null = off                                    |
+| `env`           | EnvConfig (here): `env.swe` SweEnvironmentConfig (environments/config.py) |
+| `rewards`       | RewardShapingConfig (rewards/shaping.py)                                  |
+| `executor`      | ExecutorConfig (sandbox/config.py); null = use a running executor         |
+| `cluster`       | ClusterConfig (cluster/config.py)                                         |
+| `weight_sync`   | WeightSyncConfig (weight_sync/config.py)                                  |
+| `data_plane`    | DataPlaneConfig (data_plane/config.py); null = the in-memory path         |
+| `checkpointing` | CheckpointingConfig (utils/checkpoint.py)                                 |
+| `logger`        | LoggerConfig (utils/logger.py)                                            |
 
 `load_config(path, overrides)` reads the YAML, applies command-line overrides `a.b.c=value`,
 makes relative paths absolute against the workspace root and builds the dataclasses; every
@@ -80,7 +80,6 @@ from dockyard_rl.utils.checkpoint import CheckpointingConfig
 from dockyard_rl.utils.config import from_dict, require
 from dockyard_rl.utils.logger import LoggerConfig
 from dockyard_rl.weight_sync.config import WeightSyncConfig
-
 
 __all__ = [
     "ConfigError", "EnvConfig", "GRPOConfig", "MasterConfig", "TaskSynthesisConfig",
@@ -144,12 +143,13 @@ class GRPOConfig:
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
 
     def __post_init__(self):
-        for key, minimum in (("num_prompts_per_step", 1), ("num_generations_per_prompt", 2),
-                             ("max_num_steps", 1), ("val_period", 0)):
+        for key, minimum, hint in (
+                ("num_prompts_per_step", 1, ""),
+                ("num_generations_per_prompt", 2,
+                 " (the group baseline needs at least 2 samples per prompt)"),
+                ("max_num_steps", 1, ""),
+                ("val_period", 0, " (0 = no periodic validation)")):
             value = getattr(self, key)
-            hint = " (0 = no periodic validation)" if key == "val_period" else ""
-            if key == "num_generations_per_prompt":
-                hint = " (the group baseline needs at least 2 samples per prompt)"
             require(_is_int(value) and value >= minimum, key,
                     f"must be an integer >= {minimum}{hint}, got {value!r}")
         require(self.max_rollout_turns == 1 and _is_int(self.max_rollout_turns),

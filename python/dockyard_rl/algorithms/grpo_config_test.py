@@ -1,4 +1,4 @@
-"""Tests of the master config: recipes, overrides, path resolution, and bad configs naming the key."""
+"""Tests of the master config: recipes, overrides, paths, bad configs naming the key."""
 
 import dataclasses
 import pathlib
