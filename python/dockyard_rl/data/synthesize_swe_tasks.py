@@ -216,6 +216,15 @@ async def _run(args: argparse.Namespace, config: task_synthesis.SynthesisConfig,
     return 0 if all("error" not in s and s["num_tasks"] > 0 for s in summaries) else 1
 
 
+def synthesize(packages: list[str], config: task_synthesis.SynthesisConfig, out: pathlib.Path, *,
+               workers: int, executor_url: str | None = None, force: bool = False) -> int:
+    """The command's work from Python (e.g. a training run making its task set once): same
+    output, same resume rules, same exit status as `main`."""
+    args = argparse.Namespace(packages=",".join(packages), workers=workers,
+                              executor_url=executor_url, force=force)
+    return asyncio.run(_run(args, config, pathlib.Path(out)))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level,

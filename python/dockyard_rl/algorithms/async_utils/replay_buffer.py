@@ -341,6 +341,12 @@ class ReplayBuffer:
         with self._cond:
             return len(self._groups)
 
+    def snapshot(self) -> list[GroupRecord]:
+        """The buffered groups, oldest first, without removing them (for a checkpoint: push them
+        back with their versions on resume)."""
+        with self._cond:
+            return list(self._groups)
+
     def pop_dropped(self) -> list[DroppedGroup]:
         """Returns and forgets the metadata of groups dropped as stale since the last call.
 

@@ -1,0 +1,180 @@
+"""GRPO for coding agents: the synchronous and the asynchronous training loop.
+
+    run(config)            # what `tools/bazel run //python/launch:grpo_swe` calls
+
+One synchronous step (`grpo_train`), each line below one call:
+
+    1. prompts    the next `grpo.num_prompts_per_step` tasks (PromptSampler: seeded epochs)
+    2. weights    if the trainer stepped since the engines last synced: sync_weights + wake
+    3. rollouts   `grpo.num_generations_per_prompt` samples per prompt from the engines
+    4. rewards    each sample's patch scored by the sandbox (the repository's real tests)
+    5. batch      leave-one-out advantages per group; all-masked groups dropped (rollouts.py)
+    6. logprobs   the trainer's log-probs of the samples (and the reference's for a KL term)
+    7. train      one ClippedPGLossFn optimizer step; the synchronizer marks the weights stale
+    8. record     metrics and stage times logged; validation and checkpoints on their periods
+
+`async_grpo_train` runs 1-4 continuously in a trajectory collector (async_utils/collector.py)
+that pushes scored groups into the age-bounded replay buffer; the trainer samples groups no older
+than `async_grpo.max_trajectory_age_steps` and does 5-8 (module docstring there).
+
+Setup, resume and shutdown: grpo_setup.py. Validation: validation.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import torch
+
+from dockyard_rl.algorithms.grpo_config import MasterConfig
+from dockyard_rl.algorithms.grpo_setup import (POLICY_DIR, TRAINER_STATE_DIR, GRPORun, setup,
+                                               trainer_state)
+from dockyard_rl.algorithms.rollouts import Rollout, build_train_batch
+from dockyard_rl.algorithms.validation import validate
+from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
+from dockyard_rl.utils.checkpoint import save_trainer_state
+
+logger = logging.getLogger(__name__)
+
+
+def run(config: MasterConfig) -> None:
+    """Sets up (or resumes) the run, trains in `grpo.mode`, shuts everything down."""
+    training = setup(config)
+    try:
+        if config.grpo.mode == "async":
+            from dockyard_rl.algorithms.async_grpo import async_grpo_train
+
+            async_grpo_train(training)
+        else:
+            grpo_train(training)
+    finally:
+        training.close()
+
+
+def grpo_train(run: GRPORun) -> None:
+    """The synchronous loop (module docstring), from `run.step + 1` to `grpo.max_num_steps`."""
+    config, loop = run.config.grpo, asyncio.new_event_loop()
+    try:
+        maybe_validate(run, loop, at_start=True)
+        while run.step < config.max_num_steps:
+            step = run.step + 1
+            instances = [run.train[i] for i in run.sampler.next_batch()]            # 1
+            logger.info("step %d: prompts %s", step, json.dumps([i.instance_id for i in instances]))
+            with run.logger.timer("weight_sync"):                                   # 2
+                refresh_engine_weights(run)
+            rollout = loop.run_until_complete(run.runner.run(                       # 3, 4
+                instances, num_samples=config.num_generations_per_prompt,
+                global_step=step))
+            run.logger.add_time("generate", rollout.generate_seconds)
+            run.logger.add_time("score", rollout.score_seconds)
+            metrics = train_on_rollouts(run, [rollout], step)                        # 5-7
+            finish_step(run, loop, step, metrics)                                    # 8
+        maybe_validate(run, loop, at_end=True)
+    finally:
+        run.logger.finish()
+        loop.close()
+
+
+def refresh_engine_weights(run: GRPORun) -> None:
+    """Gives the engines the trainer's current weights if they lack them, and wakes them."""
+    if run.synchronizer.is_stale:
+        run.synchronizer.sync_weights()
+    run.synchronizer.prepare_for_generation()
+
+
+def train_on_rollouts(run: GRPORun, rollouts: list[Rollout], step: int) -> dict[str, float]:
+    """Steps 5-7 on one or more rollouts (groups of the same step); returns the step's metrics."""
+    batches, stats = [], []
+    for rollout in rollouts:
+        batch, batch_stats = build_train_batch(rollout, run.config.grpo.advantage,
+                                               run.pad_token_id)
+        stats.append(batch_stats)
+        if batch is not None:
+            batches.append(batch)
+    metrics = _rollout_metrics(rollouts)
+    metrics["dropped_groups"] = float(sum(s.num_dropped_groups for s in stats))
+    if not batches:
+        logger.warning("step %d: every group was masked (sandbox infrastructure errors); no "
+                       "update this step", step)
+        metrics["skipped_update"] = 1.0
+        return metrics
+    batch = BatchedDataDict.concat(batches, pad_values={
+        "input_ids": run.pad_token_id, "token_mask": 0, "advantages": 0,
+        "generation_logprobs": 0}) if len(batches) > 1 else batches[0]
+    batch = _pad_to_multiple(batch, run.config.policy.dp_size)
+    with run.logger.timer("logprobs"):
+        batch["prev_logprobs"] = run.policy.get_logprobs(batch)
+        if run.config.loss_fn.reference_kl_coef > 0 \
+                and not run.config.grpo.skip_reference_policy_logprobs:
+            batch["reference_policy_logprobs"] = run.policy.get_reference_policy_logprobs(batch)
+    with run.logger.timer("train"):
+        train_metrics = run.policy.train(batch, run.loss_fn)
+    run.synchronizer.mark_stale()
+    ages = step - 1 - batch["weight_version"][batch["sample_mask"] > 0]
+    metrics.update({f"loss/{k}": float(v) for k, v in train_metrics.items()})
+    metrics["max_sample_age_steps"] = float(ages.max()) if len(ages) else 0.0
+    metrics["skipped_update"] = 0.0
+    return metrics
+
+
+def finish_step(run: GRPORun, loop, step: int, metrics: dict[str, float],
+                extras: dict | None = None) -> None:
+    """Step 8: the step is done; log it, validate and checkpoint on their periods (`extras`:
+    what else the checkpoint must hold, e.g. async GRPO's replay buffer)."""
+    run.step = step
+    run.logger.log_metrics(step, metrics, prefix="train")
+    maybe_validate(run, loop)
+    if run.config.checkpointing.should_save(step) or step == run.config.grpo.max_num_steps:
+        save_checkpoint(run, extras)
+
+
+def maybe_validate(run: GRPORun, loop, *, at_start: bool = False, at_end: bool = False) -> None:
+    config = run.config.grpo
+    due = (at_start and config.val_at_start and run.step == 0) \
+        or (at_end and config.val_at_end) \
+        or (not at_start and not at_end and config.val_period > 0
+            and run.step % config.val_period == 0)
+    if not due or not run.validation:
+        return
+    with run.logger.timer("validation"):
+        refresh_engine_weights(run)
+        metrics = validate(run, loop)
+    run.logger.log_metrics(run.step, metrics, prefix="val")
+    run.checkpoints.record_metrics(run.step, {f"val/{k}": v for k, v in metrics.items()})
+
+
+def save_checkpoint(run: GRPORun, extras: dict | None = None) -> None:
+    """A complete, atomic checkpoint of the finished step `run.step` (grpo_setup: resume)."""
+    state = trainer_state(run, extras)
+
+    def write(directory):
+        run.policy.save_checkpoint(directory / POLICY_DIR)
+        save_trainer_state(directory / TRAINER_STATE_DIR, state)
+
+    start = time.monotonic()
+    path = run.checkpoints.save(run.step, write)
+    logger.info("step %d: checkpoint %s (%.1f s)", run.step, path, time.monotonic() - start)
+
+
+def _rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    """Sample-weighted means of the rollouts' metrics."""
+    weights = [len(r.samples) for r in rollouts]
+    per_rollout = [r.metrics() for r in rollouts]
+    keys = set().union(*per_rollout)
+    return {key: sum(w * m.get(key, 0.0) for w, m in zip(weights, per_rollout)) / sum(weights)
+            for key in sorted(keys)}
+
+
+def _pad_to_multiple(batch: BatchedDataDict, multiple: int) -> BatchedDataDict:
+    """Pads with masked copies of the last sample (sample_mask 0: no effect on the loss) so
+    every data-parallel rank gets the same number of samples."""
+    size = batch.batch_size
+    missing = -size % multiple
+    if not missing:
+        return batch
+    padding = batch.select_indices([size - 1] * missing)
+    padding["sample_mask"] = torch.zeros_like(padding["sample_mask"])
+    return BatchedDataDict.concat([batch, padding])

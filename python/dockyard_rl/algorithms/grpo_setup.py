@@ -1,0 +1,223 @@
+"""Everything a GRPO run needs, built from one `MasterConfig`: `setup(config) -> GRPORun`.
+
+Order (each step fails with the config key named before the next, heavier one starts):
+data (synthesized first when `synthesis` is set and the task file is missing) -> Ray (this
+process is the driver: `cluster.bootstrap.init_ray`) -> the checkpoint to resume from, if any
+-> the sandbox fleet (when `executor` is set) and the environment -> the policy (restored from
+the checkpoint) -> the generation engines (started from the checkpoint's weights, at its weight
+version) -> the weight synchronizer -> the logger (resumed at the checkpoint's step).
+
+Resume: the newest complete checkpoint under `checkpointing.checkpoint_dir` decides. Its
+`policy/` directory restores the policy (weights, optimizer, scheduler, per-rank RNG) and is
+also the engines' model, so trainer and engines agree without a sync; its `trainer_state/`
+restores the step, the weight version, the prompt sampler's position and the driver's RNG
+streams. A run with no checkpoint starts at step 0 from `policy.model`.
+
+`GRPORun.close()` shuts every fleet down (safe to repeat). Not covered here: the loops
+(grpo.py), validation (validation.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+import random
+import uuid
+
+import numpy as np
+import torch
+
+from dockyard_rl.algorithms.grpo_config import MasterConfig, config_to_dict, config_to_yaml
+from dockyard_rl.algorithms.loss_functions import ClippedPGLossFn
+from dockyard_rl.algorithms.rollouts import RolloutRunner
+from dockyard_rl.data import datasets
+from dockyard_rl.data.config import load_train_validation
+from dockyard_rl.data.schema import SweInstance
+from dockyard_rl.environments.swe_env import SweEnvironment
+from dockyard_rl.models import zoo
+from dockyard_rl.models.generation.factory import create_generation
+from dockyard_rl.models.policy.factory import create_policy
+from dockyard_rl.rewards.shaping import RewardPipeline
+from dockyard_rl.utils.checkpoint import (CheckpointInfo, CheckpointManager, PromptSampler,
+                                          TrainerState, load_trainer_state)
+from dockyard_rl.utils.logger import Logger
+from dockyard_rl.weight_sync.factory import create_weight_synchronizer
+
+logger = logging.getLogger(__name__)
+
+POLICY_DIR = "policy"
+TRAINER_STATE_DIR = "trainer_state"
+
+
+@dataclasses.dataclass
+class GRPORun:
+    """The live parts of a run (module docstring); `step` is the last finished step."""
+
+    config: MasterConfig
+    run_dir: pathlib.Path
+    train: list[SweInstance]
+    validation: list[SweInstance]
+    policy: object
+    generation: object
+    environment: SweEnvironment
+    runner: RolloutRunner
+    synchronizer: object
+    loss_fn: ClippedPGLossFn
+    logger: Logger
+    checkpoints: CheckpointManager
+    sampler: PromptSampler
+    pad_token_id: int
+    step: int = 0
+    resumed: TrainerState | None = None
+    sandbox_fleet: object = None
+
+    def close(self) -> None:
+        """Shuts the fleets down; safe to repeat."""
+        parts = {name: getattr(self, name) for name in _FLEET_PARTS}
+        _close_parts(parts)
+        for name in _FLEET_PARTS:
+            setattr(self, name, None)
+
+
+# Closed in this order: the synchronizer's session first, the sandbox last.
+_FLEET_PARTS = ("synchronizer", "generation", "policy", "sandbox_fleet")
+
+
+def _close_parts(parts: dict[str, object]) -> None:
+    for name in _FLEET_PARTS:
+        value = parts.get(name)
+        closer = getattr(value, "close", None) or getattr(value, "shutdown", None)
+        if closer is not None:
+            try:
+                closer()
+            except Exception as error:  # shutting down: log, go on with the rest
+                logger.warning("closing the %s failed: %s", name, error)
+
+
+def run_directory(config: MasterConfig) -> pathlib.Path:
+    return pathlib.Path(config.logger.log_dir) / config.grpo.run_name
+
+
+def ensure_task_data(config: MasterConfig) -> None:
+    """Synthesizes the task set when `synthesis` is set and `data.train_path` is missing."""
+    train_path = pathlib.Path(config.data.train_path)
+    if train_path.exists() or config.synthesis is None:
+        return
+    from dockyard_rl.data.synthesize_swe_tasks import synthesize
+
+    synthesis = config.synthesis
+    logger.info("no tasks at %s: synthesizing them from %s once (cached for later runs)",
+                train_path, ", ".join(synthesis.packages))
+    status = synthesize(list(synthesis.packages), synthesis.search, train_path.parent,
+                        workers=synthesis.num_workers or os.cpu_count() or 1)
+    if status != 0 or not train_path.is_file():
+        raise ValueError(f"synthesis: making the task set {train_path} failed (status "
+                         f"{status}; the report is in {train_path.parent / 'report.json'}); "
+                         "fix the packages in synthesis.packages or point data.train_path at "
+                         "an existing task file")
+
+
+def setup(config: MasterConfig) -> GRPORun:
+    """Builds a run (module docstring). Raises ValueError naming the key for a bad setup."""
+    run_dir = run_directory(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _seed_driver(config.grpo.seed)
+    ensure_task_data(config)
+    train, validation = load_train_validation(config.data)
+
+    os.environ.setdefault("DOCKYARD_FLEET_ROLE", "driver")
+    from dockyard_rl.cluster.bootstrap import init_ray
+
+    init_ray(config.cluster, log_to_driver=False)
+    checkpoints = CheckpointManager(config.checkpointing,
+                                    config.checkpointing.resolve_dir(run_dir))
+    latest = checkpoints.latest()
+    resumed = load_trainer_state(latest.path / TRAINER_STATE_DIR) if latest else None
+
+    parts: dict[str, object] = {}
+    try:
+        sandbox_fleet, env_config = _sandbox(config)
+        parts["sandbox_fleet"] = sandbox_fleet
+        # Executor task ids are (prefix, step, sample, instance): a prefix of its own per start
+        # keeps a resumed step's new samples from colliding with a crashed attempt's tasks.
+        env_config = dataclasses.replace(
+            env_config, task_id_prefix=f"{env_config.task_id_prefix}-{uuid.uuid4().hex[:8]}")
+        environment = SweEnvironment(env_config, RewardPipeline(config.rewards))
+        policy = create_policy(config.policy,
+                               resume_from=latest.path / POLICY_DIR if latest else None)
+        parts["policy"] = policy
+        generation = create_generation(
+            _engine_config(config, latest), cluster_config=config.cluster,
+            initial_weight_version=resumed.weight_version if resumed else 0)
+        parts["generation"] = generation
+        synchronizer = create_weight_synchronizer(config.weight_sync, policy, generation)
+        parts["synchronizer"] = synchronizer
+    except BaseException:
+        _close_parts(parts)
+        raise
+
+    tokenizer = _tokenizer(config)
+    processor = datasets.get_processor(config.data.processor)(tokenizer, config.data.prompt)
+    runner = RolloutRunner(generation, environment, processor,
+                           max_response_tokens=config.generation.max_tokens,
+                           thinking_required=config.data.prompt.enable_thinking)
+    sampler = PromptSampler(len(train), config.grpo.num_prompts_per_step, config.data.seed)
+    step = 0
+    if resumed is not None:
+        sampler.load_state_dict(resumed.sampler)
+        resumed.rng.restore()
+        step = resumed.step
+    run_logger = Logger(config.logger, config.grpo.run_name,
+                        total_steps=config.grpo.max_num_steps)
+    if resumed is not None:
+        run_logger.resume_from(step)
+    run_logger.log_hyperparams(config_to_dict(config))
+    logger.info("run %s: %d training / %d validation tasks, %s at step %d", config.grpo.run_name,
+                len(train), len(validation), "resuming" if resumed else "starting", step)
+    return GRPORun(config=config, run_dir=run_dir, train=train, validation=validation,
+                   policy=policy, generation=generation, environment=environment, runner=runner,
+                   synchronizer=synchronizer, loss_fn=ClippedPGLossFn(config.loss_fn),
+                   logger=run_logger, checkpoints=checkpoints, sampler=sampler,
+                   pad_token_id=int(tokenizer.pad_token_id or 0), step=step, resumed=resumed,
+                   sandbox_fleet=sandbox_fleet)
+
+
+def trainer_state(run: GRPORun, extras: dict | None = None) -> TrainerState:
+    """What a checkpoint of `run` after its current step holds besides the policy."""
+    from dockyard_rl.utils.checkpoint import RngState
+
+    return TrainerState(step=run.step, weight_version=run.synchronizer.trainer_version,
+                        sampler=run.sampler.state_dict(), rng=RngState.capture(),
+                        config_text=config_to_yaml(run.config), extras=extras or {})
+
+
+def _seed_driver(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _sandbox(config: MasterConfig):
+    """The executor the environment scores with: a sandbox fleet started here when `executor` is
+    set (its URL goes into env.swe.executor_url), else the running one env.swe names."""
+    if config.executor is None:
+        return None, config.env.swe
+    from dockyard_rl.sandbox.fleet import SandboxFleet
+
+    fleet = SandboxFleet(config.executor, config.cluster)
+    return fleet, dataclasses.replace(config.env.swe, executor_url=fleet.urls[0])
+
+
+def _engine_config(config: MasterConfig, latest: CheckpointInfo | None):
+    """The engines start from the checkpoint's policy weights when resuming."""
+    if latest is None:
+        return config.generation
+    return dataclasses.replace(config.generation, model=str(latest.path / POLICY_DIR))
+
+
+def _tokenizer(config: MasterConfig):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(zoo.resolve_model(config.policy.model)))

@@ -1,0 +1,190 @@
+"""One round of single-shot SWE rollouts, and the training batch built from them.
+
+    runner = RolloutRunner(generation, environment, processor, patch_format, max_tokens)
+    rollout = await runner.run(instances, num_samples=N, global_step=step)
+    batch, stats = build_train_batch(rollout, advantage_cfg, pad_token_id)
+
+`run`: each instance's prompt (the data layer's processor: problem statement + the code the task
+touches, in the model's chat template) -> N samples from the engines -> the patch parsed from
+each response (`patch_formats.parse_model_output`) -> every sample scored by the environment
+(the sandbox executor runs the repository's tests) -> shaped rewards and sample masks.
+Samples are laid out group-contiguous: sample i belongs to prompt i // N.
+
+`build_train_batch`: the (B, S) tensors the policy trains on (legend: B = samples, S = tokens,
+right-padded prompt + response). A group whose samples are all masked (no verdict: sandbox
+infrastructure errors) is dropped and counted, never trained on as zeros; masked samples of other
+groups stay in with sample_mask 0. Advantages are leave-one-out per group (algorithms/advantages.py)
+over the valid samples. `generation_logprobs` are the engine's log-probs of the sampled tokens
+(what the importance-sampling correction of async GRPO compares against); the trainer's own
+`prev_logprobs` are recomputed by the loop.
+
+Not covered: multi-turn episodes (max_rollout_turns: 1), prompts longer than the engine's
+context (the processor's token budget keeps them short; the engine refuses longer ones).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from dockyard_rl.algorithms.advantages import (AdvantageConfig, broadcast_to_tokens,
+                                               compute_advantages)
+from dockyard_rl.data.patch_formats import git_file_reader, parse_model_output
+from dockyard_rl.data.schema import SweInstance
+from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
+from dockyard_rl.environments.interfaces import EnvironmentResult
+from dockyard_rl.environments.swe_env import SweRollout
+from dockyard_rl.models.generation.interfaces import GenerationSample
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One round: `instances` (G prompts) x `num_samples` (N) samples, group-contiguous."""
+
+    instances: list[SweInstance]
+    num_samples: int
+    samples: list[GenerationSample]          # B = G * N, sample i of prompt i // N
+    result: EnvironmentResult                # rewards_B, sample_mask_B, metadata, metrics
+    generate_seconds: float = 0.0
+    score_seconds: float = 0.0
+
+    @property
+    def rewards_B(self) -> torch.Tensor:
+        return self.result.rewards_B
+
+    @property
+    def sample_mask_B(self) -> torch.Tensor:
+        return self.result.sample_mask_B
+
+    def metrics(self) -> dict[str, float]:
+        """Per-round figures: reward, resolve / apply / parse rates, response length, versions."""
+        meta = self.result.metadata
+        valid = self.sample_mask_B.bool()
+        num_valid = max(int(valid.sum()), 1)
+        lengths = torch.tensor([float(len(s.response_token_ids)) for s in self.samples])
+        submitted = [m for m in meta if m.get("task_id") is not None]
+        return {
+            "reward_mean": float(self.rewards_B[valid].sum()) / num_valid,
+            "resolve_rate": sum(bool(m.get("resolved")) for m in meta) / len(meta),
+            "apply_rate": (sum(m.get("apply_failure") is False for m in submitted)
+                           / len(meta)),
+            "parse_failure_rate": sum(m.get("parse_failure") is not None for m in meta)
+            / len(meta),
+            "integrity_violations": float(sum(bool(m.get("integrity_violation")) for m in meta)),
+            "infra_errors": float(sum(m.get("infra_error") is not None for m in meta)),
+            "response_length_mean": float(lengths.mean()) if len(lengths) else 0.0,
+            "oldest_weight_version": float(min(s.oldest_weight_version for s in self.samples)),
+            **{k: float(v) for k, v in self.result.metrics.items()},
+        }
+
+
+class RolloutRunner:
+    """Prompts -> samples -> patches -> rewards, for any list of instances (module docstring).
+
+    Args:
+        generation: the engines (`GenerationInterface`).
+        environment: the scorer (`SweEnvironment`).
+        processor: the data layer's prompt processor (`SwePromptProcessor(tokenizer, cfg)`).
+        max_response_tokens: the generation's max_tokens (the length stage's reference).
+    """
+
+    def __init__(self, generation, environment, processor, *, max_response_tokens: int,
+                 thinking_required: bool = False):
+        self.generation = generation
+        self.environment = environment
+        self.processor = processor
+        self.max_response_tokens = max_response_tokens
+        self.thinking_required = thinking_required
+        self._prompts: dict[str, Any] = {}  # instance id -> Prompt (built once per instance)
+
+    def prompt(self, instance: SweInstance):
+        if instance.instance_id not in self._prompts:
+            read_file = git_file_reader(instance.repo, instance.base_commit)
+            self._prompts[instance.instance_id] = (self.processor(instance, read_file), read_file)
+        return self._prompts[instance.instance_id]
+
+    async def run(self, instances: Sequence[SweInstance], *, num_samples: int, global_step: int,
+                  sampling_overrides: Mapping[str, Any] | None = None) -> Rollout:
+        start = time.monotonic()
+        prompts = [self.prompt(instance) for instance in instances]
+        samples: list[GenerationSample | None] = [None] * (len(instances) * num_samples)
+        async for sample in self.generation.generate(
+                [prompt.token_ids for prompt, _ in prompts], num_samples,
+                sampling_overrides=sampling_overrides):
+            samples[sample.prompt_index * num_samples + sample.sample_index] = sample
+        assert all(s is not None for s in samples), "the engine returned fewer samples"
+        generated = time.monotonic()
+        rollouts = []
+        for index, sample in enumerate(samples):
+            instance = instances[index // num_samples]
+            prompt, read_file = prompts[index // num_samples]
+            parsed = parse_model_output(sample.response_text, prompt.patch_format, read_file)
+            rollouts.append(SweRollout(
+                instance=instance.to_task_spec(""),
+                patch=parsed.patch,
+                invalid_reason=None if parsed.valid else parsed.invalid_reason.value,
+                response_text=sample.response_text,
+                response_length=len(sample.response_token_ids),
+                max_response_length=self.max_response_tokens,
+                thinking_required=self.thinking_required))
+        result = await self.environment.step(rollouts, global_step=global_step)
+        return Rollout(list(instances), num_samples, samples, result,
+                       generate_seconds=generated - start,
+                       score_seconds=time.monotonic() - generated)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchStats:
+    num_groups: int
+    num_dropped_groups: int       # every sample masked: not trained on
+    num_samples: int              # in the batch
+    num_masked_samples: int       # in the batch with sample_mask 0
+
+
+def build_train_batch(rollout: Rollout, advantage_cfg: AdvantageConfig,
+                      pad_token_id: int = 0) -> tuple[BatchedDataDict | None, BatchStats]:
+    """The training batch of `rollout` (module docstring); None when every group was dropped.
+
+    Keys: input_ids (B, S) int64, input_lengths (B,), token_mask (B, S) float (1 on response
+    tokens), sample_mask (B,) float, advantages (B, S) float (the sample's advantage on each
+    response token), generation_logprobs (B, S) float (the engine's, 0 off the response),
+    weight_version (B,) int64 (the oldest version that produced the sample).
+    """
+    n = rollout.num_samples
+    num_groups = len(rollout.instances)
+    mask_GN = rollout.sample_mask_B.view(num_groups, n)
+    kept_groups = [g for g in range(num_groups) if bool(mask_GN[g].any())]
+    stats = BatchStats(num_groups=num_groups, num_dropped_groups=num_groups - len(kept_groups),
+                       num_samples=len(kept_groups) * n,
+                       num_masked_samples=int((mask_GN[kept_groups] == 0).sum()))
+    if not kept_groups:
+        return None, stats
+    keep = [g * n + i for g in kept_groups for i in range(n)]
+    samples = [rollout.samples[i] for i in keep]
+    rewards_B = rollout.rewards_B[keep]
+    sample_mask_B = rollout.sample_mask_B[keep]
+    advantages_B = compute_advantages(rewards_B, n, advantage_cfg, sample_mask_B.bool())
+    lengths = [len(s.prompt_token_ids) + len(s.response_token_ids) for s in samples]
+    width = max(lengths)
+    input_ids_BS = torch.full((len(samples), width), pad_token_id, dtype=torch.int64)
+    token_mask_BS = torch.zeros(len(samples), width)
+    generation_logprobs_BS = torch.zeros(len(samples), width)
+    for b, sample in enumerate(samples):
+        start, end = len(sample.prompt_token_ids), lengths[b]
+        input_ids_BS[b, :end] = torch.tensor(sample.prompt_token_ids + sample.response_token_ids)
+        token_mask_BS[b, start:end] = 1.0
+        generation_logprobs_BS[b, start:end] = torch.tensor(sample.response_logprobs)
+    batch = BatchedDataDict(
+        input_ids=input_ids_BS,
+        input_lengths=torch.tensor(lengths),
+        token_mask=token_mask_BS,
+        sample_mask=sample_mask_B.float(),
+        advantages=broadcast_to_tokens(advantages_B, token_mask_BS),
+        generation_logprobs=generation_logprobs_BS,
+        weight_version=torch.tensor([s.oldest_weight_version for s in samples]),
+    )
+    return batch, stats
