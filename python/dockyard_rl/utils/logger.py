@@ -496,14 +496,17 @@ class Logger:
         if not _is_name(run_name) or run_name in (".", ".."):
             raise ValueError(f"run name {run_name!r} must be a non-empty directory name of "
                              f"letters, digits, '_', '.', '-' (it names <logger.log_dir>/<run>)")
-        for enabled, module, key, extra in (
+        for enabled, module, key, distribution in (
                 (config.wandb.enabled, "wandb", "logger.wandb.enabled", "wandb"),
-                (config.mlflow.enabled, "mlflow", "logger.mlflow.enabled", "mlflow"),
+                (config.mlflow.enabled, "mlflow", "logger.mlflow.enabled", "mlflow-skinny"),
                 (config.plot, "matplotlib", "logger.plot", "matplotlib")):
             if enabled and importlib.util.find_spec(module) is None:
                 raise ValueError(f"{key}: is true but the {module!r} package is not installed in "
-                                 f"this environment; set {key}: false, or add {extra!r} to "
-                                 f"requirements/*.in and regenerate the lock")
+                                 f"this environment (requirements/*.lock.txt pins it: use the "
+                                 f"project's venv, or pip install {distribution}); "
+                                 f"or set {key}: false")
+        if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 0):
+            raise ValueError(f"total_steps must be an integer >= 0 or None, got {total_steps!r}")
         self.config = config
         self.run_name = run_name
         self.run_dir = pathlib.Path(config.log_dir).expanduser().resolve() / run_name
