@@ -17,6 +17,7 @@ and the key); otherwise what the training run returns or raises.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from dockyard_rl.algorithms.grpo_config import (ConfigError, config_to_yaml, describe_config,
@@ -52,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         print(config_to_yaml(config), end="")
         print(f"{PROG}: config OK (dry run: nothing started)", file=sys.stderr)
         return 0
+    # Progress, per-step prompts, checkpoints and warnings of the run go to stderr.
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("aiohttp.access", "filelock", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     # Imported here: the loop pulls in Ray, torch and vLLM, which --help and --dry-run never need.
     from dockyard_rl.algorithms import grpo
 

@@ -125,8 +125,8 @@ def finish_step(run: GRPORun, loop, step: int, metrics: dict[str, float],
     """Step 8: the step is done; log it, validate and checkpoint on their periods (`extras`:
     what else the checkpoint must hold, e.g. async GRPO's replay buffer)."""
     run.step = step
+    maybe_validate(run, loop)  # first, so its time counts in this step's row
     run.logger.log_metrics(step, metrics, prefix="train")
-    maybe_validate(run, loop)
     if run.config.checkpointing.should_save(step) or step == run.config.grpo.max_num_steps:
         save_checkpoint(run, extras)
 

@@ -97,7 +97,8 @@ def _close_parts(parts: dict[str, object]) -> None:
 
 
 def run_directory(config: MasterConfig) -> pathlib.Path:
-    return pathlib.Path(config.logger.log_dir) / config.grpo.run_name
+    # load_config names a run after its recipe; a config built in code may leave it unset.
+    return pathlib.Path(config.logger.log_dir) / (config.grpo.run_name or "run")
 
 
 def ensure_task_data(config: MasterConfig) -> None:
@@ -135,6 +136,8 @@ def setup(config: MasterConfig) -> GRPORun:
                                     config.checkpointing.resolve_dir(run_dir))
     latest = checkpoints.latest()
     resumed = load_trainer_state(latest.path / TRAINER_STATE_DIR) if latest else None
+    # Before any fleet starts: a logger backend that is missing fails here.
+    run_logger = Logger(config.logger, run_dir.name, total_steps=config.grpo.max_num_steps)
 
     parts: dict[str, object] = {}
     try:
@@ -169,12 +172,10 @@ def setup(config: MasterConfig) -> GRPORun:
         sampler.load_state_dict(resumed.sampler)
         resumed.rng.restore()
         step = resumed.step
-    run_logger = Logger(config.logger, config.grpo.run_name,
-                        total_steps=config.grpo.max_num_steps)
     if resumed is not None:
         run_logger.resume_from(step)
     run_logger.log_hyperparams(config_to_dict(config))
-    logger.info("run %s: %d training / %d validation tasks, %s at step %d", config.grpo.run_name,
+    logger.info("run %s: %d training / %d validation tasks, %s at step %d", run_dir.name,
                 len(train), len(validation), "resuming" if resumed else "starting", step)
     return GRPORun(config=config, run_dir=run_dir, train=train, validation=validation,
                    policy=policy, generation=generation, environment=environment, runner=runner,
