@@ -151,8 +151,14 @@ class DTensorPolicy(PolicyInterface):
                              f"cluster has {num_gpus}; set policy.dp_size <= {num_gpus}")
         bundle = {"CPU": 1, **({"GPU": 1} if num_gpus else {})}
         cfg = self.cfg
+        # Ray adds 15 to its worker processes' niceness (RAY_worker_niceness): on a machine
+        # shared with anything at the default priority a rank then gets a sliver of a core (train
+        # steps 1.5-3x slower than the same code in the driver). Ranks keep the raylet's (the
+        # driver's, when it started Ray), as Ray's own job supervisor does for drivers.
+        runtime_env = {"env_vars": {"RAY_worker_niceness": "0"}}
         self._workers = WorkerGroup(
             DTensorPolicyWorker, dp_size, "trainer", self._cluster_config, bundle=bundle,
+            runtime_env=runtime_env,
             worker_args=lambda info: ((cfg, info.rank, info.world_size), {}))
         master_addr, master_port = self._workers.master_address
         # CPU ranks share this machine's cores (torch would otherwise start one thread per core

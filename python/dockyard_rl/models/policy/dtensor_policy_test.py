@@ -8,6 +8,7 @@ torch computations in the test process. Shape suffixes: B = samples, S = token p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -114,15 +115,17 @@ def first_step(tiny_policy, train_batch):
 # 2 ranks vs one process
 
 
-def test_two_rank_step_matches_single_process_step(tiny_dir, train_batch, first_step):
+def _check_first_step_against_single_process(tiny_dir, batch, step, what):
+    """`step` (weights before / metrics / weights after one policy step on `batch`) against the
+    same step of plain transformers + torch in this process."""
     cfg = TINY_CFG
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
-    model.load_state_dict(first_step["before"], strict=False)  # tied lm_head follows the embedding
+    model.load_state_dict(step["before"], strict=False)  # tied lm_head follows the embedding
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    logprobs_BS = _plain_logprobs(model, train_batch["input_ids"], train_batch["input_lengths"])
-    torch.testing.assert_close(logprobs_BS.detach(), train_batch["initial_logprobs"],
+    logprobs_BS = _plain_logprobs(model, batch["input_ids"], batch["input_lengths"])
+    torch.testing.assert_close(logprobs_BS.detach(), batch["initial_logprobs"],
                                rtol=0, atol=1e-5)
-    loss, _ = LOSS_FN(logprobs_BS, train_batch, *count_valid(train_batch))
+    loss, _ = LOSS_FN(logprobs_BS, batch, *count_valid(batch))
     loss.backward()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
     optimizer = torch.optim.AdamW(
@@ -131,20 +134,25 @@ def test_two_rank_step_matches_single_process_step(tiny_dir, train_batch, first_
         weight_decay=cfg.optimizer.weight_decay)
     optimizer.step()
 
-    metrics = first_step["metrics"]
-    print(f"\n2-rank vs 1-process: loss {metrics['loss']:.8f} vs {float(loss.detach()):.8f}, grad norm "
-          f"{metrics['grad_norm']:.8f} vs {grad_norm:.8f}")
+    metrics = step["metrics"]
+    print(f"\n{what} vs 1-process: loss {metrics['loss']:.8f} vs {float(loss.detach()):.8f}, "
+          f"grad norm {metrics['grad_norm']:.8f} vs {grad_norm:.8f}")
     assert grad_norm > cfg.max_grad_norm  # clipping was active
     assert metrics["loss"] == pytest.approx(float(loss.detach()), abs=1e-5)
     assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
     expected = {name: param.detach() for name, param in model.named_parameters()}
-    max_diff = max(float((first_step["after"][name] - expected[name]).abs().max())
+    max_diff = max(float((step["after"][name] - expected[name]).abs().max())
                    for name in expected)
-    max_update = max(float((first_step["after"][name] - first_step["before"][name]).abs().max())
+    # Also shows that the weights yielded before the step were copies, not the live parameters.
+    max_update = max(float((step["after"][name] - step["before"][name]).abs().max())
                      for name in expected)
     print(f"max |param diff| after one step: {max_diff:.2e} (max update {max_update:.2e})")
     assert max_update > 1e-3  # the step really moved the weights
     assert max_diff < 1e-5
+
+
+def test_two_rank_step_matches_single_process_step(tiny_dir, train_batch, first_step):
+    _check_first_step_against_single_process(tiny_dir, train_batch, first_step, "2 ranks")
 
 
 def test_metrics_schedule_and_loss_decrease(tiny_policy, train_batch, first_step):
@@ -223,6 +231,49 @@ def test_save_load_resume_is_bit_identical(tiny_policy, train_batch, first_step,
     with torch.no_grad():
         expected_BS = _plain_logprobs(model, batch["input_ids"], batch["input_lengths"])
     torch.testing.assert_close(tiny_policy.get_logprobs(batch), expected_BS, rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank (a plain module, no FSDP) and checkpoints across dp sizes
+
+
+def _train_steps(policy, batch, num_steps):
+    return [(m["loss"], m["grad_norm"], m["learning_rate"])
+            for m in (policy.train(batch, LOSS_FN) for _ in range(num_steps))]
+
+
+def test_one_rank_step_resume_and_checkpoints_across_dp_sizes(tiny_dir, train_batch, tmp_path):
+    one_rank_cfg = dataclasses.replace(TINY_CFG, dp_size=1)
+    policy = DTensorPolicy(one_rank_cfg)
+    try:
+        before = dict(policy.iter_refit_weights())
+        metrics = policy.train(train_batch, LOSS_FN)
+        step = {"before": before, "metrics": metrics, "after": dict(policy.iter_refit_weights())}
+        _check_first_step_against_single_process(tiny_dir, train_batch, step, "1 rank")
+        # Bit-exact resume on one rank: the weights, the optimizer moments and the schedule.
+        policy.save_checkpoint(tmp_path / "one_rank")
+        continued = _train_steps(policy, train_batch, 2)
+        policy.load_checkpoint(tmp_path / "one_rank")
+        assert _train_steps(policy, train_batch, 2) == continued
+    finally:
+        policy.shutdown()  # the cluster has room for one more group of 2 ranks only
+    # One rank's checkpoint resumes on 2 ranks and the other way round: the same files, equal
+    # steps up to the order of float sums.
+    two_ranks = DTensorPolicy(TINY_CFG, resume_from=tmp_path / "one_rank")
+    try:
+        resumed = _train_steps(two_ranks, train_batch, 2)
+        two_ranks.save_checkpoint(tmp_path / "two_ranks")
+        continued_on_two = _train_steps(two_ranks, train_batch, 1)
+    finally:
+        two_ranks.shutdown()
+    policy = DTensorPolicy(one_rank_cfg, resume_from=tmp_path / "two_ranks")
+    try:
+        resumed_on_one = _train_steps(policy, train_batch, 1)
+    finally:
+        policy.shutdown()
+    for got, expected in zip(resumed + resumed_on_one, continued + continued_on_two):
+        assert got == pytest.approx(expected, rel=1e-5)
+    assert continued_on_two[0][2] == learning_rate_at(3, TINY_CFG.optimizer, TINY_CFG.scheduler)
 
 
 # ---------------------------------------------------------------------------------------------
