@@ -26,10 +26,12 @@ master is rank 0's node IP and a port found free there when the group starts. Th
 is the fleet's (bootstrap.fleet_runtime_env: NCCL settings, PYTHONPATH so actors import
 dockyard_rl, the role) plus the caller's `runtime_env` (its env_vars may not set NCCL_*).
 
-Calls fan out to every rank and fail fast: the first rank that raises or dies ends the wait, the
-others' pending calls are cancelled (best effort: Ray cannot interrupt a running call of a
-non-async actor) and WorkerError names the rank, the method and the cause. A rank stuck in a
-collective with a dead peer stays stuck until the caller restarts it (restart_worker).
+Calls fan out to every rank and fail fast: the first rank that raises or dies ends the wait and
+WorkerError names the rank, the method and the cause. The other ranks' calls are left to finish:
+Ray cannot interrupt a running call of a non-async actor, and cancelling one still queued leaves
+a gap in the actor's call sequence that stalls its next call for 30 s (ActorUnavailableError).
+A rank stuck in a collective with a dead peer stays stuck until the caller restarts it
+(restart_worker).
 
 Restarts. A worker that died (ray.kill, a crash, os._exit, a lost node) is found by a failed call
 (WorkerDiedError) or by `health_check`; `restart_dead_workers()` re-creates each dead rank in its

@@ -27,6 +27,21 @@ def _node_of_task() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+def _kill_and_wait(actor, timeout_s: float = 30.0) -> None:
+    """ray.kill only asks for the kill: a call sent right after it may still reach the live
+    process (seen in CI: a health check passed and nothing was restarted). Returns once the
+    actor is gone."""
+    ray.kill(actor)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the actor is still alive {timeout_s:g} s after ray.kill")
+
+
 class Worker:
     def __init__(self, tag: str, fail_rank: int | None = None):
         if current_worker().rank == fail_rank:
@@ -116,7 +131,7 @@ def test_a_dead_worker_is_restarted_and_the_group_recovers(cluster):
         assert group.call_all("bump") == [1, 1]
         before = group.call_all("whoami")
 
-        ray.kill(group.actors[1])
+        _kill_and_wait(group.actors[1])
         with pytest.raises(WorkerDiedError, match="rank 1 died during bump") as error:
             group.call_all("bump")
         assert error.value.rank == 1
@@ -141,9 +156,9 @@ def test_a_dead_worker_is_restarted_and_the_group_recovers(cluster):
 
 def test_restarts_beyond_the_limit_are_a_clear_error(cluster):
     with _group(cluster, num_workers=1, max_restarts=1) as group:
-        ray.kill(group.actors[0])
+        _kill_and_wait(group.actors[0])
         assert group.restart_dead_workers(timeout_s=30) == [0]
-        ray.kill(group.actors[0])
+        _kill_and_wait(group.actors[0])
         with pytest.raises(WorkerRestartError) as error:
             group.restart_dead_workers(timeout_s=30)
         message = str(error.value)

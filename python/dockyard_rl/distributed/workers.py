@@ -5,8 +5,8 @@
   `current_worker()` reads it back inside the worker.
 - The errors of calls on ranked workers: `WorkerError` (rank, method, cause), `WorkerDiedError`
   (the process is gone), `WorkerRestartError` (restart limit reached).
-- `gather`: waits for one call per rank and fails fast: the first failure cancels the rest
-  (best effort: Ray cannot interrupt a running call of a non-async actor) and raises.
+- `gather`: waits for one call per rank and fails fast: the first failure raises; the other
+  calls are left to finish (worker_group.py's docstring says why they are not cancelled).
 
 Not covered: retrying calls (a failed call is reported, never repeated).
 """
@@ -102,17 +102,6 @@ def worker_error(rank: int, role: str, method: str, error: Exception) -> WorkerE
                        method, cause)
 
 
-def cancel(refs) -> None:
-    """Best-effort ray.cancel of every ref (finished or uncancellable ones are left)."""
-    import ray
-
-    for ref in refs:
-        try:
-            ray.cancel(ref)
-        except Exception:
-            pass
-
-
 def gather(refs: list[tuple[int, Any]], role: str, method: str,
            timeout_s: float | None) -> list[Any]:
     """Results of (rank, ref) pairs, by rank; fails fast (module docstring). `timeout_s` bounds
@@ -127,18 +116,16 @@ def gather(refs: list[tuple[int, Any]], role: str, method: str,
         done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
         if not done:
             ranks = sorted(pending.values())
-            cancel(pending)
             raise WorkerError(f"{role} worker group: {method} on rank(s) {ranks} gave no answer "
                               f"within {timeout_s:g} s", ranks[0], method, "timeout")
         rank = pending.pop(done[0])
         try:
             results[rank] = ray.get(done[0])
         except Exception as error:
-            cancel(pending)
             raise worker_error(rank, role, method, error) from error
     return [results[rank] for rank in sorted(results)]
 
 
-__all__ = ["WorkerDiedError", "WorkerError", "WorkerInfo", "WorkerRestartError", "cancel",
+__all__ = ["WorkerDiedError", "WorkerError", "WorkerInfo", "WorkerRestartError",
            "current_worker", "describe_error", "gather", "node_address_and_free_port",
            "worker_error"]
