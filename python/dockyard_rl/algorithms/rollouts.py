@@ -122,7 +122,8 @@ class RolloutRunner:
         for index, sample in enumerate(samples):
             instance = instances[index // num_samples]
             prompt, read_file = prompts[index // num_samples]
-            parsed = parse_model_output(sample.response_text, prompt.patch_format, read_file)
+            parsed = parse_model_output(sample.response_text, prompt.patch_format, read_file,
+                                        prompt.files_shown)
             rollouts.append(SweRollout(
                 instance=instance.to_task_spec(""),
                 patch=parsed.patch,

@@ -20,6 +20,8 @@ Formats (`PatchFormat`):
   -> str | None` callable), each SEARCH text must occur exactly once in the current contents, and
   the result is written as a git-style unified diff made with difflib. An empty SEARCH creates a
   file that does not exist yet.
+- FUNCTION: whole functions in ```python blocks, each replacing the function of that name in the
+  files the prompt showed (function_rewrite.py).
 
 A leading `<think>...</think>` block (or, when the chat template opened it, text up to the
 first `</think>`) is stripped first and returned as `thinking`.
@@ -39,7 +41,7 @@ import difflib
 import enum
 import re
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import unidiff
 
@@ -65,6 +67,7 @@ def git_file_reader(repo_path: str, commit: str) -> ReadFile:
 class PatchFormat(str, enum.Enum):
     DIFF = "diff"
     SEARCH_REPLACE = "search_replace"
+    FUNCTION = "function"  # whole functions rewritten (function_rewrite.py)
 
 
 class InvalidReason(str, enum.Enum):
@@ -76,6 +79,9 @@ class InvalidReason(str, enum.Enum):
     AMBIGUOUS_SEARCH = "ambiguous_search"  # SEARCH text occurs more than once
     UNKNOWN_FILE = "unknown_file"          # the file does not exist at base_commit / unsafe path
     NO_CHANGE = "no_change"                # the blocks change nothing
+    SYNTAX_ERROR = "syntax_error"          # FUNCTION: a code block is not valid Python
+    UNKNOWN_FUNCTION = "unknown_function"  # FUNCTION: no shown file defines that name
+    AMBIGUOUS_FUNCTION = "ambiguous_function"  # FUNCTION: the name is defined several times
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +99,7 @@ class ParsedPatch:
         return self.invalid_reason is None
 
 
-def _invalid(reason: InvalidReason, detail: str, thinking: str | None) -> ParsedPatch:
+def invalid(reason: InvalidReason, detail: str, thinking: str | None) -> ParsedPatch:
     return ParsedPatch(patch=None, invalid_reason=reason, detail=detail, thinking=thinking)
 
 
@@ -150,20 +156,20 @@ def extract_diff(output: str) -> ParsedPatch:
     """The DIFF format: finds and validates the unified diff in `output`."""
     thinking, rest, ok = strip_think(output)
     if not ok:
-        return _invalid(InvalidReason.UNTERMINATED_THINK,
+        return invalid(InvalidReason.UNTERMINATED_THINK,
                         "<think> was opened and never closed; no answer followed", thinking)
     candidate = _diff_candidate(rest)
     if candidate is None:
-        return _invalid(InvalidReason.NO_PATCH, "no unified diff (no '--- '/'+++ ' file header) "
+        return invalid(InvalidReason.NO_PATCH, "no unified diff (no '--- '/'+++ ' file header) "
                         "in the output", thinking)
     try:
         patch_set = unidiff.PatchSet(candidate)
     except (unidiff.UnidiffParseError, ValueError, IndexError) as error:
         # Model text is arbitrary: any parse failure is the model's, reported, never raised.
-        return _invalid(InvalidReason.UNPARSABLE_DIFF, f"the diff does not parse: {error}",
+        return invalid(InvalidReason.UNPARSABLE_DIFF, f"the diff does not parse: {error}",
                         thinking)
     if len(patch_set) == 0 or not any(len(f) for f in patch_set):
-        return _invalid(InvalidReason.UNPARSABLE_DIFF, "the diff has no hunks", thinking)
+        return invalid(InvalidReason.UNPARSABLE_DIFF, "the diff has no hunks", thinking)
     for patched in patch_set:
         # unidiff keeps the header paths as written; git apply -p1 strips one component.
         patched.source_file = _with_prefix(patched.source_file, "a/")
@@ -249,7 +255,7 @@ def _safe_path(path: str) -> bool:
     return bool(path) and not path.startswith("/") and ".." not in parts and "\\" not in path
 
 
-def _file_diff(path: str, old: str | None, new: str) -> str:
+def file_diff(path: str, old: str | None, new: str) -> str:
     """A git-style diff of one file; old None means a new file."""
     old_lines = [] if old is None else old.splitlines(keepends=True)
     new_lines = new.splitlines(keepends=True)
@@ -271,55 +277,57 @@ def search_replace_to_diff(output: str, read_file: ReadFile) -> ParsedPatch:
     """The SEARCH_REPLACE format: applies the blocks to `read_file`'s contents, returns a diff."""
     thinking, rest, ok = strip_think(output)
     if not ok:
-        return _invalid(InvalidReason.UNTERMINATED_THINK,
+        return invalid(InvalidReason.UNTERMINATED_THINK,
                         "<think> was opened and never closed; no answer followed", thinking)
     blocks, error = parse_edit_blocks(rest)
     if error is not None:
-        return _invalid(InvalidReason.MALFORMED_BLOCK, error, thinking)
+        return invalid(InvalidReason.MALFORMED_BLOCK, error, thinking)
     if not blocks:
-        return _invalid(InvalidReason.NO_PATCH, f"no {_SEARCH!r} ... {_REPLACE!r} edit block in "
+        return invalid(InvalidReason.NO_PATCH, f"no {_SEARCH!r} ... {_REPLACE!r} edit block in "
                         "the output", thinking)
     originals: dict[str, str | None] = {}
     current: dict[str, str] = {}
     for block in blocks:
         where = f"block {block.index} ({block.path})"
         if not _safe_path(block.path):
-            return _invalid(InvalidReason.UNKNOWN_FILE, f"{where}: the path must be relative "
+            return invalid(InvalidReason.UNKNOWN_FILE, f"{where}: the path must be relative "
                             "to the repository root, without '..'", thinking)
         if block.path not in current:
             original = read_file(block.path)
             originals[block.path] = original
             if original is None:
                 if block.search.strip():
-                    return _invalid(InvalidReason.UNKNOWN_FILE, f"{where}: no such file at the "
+                    return invalid(InvalidReason.UNKNOWN_FILE, f"{where}: no such file at the "
                                     "base commit (an empty SEARCH creates a new file)", thinking)
                 current[block.path] = block.replace
                 continue
             current[block.path] = original
         content = current[block.path]
         if not block.search.strip():
-            return _invalid(InvalidReason.MALFORMED_BLOCK, f"{where}: empty SEARCH on an "
+            return invalid(InvalidReason.MALFORMED_BLOCK, f"{where}: empty SEARCH on an "
                             "existing file; quote the lines to replace", thinking)
         count = content.count(block.search)
         if count == 0:
-            return _invalid(InvalidReason.SEARCH_NOT_FOUND, f"{where}: the SEARCH text does not "
+            return invalid(InvalidReason.SEARCH_NOT_FOUND, f"{where}: the SEARCH text does not "
                             "occur in the file (it must match exactly, whitespace included)",
                             thinking)
         if count > 1:
-            return _invalid(InvalidReason.AMBIGUOUS_SEARCH, f"{where}: the SEARCH text occurs "
+            return invalid(InvalidReason.AMBIGUOUS_SEARCH, f"{where}: the SEARCH text occurs "
                             f"{count} times; include more lines so it is unique", thinking)
         current[block.path] = content.replace(block.search, block.replace, 1)
     changed = [path for path in current if current[path] != originals[path]]
     if not changed:
-        return _invalid(InvalidReason.NO_CHANGE, "the edit blocks leave every file unchanged",
+        return invalid(InvalidReason.NO_CHANGE, "the edit blocks leave every file unchanged",
                         thinking)
-    patch = "".join(_file_diff(path, originals[path], current[path]) for path in changed)
+    patch = "".join(file_diff(path, originals[path], current[path]) for path in changed)
     return ParsedPatch(patch=patch, invalid_reason=None, thinking=thinking, files=tuple(changed))
 
 
 def parse_model_output(output: str, patch_format: PatchFormat | str,
-                       read_file: ReadFile | None = None) -> ParsedPatch:
-    """Dispatches on the format. SEARCH_REPLACE needs `read_file` (base_commit contents).
+                       read_file: ReadFile | None = None,
+                       files: Sequence[str] = ()) -> ParsedPatch:
+    """Dispatches on the format. SEARCH_REPLACE and FUNCTION need `read_file` (base_commit
+    contents); FUNCTION also `files`, the paths whose functions may be rewritten (those shown).
 
     Raises ValueError only for caller errors (unknown format, missing read_file), never for
     anything the model wrote."""
@@ -331,7 +339,13 @@ def parse_model_output(output: str, patch_format: PatchFormat | str,
     if patch_format is PatchFormat.DIFF:
         return extract_diff(output)
     if read_file is None:
-        raise ValueError("the search_replace format needs read_file (base_commit file contents)")
+        raise ValueError(f"the {patch_format.value} format needs read_file (base_commit file "
+                         "contents)")
+    if patch_format is PatchFormat.FUNCTION:
+        # Imported here: function_rewrite builds on this module's helpers.
+        from dockyard_rl.data.function_rewrite import function_rewrite_to_diff
+
+        return function_rewrite_to_diff(output, read_file, files)
     return search_replace_to_diff(output, read_file)
 
 

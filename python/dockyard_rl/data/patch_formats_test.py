@@ -178,7 +178,7 @@ def test_strip_think_variants():
 
 def test_caller_errors_raise():
     with pytest.raises(ValueError, match=r"patch format 'xml' is unknown; valid: \['diff', "
-                                         r"'search_replace'\]"):
+                                         r"'search_replace', 'function'\]"):
         parse_model_output("", "xml")
     with pytest.raises(ValueError, match="needs read_file"):
         parse_model_output("", "search_replace")

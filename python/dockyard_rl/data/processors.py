@@ -1,7 +1,7 @@
 """Prompt processors: one SWE instance -> chat messages -> prompt token ids.
 
 The prompt holds the problem statement, the code it needs and the instructions for the output
-format (`PatchFormat.DIFF` or `PatchFormat.SEARCH_REPLACE`), rendered with the model's own chat
+format (`PatchFormat`: a diff, SEARCH/REPLACE blocks or whole functions), rendered with the model's own chat
 template. The code context is the files the gold patch modifies (the "oracle" file set), read at
 base_commit through a `read_file(path) -> str | None` callable:
 
@@ -69,6 +69,25 @@ pkg/module.py
 The SEARCH lines must match the file exactly (whitespace included) and occur exactly once in it;
 add surrounding lines to make them unique. Blocks apply in order."""
 
+FUNCTION_INSTRUCTIONS = """\
+Fix the issue by rewriting the function that holds the bug. Answer with the whole corrected
+function, from its `def` line (decorators included) to its last line, in a ```python fenced
+block, for example:
+
+```python
+def area(width, height):
+    if width < 0:
+        raise ValueError("negative width")
+    return width * height
+```
+
+Keep the function's name: it replaces the function of that name in the code above. Give several
+functions in the block if several need a change."""
+
+_INSTRUCTIONS = {PatchFormat.DIFF: DIFF_INSTRUCTIONS,
+                 PatchFormat.SEARCH_REPLACE: SEARCH_REPLACE_INSTRUCTIONS,
+                 PatchFormat.FUNCTION: FUNCTION_INSTRUCTIONS}
+
 THINK_INSTRUCTION = ("First reason step by step inside <think> ... </think>, then give the "
                      "answer after the closing tag.")
 NO_THINK_INSTRUCTION = "Answer with the edit only, without explanations."
@@ -78,7 +97,7 @@ NO_THINK_INSTRUCTION = "Answer with the edit only, without explanations."
 class PromptConfig:
     """Config section `data.prompt`."""
 
-    patch_format: str = "diff"        # diff | search_replace: what the model is asked to write
+    patch_format: str = "diff"        # diff | search_replace | function: what the model writes
     max_context_tokens: int = 6000    # budget of the code context (files), in tokens
     enable_thinking: bool = False     # ask for a leading <think> block
     include_hints: bool = False       # add hints_text (SWE-bench's issue comments) to the prompt
@@ -278,8 +297,7 @@ class SwePromptProcessor:
         return "".join(blocks), shown, list(shown), omitted, used
 
     def messages(self, instance: SweInstance, context: str) -> list[dict[str, str]]:
-        instructions = (DIFF_INSTRUCTIONS if self.patch_format is PatchFormat.DIFF
-                        else SEARCH_REPLACE_INSTRUCTIONS)
+        instructions = _INSTRUCTIONS[self.patch_format]
         think = THINK_INSTRUCTION if self.config.enable_thinking else NO_THINK_INSTRUCTION
         parts = [f"Repository: {instance.repo}", "",
                  "The issue:", instance.problem_statement.strip(), ""]

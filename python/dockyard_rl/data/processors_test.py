@@ -64,6 +64,16 @@ def test_search_replace_prompt_with_thinking_and_hints(tokenizer, toy):
     assert "<think>" in user and "Look at calc/ops.py." in user
 
 
+def test_function_prompt_asks_for_whole_functions(tokenizer, toy):
+    instance = _instance(str(toy.path), toy.base_commit, toy.gold_patch)
+    prompt = SwePromptProcessor(tokenizer, PromptConfig(patch_format="function"))(
+        instance, git_file_reader(str(toy.path), toy.base_commit))
+    user = prompt.messages[1]["content"]
+    assert prompt.patch_format is PatchFormat.FUNCTION
+    assert "rewriting the function that holds the bug" in user and "```python" in user
+    assert "<<<<<<< SEARCH" not in user and "```diff" not in user
+
+
 def _big_module(num_functions):
     parts = ['"""A module with many functions."""\n\nimport os\n']
     for i in range(num_functions):
@@ -130,7 +140,7 @@ def test_python_spans_include_decorators_and_module_level_lines():
 
 def test_config_and_tokenizer_errors(tokenizer):
     with pytest.raises(ValueError, match=r"data\.prompt\.patch_format: must be one of "
-                                         r"\['diff', 'search_replace'\], got 'xml'"):
+                                         r"\['diff', 'search_replace', 'function'\], got 'xml'"):
         from_dict(PromptConfig, {"patch_format": "xml"}, "data.prompt")
     with pytest.raises(ValueError, match=r"data\.prompt\.max_context_tokens: must be a positive"):
         from_dict(PromptConfig, {"max_context_tokens": 0}, "data.prompt")

@@ -1,0 +1,169 @@
+"""The FUNCTION output format: the model rewrites whole functions; we turn that into a diff.
+
+The model answers with one or more ```python fenced blocks (a last block cut off by the token
+limit needs no closing fence). Every top-level `def` / `async def` in them, decorators included,
+replaces the one function or method of that name in the files the prompt showed:
+
+    ```python
+    def area(width, height):
+        if width < 0:
+            raise ValueError("negative width")
+        return width * height
+    ```
+
+The name must match exactly one definition across those files (top-level functions, methods and
+nested functions all count); the replacement is re-indented to where the original sits (libcst
+keeps the body's relative indentation and leaves string literals alone) and keeps the lines
+before the original (comments, blank lines). The result is a git-style unified diff, like the
+other formats (patch_formats.py).
+
+This is the easiest format for small models: it asks them to copy and edit code they were shown,
+not to count diff lines or quote exact SEARCH text. It is also the narrowest.
+
+Failures are returned, never raised (`ParsedPatch.invalid_reason`): NO_PATCH (no block with a
+definition), SYNTAX_ERROR (a block does not parse), UNKNOWN_FUNCTION, AMBIGUOUS_FUNCTION (a name
+defined more than once in the shown files: the detail lists where), MALFORMED_BLOCK (one function
+given twice, or a function and a function nested in it), NO_CHANGE.
+
+Not covered: anything outside functions (module-level statements in a block, such as imports,
+are ignored), new functions, classes as a whole, renaming a function, choosing between two
+definitions of one name (e.g. `__init__` in two classes) and non-Python files.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from collections.abc import Sequence
+
+import libcst as cst
+
+from dockyard_rl.data.patch_formats import (InvalidReason, ParsedPatch, ReadFile, file_diff,
+                                            invalid, strip_think)
+
+# A ```python (or ```py, or bare ```) fence up to its closing fence or the end of the output.
+_PYTHON_BLOCK = re.compile(r"^```(?:python3?|py)?[ \t]*\n(.*?)(?:^```|\Z)", re.S | re.M)
+
+_FUNCTION_NODES = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Definition:
+    path: str
+    line: int        # of the `def` (decorators start above it)
+    end_line: int
+
+
+def _definitions(source: str, path: str) -> dict[str, list[_Definition]]:
+    """Every function/method/nested function of `source` by name; {} when it does not parse."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return {}
+    found: dict[str, list[_Definition]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, _FUNCTION_NODES):
+            found.setdefault(node.name, []).append(
+                _Definition(path, node.lineno, node.end_lineno or node.lineno))
+    return found
+
+
+class _Replace(cst.CSTTransformer):
+    """Swaps the FunctionDef that starts at each wanted line for its replacement."""
+
+    METADATA_DEPENDENCIES = (cst.metadata.PositionProvider,)
+
+    def __init__(self, by_line: dict[int, cst.FunctionDef]):
+        super().__init__()
+        self.by_line = by_line
+        self.replaced: set[int] = set()
+
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef
+                          ) -> cst.FunctionDef:
+        # libcst's position of a FunctionDef is its `def` line, as ast's lineno (decorators and
+        # leading lines are before it).
+        line = self.get_metadata(cst.metadata.PositionProvider, original).start.line
+        new = self.by_line.get(line)
+        if new is None:
+            return updated
+        self.replaced.add(line)
+        return new.with_changes(leading_lines=original.leading_lines)
+
+
+def _blocks(text: str) -> list[str]:
+    return [match.group(1) for match in _PYTHON_BLOCK.finditer(text)]
+
+
+def function_rewrite_to_diff(output: str, read_file: ReadFile,
+                             files: Sequence[str]) -> ParsedPatch:
+    """The FUNCTION format (module docstring): `files` are the paths whose functions may be
+    rewritten (the prompt's shown files), read at base_commit through `read_file`."""
+    thinking, rest, ok = strip_think(output)
+    if not ok:
+        return invalid(InvalidReason.UNTERMINATED_THINK,
+                       "<think> was opened and never closed; no answer followed", thinking)
+    new_functions: list[tuple[str, cst.FunctionDef]] = []
+    for number, block in enumerate(_blocks(rest), start=1):
+        try:
+            module = cst.parse_module(block)
+        except cst.ParserSyntaxError as error:
+            first_line = str(error).splitlines()[0] if str(error) else "syntax error"
+            return invalid(InvalidReason.SYNTAX_ERROR, f"code block {number} is not valid "
+                           f"Python: {first_line}", thinking)
+        new_functions += [(statement.name.value, statement) for statement in module.body
+                          if isinstance(statement, cst.FunctionDef)]
+    if not new_functions:
+        return invalid(InvalidReason.NO_PATCH, "no ```python block with a `def` in the output",
+                       thinking)
+
+    sources = {path: read_file(path) for path in dict.fromkeys(files)}
+    index: dict[str, list[_Definition]] = {}
+    for path, source in sources.items():
+        for name, found in _definitions(source or "", path).items():
+            index.setdefault(name, []).extend(found)
+
+    edits: dict[str, dict[int, cst.FunctionDef]] = {}
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for name, function in new_functions:
+        found = index.get(name, [])
+        if not found:
+            shown = ", ".join(sources) or "none"
+            return invalid(InvalidReason.UNKNOWN_FUNCTION, f"no function named {name!r} in the "
+                           f"files shown ({shown}); rewrite an existing function under its own "
+                           "name", thinking)
+        if len(found) > 1:
+            where = ", ".join(f"{d.path}:{d.line}" for d in found)
+            return invalid(InvalidReason.AMBIGUOUS_FUNCTION, f"{name!r} is defined "
+                           f"{len(found)} times ({where}); this format cannot choose", thinking)
+        [target] = found
+        for start, end, other in spans.get(target.path, []):
+            if start <= target.end_line and target.line <= end:
+                what = "twice" if other == name else f"together with {other!r}, which overlaps it"
+                return invalid(InvalidReason.MALFORMED_BLOCK, f"{name!r} is given {what}; "
+                               "give each function once", thinking)
+        spans.setdefault(target.path, []).append((target.line, target.end_line, name))
+        edits.setdefault(target.path, {})[target.line] = function
+
+    changed = []
+    for path, by_line in edits.items():
+        try:
+            wrapper = cst.metadata.MetadataWrapper(cst.parse_module(sources[path]))
+        except cst.ParserSyntaxError:  # ast parsed it (the index); libcst's grammar did not
+            return invalid(InvalidReason.UNKNOWN_FUNCTION, f"{path} cannot be edited by this "
+                           "format (libcst cannot parse it); use search_replace", thinking)
+        transformer = _Replace(by_line)
+        new_source = wrapper.visit(transformer).code
+        # ast and libcst agree on where a def starts; anything else is our bug, not the model's.
+        assert transformer.replaced == set(by_line), (path, sorted(by_line))
+        if new_source != sources[path]:
+            changed.append((path, new_source))
+    if not changed:
+        return invalid(InvalidReason.NO_CHANGE, "the rewritten functions equal the originals",
+                       thinking)
+    patch = "".join(file_diff(path, sources[path], new) for path, new in changed)
+    return ParsedPatch(patch=patch, invalid_reason=None, thinking=thinking,
+                       files=tuple(path for path, _ in changed))
+
+
+__all__ = ["function_rewrite_to_diff"]

@@ -1,0 +1,119 @@
+import subprocess
+
+import pytest
+
+from dockyard_rl.data.function_rewrite import function_rewrite_to_diff
+from dockyard_rl.data.patch_formats import InvalidReason, git_file_reader, parse_model_output
+from dockyard_rl.sandbox import testing_repos
+
+SHAPES = '''\
+import math
+
+
+class Circle:
+    def __init__(self, radius):
+        self.radius = radius
+
+    # Perimeter, not area.
+    @property
+    def circumference(self):
+        text = """keep
+this string"""
+        return math.pi * self.radius + len(text) * 0
+
+    def grow(self, by):
+        def clamp(value):
+            return max(value, 0)
+
+        return Circle(clamp(self.radius + by))
+
+
+class Square:
+    def __init__(self, side):
+        self.side = side
+'''
+
+
+def _reader(files: dict[str, str]):
+    return files.get
+
+
+def test_the_toy_gold_fix_as_a_function_applies_and_fixes(tmp_path):
+    toy = testing_repos.make_toy_repo(tmp_path / "repo")
+    read_file = git_file_reader(str(toy.path), toy.base_commit)
+    output = ("The bug is in mul.\n\n```python\ndef mul(a, b):\n    return a * b\n```\n"
+              "That is all.")
+    parsed = parse_model_output(output, "function", read_file, ["calc/ops.py"])
+    assert parsed.valid, parsed.detail
+    assert parsed.files == ("calc/ops.py",)
+    clone = tmp_path / "clone"
+    testing_repos.git(tmp_path, "clone", "--quiet", str(toy.path), str(clone))
+    testing_repos.git(clone, "checkout", "--quiet", "--detach", toy.base_commit)
+    subprocess.run(["git", "apply", "-"], cwd=clone, input=parsed.patch, text=True, check=True)
+    assert (clone / "calc/ops.py").read_text() == testing_repos.OPS_FIXED
+
+
+def test_methods_are_reindented_and_keep_their_comments_strings_and_neighbours():
+    output = ("```python\n@property\ndef circumference(self):\n    text = \"\"\"keep\n"
+              "this string\"\"\"\n    return 2 * math.pi * self.radius + len(text) * 0\n```")
+    parsed = function_rewrite_to_diff(output, _reader({"shapes.py": SHAPES}), ["shapes.py"])
+    assert parsed.valid, parsed.detail
+    removed = [line for line in parsed.patch.splitlines() if line.startswith("-")][1:]
+    added = [line for line in parsed.patch.splitlines() if line.startswith("+")][1:]
+    assert removed == ["-        return math.pi * self.radius + len(text) * 0"]
+    assert added == ["+        return 2 * math.pi * self.radius + len(text) * 0"]
+
+
+def test_a_nested_function_an_unterminated_block_and_thinking():
+    # A last block cut off by the token limit still counts when it parses.
+    output = ("<think>clamp lets negatives through?</think>\n```python\ndef clamp(value):\n"
+              "    return max(value, 1)\n")
+    parsed = function_rewrite_to_diff(output, _reader({"shapes.py": SHAPES}), ["shapes.py"])
+    assert parsed.valid, parsed.detail
+    assert parsed.thinking == "clamp lets negatives through?"
+    assert "-            return max(value, 0)\n+            return max(value, 1)\n" in parsed.patch
+
+
+def test_two_functions_in_two_files():
+    files = {"shapes.py": SHAPES, "calc.py": "def double(x):\n    return x + x\n"}
+    output = ("```python\ndef double(x):\n    return 2 * x\n```\nand\n```py\ndef grow(self, by):"
+              "\n    return Circle(self.radius + by)\n```")
+    parsed = function_rewrite_to_diff(output, _reader(files), ["shapes.py", "calc.py"])
+    assert parsed.valid, parsed.detail
+    assert sorted(parsed.files) == ["calc.py", "shapes.py"]
+    assert "def clamp" in parsed.patch  # grow's nested helper went with it
+
+
+@pytest.mark.parametrize("output, reason, detail", [
+    ("No code here.", InvalidReason.NO_PATCH, "no ```python block"),
+    ("```python\nimport os\n```", InvalidReason.NO_PATCH, "no ```python block"),
+    ("```python\ndef grow(self, by)\n    return 1\n```", InvalidReason.SYNTAX_ERROR,
+     "code block 1 is not valid Python"),
+    ("```python\ndef area(self):\n    return 1\n```", InvalidReason.UNKNOWN_FUNCTION,
+     "no function named 'area' in the files shown (shapes.py)"),
+    ("```python\ndef __init__(self, size):\n    self.size = size\n```",
+     InvalidReason.AMBIGUOUS_FUNCTION, "'__init__' is defined 2 times (shapes.py:5, shapes.py:"),
+    ("```python\ndef clamp(v):\n    return v\n\ndef clamp(v):\n    return 0\n```",
+     InvalidReason.MALFORMED_BLOCK, "'clamp' is given twice"),
+    ("```python\ndef grow(self, by):\n    return self\n\ndef clamp(v):\n    return v\n```",
+     InvalidReason.MALFORMED_BLOCK, "'clamp' is given together with 'grow'"),
+    ("```python\ndef clamp(value):\n    return max(value, 0)\n```", InvalidReason.NO_CHANGE,
+     "equal the originals"),
+    ("<think>never closed", InvalidReason.UNTERMINATED_THINK, "never closed"),
+])
+def test_bad_outputs_name_the_reason(output, reason, detail):
+    parsed = function_rewrite_to_diff(output, _reader({"shapes.py": SHAPES}), ["shapes.py"])
+    assert parsed.invalid_reason is reason and parsed.patch is None
+    assert detail in parsed.detail
+
+
+def test_only_the_shown_files_are_searched():
+    files = {"shapes.py": SHAPES, "hidden.py": "def secret():\n    return 1\n"}
+    parsed = function_rewrite_to_diff("```python\ndef secret():\n    return 2\n```",
+                                      _reader(files), ["shapes.py"])
+    assert parsed.invalid_reason is InvalidReason.UNKNOWN_FUNCTION
+
+
+def test_the_dispatcher_needs_read_file():
+    with pytest.raises(ValueError, match="the function format needs read_file"):
+        parse_model_output("```python\ndef f():\n    pass\n```", "function")
