@@ -5,12 +5,17 @@ each engine worker in its own process); each runs the transport's receiver `num_
 and reports ("ok", buckets as bytes | their total size, seconds) or ("error", message) on the
 returned queue. For `http` the process serves an `HttpBucketReceiver` instead, expecting
 versions 1 .. num_syncs, and first reports ("url", url, token).
+
+`start_receivers` returns once every process has imported its transport and is about to
+connect: a spawned process needs seconds to import torch on a loaded machine, and the sender's
+peer timeout must measure the transfer, not that start-up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import time
 from typing import Any
 
@@ -19,6 +24,7 @@ import torch
 from dockyard_rl.kernels import refit_packer
 
 SPAWN = multiprocessing.get_context("spawn")
+READY_TIMEOUT_S = 300.0  # a receiver's start-up: imports on a loaded machine
 
 
 def _report(buckets: list[torch.Tensor], return_bytes: bool):
@@ -28,16 +34,20 @@ def _report(buckets: list[torch.Tensor], return_bytes: bool):
 
 
 def receiver_main(transport: str, manifest_dict: dict[str, Any], spec: dict[str, Any],
-                  num_syncs: int, results, return_bytes: bool, device: str = "cpu") -> None:
-    """The body of one receiver process (module docstring)."""
+                  num_syncs: int, results, return_bytes: bool, device: str = "cpu",
+                  ready=None) -> None:
+    """The body of one receiver process (module docstring); puts its pid on `ready` once the
+    transport is imported."""
     from dockyard_rl.weight_sync import factory
 
     manifest = refit_packer.Manifest.from_dict(manifest_dict)
     try:
+        module = factory.transport_module(transport)  # its imports are part of the start-up
+        if ready is not None:
+            ready.put(os.getpid())
         if transport == "http":
             asyncio.run(_serve_http(manifest, spec, num_syncs, results, return_bytes))
             return
-        module = factory.transport_module(transport)
         for version in range(1, num_syncs + 1):
             start = time.monotonic()
             buckets = module.receive_buckets(manifest, {**spec, "version": version}, 0,
@@ -73,12 +83,15 @@ async def _serve_http(manifest: refit_packer.Manifest, spec: dict[str, Any], num
 
 def start_receivers(transport: str, manifest: refit_packer.Manifest, specs: list[dict[str, Any]],
                     *, num_syncs: int = 1, return_bytes: bool = True, device: str = "cpu"):
-    """Spawns one receiver process per spec; returns (processes, results queue)."""
-    results = SPAWN.Queue()
+    """Spawns one receiver process per spec and waits until each is ready (module docstring);
+    returns (processes, results queue)."""
+    results, ready = SPAWN.Queue(), SPAWN.Queue()
     processes = [SPAWN.Process(target=receiver_main, daemon=True,
                                args=(transport, manifest.to_dict(), spec, num_syncs, results,
-                                     return_bytes, device))
+                                     return_bytes, device, ready))
                  for spec in specs]
     for process in processes:
         process.start()
+    for _ in processes:
+        ready.get(timeout=READY_TIMEOUT_S)
     return processes, results
