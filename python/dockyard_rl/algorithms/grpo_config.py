@@ -272,6 +272,16 @@ class MasterConfig:
                     f"cannot be true while loss_fn.reference_kl_coef is {loss_fn.reference_kl_coef}"
                     ": the KL penalty needs the reference log-probs; set the coefficient to 0 or "
                     "this to false")
+        if policy.logprob_temperature is None:
+            # The trainer's log-probs must be of the distribution the rollouts were sampled from.
+            object.__setattr__(self, "policy", dataclasses.replace(
+                policy, logprob_temperature=float(generation.temperature)))
+        else:
+            require(policy.logprob_temperature == generation.temperature,
+                    "policy.logprob_temperature",
+                    f"({policy.logprob_temperature}) must equal generation.temperature "
+                    f"({generation.temperature}): the trainer's log-probs are of the distribution "
+                    "the rollouts were sampled from; leave it out and the loop sets it")
         require(policy.model == generation.model, "generation.model",
                 f"({generation.model!r}) must be the policy's model (policy.model: "
                 f"{policy.model!r}): the engine receives the policy's weights")

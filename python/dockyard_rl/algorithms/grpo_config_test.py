@@ -191,6 +191,8 @@ def test_keep_top_k_without_metric_name(tmp_path):
      "data.train_path: (/d/train.jsonl) must be <folder>/tasks.jsonl"),
     ({"synthesis": {"packages": []}}, "synthesis.packages: must be a non-empty list"),
     ({"grpo": {"run_name": "a/b"}}, "grpo.run_name: must be 1-100 letters"),
+    ({"policy": {"logprob_temperature": 0.7}}, "policy.logprob_temperature: (0.7) must equal "
+                                               "generation.temperature (1.0)"),
 ])
 def test_inconsistent_configs_name_the_key(tmp_path, sections, expected):
     assert expected in _error(_with(**sections), tmp_path)
@@ -204,6 +206,15 @@ def test_consistent_variants_of_the_checks_pass(tmp_path):
     config = load_config(_write(tmp_path, raw), base_dir=tmp_path)
     assert config.executor.port == 9090 and config.synthesis.packages == ("x==1",)
     assert isinstance(config.rewards.stages[0], IntegrityStageConfig)
+
+
+def test_the_trainer_takes_the_sampling_temperature(tmp_path):
+    config = load_config(_write(tmp_path, _with(generation={"temperature": 0.7})),
+                         base_dir=tmp_path)
+    assert config.policy.logprob_temperature == 0.7
+    # The resolved config states it, and it loads back.
+    resolved = _write(tmp_path, config_to_yaml(config), "resolved.yaml")
+    assert load_config(resolved, base_dir=tmp_path).policy == config.policy
 
 
 def test_yaml_errors_name_the_file_and_line(tmp_path):

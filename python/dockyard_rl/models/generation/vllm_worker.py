@@ -688,9 +688,11 @@ class VllmGeneration(GenerationInterface):
             enforce_eager=config.enforce_eager,
             enable_prefix_caching=config.enable_prefix_caching,
             worker_extension_cls=worker_extension_cls,
-            # Log-probs of the raw logits (before temperature / top-p / top-k): what the trainer's
-            # log_softmax computes; the default, stated so a vLLM default change cannot slip in.
-            logprobs_mode="raw_logprobs",
+            # Log-probs after temperature (and top-p / top-k): the distribution the tokens were
+            # sampled from, the behaviour policy of importance weights. The trainer divides its
+            # logits by the same temperature (policy.logprob_temperature); at temperature 1
+            # without top-p / top-k this equals the raw log-probs.
+            logprobs_mode="processed_logprobs",
             disable_log_stats=True,
             seed=0 if config.seed is None else config.seed,
         )

@@ -64,6 +64,9 @@ class PolicyConfig:
     # Keep the frozen reference policy on CPU (moved to the device only for its forward pass).
     offload_reference_policy: bool = False
     seed: int = 0
+    # Log-probs are of softmax(logits / logprob_temperature): the distribution the rollouts were
+    # sampled from. null = 1 alone; the GRPO loop sets it to generation.temperature.
+    logprob_temperature: float | None = None
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
 
@@ -75,6 +78,11 @@ class PolicyConfig:
                 f"must be an int >= 1, got {self.dp_size!r}")
         require(isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 1,
                 "micro_batch_size", f"must be an int >= 1, got {self.micro_batch_size!r}")
+        require(self.logprob_temperature is None or (
+                    isinstance(self.logprob_temperature, (int, float))
+                    and not isinstance(self.logprob_temperature, bool)
+                    and self.logprob_temperature > 0), "logprob_temperature",
+                f"must be a number > 0 or null, got {self.logprob_temperature!r}")
         require(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm",
                 f"must be > 0 or null (no clipping), got {self.max_grad_norm}")
 

@@ -23,6 +23,7 @@ def test_defaults_and_nested_sections():
     ({"optimizer": {"learning_rate": 0}}, r"policy\.optimizer\.learning_rate"),
     ({"scheduler": {"warmup_steps": 5, "total_steps": 5}}, r"policy\.scheduler\.total_steps"),
     ({"max_grad_norm": -1}, r"policy\.max_grad_norm"),
+    ({"logprob_temperature": 0}, r"policy\.logprob_temperature: must be a number > 0 or null"),
     ({"optimiser": {}}, r"unknown key\(s\) 'optimiser'"),
 ])
 def test_bad_config_names_the_key(data, message):

@@ -28,6 +28,7 @@ from dockyard_rl.models import zoo
 from dockyard_rl.models.policy.config import (OptimizerConfig, PolicyConfig, SchedulerConfig,
                                               learning_rate_at)
 from dockyard_rl.models.policy.dtensor_policy import CHECKPOINT_MANIFEST, DTensorPolicy
+from dockyard_rl.models.policy.dtensor_worker import shifted_logprobs
 
 # eps comparable to the gradients keeps AdamW's first step a smooth function of the gradient
 # (with eps = 1e-8 it is nearly sign(g), which amplifies float noise in tiny gradient entries),
@@ -64,9 +65,10 @@ def _make_batch(vocab_size: int, num_samples: int = 4, width: int = 16,
                            sample_mask=torch.ones(num_samples))
 
 
-def _plain_logprobs(model, ids_BS: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
+def _plain_logprobs(model, ids_BS: torch.Tensor, lengths_B: torch.Tensor,
+                    temperature: float = 1.0) -> torch.Tensor:
     """Single-process reference: log_softmax + gather, aligned as the interface says."""
-    logits_BSV = model(input_ids=ids_BS).logits.float()
+    logits_BSV = model(input_ids=ids_BS).logits.float() / temperature
     next_BS = torch.log_softmax(logits_BSV[:, :-1], dim=-1).gather(
         -1, ids_BS[:, 1:, None]).squeeze(-1)
     out_BS = torch.nn.functional.pad(next_BS, (1, 0))
@@ -109,6 +111,20 @@ def first_step(tiny_policy, train_batch):
     metrics = tiny_policy.train(train_batch, LOSS_FN)
     after = dict(tiny_policy.iter_refit_weights())
     return {"before": before, "metrics": metrics, "after": after}
+
+
+def test_logprobs_at_the_sampling_temperature(tiny_dir):
+    # The worker's own function, in this process: log-probs of softmax(logits / T).
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    batch = _make_batch(vocab_size=512)
+    ids_BS, lengths_B = batch["input_ids"], batch["input_lengths"]
+    with torch.no_grad():
+        for temperature in (1.0, 0.7):
+            torch.testing.assert_close(
+                shifted_logprobs(model, ids_BS, lengths_B, temperature),
+                _plain_logprobs(model, ids_BS, lengths_B, temperature), rtol=0, atol=1e-5)
+        assert not torch.allclose(shifted_logprobs(model, ids_BS, lengths_B, 0.7),
+                                  shifted_logprobs(model, ids_BS, lengths_B))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -87,8 +87,9 @@ def _tied_duplicate_names(model: torch.nn.Module) -> dict[str, str]:
 
 
 def shifted_logprobs(model: torch.nn.Module, input_ids_BS: torch.Tensor,
-                     input_lengths_B: torch.Tensor) -> torch.Tensor:
-    """(B, S) float32 log-probs in the interface's alignment (see the module docstring).
+                     input_lengths_B: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """(B, S) float32 log-probs of softmax(logits / temperature) in the interface's alignment
+    (see the module docstring).
 
     Differentiable when grad is enabled. Padding positions and column 0 are exactly 0.
     """
@@ -98,6 +99,8 @@ def shifted_logprobs(model: torch.nn.Module, input_ids_BS: torch.Tensor,
     width = int(input_lengths_B.max())
     ids_BS = input_ids_BS[:, :width]
     logits_BSV = model(input_ids=ids_BS, use_cache=False).logits
+    if temperature != 1.0:  # a copy of the step's largest tensor: only when it matters
+        logits_BSV = logits_BSV / temperature
     # Targets are the ids shifted one left. The last column has no next token: it gets a dummy
     # valid id (its own) and is dropped below. Gathering from the full (B, S, V) logits keeps
     # them a view (no copy of the largest tensor of the step, as logits[:, :-1] would force).
@@ -127,6 +130,7 @@ class DTensorPolicyWorker:
 
     def __init__(self, cfg: PolicyConfig, rank: int, world_size: int):
         self.cfg = cfg
+        self.logprob_temperature = cfg.logprob_temperature or 1.0
         self.rank = rank
         self.world_size = world_size
 
@@ -209,8 +213,9 @@ class DTensorPolicyWorker:
         with torch.no_grad():
             for mb in shard.select_indices(order).make_microbatch_iterator(
                     self.cfg.micro_batch_size, allow_partial=True):
-                pieces_BS.append(shifted_logprobs(model, mb["input_ids"].to(self.device),
-                                                  mb["input_lengths"]).cpu())
+                pieces_BS.append(shifted_logprobs(
+                    model, mb["input_ids"].to(self.device), mb["input_lengths"],
+                    self.logprob_temperature).cpu())
         return torch.cat(pieces_BS, dim=0)[invert_permutation(order)]
 
     # -- training
@@ -231,7 +236,7 @@ class DTensorPolicyWorker:
             if isinstance(model, FSDPModule):  # accumulate locally; reduce-scatter after the last
                 model.set_requires_gradient_sync(index == len(microbatches) - 1)
             logprobs_BS = shifted_logprobs(model, mb["input_ids"].to(self.device),
-                                           mb["input_lengths"])
+                                           mb["input_lengths"], self.logprob_temperature)
             loss, metrics = loss_fn(logprobs_BS, mb, global_num_valid_tokens,
                                     global_num_valid_sequences)
             # FSDP averages gradients over ranks; the loss's pieces must be summed instead.

@@ -396,6 +396,10 @@ class JaxPolicy(PolicyInterface):
         if cfg.backend != "jax":
             raise ValueError(f"policy.backend is {cfg.backend!r} but JaxPolicy is the 'jax' "
                              f"backend; create policies through models/policy/factory.py")
+        if cfg.logprob_temperature not in (None, 1.0):
+            raise ValueError(f"policy.logprob_temperature: the jax backend computes log-probs at "
+                             f"temperature 1 only, got {cfg.logprob_temperature}; sample at "
+                             "generation.temperature 1.0 or use policy.backend: dtensor")
         self.cfg = cfg
         devices = jax.devices()
         if len(devices) % cfg.dp_size:
