@@ -2,14 +2,8 @@
 
 The model answers with one or more ```python fenced blocks (a last block cut off by the token
 limit needs no closing fence). Every top-level `def` / `async def` in them, decorators included,
-replaces the one function or method of that name in the files the prompt showed:
-
-    ```python
-    def area(width, height):
-        if width < 0:
-            raise ValueError("negative width")
-        return width * height
-    ```
+replaces the one function or method of that name in the files the prompt showed (the prompt's
+instructions, processors.FUNCTION_INSTRUCTIONS, show an example).
 
 The name must match exactly one definition across those files (top-level functions, methods and
 nested functions all count); the replacement is re-indented to where the original sits (libcst
