@@ -15,8 +15,9 @@ This is the easiest format for small models: it asks them to copy and edit code 
 not to count diff lines or quote exact SEARCH text. It is also the narrowest.
 
 Failures are returned, never raised (`ParsedPatch.invalid_reason`): NO_PATCH (no block with a
-definition), SYNTAX_ERROR (a block does not parse), UNKNOWN_FUNCTION, AMBIGUOUS_FUNCTION (a name
-defined more than once in the shown files: the detail lists where), MALFORMED_BLOCK (one function
+definition), SYNTAX_ERROR (a block does not parse), UNKNOWN_FUNCTION (a shown file libcst
+cannot parse counts as holding no functions), AMBIGUOUS_FUNCTION (a name defined more than once
+in the shown files: the detail lists where), MALFORMED_BLOCK (one function
 given twice, or a function and a function nested in it), NO_CHANGE.
 
 Not covered: anything outside functions (module-level statements in a block, such as imports,
@@ -26,8 +27,8 @@ definitions of one name (e.g. `__init__` in two classes) and non-Python files.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
+import functools
 import re
 from collections.abc import Sequence
 
@@ -39,9 +40,6 @@ from dockyard_rl.data.patch_formats import (InvalidReason, ParsedPatch, ReadFile
 # A ```python (or ```py, or bare ```) fence up to its closing fence or the end of the output.
 _PYTHON_BLOCK = re.compile(r"^```(?:python3?|py)?[ \t]*\n(.*?)(?:^```|\Z)", re.S | re.M)
 
-_FUNCTION_NODES = (ast.FunctionDef, ast.AsyncFunctionDef)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Definition:
     path: str
@@ -49,18 +47,34 @@ class _Definition:
     end_line: int
 
 
-def _definitions(source: str, path: str) -> dict[str, list[_Definition]]:
-    """Every function/method/nested function of `source` by name; {} when it does not parse."""
+class _Collect(cst.CSTVisitor):
+    """(def line, last line) of every function, method and nested function, by name."""
+
+    METADATA_DEPENDENCIES = (cst.metadata.PositionProvider,)
+
+    def __init__(self):
+        super().__init__()
+        self.found: dict[str, list[tuple[int, int]]] = {}
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        # libcst's position of a FunctionDef starts at its `def` line (decorators and leading
+        # lines are before it) and ends at its last line.
+        position = self.get_metadata(cst.metadata.PositionProvider, node)
+        self.found.setdefault(node.name.value, []).append((position.start.line,
+                                                           position.end.line))
+
+
+@functools.lru_cache(maxsize=32)
+def _parse(source: str) -> tuple[cst.metadata.MetadataWrapper, dict] | None:
+    """A shown file's tree and its functions (`_Collect.found`); None when libcst cannot parse
+    it. Cached: every sample of a prompt looks up the same files."""
     try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return {}
-    found: dict[str, list[_Definition]] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, _FUNCTION_NODES):
-            found.setdefault(node.name, []).append(
-                _Definition(path, node.lineno, node.end_lineno or node.lineno))
-    return found
+        wrapper = cst.metadata.MetadataWrapper(cst.parse_module(source))
+    except cst.ParserSyntaxError:
+        return None
+    collector = _Collect()
+    wrapper.visit(collector)
+    return wrapper, collector.found
 
 
 class _Replace(cst.CSTTransformer):
@@ -75,8 +89,6 @@ class _Replace(cst.CSTTransformer):
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef
                           ) -> cst.FunctionDef:
-        # libcst's position of a FunctionDef is its `def` line, as ast's lineno (decorators and
-        # leading lines are before it).
         line = self.get_metadata(cst.metadata.PositionProvider, original).start.line
         new = self.by_line.get(line)
         if new is None:
@@ -112,10 +124,13 @@ def function_rewrite_to_diff(output: str, read_file: ReadFile,
                        thinking)
 
     sources = {path: read_file(path) for path in dict.fromkeys(files)}
+    parsed = {path: tree for path, source in sources.items()
+              if source is not None and (tree := _parse(source)) is not None}
     index: dict[str, list[_Definition]] = {}
-    for path, source in sources.items():
-        for name, found in _definitions(source or "", path).items():
-            index.setdefault(name, []).extend(found)
+    for path, (_, functions) in parsed.items():
+        for name, spans_found in functions.items():
+            index.setdefault(name, []).extend(_Definition(path, line, end)
+                                              for line, end in spans_found)
 
     edits: dict[str, dict[int, cst.FunctionDef]] = {}
     spans: dict[str, list[tuple[int, int, str]]] = {}
@@ -141,14 +156,9 @@ def function_rewrite_to_diff(output: str, read_file: ReadFile,
 
     changed = []
     for path, by_line in edits.items():
-        try:
-            wrapper = cst.metadata.MetadataWrapper(cst.parse_module(sources[path]))
-        except cst.ParserSyntaxError:  # ast parsed it (the index); libcst's grammar did not
-            return invalid(InvalidReason.UNKNOWN_FUNCTION, f"{path} cannot be edited by this "
-                           "format (libcst cannot parse it); use search_replace", thinking)
+        wrapper, _ = parsed[path]
         transformer = _Replace(by_line)
         new_source = wrapper.visit(transformer).code
-        # ast and libcst agree on where a def starts; anything else is our bug, not the model's.
         assert transformer.replaced == set(by_line), (path, sorted(by_line))
         if new_source != sources[path]:
             changed.append((path, new_source))

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import functools
 import re
 import subprocess
 from collections.abc import Callable, Sequence
@@ -50,8 +51,10 @@ ReadFile = Callable[[str], "str | None"]
 
 def git_file_reader(repo_path: str, commit: str) -> ReadFile:
     """A `read_file` over a local git repository at `commit`; None when the path is not a file
-    there (`git cat-file blob`). Contents are decoded as UTF-8 with replacement."""
+    there (`git cat-file blob`). Contents are decoded as UTF-8 with replacement. Each path is
+    read once per reader: every sample of a prompt parses against the same files."""
 
+    @functools.lru_cache(maxsize=None)
     def read_file(path: str) -> str | None:
         if not _safe_path(path):
             return None
