@@ -5,14 +5,14 @@ patch_formats.parse_model_output -> SweRollout -> SweEnvironment.step -> the rea
 ({integrity, invalid_action}).
 
 The model outputs are written by hand: the toy repository's gold patch in each output format
-(a ```diff block after a <think> block; SEARCH/REPLACE blocks made from the gold diff), which
-must score reward 1 and resolve the task; and empty, malformed and prose outputs, which must get
-the invalid-action outcome (parse failure in the metadata, the penalty as reward) without ever
-reaching the executor.
+(a ```diff block after a <think> block; SEARCH/REPLACE blocks and rewritten functions made from
+the gold diff), which must score reward 1 and resolve the task; and empty, malformed and prose
+outputs, which must get the invalid-action outcome (parse failure in the metadata, the penalty as
+reward) without ever reaching the executor.
 
 The second test does the same for tasks the synthesizer generates on the spot from a toy sdist
-(data/synthesize_swe_tasks.py; no committed data): both output formats of every task's gold patch
-score 1, the empty output is an invalid action. Synthesis and scoring share one executor.
+(data/synthesize_swe_tasks.py; no committed data): every output format of every task's gold
+patch scores 1, the empty output is an invalid action. Synthesis and scoring share one executor.
 
 Not covered: sampling from a model (no policy here), prompts cut to a token budget
 (processors_test covers those), infrastructure retries (swe_env_test covers them).
@@ -27,6 +27,7 @@ import unidiff
 
 from dockyard_rl.data import synthesize_swe_tasks, testing_sdists
 from dockyard_rl.data.datasets import load_jsonl
+from dockyard_rl.data.function_rewrite import diff_to_function_rewrite
 from dockyard_rl.data.patch_formats import (InvalidReason, PatchFormat, diff_to_search_replace,
                                             git_file_reader, parse_model_output)
 from dockyard_rl.data.processors import PromptConfig, SwePromptProcessor
@@ -73,8 +74,17 @@ def removed_lines(patch: str) -> list[str]:
             for line in hunk if line.is_removed]
 
 
-def make_rollout(instance, tokenizer, output, patch_format, read_file):
-    parsed = parse_model_output(output, patch_format, read_file)
+def gold_output(patch, patch_format, read_file):
+    """The gold patch as a model would write it in `patch_format`."""
+    if patch_format is PatchFormat.DIFF:
+        return f"```diff\n{patch}```\n"
+    if patch_format is PatchFormat.SEARCH_REPLACE:
+        return diff_to_search_replace(patch, read_file)
+    return diff_to_function_rewrite(patch, read_file)
+
+
+def make_rollout(instance, tokenizer, output, patch_format, read_file, files_shown=()):
+    parsed = parse_model_output(output, patch_format, read_file, files_shown)
     return parsed, SweRollout(
         instance=instance.to_task_spec(""),
         patch=parsed.patch,
@@ -84,15 +94,15 @@ def make_rollout(instance, tokenizer, output, patch_format, read_file):
         max_response_length=MAX_RESPONSE_TOKENS)
 
 
-def test_gold_patches_in_both_formats_score_1_and_bad_outputs_are_invalid_actions(
+def test_gold_patches_in_every_format_score_1_and_bad_outputs_are_invalid_actions(
         tmp_path, tokenizer, toy, instance):
     assert instance.FAIL_TO_PASS == toy.fail_to_pass and instance.PASS_TO_PASS == toy.pass_to_pass
     read_file = git_file_reader(str(toy.path), instance.base_commit)
     gold_removed = removed_lines(instance.patch)
     assert gold_removed, "the toy gold patch must remove at least one line"
 
-    # --- Prompts: both formats show the problem, the code the gold patch touches, and ask for
-    # their own output format.
+    # --- Prompts: every format shows the problem and the code the gold patch touches, and asks
+    # for its own output format.
     prompts = {}
     for patch_format in PatchFormat:
         processor = SwePromptProcessor(tokenizer, PromptConfig(patch_format=patch_format.value,
@@ -122,12 +132,16 @@ def test_gold_patches_in_both_formats_score_1_and_bad_outputs_are_invalid_action
         # What the model copies into SEARCH is text the prompt showed it.
         assert block_search.split("=======\n")[0] in sr_user
     sr_output = f"<think>\nmul adds; make it multiply.\n</think>\n{blocks}"
+    function_output = ("<think>\nmul adds.\n</think>\n"
+                       + diff_to_function_rewrite(instance.patch, read_file))
+    assert function_output.endswith("```python\ndef mul(a, b):\n    return a * b\n```\n")
     missing_search = ("calc/ops.py\n<<<<<<< SEARCH\ndef mul(a, b):\n    return a - b\n=======\n"
                       "def mul(a, b):\n    return a * b\n>>>>>>> REPLACE\n")
     prose = "<think>\nThe bug is in mul.\n</think>\nChange mul so it multiplies instead of adding."
     cases = [  # (output, format, the expected parse failure or None)
         (diff_output, PatchFormat.DIFF, None),
         (sr_output, PatchFormat.SEARCH_REPLACE, None),
+        (function_output, PatchFormat.FUNCTION, None),
         ("", PatchFormat.DIFF, InvalidReason.NO_PATCH),
         ("", PatchFormat.SEARCH_REPLACE, InvalidReason.NO_PATCH),
         (missing_search, PatchFormat.SEARCH_REPLACE, InvalidReason.SEARCH_NOT_FOUND),
@@ -135,7 +149,8 @@ def test_gold_patches_in_both_formats_score_1_and_bad_outputs_are_invalid_action
     ]
     rollouts = []
     for output, patch_format, expected in cases:
-        parsed, rollout = make_rollout(instance, tokenizer, output, patch_format, read_file)
+        parsed, rollout = make_rollout(instance, tokenizer, output, patch_format, read_file,
+                                       prompts[patch_format].files_shown)
         assert parsed.invalid_reason is expected, (patch_format, output, parsed.detail)
         if expected is None:
             assert parsed.files == ("calc/ops.py",) and parsed.thinking
@@ -157,9 +172,9 @@ def test_gold_patches_in_both_formats_score_1_and_bad_outputs_are_invalid_action
 
     result, records = asyncio.run(scenario())
 
-    assert result.rewards_B.tolist() == [1.0, 1.0] + [PENALTY] * 4
-    assert result.sample_mask_B.tolist() == [1.0] * 6  # every sample has an outcome, none masked
-    for meta, label in zip(result.metadata[:2], ("diff", "search_replace")):
+    assert result.rewards_B.tolist() == [1.0, 1.0, 1.0] + [PENALTY] * 4
+    assert result.sample_mask_B.tolist() == [1.0] * 7  # every sample has an outcome, none masked
+    for meta, label in zip(result.metadata[:3], ("diff", "search_replace", "function")):
         assert meta["resolved"], (label, meta)
         assert meta["raw_reward"] == 1.0 and meta["reward"] == 1.0, (label, meta)
         assert meta["parse_failure"] is None and not meta["apply_failure"]
@@ -171,22 +186,22 @@ def test_gold_patches_in_both_formats_score_1_and_bad_outputs_are_invalid_action
         assert set(outcomes["FAIL_TO_PASS"].values()) == {"passed"}, (label, outcomes)
         assert set(outcomes["PASS_TO_PASS"].values()) == {"passed"}, (label, outcomes)
         assert not meta["invalid_action/triggered"]
-    for meta, (_, _, expected) in zip(result.metadata[2:], cases[2:]):
+    for meta, (_, _, expected) in zip(result.metadata[3:], cases[3:]):
         assert meta["parse_failure"] == expected.value
         assert meta["task_id"] is None and meta["num_tries"] == 0  # never submitted
         assert meta["invalid_action/triggered"] and meta["invalid_action/reason"] == "no_patch"
         assert meta["reward"] == PENALTY and not meta["resolved"]
         assert meta["test_outcomes"] == {"FAIL_TO_PASS": {}, "PASS_TO_PASS": {}}
 
-    # Only the two gold patches reached the executor.
-    submitted = {m["task_id"] for m in result.metadata[:2]}
-    assert len(submitted) == 2 and {record.spec.task_id for record in records} == submitted
-    assert result.metrics["env/num_resolved"] == 2.0
+    # Only the three gold patches reached the executor.
+    submitted = {m["task_id"] for m in result.metadata[:3]}
+    assert len(submitted) == 3 and {record.spec.task_id for record in records} == submitted
+    assert result.metrics["env/num_resolved"] == 3.0
     assert result.metrics["env/num_parse_failures"] == 4.0
     assert result.metrics["env/num_infra_errors"] == 0.0
 
 
-def test_synthesized_tasks_score_1_with_gold_patches_in_both_formats(tmp_path, tokenizer,
+def test_synthesized_tasks_score_1_with_gold_patches_in_every_format(tmp_path, tokenizer,
                                                                      monkeypatch):
     archive = testing_sdists.make_toy_sdist(tmp_path / "downloads")
     # A token-protected executor: the synthesizer and the environment (env.swe.auth_token_env's
@@ -218,12 +233,9 @@ def test_synthesized_tasks_score_1_with_gold_patches_in_both_formats(tmp_path, t
                     assert instance.problem_statement.strip() in user
                     for line in removed_lines(instance.patch):
                         assert line in user  # the prompt shows the code the fix changes
-                    if patch_format is PatchFormat.DIFF:
-                        output = f"```diff\n{instance.patch}```\n"
-                    else:
-                        output = diff_to_search_replace(instance.patch, read_file)
+                    output = gold_output(instance.patch, patch_format, read_file)
                     parsed, rollout = make_rollout(instance, tokenizer, output, patch_format,
-                                                   read_file)
+                                                   read_file, prompt.files_shown)
                     assert parsed.valid, (instance.instance_id, patch_format, parsed.detail)
                     rollouts.append(rollout)
                 _, empty = make_rollout(instance, tokenizer, "", PatchFormat.DIFF, read_file)
@@ -234,9 +246,9 @@ def test_synthesized_tasks_score_1_with_gold_patches_in_both_formats(tmp_path, t
             return await env.step(rollouts, global_step=0)
 
     result = asyncio.run(scenario())
-    assert result.rewards_B.tolist() == [1.0, 1.0, PENALTY] * 3, \
+    assert result.rewards_B.tolist() == [1.0, 1.0, 1.0, PENALTY] * 3, \
         [m.get("test_outcomes") for m in result.metadata]
-    assert result.sample_mask_B.tolist() == [1.0] * 9
-    assert result.metrics["env/num_resolved"] == 6.0
-    for meta in result.metadata[2::3]:
+    assert result.sample_mask_B.tolist() == [1.0] * 12
+    assert result.metrics["env/num_resolved"] == 9.0
+    for meta in result.metadata[3::4]:
         assert meta["parse_failure"] == InvalidReason.NO_PATCH.value and meta["num_tries"] == 0

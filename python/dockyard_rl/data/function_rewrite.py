@@ -33,6 +33,7 @@ import re
 from collections.abc import Sequence
 
 import libcst as cst
+import unidiff
 
 from dockyard_rl.data.patch_formats import (InvalidReason, ParsedPatch, ReadFile, file_diff,
                                             invalid, strip_think)
@@ -170,4 +171,82 @@ def function_rewrite_to_diff(output: str, read_file: ReadFile,
                        files=tuple(path for path, _ in changed))
 
 
-__all__ = ["function_rewrite_to_diff"]
+class _OutermostFunctions(cst.CSTVisitor):
+    """(first line, last line, node) of every function not nested in another function:
+    module-level functions and methods."""
+
+    METADATA_DEPENDENCIES = (cst.metadata.PositionProvider,)
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[tuple[int, int, cst.FunctionDef]] = []
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        position = self.get_metadata(cst.metadata.PositionProvider, node)
+        self.found.append((position.start.line, position.end.line, node))
+        return False  # a nested function goes with its outer one
+
+
+def _apply(patched: unidiff.PatchedFile, old: str) -> tuple[str, set[int]]:
+    """The file after the diff, and the new file's line numbers the diff touched (an added line;
+    for a removal, the line before it)."""
+    old_lines = old.splitlines(keepends=True)
+    new_lines: list[str] = []
+    touched: set[int] = set()
+    cursor = 0
+    for hunk in patched:
+        # A hunk with no old lines inserts after line source_start; others start at it.
+        start = hunk.source_start - 1 if hunk.source_length else hunk.source_start
+        new_lines += old_lines[cursor:start]
+        for line in hunk:
+            if line.is_removed:
+                touched.add(max(1, len(new_lines)))
+            else:
+                new_lines.append(line.value)
+                if line.is_added:
+                    touched.add(len(new_lines))
+        cursor = start + hunk.source_length
+    new_lines += old_lines[cursor:]
+    return "".join(new_lines), touched
+
+
+def diff_to_function_rewrite(patch: str, read_file: ReadFile) -> str:
+    """Expresses a unified diff in the FUNCTION format: one ```python block per changed function
+    (the outermost function around each change, as it reads after the diff). Used to build gold
+    answers in this format for tests, few-shot examples and supervised warm starts.
+
+    Raises ValueError when the diff cannot be said this way: a change outside any function, a
+    new or missing file, or a function whose name the format cannot place (the answer is parsed
+    back with function_rewrite_to_diff and must give the same diff)."""
+    blocks = []
+    paths = []
+    expected = ""
+    for patched in unidiff.PatchSet(patch):
+        old = read_file(patched.path)
+        if old is None or patched.is_added_file or patched.is_removed_file:
+            raise ValueError(f"{patched.path}: the function format only edits existing files")
+        new, touched = _apply(patched, old)
+        wrapper = cst.metadata.MetadataWrapper(cst.parse_module(new))
+        functions = _OutermostFunctions()
+        wrapper.visit(functions)
+        changed = []
+        for line in sorted(touched):
+            around = [entry for entry in functions.found if entry[0] <= line <= entry[1]]
+            if not around:
+                raise ValueError(f"{patched.path}:{line}: the change is outside any function")
+            if around[0] not in changed:
+                changed.append(around[0])
+        for _, _, node in changed:
+            code = wrapper.module.code_for_node(node.with_changes(leading_lines=()))
+            blocks.append(f"```python\n{code}```\n")
+        paths.append(patched.path)
+        expected += file_diff(patched.path, old, new)
+    answer = "\n".join(blocks)
+    parsed = function_rewrite_to_diff(answer, read_file, paths)
+    if parsed.patch != expected:
+        why = parsed.detail or "the rewritten functions give a different diff"
+        raise ValueError(f"the function format cannot say this diff: {why}")
+    return answer
+
+
+__all__ = ["diff_to_function_rewrite", "function_rewrite_to_diff"]

@@ -2,8 +2,9 @@ import subprocess
 
 import pytest
 
-from dockyard_rl.data.function_rewrite import function_rewrite_to_diff
-from dockyard_rl.data.patch_formats import InvalidReason, git_file_reader, parse_model_output
+from dockyard_rl.data.function_rewrite import diff_to_function_rewrite, function_rewrite_to_diff
+from dockyard_rl.data.patch_formats import (InvalidReason, file_diff, git_file_reader,
+                                            parse_model_output)
 from dockyard_rl.sandbox import testing_repos
 
 SHAPES = '''\
@@ -117,3 +118,27 @@ def test_only_the_shown_files_are_searched():
 def test_the_dispatcher_needs_read_file():
     with pytest.raises(ValueError, match="the function format needs read_file"):
         parse_model_output("```python\ndef f():\n    pass\n```", "function")
+
+
+def test_a_diff_as_functions_round_trips():
+    # Two hunks: the nested clamp (goes out as all of grow, its outermost function) and a
+    # removed line at the end of circumference's body.
+    new = (SHAPES.replace("return max(value, 0)", "return max(value, 1)")
+           .replace("        return math.pi * self.radius + len(text) * 0\n", ""))
+    patch = file_diff("shapes.py", SHAPES, new)
+    answer = diff_to_function_rewrite(patch, _reader({"shapes.py": SHAPES}))
+    assert answer.count("```python\n") == 2
+    assert answer.startswith("```python\n@property\ndef circumference(self):\n")
+    assert "\n```python\ndef grow(self, by):\n    def clamp(value):\n" in answer
+    parsed = function_rewrite_to_diff(answer, _reader({"shapes.py": SHAPES}), ["shapes.py"])
+    assert parsed.patch == patch
+
+
+@pytest.mark.parametrize("new, message", [
+    (SHAPES.replace("import math\n", "import math\nimport os\n"), "outside any function"),
+    (SHAPES.replace("self.side = side", "self.side = abs(side)"), "defined 2 times"),
+])
+def test_a_diff_the_format_cannot_say_is_a_clear_error(new, message):
+    with pytest.raises(ValueError, match=message):
+        diff_to_function_rewrite(file_diff("shapes.py", SHAPES, new),
+                                 _reader({"shapes.py": SHAPES}))
