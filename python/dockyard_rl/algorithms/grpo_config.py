@@ -11,7 +11,7 @@ of the package that owns it, so its defaults and per-key checks live there and n
 | `loss_fn`       | ClippedPGLossConfig (loss_functions.py)                                   |
 | `async_grpo`    | AsyncGRPOConfig (async_utils/replay_buffer.py); read in async mode only   |
 | `data`          | DataConfig (data/config.py)                                               |
-| `synthesis`     | TaskSynthesisConfig (here); null = off                                    |
+| `synthesis`     | TaskSynthesisConfig (data/task_synthesis.py); null = off                  |
 | `env`           | EnvConfig (here): `env.swe` SweEnvironmentConfig (environments/config.py) |
 | `rewards`       | RewardShapingConfig (rewards/shaping.py)                                  |
 | `executor`      | ExecutorConfig (sandbox/config.py); null = use a running executor         |
@@ -20,6 +20,7 @@ of the package that owns it, so its defaults and per-key checks live there and n
 | `data_plane`    | DataPlaneConfig (data_plane/config.py); null = the in-memory path         |
 | `checkpointing` | CheckpointingConfig (utils/checkpoint.py)                                 |
 | `logger`        | LoggerConfig (utils/logger.py)                                            |
+| `warm_start`    | WarmStartConfig (warm_start.py); null = off                               |
 
 `load_config(path, overrides)` reads the YAML, applies command-line overrides `a.b.c=value`,
 makes relative paths absolute against the workspace root and builds the dataclasses; every
@@ -66,9 +67,10 @@ import yaml
 from dockyard_rl.algorithms.advantages import AdvantageConfig
 from dockyard_rl.algorithms.async_utils.replay_buffer import AsyncGRPOConfig
 from dockyard_rl.algorithms.loss_functions import ClippedPGLossConfig
+from dockyard_rl.algorithms.warm_start import WarmStartConfig
 from dockyard_rl.cluster.config import ClusterConfig
 from dockyard_rl.data.config import DataConfig
-from dockyard_rl.data.task_synthesis import SynthesisConfig
+from dockyard_rl.data.task_synthesis import TaskSynthesisConfig
 from dockyard_rl.data_plane.config import DataPlaneConfig
 from dockyard_rl.environments.config import SweEnvironmentConfig
 from dockyard_rl.models import zoo
@@ -77,7 +79,7 @@ from dockyard_rl.models.policy.config import PolicyConfig
 from dockyard_rl.rewards.shaping import OverlongStageConfig, RewardShapingConfig
 from dockyard_rl.sandbox.config import ExecutorConfig
 from dockyard_rl.utils.checkpoint import CheckpointingConfig
-from dockyard_rl.utils.config import from_dict, require
+from dockyard_rl.utils.config import from_dict, optional_dataclass, require
 from dockyard_rl.utils.logger import LoggerConfig
 from dockyard_rl.weight_sync.config import WeightSyncConfig
 
@@ -93,7 +95,7 @@ MODES = ("sync", "async")
 # (<logger.log_dir>/<grpo.run_name>, CheckpointingConfig.resolve_dir).
 PATH_KEYS = (
     "data.train_path", "data.validation_path", "logger.log_dir", "executor.work_dir",
-    "executor.db_path", "executor.pipeline.cache_dir",
+    "executor.db_path", "executor.pipeline.cache_dir", "warm_start.train_path",
 )
 # A zoo name or a local checkpoint directory: resolved like a path unless it is a zoo name.
 MODEL_KEYS = ("policy.model", "generation.model")
@@ -191,34 +193,6 @@ class EnvConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class TaskSynthesisConfig:
-    """YAML section `synthesis` (null = off): tasks to make when `data.train_path` is missing.
-
-    When set and the training file does not exist, `grpo.run` runs the task synthesizer
-    (data/synthesize_swe_tasks.py) once before training, with the folder of `data.train_path` as
-    its output folder: it writes `<folder>/tasks.jsonl` (so the training file must be named
-    tasks.jsonl), its repositories and report, and later runs reuse them (a cache). An
-    interrupted synthesis resumes package by package.
-    """
-
-    # PyPI requirements (`name==version`; pin them, the tasks depend on the code) or absolute
-    # paths of sdist archives.
-    packages: tuple[str, ...] = ()
-    num_workers: int | None = None  # scoring workers of its executor; null = the CPU count
-    search: SynthesisConfig = dataclasses.field(default_factory=SynthesisConfig)
-
-    def __post_init__(self):
-        packages = (self.packages,) if isinstance(self.packages, str) else self.packages
-        require(isinstance(packages, (list, tuple)) and bool(packages)
-                and all(isinstance(p, str) and p.strip() for p in packages), "packages",
-                f"must be a non-empty list of PyPI requirements (e.g. xmltodict==1.0.4) or sdist "
-                f"paths, got {self.packages!r}")
-        object.__setattr__(self, "packages", tuple(packages))
-        require(self.num_workers is None or (_is_int(self.num_workers) and self.num_workers >= 1),
-                "num_workers", f"must be an integer >= 1 or null, got {self.num_workers!r}")
-
-
-@dataclasses.dataclass(frozen=True)
 class MasterConfig:
     """The whole recipe (module docstring). Build it with `load_config` or
     `master_config_from_dict`; constructing it directly runs the cross-section checks too."""
@@ -238,6 +212,7 @@ class MasterConfig:
     data_plane: DataPlaneConfig | None = None
     checkpointing: CheckpointingConfig = dataclasses.field(default_factory=CheckpointingConfig)
     logger: LoggerConfig = dataclasses.field(default_factory=LoggerConfig)
+    warm_start: WarmStartConfig | None = None
 
     def __post_init__(self):
         grpo, policy, generation, loss_fn = self.grpo, self.policy, self.generation, self.loss_fn
@@ -328,15 +303,20 @@ class MasterConfig:
                     f"{executor.port}); or set executor.port: 0 (a free port, used automatically)")
 
     def _check_synthesis(self) -> None:
-        if self.synthesis is None:
-            return
-        require(self.data.dataset == "jsonl", "data.dataset",
-                f"must be jsonl when the synthesis section is set (it writes "
-                f"{SYNTHESIZED_TASKS_FILE}), got {self.data.dataset!r}")
-        require(pathlib.PurePath(self.data.train_path).name == SYNTHESIZED_TASKS_FILE,
-                "data.train_path", f"({self.data.train_path}) must be <folder>/"
-                f"{SYNTHESIZED_TASKS_FILE} when the synthesis section is set: the synthesizer "
-                "writes that file into the folder")
+        checks = [(self.synthesis, "data", self.data.dataset, self.data.train_path, "synthesis")]
+        if self.warm_start is not None:
+            checks.append((self.warm_start.synthesis, "warm_start", self.warm_start.dataset,
+                           self.warm_start.train_path, "warm_start.synthesis"))
+        for synthesis, section, dataset, train_path, name in checks:
+            if synthesis is None:
+                continue
+            require(dataset == "jsonl", f"{section}.dataset",
+                    f"must be jsonl when the {name} section is set (it writes "
+                    f"{SYNTHESIZED_TASKS_FILE}), got {dataset!r}")
+            require(pathlib.PurePath(train_path).name == SYNTHESIZED_TASKS_FILE,
+                    f"{section}.train_path", f"({train_path}) must be <folder>/"
+                    f"{SYNTHESIZED_TASKS_FILE} when the {name} section is set: the synthesizer "
+                    "writes that file into the folder")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,16 +345,6 @@ def _parse_yaml(text: str, source: str) -> Any:
 
 def _one_line(text: Any) -> str:
     return " ".join(str(text).split())
-
-
-def _optional_dataclass(hint: Any) -> type | None:
-    """The dataclass in `X` or `X | None`, else None."""
-    if dataclasses.is_dataclass(hint):
-        return hint
-    members = [m for m in typing.get_args(hint) if m is not type(None)]
-    if _is_union(hint) and len(members) == 1 and dataclasses.is_dataclass(members[0]):
-        return members[0]
-    return None
 
 
 def _is_union(hint: Any) -> bool:
@@ -411,7 +381,7 @@ def _check_types(cls: type, data: Any, key_path: str) -> None:
         if name not in names:
             continue
         key, hint = f"{key_path}.{name}", hints[name]
-        nested = _optional_dataclass(hint)
+        nested = optional_dataclass(hint)
         if nested is not None:
             _check_types(nested, value, key)
             continue
@@ -452,7 +422,7 @@ def master_config_from_dict(raw: Mapping[str, Any] | None, source: str = "<confi
                              f"sections: {', '.join(sections)}")
         built = {}
         for name, hint in sections.items():
-            value, cls = raw.get(name), _optional_dataclass(hint)
+            value, cls = raw.get(name), optional_dataclass(hint)
             if value is None and cls is not hint:  # an optional section left off
                 built[name] = None
                 continue
@@ -502,7 +472,7 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str],
             if last:
                 node[part] = value
                 break
-            nested = _optional_dataclass(hint)
+            nested = optional_dataclass(hint)
             free_form = typing.get_origin(hint) in (Mapping, dict) or hint in (dict, Any)
             if nested is None and not free_form:
                 raise ConfigError(f"{source}: override {item!r}: {'.'.join(parts[:depth + 1])} "
@@ -627,7 +597,7 @@ def describe_config() -> str:
     ]
     master_defaults = {f.name: f for f in dataclasses.fields(MasterConfig)}
     for name, hint in _section_fields().items():
-        cls = _optional_dataclass(hint)
+        cls = optional_dataclass(hint)
         header = f"{name}:  ({cls.__name__}, {cls.__module__})"
         if master_defaults[name].default is None:
             header += "  null by default; a mapping turns it on"

@@ -190,6 +190,14 @@ def test_keep_top_k_without_metric_name(tmp_path):
     ({"synthesis": {"packages": ["xmltodict==1.0.4"]}, "data": {"train_path": "/d/train.jsonl"}},
      "data.train_path: (/d/train.jsonl) must be <folder>/tasks.jsonl"),
     ({"synthesis": {"packages": []}}, "synthesis.packages: must be a non-empty list"),
+    ({"warm_start": {"train_path": "/w/train.jsonl", "synthesis": {"packages": ["x==1"]}}},
+     "warm_start.train_path: (/w/train.jsonl) must be <folder>/tasks.jsonl when the "
+     "warm_start.synthesis section"),
+    ({"warm_start": {"train_path": "/w/tasks.jsonl", "synthesis": {"packages": []}}},
+     "warm_start.synthesis.packages: must be a non-empty list"),
+    ({"warm_start": {"num_epochs": 2}}, "warm_start.train_path: is required"),
+    ({"warm_start": {"train_path": "/w/tasks.jsonl", "batch_size": 0}},
+     "warm_start.batch_size: must be an integer >= 1"),
     ({"grpo": {"run_name": "a/b"}}, "grpo.run_name: must be 1-100 letters"),
     ({"policy": {"logprob_temperature": 0.7}}, "policy.logprob_temperature: (0.7) must equal "
                                                "generation.temperature (1.0)"),

@@ -1,7 +1,8 @@
 """Everything a GRPO run needs, built from one `MasterConfig`: `setup(config) -> GRPORun`.
 
 Order (each step fails with the config key named before the next, heavier one starts):
-data (synthesized first when `synthesis` is set and the task file is missing) -> Ray (this
+data (synthesized first when `synthesis` is set and the task file is missing; the same for the
+warm start's tasks, which must share no repository with the data) -> Ray (this
 process is the driver: `cluster.bootstrap.init_ray`) -> the checkpoint to resume from, if any
 -> the sandbox fleet (when `executor` is set) and the environment -> the policy (restored from
 the checkpoint) -> the generation engines (started from the checkpoint's weights, at its weight
@@ -72,6 +73,8 @@ class GRPORun:
     step: int = 0
     resumed: TrainerState | None = None
     sandbox_fleet: object = None
+    # The supervised warm start's tasks (warm_start.py); empty when `warm_start` is off.
+    warm_start_instances: list[SweInstance] = dataclasses.field(default_factory=list)
 
     def close(self) -> None:
         """Shuts the fleets down; safe to repeat."""
@@ -102,22 +105,27 @@ def run_directory(config: MasterConfig) -> pathlib.Path:
 
 
 def ensure_task_data(config: MasterConfig) -> None:
-    """Synthesizes the task set when `synthesis` is set and `data.train_path` is missing."""
-    train_path = pathlib.Path(config.data.train_path)
-    if train_path.exists() or config.synthesis is None:
-        return
-    from dockyard_rl.data.synthesize_swe_tasks import synthesize
+    """Synthesizes a task set whose file is missing: `data.train_path` when `synthesis` is set,
+    `warm_start.train_path` when `warm_start.synthesis` is."""
+    wanted = [(config.data.train_path, config.synthesis, "synthesis", "data.train_path")]
+    if config.warm_start is not None:
+        wanted.append((config.warm_start.train_path, config.warm_start.synthesis,
+                       "warm_start.synthesis", "warm_start.train_path"))
+    for path, synthesis, section, path_key in wanted:
+        train_path = pathlib.Path(path)
+        if train_path.exists() or synthesis is None:
+            continue
+        from dockyard_rl.data.synthesize_swe_tasks import synthesize
 
-    synthesis = config.synthesis
-    logger.info("no tasks at %s: synthesizing them from %s once (cached for later runs)",
-                train_path, ", ".join(synthesis.packages))
-    status = synthesize(list(synthesis.packages), synthesis.search, train_path.parent,
-                        workers=synthesis.num_workers or os.cpu_count() or 1)
-    if status != 0 or not train_path.is_file():
-        raise ValueError(f"synthesis: making the task set {train_path} failed (status "
-                         f"{status}; the report is in {train_path.parent / 'report.json'}); "
-                         "fix the packages in synthesis.packages or point data.train_path at "
-                         "an existing task file")
+        logger.info("no tasks at %s: synthesizing them from %s once (cached for later runs)",
+                    train_path, ", ".join(synthesis.packages))
+        status = synthesize(list(synthesis.packages), synthesis.search, train_path.parent,
+                            workers=synthesis.num_workers or os.cpu_count() or 1)
+        if status != 0 or not train_path.is_file():
+            raise ValueError(f"{section}: making the task set {train_path} failed (status "
+                             f"{status}; the report is in {train_path.parent / 'report.json'}); "
+                             f"fix the packages in {section}.packages or point {path_key} at "
+                             "an existing task file")
 
 
 def setup(config: MasterConfig) -> GRPORun:
@@ -127,6 +135,7 @@ def setup(config: MasterConfig) -> GRPORun:
     _seed_driver(config.grpo.seed)
     ensure_task_data(config)
     train, validation = load_train_validation(config.data)
+    warm_start_instances = _warm_start_instances(config, train + validation)
 
     os.environ.setdefault("DOCKYARD_FLEET_ROLE", "driver")
     from dockyard_rl.cluster.bootstrap import init_ray
@@ -182,7 +191,7 @@ def setup(config: MasterConfig) -> GRPORun:
                    synchronizer=synchronizer, loss_fn=ClippedPGLossFn(config.loss_fn),
                    logger=run_logger, checkpoints=checkpoints, sampler=sampler,
                    pad_token_id=int(tokenizer.pad_token_id or 0), step=step, resumed=resumed,
-                   sandbox_fleet=sandbox_fleet)
+                   sandbox_fleet=sandbox_fleet, warm_start_instances=warm_start_instances)
 
 
 def trainer_state(run: GRPORun, extras: dict | None = None) -> TrainerState:
@@ -198,6 +207,23 @@ def _seed_driver(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def _warm_start_instances(config: MasterConfig, data: list[SweInstance]) -> list[SweInstance]:
+    """The warm start's tasks; a repository shared with the GRPO data is an error (it would show
+    GRPO the answers to its own tasks)."""
+    if config.warm_start is None:
+        return []
+    instances = datasets.get_dataset(config.warm_start.dataset)(config.warm_start.train_path)
+    if not instances:
+        raise ValueError(f"warm_start.train_path: {config.warm_start.train_path!r} holds no "
+                         "instances")
+    leaked = sorted({i.repo for i in instances} & {i.repo for i in data})
+    if leaked:
+        raise ValueError(f"warm_start.train_path: repositories {leaked[:5]} are also in the "
+                         "training or validation data; the warm start would show GRPO the "
+                         "answers to its own tasks. Use tasks of other repositories")
+    return instances
 
 
 def _sandbox(config: MasterConfig):

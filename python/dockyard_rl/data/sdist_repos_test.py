@@ -44,6 +44,14 @@ def test_local_archive_path_is_used_as_is(tmp_path):
         sdist_repos.fetch_sdist(str(tmp_path / "missing-1.0.tar.gz"), tmp_path)
 
 
+def test_bundled_packages_are_written_without_network(tmp_path):
+    archive = sdist_repos.fetch_sdist("bundled:toystats", tmp_path / "dl")
+    assert archive.parent == tmp_path / "dl" and archive.name == "toystats-1.0.tar.gz"
+    assert archive.read_bytes() == testing_sdists.make_toy_sdist(tmp_path / "again").read_bytes()
+    with pytest.raises(sdist_repos.SdistError, match="bundled: bundled:toystats"):
+        sdist_repos.fetch_sdist("bundled:nope", tmp_path)
+
+
 def _archive(tmp_path, files):
     path = tmp_path / "pkg-1.0.tar.gz"
     with tarfile.open(path, "w:gz") as tarred:

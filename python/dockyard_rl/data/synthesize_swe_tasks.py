@@ -5,10 +5,11 @@
         [--seed 0] [--workers N] [--executor-url http://127.0.0.1:9090]
 
 How a task is made and checked: task_synthesis.py. `--packages` takes PyPI requirements
-(`name` or `name==version`) or paths of local sdist archives. Without `--executor-url` an executor
-is started in this process on 127.0.0.1 (a free port) with `--workers` scoring workers; with it,
-that executor must run on this machine (it clones the repositories from DIR/repos by path), and
-its bearer token, if it has one, comes from $DOCKYARD_EXECUTOR_TOKEN.
+(`name` or `name==version`), paths of local sdist archives, or `bundled:toystats` (a package
+that ships with dockyard_rl: testing_sdists.py). Without `--executor-url` an executor is started
+in this process on 127.0.0.1 (a free port) with `--workers` scoring workers; with it, that
+executor must run on this machine (it clones the repositories from DIR/repos by path), and its
+bearer token, if it has one, comes from $DOCKYARD_EXECUTOR_TOKEN.
 
 Writes, under DIR:
 - `repos/<package>.git`: bare repositories; the tasks' `repo` field is their absolute path and
@@ -54,7 +55,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="synthesize_swe_tasks",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--packages", required=True,
-                        help="comma-separated PyPI requirements or local sdist archive paths")
+                        help="comma-separated PyPI requirements, local sdist archive paths "
+                             "or bundled:toystats")
     parser.add_argument("--out", required=True, type=pathlib.Path, help="output directory")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--max-tasks-per-package", type=int)

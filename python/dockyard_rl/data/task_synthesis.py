@@ -111,6 +111,36 @@ class SynthesisConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TaskSynthesisConfig:
+    """Recipe sections `synthesis` and `warm_start.synthesis` (null = off): tasks to make when
+    the task file (`data.train_path`, `warm_start.train_path`) is missing.
+
+    When set and the task file does not exist, `grpo.run` runs the task synthesizer
+    (synthesize_swe_tasks.py) once before training, with the folder of the task file as its
+    output folder: it writes `<folder>/tasks.jsonl` (so the file must be named tasks.jsonl), its
+    repositories and report, and later runs reuse them (a cache). An interrupted synthesis
+    resumes package by package.
+    """
+
+    # PyPI requirements (`name==version`; pin them, the tasks depend on the code), absolute
+    # paths of sdist archives, or `bundled:toystats` (ships with dockyard_rl).
+    packages: tuple[str, ...] = ()
+    num_workers: int | None = None  # scoring workers of its executor; null = the CPU count
+    search: SynthesisConfig = dataclasses.field(default_factory=SynthesisConfig)
+
+    def __post_init__(self):
+        packages = (self.packages,) if isinstance(self.packages, str) else self.packages
+        require(isinstance(packages, (list, tuple)) and bool(packages)
+                and all(isinstance(p, str) and p.strip() for p in packages), "packages",
+                f"must be a non-empty list of PyPI requirements (e.g. xmltodict==1.0.4) or sdist "
+                f"paths, got {self.packages!r}")
+        object.__setattr__(self, "packages", tuple(packages))
+        require(self.num_workers is None
+                or (isinstance(self.num_workers, int) and not isinstance(self.num_workers, bool)
+                    and self.num_workers >= 1), "num_workers", f"must be an integer >= 1 or null, got {self.num_workers!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class SynthesisPaths:
     """Where one run keeps its files."""
 

@@ -1,9 +1,14 @@
-"""A small, real-looking source distribution for tests of task synthesis (no network needed).
+"""A small, real-looking source distribution for task synthesis without network access.
 
 `make_toy_sdist(dest_dir) -> archive path` writes `toystats-1.0.tar.gz`: a package with a few
 functions whose bugs its pytest suite catches (module functions, a class, parametrized tests, a
 test class, a conftest fixture, test data in a file, a pytest.ini in the tests folder), laid out
 like a PyPI sdist (one top folder, PKG-INFO, pyproject.toml).
+
+The synthesis tests use it, and so can recipes: `bundled:toystats` in `synthesis.packages` (or
+`--packages`) synthesizes from it (sdist_repos.fetch_sdist, `BUNDLED`). Its tasks are the
+easiest honest task set we have: small pure functions, each bug visible in a few lines, graded
+by real tests (the SmolLM2 learning run, docs/learning_run.md).
 """
 
 from __future__ import annotations
@@ -184,3 +189,7 @@ def make_toy_sdist(dest_dir: pathlib.Path, *, src_layout: bool = False) -> pathl
             info.mtime = 1700000000
             tarred.addfile(info, io.BytesIO(data))
     return archive
+
+
+# Name -> writer(dest_dir) -> archive: the packages `bundled:<name>` refers to.
+BUNDLED = {NAME: make_toy_sdist}

@@ -2,8 +2,8 @@
 
 Every config section is a frozen dataclass whose fields hold the defaults (the one place they
 live) and whose `__post_init__` validates values with `ValueError`s that name the key and the
-fix. `from_dict` turns a mapping into such a dataclass, recursing into nested dataclass fields,
-and rejects unknown keys with the valid ones listed, so a typo fails at start-up instead of being
+fix. `from_dict` turns a mapping into such a dataclass, recursing into nested dataclass fields
+(also optional ones, `X | None`: null keeps None), and rejects unknown keys with the valid ones listed, so a typo fails at start-up instead of being
 silently ignored.
 
     @dataclasses.dataclass(frozen=True)
@@ -18,6 +18,7 @@ silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -46,9 +47,9 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, key_path: str) -> T:
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():
-        field_type = hints[name]
-        if dataclasses.is_dataclass(field_type) and not dataclasses.is_dataclass(value):
-            value = from_dict(field_type, value, f"{key_path}.{name}")
+        nested = optional_dataclass(hints[name])
+        if nested is not None and value is not None and not dataclasses.is_dataclass(value):
+            value = from_dict(nested, value, f"{key_path}.{name}")
         kwargs[name] = value
     try:
         return cls(**kwargs)
@@ -56,6 +57,17 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, key_path: str) -> T:
         message = str(error)
         raise ValueError(message if message.startswith(key_path) else f"{key_path}.{message}") \
             from None
+
+
+def optional_dataclass(hint: Any) -> type | None:
+    """The dataclass in the type hint `X` or `X | None`, else None."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        members = [m for m in typing.get_args(hint) if m is not type(None)]
+        if len(members) == 1 and dataclasses.is_dataclass(members[0]):
+            return members[0]
+    return None
 
 
 def require(condition: bool, key: str, message: str) -> None:

@@ -1,0 +1,198 @@
+"""Supervised warm start: a few epochs of next-token training on gold answers, before GRPO.
+
+    warm_start:                       # section of the recipe; null (the default) = off
+      train_path: /data/warm/tasks.jsonl   # tasks NOT in data.train_path / validation
+      num_epochs: 3
+      batch_size: 4
+      synthesis: {packages: [xmltodict==1.0.4]}  # optional: made when train_path is missing
+
+Why: GRPO learns only from groups whose samples differ in reward. A small model that almost
+never writes a parseable answer in the run's output format (docs/learning_run.md: ~2% for
+SmolLM2-135M) gives every sample of a group the same penalty, and GRPO nothing to learn from.
+A few supervised steps on correct answers to *other* tasks teach the format; GRPO then learns
+which edits make the tests pass.
+
+The examples (`warm_start_examples`): every task of `train_path` is prompted exactly as the
+loop prompts (the run's processor and `data.prompt`), and its gold patch is written in
+`data.prompt.patch_format` (a ```diff block, SEARCH/REPLACE blocks, or the rewritten functions),
+then the tokenizer's end-of-sequence token. Tasks whose gold patch the format cannot express (a
+change outside any function, in the function format) are skipped and counted. A warm-start task
+whose repository is also in the training or validation data is an error naming
+`warm_start.train_path` at start-up (grpo_setup): it would show GRPO the answers to its own
+tasks.
+
+`run_warm_start` trains with `SupervisedLossFn` (the mean negative log-likelihood of the answer
+tokens, at `policy.logprob_temperature`: the distribution the engines sample from) through the
+policy's own `train`, so its optimizer, scheduler and learning rate apply (the scheduler's
+warm-up counts these steps). The GRPO loop runs it once, in a fresh run before step 1, and
+checkpoints the result as step 0; a resumed run never repeats it.
+
+Not covered: a separate learning rate or optimizer for the warm start, multi-turn examples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from dockyard_rl.algorithms.loss_functions import count_valid
+from dockyard_rl.data import datasets
+from dockyard_rl.data.function_rewrite import diff_to_function_rewrite
+from dockyard_rl.data.patch_formats import (PatchFormat, diff_to_search_replace,
+                                            git_file_reader)
+from dockyard_rl.data.schema import SweInstance
+from dockyard_rl.data.task_synthesis import TaskSynthesisConfig
+from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
+from dockyard_rl.utils.config import require
+
+logger = logging.getLogger(__name__)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig:
+    """YAML section `warm_start` (module docstring)."""
+
+    train_path: str | None = None  # required: tasks whose gold answers are the examples
+    dataset: str = "jsonl"         # loader registry name, as data.dataset
+    num_epochs: int = 2            # passes over the examples
+    batch_size: int = 4            # examples per optimizer step
+    seed: int = 0                  # the order of the examples in each epoch
+    # Tasks to synthesize into train_path's folder when train_path is missing (the same shape
+    # as the recipe's `synthesis` section, data/task_synthesis.py); null = train_path must exist.
+    synthesis: TaskSynthesisConfig | None = None
+
+    def __post_init__(self):
+        require(isinstance(self.train_path, str) and bool(self.train_path.strip()), "train_path",
+                "is required: a task file (e.g. a tasks.jsonl of synthesize_swe_tasks) whose "
+                "gold patches are the examples; it must not share repositories with data")
+        require(self.dataset in datasets.dataset_names(), "dataset",
+                f"unknown dataset loader {self.dataset!r}; valid: "
+                f"{', '.join(datasets.dataset_names())}")
+        for key, minimum in (("num_epochs", 1), ("batch_size", 1), ("seed", 0)):
+            value = getattr(self, key)
+            require(_is_int(value) and value >= minimum, key,
+                    f"must be an integer >= {minimum}, got {value!r}")
+
+
+def gold_answer(instance: SweInstance, patch_format: PatchFormat, read_file) -> str:
+    """The instance's gold patch as a model would write it in `patch_format`. Raises ValueError
+    when the format cannot express it."""
+    if patch_format is PatchFormat.DIFF:
+        return f"```diff\n{instance.patch}```\n"
+    if patch_format is PatchFormat.SEARCH_REPLACE:
+        return diff_to_search_replace(instance.patch, read_file)
+    return diff_to_function_rewrite(instance.patch, read_file)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartExample:
+    instance_id: str
+    prompt_token_ids: tuple[int, ...]
+    answer_token_ids: tuple[int, ...]  # ends with the end-of-sequence token
+
+
+def warm_start_examples(instances: Sequence[SweInstance], processor, tokenizer
+                        ) -> tuple[list[WarmStartExample], int]:
+    """(examples, number of tasks skipped because the format cannot express their gold patch).
+    The caller checks that the instances share no repository with the GRPO data
+    (grpo_setup does, at start-up)."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError("warm_start: the tokenizer has no end-of-sequence token to end the "
+                         "answers with")
+    examples, skipped = [], 0
+    for instance in instances:
+        read_file = git_file_reader(instance.repo, instance.base_commit)
+        prompt = processor(instance, read_file)
+        try:
+            answer = gold_answer(instance, prompt.patch_format, read_file)
+        except ValueError as error:
+            logger.info("warm start: %s skipped: %s", instance.instance_id, error)
+            skipped += 1
+            continue
+        answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+        examples.append(WarmStartExample(instance.instance_id, tuple(prompt.token_ids),
+                                         tuple(answer_ids) + (tokenizer.eos_token_id,)))
+    return examples, skipped
+
+
+def examples_batch(examples: Sequence[WarmStartExample], pad_token_id: int) -> BatchedDataDict:
+    """The (B, S) batch the policy trains on: prompt + answer, right-padded; token_mask is 1 on
+    the answer tokens (the same layout as a GRPO batch, rollouts.build_train_batch)."""
+    lengths = [len(e.prompt_token_ids) + len(e.answer_token_ids) for e in examples]
+    input_ids_BS = torch.full((len(examples), max(lengths)), pad_token_id, dtype=torch.int64)
+    token_mask_BS = torch.zeros(len(examples), max(lengths))
+    for b, example in enumerate(examples):
+        input_ids_BS[b, :lengths[b]] = torch.tensor(example.prompt_token_ids
+                                                    + example.answer_token_ids)
+        token_mask_BS[b, len(example.prompt_token_ids):lengths[b]] = 1.0
+    return BatchedDataDict(input_ids=input_ids_BS, input_lengths=torch.tensor(lengths),
+                           token_mask=token_mask_BS, sample_mask=torch.ones(len(examples)))
+
+
+class SupervisedLossFn:
+    """Mean negative log-likelihood per valid token, over the global batch.
+
+    The same call contract as ClippedPGLossFn (loss_functions.py): the loss of one microbatch
+    is its sum over valid tokens divided by the global valid-token count, so microbatches and
+    data-parallel shards sum to the whole batch's loss. Metrics: loss, num_valid_tokens,
+    num_valid_sequences (all sum-combined)."""
+
+    required_batch_keys = ("token_mask", "sample_mask")
+
+    def __call__(self, logprobs_BS: torch.Tensor, batch: Mapping[str, Any],
+                 global_num_valid_tokens, global_num_valid_sequences
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
+        valid_BS = (batch["token_mask"] > 0) & (batch["sample_mask"] > 0)[:, None]
+        valid_BS = valid_BS.to(logprobs_BS.device)
+        logp_BS = logprobs_BS.to(torch.promote_types(logprobs_BS.dtype, torch.float32))
+        # where, not multiply: padding positions may hold -inf.
+        loss = -torch.where(valid_BS, logp_BS, 0.0).sum() / max(float(global_num_valid_tokens), 1.0)
+        return loss, {"loss": float(loss.detach()),
+                      "num_valid_tokens": float(valid_BS.sum()),
+                      "num_valid_sequences": float(valid_BS.any(dim=1).sum())}
+
+
+def run_warm_start(policy, examples: Sequence[WarmStartExample], config: WarmStartConfig,
+                   pad_token_id: int, *, dp_size: int = 1) -> list[dict[str, float]]:
+    """Trains `policy` on the examples (module docstring); returns one metrics dict per epoch
+    (`nll_per_token` over the epoch, `steps`, the last step's grad_norm and learning_rate).
+    A batch is padded to a multiple of `dp_size` with masked copies."""
+    if not examples:
+        raise ValueError("warm_start.train_path: no task's gold patch can be written in the "
+                         "run's output format (data.prompt.patch_format); nothing to train on")
+    loss_fn = SupervisedLossFn()
+    order = list(examples)
+    rng = random.Random(config.seed)
+    history = []
+    for epoch in range(config.num_epochs):
+        rng.shuffle(order)
+        nll_sum, num_tokens, steps, metrics = 0.0, 0, 0, {}
+        for start in range(0, len(order), config.batch_size):
+            chunk = order[start:start + config.batch_size]
+            chunk += [chunk[-1]] * (-len(chunk) % dp_size)
+            batch = examples_batch(chunk, pad_token_id)
+            batch["sample_mask"][len(order[start:start + config.batch_size]):] = 0.0
+            tokens, _ = count_valid(batch)
+            metrics = policy.train(batch, loss_fn)
+            nll_sum += metrics["loss"] * tokens
+            num_tokens += tokens
+            steps += 1
+        history.append({"nll_per_token": nll_sum / max(num_tokens, 1), "steps": float(steps),
+                        "grad_norm": float(metrics.get("grad_norm", 0.0)),
+                        "learning_rate": float(metrics.get("learning_rate", 0.0))})
+        logger.info("warm start epoch %d/%d: nll per token %.3f over %d steps", epoch + 1,
+                    config.num_epochs, history[-1]["nll_per_token"], steps)
+    return history
+
+
+__all__ = ["SupervisedLossFn", "WarmStartConfig", "WarmStartExample", "examples_batch",
+           "gold_answer", "run_warm_start", "warm_start_examples"]
