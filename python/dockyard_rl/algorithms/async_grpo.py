@@ -9,8 +9,8 @@ the engines (Ray actors) and the executor (HTTP) already run elsewhere, so the c
 orchestration (awaiting samples and verdicts), and a thread shares the driver's generation
 controller and prompt sampler without copying them into another process. It tags each group with
 the OLDEST weight version that produced any of its samples (vLLM reports it per sample), so the
-buffer's age bound holds for every sample: a group trained at step s (the trainer holds weight
-version s - 1) is at most `async_grpo.max_trajectory_age_steps` versions old, strictly; older
+buffer's age bound holds for every sample: a group trained while the trainer holds weight
+version v (`synchronizer.trainer_version`: s - 1 at step s, s after a warm start) is at most `async_grpo.max_trajectory_age_steps` versions old, strictly; older
 ones are dropped by the buffer and counted (`async/dropped_stale`), and their prompts handed out
 again.
 
@@ -163,7 +163,8 @@ def async_grpo_train(run: GRPORun) -> None:
         while run.step < config.grpo.max_num_steps:
             step = run.step + 1
             waited = time.monotonic()
-            records = _sample(buffer, collector, config.grpo.num_prompts_per_step, step - 1)
+            records = _sample(buffer, collector, config.grpo.num_prompts_per_step,
+                              run.synchronizer.trainer_version)
             run.logger.add_time("buffer_wait", time.monotonic() - waited)
             metrics = train_on_rollouts(run, [r.payload for r in records], step)
             metrics.update({f"async/{k}": float(v) for k, v in buffer.metrics().items()
@@ -186,12 +187,12 @@ def async_grpo_train(run: GRPORun) -> None:
 
 
 def _sample(buffer: ReplayBuffer, collector: TrajectoryCollector, num_groups: int,
-            current_step: int):
+            trainer_version: int):
     """Waits for enough fresh groups, checking that the collector is alive."""
     while True:
         collector.check()
         try:
-            return buffer.sample(num_groups, current_step, timeout=5.0)
+            return buffer.sample(num_groups, trainer_version, timeout=5.0)
         except TimeoutError:
             continue
 

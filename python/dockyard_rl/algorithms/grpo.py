@@ -139,10 +139,11 @@ def train_on_rollouts(run: GRPORun, rollouts: list[Rollout], step: int) -> dict[
         if run.config.loss_fn.reference_kl_coef > 0 \
                 and not run.config.grpo.skip_reference_policy_logprobs:
             batch["reference_policy_logprobs"] = run.policy.get_reference_policy_logprobs(batch)
+    # Versions behind the weights being trained (step - 1, or step after a warm start).
+    ages = run.synchronizer.trainer_version - batch["weight_version"][batch["sample_mask"] > 0]
     with run.logger.timer("train"):
         train_metrics = run.policy.train(batch, run.loss_fn)
     run.synchronizer.mark_stale()
-    ages = step - 1 - batch["weight_version"][batch["sample_mask"] > 0]
     metrics.update({f"loss/{k}": float(v) for k, v in train_metrics.items()})
     metrics["max_sample_age_steps"] = float(ages.max()) if len(ages) else 0.0
     metrics["skipped_update"] = 0.0
