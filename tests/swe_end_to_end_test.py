@@ -29,7 +29,7 @@ from dockyard_rl.data import synthesize_swe_tasks, testing_sdists
 from dockyard_rl.data.datasets import load_jsonl
 from dockyard_rl.data.function_rewrite import diff_to_function_rewrite
 from dockyard_rl.data.patch_formats import (InvalidReason, PatchFormat, diff_to_search_replace,
-                                            git_file_reader, parse_model_output)
+                                            git_file_reader, gold_answer, parse_model_output)
 from dockyard_rl.data.processors import PromptConfig, SwePromptProcessor
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.environments.config import SweEnvironmentConfig
@@ -72,15 +72,6 @@ def removed_lines(patch: str) -> list[str]:
     """The base_commit lines the patch removes: code the prompt must show."""
     return [line.value for patched in unidiff.PatchSet(patch) for hunk in patched
             for line in hunk if line.is_removed]
-
-
-def gold_output(patch, patch_format, read_file):
-    """The gold patch as a model would write it in `patch_format`."""
-    if patch_format is PatchFormat.DIFF:
-        return f"```diff\n{patch}```\n"
-    if patch_format is PatchFormat.SEARCH_REPLACE:
-        return diff_to_search_replace(patch, read_file)
-    return diff_to_function_rewrite(patch, read_file)
 
 
 def make_rollout(instance, tokenizer, output, patch_format, read_file, files_shown=()):
@@ -233,7 +224,7 @@ def test_synthesized_tasks_score_1_with_gold_patches_in_every_format(tmp_path, t
                     assert instance.problem_statement.strip() in user
                     for line in removed_lines(instance.patch):
                         assert line in user  # the prompt shows the code the fix changes
-                    output = gold_output(instance.patch, patch_format, read_file)
+                    output = gold_answer(instance.patch, patch_format, read_file)
                     parsed, rollout = make_rollout(instance, tokenizer, output, patch_format,
                                                    read_file, prompt.files_shown)
                     assert parsed.valid, (instance.instance_id, patch_format, parsed.detail)

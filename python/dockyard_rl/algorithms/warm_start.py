@@ -42,9 +42,7 @@ import torch
 
 from dockyard_rl.algorithms.loss_functions import count_valid
 from dockyard_rl.data import datasets
-from dockyard_rl.data.function_rewrite import diff_to_function_rewrite
-from dockyard_rl.data.patch_formats import (PatchFormat, diff_to_search_replace,
-                                            git_file_reader)
+from dockyard_rl.data.patch_formats import git_file_reader, gold_answer
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.data.task_synthesis import TaskSynthesisConfig
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
@@ -83,16 +81,6 @@ class WarmStartConfig:
                     f"must be an integer >= {minimum}, got {value!r}")
 
 
-def gold_answer(instance: SweInstance, patch_format: PatchFormat, read_file) -> str:
-    """The instance's gold patch as a model would write it in `patch_format`. Raises ValueError
-    when the format cannot express it."""
-    if patch_format is PatchFormat.DIFF:
-        return f"```diff\n{instance.patch}```\n"
-    if patch_format is PatchFormat.SEARCH_REPLACE:
-        return diff_to_search_replace(instance.patch, read_file)
-    return diff_to_function_rewrite(instance.patch, read_file)
-
-
 @dataclasses.dataclass(frozen=True)
 class WarmStartExample:
     instance_id: str
@@ -113,7 +101,7 @@ def warm_start_examples(instances: Sequence[SweInstance], processor, tokenizer
         read_file = git_file_reader(instance.repo, instance.base_commit)
         prompt = processor(instance, read_file)
         try:
-            answer = gold_answer(instance, prompt.patch_format, read_file)
+            answer = gold_answer(instance.patch, prompt.patch_format, read_file)
         except ValueError as error:
             logger.info("warm start: %s skipped: %s", instance.instance_id, error)
             skipped += 1
@@ -195,4 +183,4 @@ def run_warm_start(policy, examples: Sequence[WarmStartExample], config: WarmSta
 
 
 __all__ = ["SupervisedLossFn", "WarmStartConfig", "WarmStartExample", "examples_batch",
-           "gold_answer", "run_warm_start", "warm_start_examples"]
+           "run_warm_start", "warm_start_examples"]

@@ -1,4 +1,4 @@
-"""Turning a model's output into a unified diff: the two output formats and their failures.
+"""Turning a model's output into a unified diff: the output formats and their failures.
 
 Formats (`PatchFormat`):
 - DIFF: a unified diff, in ```diff / ```patch fences (several fences are concatenated) or as raw
@@ -28,6 +28,9 @@ first `</think>`) is stripped first and returned as `thinking`.
 
 Failures are returned, never raised: `ParsedPatch.invalid_reason` is an `InvalidReason` (for the
 invalid-action penalty) and `detail` says what was wrong, naming the block when there is one.
+
+The reverse, `gold_answer(patch, format, read_file)`, writes a diff as a model would answer in a
+format (gold answers for tests and the supervised warm start).
 
 Not covered: binary patches, renames and mode changes in SEARCH/REPLACE (diffs may carry them
 through), fuzzy SEARCH matching (whitespace must match exactly), a SEARCH on a last line that has
@@ -350,6 +353,20 @@ def parse_model_output(output: str, patch_format: PatchFormat | str,
 
         return function_rewrite_to_diff(output, read_file, files)
     return search_replace_to_diff(output, read_file)
+
+
+def gold_answer(patch: str, patch_format: PatchFormat | str, read_file: ReadFile) -> str:
+    """A unified diff written as a model would answer in `patch_format` (a ```diff block,
+    SEARCH/REPLACE blocks, or the rewritten functions): gold answers for tests, few-shot examples
+    and supervised warm starts. Raises ValueError when the format cannot express the diff."""
+    patch_format = PatchFormat(patch_format)
+    if patch_format is PatchFormat.DIFF:
+        return f"```diff\n{patch}```\n"
+    if patch_format is PatchFormat.SEARCH_REPLACE:
+        return diff_to_search_replace(patch, read_file)
+    from dockyard_rl.data.function_rewrite import diff_to_function_rewrite
+
+    return diff_to_function_rewrite(patch, read_file)
 
 
 def diff_to_search_replace(patch: str, read_file: ReadFile) -> str:

@@ -27,6 +27,18 @@ def test_defaults_and_nested_values():
     assert from_dict(Outer, None, "section") == Outer()
 
 
+@dataclasses.dataclass(frozen=True)
+class WithOptional:
+    inner: Inner | None = None
+
+
+def test_an_optional_nested_section_is_built_or_stays_none():
+    assert from_dict(WithOptional, {"inner": {"epsilon": 0.5}}, "s").inner == Inner(epsilon=0.5)
+    assert from_dict(WithOptional, {"inner": None}, "s").inner is None
+    with pytest.raises(ValueError, match=r"^s\.inner\.epsilon: must be >= 0"):
+        from_dict(WithOptional, {"inner": {"epsilon": -1}}, "s")
+
+
 def test_unknown_key_lists_valid_keys():
     with pytest.raises(ValueError, match=r"section\.inner: unknown key\(s\) 'epsilom'; valid keys: epsilon"):
         from_dict(Outer, {"inner": {"epsilom": 1}}, "section")
