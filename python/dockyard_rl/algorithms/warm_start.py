@@ -46,13 +46,9 @@ from dockyard_rl.data.patch_formats import git_file_reader, gold_answer
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.data.task_synthesis import TaskSynthesisConfig
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
-from dockyard_rl.utils.config import require
+from dockyard_rl.utils.config import is_int, require
 
 logger = logging.getLogger(__name__)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +73,7 @@ class WarmStartConfig:
                 f"{', '.join(datasets.dataset_names())}")
         for key, minimum in (("num_epochs", 1), ("batch_size", 1), ("seed", 0)):
             value = getattr(self, key)
-            require(_is_int(value) and value >= minimum, key,
+            require(is_int(value) and value >= minimum, key,
                     f"must be an integer >= {minimum}, got {value!r}")
 
 

@@ -62,7 +62,7 @@ from dockyard_rl.sandbox import pipeline
 from dockyard_rl.sandbox.client import (ExecutorClient, ExecutorRequestError,
                                         ExecutorUnavailableError)
 from dockyard_rl.sandbox.task import ApplyMethod, TaskSpec, TaskStatus, TestOutcome, Verdict
-from dockyard_rl.utils.config import require
+from dockyard_rl.utils.config import is_int, require
 
 logger = logging.getLogger(__name__)
 
@@ -135,9 +135,8 @@ class TaskSynthesisConfig:
                 f"must be a non-empty list of PyPI requirements (e.g. xmltodict==1.0.4) or sdist "
                 f"paths, got {self.packages!r}")
         object.__setattr__(self, "packages", tuple(packages))
-        require(self.num_workers is None
-                or (isinstance(self.num_workers, int) and not isinstance(self.num_workers, bool)
-                    and self.num_workers >= 1), "num_workers", f"must be an integer >= 1 or null, got {self.num_workers!r}")
+        require(self.num_workers is None or (is_int(self.num_workers) and self.num_workers >= 1),
+                "num_workers", f"must be an integer >= 1 or null, got {self.num_workers!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,6 +59,11 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, key_path: str) -> T:
             from None
 
 
+def is_int(value: Any) -> bool:
+    """An integer, not a bool (YAML's `true` is an int to Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def optional_dataclass(hint: Any) -> type | None:
     """The dataclass in the type hint `X` or `X | None`, else None."""
     if dataclasses.is_dataclass(hint):
