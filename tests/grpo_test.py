@@ -35,7 +35,7 @@ from dockyard_rl.algorithms.grpo_config import load_config
 from dockyard_rl.data.config import load_train_validation
 from dockyard_rl.sandbox import testing_repos
 from dockyard_rl.utils.checkpoint import PromptSampler
-from dockyard_rl.utils.logger import read_jsonl
+from dockyard_rl.utils.logger import APPLY_RATE_KEY, RESOLVE_RATE_KEY, REWARD_KEY, read_jsonl
 
 PROBLEM = "calc.ops.mul(3, 4) returns 7 instead of 12: it adds its arguments."
 
@@ -102,6 +102,10 @@ def _recipe(tmp: pathlib.Path, tasks, warm_start: dict | None = None,
 def _check_run(run_dir: pathlib.Path, num_steps: int) -> list[dict]:
     rows = read_jsonl(run_dir / "metrics.jsonl")
     train = [r for r in rows if "train/reward_mean" in r]
+    # The names the console and the PNG read (the logger's contract with the loop).
+    for key in (REWARD_KEY, RESOLVE_RATE_KEY, APPLY_RATE_KEY):
+        assert all(f"train/{key}" in r for r in train), key
+        assert any(f"val/{key}" in r for r in rows), key
     assert [r["step"] for r in train] == list(range(1, num_steps + 1))
     assert all(not r.get("nonfinite") for r in rows), rows
     assert any("val/resolve_rate" in r for r in rows), "validation never ran"

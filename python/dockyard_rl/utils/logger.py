@@ -6,7 +6,7 @@
     for step in range(checkpoint_step + 1, ...):
         with logger.timer("generate"): ...
         with logger.timer("score"): ...
-        logger.log_metrics(step, {"reward": 0.4, "resolve_rate": 0.25, "loss": 0.1})
+        logger.log_metrics(step, {"reward_mean": 0.4, "resolve_rate": 0.25, "loss": 0.1})
         if step % val_period == 0:
             logger.log_metrics(step, {"resolve_rate": 0.3}, prefix="val")
     logger.finish()                               # closes the backends, writes metrics.png
@@ -15,9 +15,9 @@ Where things go (`run_dir` = `<logger.log_dir>/<run_name>`; run names must be st
 resume, so never put a timestamp in them):
 - `run_dir/metrics.jsonl`: the source of truth. One strict-JSON object per `log_metrics` call
   (so one line per step for the train metrics and one per validation), flat keys
-  `{"step": 3, "time": <unix s>, "train/reward": 0.4, "timing/generate_s": 12.1, ...}`. Each line
-  is written whole, flushed and fsynced, so a crash loses at most the line being written; a torn
-  last line is skipped when read and dropped on the next start. NaN/inf values are written as
+  `{"step": 3, "time": <unix s>, "train/reward_mean": 0.4, "timing/generate_s": 12.1, ...}`.
+  Each line is written whole, flushed and fsynced, so a crash loses at most the line being
+  written; a torn last line is skipped when read and dropped on the next start. NaN/inf values are written as
   null and listed under `"nonfinite": {"train/loss": "nan"}`: the run goes on, the value is
   flagged (here, in a warning and on the console) instead of silently becoming a number.
 - `run_dir/config.json`: the hyperparameters given to `log_hyperparams`.
@@ -71,7 +71,7 @@ _log = logging.getLogger(__name__)
 
 # Stages of a GRPO step, always present in the breakdown (0.0 when a step had none of it).
 STAGES = ("generate", "score", "logprobs", "train", "weight_sync", "buffer_wait")
-REWARD_KEY = "reward"              # mean training / validation reward of the step
+REWARD_KEY = "reward_mean"         # mean training / validation reward of the step
 RESOLVE_RATE_KEY = "resolve_rate"  # fraction of samples whose patch made the tests pass
 APPLY_RATE_KEY = "apply_rate"      # fraction of samples whose patch applied
 

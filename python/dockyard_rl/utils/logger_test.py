@@ -18,7 +18,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from dockyard_rl.utils import logger as logger_lib
 from dockyard_rl.utils.config import from_dict
-from dockyard_rl.utils.logger import STAGES, Logger, LoggerConfig, StepTimer, read_jsonl
+from dockyard_rl.utils.logger import (REWARD_KEY, STAGES, Logger, LoggerConfig, StepTimer,
+                                      read_jsonl)
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 requires_matplotlib = pytest.mark.skipif(
@@ -315,7 +316,7 @@ def test_tensorboard_scalars_and_config_text(tmp_path):
 def test_log_every_thins_backends_but_not_jsonl(tmp_path, capsys):
     logger = Logger(make_config(tmp_path, plot=False, console=True, log_every=2), "run")
     for step in range(1, 6):
-        logger.log_metrics(step, {"reward": float(step)})
+        logger.log_metrics(step, {"reward": float(step), REWARD_KEY: float(step)})
     logger.log_metrics(5, {"resolve_rate": 0.5}, prefix="val")  # validation always goes through
     logger.finish()
     assert [row["step"] for row in train_rows(logger.metrics_path)] == [1, 2, 3, 4, 5]
@@ -334,7 +335,7 @@ def test_console_line_shows_reward_resolve_rate_and_stage_times(tmp_path, capsys
         clock.now += 12.34
     with logger.timer("weight_sync"):
         clock.now += 0.5
-    logger.log_metrics(1, {"reward": 0.4, "resolve_rate": 0.25})
+    logger.log_metrics(1, {REWARD_KEY: 0.4, "resolve_rate": 0.25})
     logger.finish()
     assert "step 1: reward=0.400 resolve=0.250 | gen 12.3s sync 0.5s" in capsys.readouterr().err
 
