@@ -35,7 +35,7 @@ import torch
 from dockyard_rl.algorithms.grpo_config import MasterConfig
 from dockyard_rl.algorithms.grpo_setup import (POLICY_DIR, TRAINER_STATE_DIR, GRPORun, setup,
                                                trainer_state)
-from dockyard_rl.algorithms.rollouts import Rollout, build_train_batch
+from dockyard_rl.algorithms.rollouts import Rollout, build_train_batch, pad_to_dp_multiple
 from dockyard_rl.algorithms.validation import validate
 from dockyard_rl.algorithms.warm_start import run_warm_start, warm_start_examples
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
@@ -89,9 +89,7 @@ def maybe_warm_start(run: GRPORun) -> None:
     if config is None or run.resumed is not None:
         return
     start = time.monotonic()
-    processor = run.runner.processor
-    examples, skipped = warm_start_examples(run.warm_start_instances, processor,
-                                            processor.tokenizer)
+    examples, skipped = warm_start_examples(run.warm_start_instances, run.runner.processor)
     logger.info("warm start: %d examples (%d tasks skipped: their gold patch cannot be written "
                 "in the %s format), %d epochs", len(examples), skipped,
                 run.config.data.prompt.patch_format, config.num_epochs)
@@ -133,7 +131,7 @@ def train_on_rollouts(run: GRPORun, rollouts: list[Rollout], step: int) -> dict[
     batch = BatchedDataDict.concat(batches, pad_values={
         "input_ids": run.pad_token_id, "token_mask": 0, "advantages": 0,
         "generation_logprobs": 0}) if len(batches) > 1 else batches[0]
-    batch = _pad_to_multiple(batch, run.config.policy.dp_size)
+    batch = pad_to_dp_multiple(batch, run.config.policy.dp_size)
     with run.logger.timer("logprobs"):
         batch["prev_logprobs"] = run.policy.get_logprobs(batch)
         if run.config.loss_fn.reference_kl_coef > 0 \
@@ -196,15 +194,3 @@ def _rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     keys = set().union(*per_rollout)
     return {key: sum(w * m.get(key, 0.0) for w, m in zip(weights, per_rollout)) / sum(weights)
             for key in sorted(keys)}
-
-
-def _pad_to_multiple(batch: BatchedDataDict, multiple: int) -> BatchedDataDict:
-    """Pads with masked copies of the last sample (sample_mask 0: no effect on the loss) so
-    every data-parallel rank gets the same number of samples."""
-    size = batch.batch_size
-    missing = -size % multiple
-    if not missing:
-        return batch
-    padding = batch.select_indices([size - 1] * missing)
-    padding["sample_mask"] = torch.zeros_like(padding["sample_mask"])
-    return BatchedDataDict.concat([batch, padding])

@@ -169,23 +169,44 @@ def build_train_batch(rollout: Rollout, advantage_cfg: AdvantageConfig,
     rewards_B = rollout.rewards_B[keep]
     sample_mask_B = rollout.sample_mask_B[keep]
     advantages_B = compute_advantages(rewards_B, n, advantage_cfg, sample_mask_B.bool())
-    lengths = [len(s.prompt_token_ids) + len(s.response_token_ids) for s in samples]
-    width = max(lengths)
-    input_ids_BS = torch.full((len(samples), width), pad_token_id, dtype=torch.int64)
-    token_mask_BS = torch.zeros(len(samples), width)
-    generation_logprobs_BS = torch.zeros(len(samples), width)
+    batch = pack_sequences([(s.prompt_token_ids, s.response_token_ids) for s in samples],
+                           pad_token_id)
+    token_mask_BS = batch["token_mask"]
+    generation_logprobs_BS = torch.zeros_like(token_mask_BS)
     for b, sample in enumerate(samples):
-        start, end = len(sample.prompt_token_ids), lengths[b]
-        input_ids_BS[b, :end] = torch.tensor(sample.prompt_token_ids + sample.response_token_ids)
-        token_mask_BS[b, start:end] = 1.0
-        generation_logprobs_BS[b, start:end] = torch.tensor(sample.response_logprobs)
-    batch = BatchedDataDict(
-        input_ids=input_ids_BS,
-        input_lengths=torch.tensor(lengths),
-        token_mask=token_mask_BS,
+        generation_logprobs_BS[b, token_mask_BS[b] > 0] = torch.tensor(sample.response_logprobs)
+    batch.update(
         sample_mask=sample_mask_B.float(),
         advantages=broadcast_to_tokens(advantages_B, token_mask_BS),
         generation_logprobs=generation_logprobs_BS,
         weight_version=torch.tensor([s.oldest_weight_version for s in samples]),
     )
     return batch, stats
+
+
+def pack_sequences(pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+                   pad_token_id: int) -> BatchedDataDict:
+    """(prompt ids, response ids) pairs as the policy's (B, S) layout: input_ids (prompt +
+    response, right-padded with `pad_token_id`), input_lengths (B,), token_mask (1 on the
+    response tokens)."""
+    lengths = [len(prompt) + len(response) for prompt, response in pairs]
+    input_ids_BS = torch.full((len(pairs), max(lengths)), pad_token_id, dtype=torch.int64)
+    token_mask_BS = torch.zeros(len(pairs), max(lengths))
+    for b, (prompt, response) in enumerate(pairs):
+        input_ids_BS[b, :lengths[b]] = torch.tensor(list(prompt) + list(response))
+        token_mask_BS[b, len(prompt):lengths[b]] = 1.0
+    return BatchedDataDict(input_ids=input_ids_BS, input_lengths=torch.tensor(lengths),
+                           token_mask=token_mask_BS)
+
+
+def pad_to_dp_multiple(batch: BatchedDataDict, multiple: int) -> BatchedDataDict:
+    """Pads with masked copies of the last sample (sample_mask 0: no effect on the loss) so
+    every data-parallel rank gets the same number of samples. Copies, not zero rows: a padding
+    row keeps a real length, which every policy backend accepts."""
+    size = batch.batch_size
+    missing = -size % multiple
+    if not missing:
+        return batch
+    padding = batch.select_indices([size - 1] * missing)
+    padding["sample_mask"] = torch.zeros_like(padding["sample_mask"])
+    return BatchedDataDict.concat([batch, padding])

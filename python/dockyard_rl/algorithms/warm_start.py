@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from dockyard_rl.algorithms.loss_functions import count_valid
+from dockyard_rl.algorithms.rollouts import pack_sequences, pad_to_dp_multiple
 from dockyard_rl.data import datasets
 from dockyard_rl.data.patch_formats import git_file_reader, gold_answer
 from dockyard_rl.data.schema import SweInstance
@@ -84,11 +84,12 @@ class WarmStartExample:
     answer_token_ids: tuple[int, ...]  # ends with the end-of-sequence token
 
 
-def warm_start_examples(instances: Sequence[SweInstance], processor, tokenizer
+def warm_start_examples(instances: Sequence[SweInstance], processor
                         ) -> tuple[list[WarmStartExample], int]:
-    """(examples, number of tasks skipped because the format cannot express their gold patch).
-    The caller checks that the instances share no repository with the GRPO data
-    (grpo_setup does, at start-up)."""
+    """(examples, number of tasks skipped because the format cannot express their gold patch),
+    prompted by the loop's `processor` and tokenized with its tokenizer. The caller checks that
+    the instances share no repository with the GRPO data (grpo_setup does, at start-up)."""
+    tokenizer = processor.tokenizer
     if tokenizer.eos_token_id is None:
         raise ValueError("warm_start: the tokenizer has no end-of-sequence token to end the "
                          "answers with")
@@ -110,16 +111,11 @@ def warm_start_examples(instances: Sequence[SweInstance], processor, tokenizer
 
 def examples_batch(examples: Sequence[WarmStartExample], pad_token_id: int) -> BatchedDataDict:
     """The (B, S) batch the policy trains on: prompt + answer, right-padded; token_mask is 1 on
-    the answer tokens (the same layout as a GRPO batch, rollouts.build_train_batch)."""
-    lengths = [len(e.prompt_token_ids) + len(e.answer_token_ids) for e in examples]
-    input_ids_BS = torch.full((len(examples), max(lengths)), pad_token_id, dtype=torch.int64)
-    token_mask_BS = torch.zeros(len(examples), max(lengths))
-    for b, example in enumerate(examples):
-        input_ids_BS[b, :lengths[b]] = torch.tensor(example.prompt_token_ids
-                                                    + example.answer_token_ids)
-        token_mask_BS[b, len(example.prompt_token_ids):lengths[b]] = 1.0
-    return BatchedDataDict(input_ids=input_ids_BS, input_lengths=torch.tensor(lengths),
-                           token_mask=token_mask_BS, sample_mask=torch.ones(len(examples)))
+    the answer tokens (the layout of a GRPO batch, rollouts.pack_sequences)."""
+    batch = pack_sequences([(e.prompt_token_ids, e.answer_token_ids) for e in examples],
+                           pad_token_id)
+    batch["sample_mask"] = torch.ones(len(examples))
+    return batch
 
 
 class SupervisedLossFn:
@@ -148,8 +144,8 @@ class SupervisedLossFn:
 def run_warm_start(policy, examples: Sequence[WarmStartExample], config: WarmStartConfig,
                    pad_token_id: int, *, dp_size: int = 1) -> list[dict[str, float]]:
     """Trains `policy` on the examples (module docstring); returns one metrics dict per epoch
-    (`nll_per_token` over the epoch, `steps`, the last step's grad_norm and learning_rate).
-    A batch is padded to a multiple of `dp_size` with masked copies."""
+    (`nll_per_token` over the epoch, `steps`). A batch is padded to a multiple of `dp_size`
+    with masked copies (rollouts.pad_to_dp_multiple)."""
     if not examples:
         raise ValueError("warm_start.train_path: no task's gold patch can be written in the "
                          "run's output format (data.prompt.patch_format); nothing to train on")
@@ -159,20 +155,16 @@ def run_warm_start(policy, examples: Sequence[WarmStartExample], config: WarmSta
     history = []
     for epoch in range(config.num_epochs):
         rng.shuffle(order)
-        nll_sum, num_tokens, steps, metrics = 0.0, 0, 0, {}
+        nll_sum, num_tokens, steps = 0.0, 0.0, 0
         for start in range(0, len(order), config.batch_size):
-            chunk = order[start:start + config.batch_size]
-            chunk += [chunk[-1]] * (-len(chunk) % dp_size)
-            batch = examples_batch(chunk, pad_token_id)
-            batch["sample_mask"][len(order[start:start + config.batch_size]):] = 0.0
-            tokens, _ = count_valid(batch)
+            batch = pad_to_dp_multiple(
+                examples_batch(order[start:start + config.batch_size], pad_token_id), dp_size)
             metrics = policy.train(batch, loss_fn)
-            nll_sum += metrics["loss"] * tokens
-            num_tokens += tokens
+            # The loss is the batch's mean NLL per token; the token count makes it a sum again.
+            nll_sum += metrics["loss"] * metrics["num_valid_tokens"]
+            num_tokens += metrics["num_valid_tokens"]
             steps += 1
-        history.append({"nll_per_token": nll_sum / max(num_tokens, 1), "steps": float(steps),
-                        "grad_norm": float(metrics.get("grad_norm", 0.0)),
-                        "learning_rate": float(metrics.get("learning_rate", 0.0))})
+        history.append({"nll_per_token": nll_sum / max(num_tokens, 1), "steps": float(steps)})
         logger.info("warm start epoch %d/%d: nll per token %.3f over %d steps", epoch + 1,
                     config.num_epochs, history[-1]["nll_per_token"], steps)
     return history

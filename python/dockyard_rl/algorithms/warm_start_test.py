@@ -42,7 +42,7 @@ def instances(tmp_path_factory):
 def test_examples_are_the_loop_prompt_then_the_gold_answer_in_the_format(
         tokenizer, instances, patch_format):
     processor = SwePromptProcessor(tokenizer, PromptConfig(patch_format=patch_format.value))
-    examples, skipped = warm_start_examples(instances, processor, tokenizer)
+    examples, skipped = warm_start_examples(instances, processor)
     assert skipped == (1 if patch_format is PatchFormat.FUNCTION else 0)
     example = examples[0]
     read_file = git_file_reader(instances[0].repo, instances[0].base_commit)
@@ -58,7 +58,7 @@ def test_examples_are_the_loop_prompt_then_the_gold_answer_in_the_format(
 
 def test_the_batch_masks_everything_but_the_answers(tokenizer, instances):
     processor = SwePromptProcessor(tokenizer, PromptConfig(patch_format="diff"))
-    examples, _ = warm_start_examples(instances, processor, tokenizer)
+    examples, _ = warm_start_examples(instances, processor)
     batch = examples_batch(examples, pad_token_id=0)
     for b, example in enumerate(examples):
         prompt_len, answer_len = len(example.prompt_token_ids), len(example.answer_token_ids)
@@ -105,7 +105,7 @@ class _RecordingPolicy:
 def test_run_warm_start_goes_over_every_example_each_epoch_in_dp_sized_batches(
         tokenizer, instances):
     processor = SwePromptProcessor(tokenizer, PromptConfig(patch_format="diff"))
-    examples, _ = warm_start_examples(instances, processor, tokenizer)
+    examples, _ = warm_start_examples(instances, processor)
     examples = examples + [dataclasses.replace(examples[0], instance_id="third")]
     config = from_dict(WarmStartConfig, {"train_path": "unused.jsonl", "num_epochs": 2,
                                          "batch_size": 2}, "warm_start")
