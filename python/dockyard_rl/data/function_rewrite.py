@@ -216,7 +216,8 @@ def diff_to_function_rewrite(patch: str, read_file: ReadFile) -> str:
     answers in this format for tests, few-shot examples and supervised warm starts.
 
     Raises ValueError when the diff cannot be said this way: a change outside any function, a
-    new or missing file, or a function whose name the format cannot place (the answer is parsed
+    new or missing file, a patched file libcst cannot parse, or a function whose name the format
+    cannot place (the answer is parsed
     back with function_rewrite_to_diff and must give the same diff)."""
     blocks = []
     paths = []
@@ -226,7 +227,11 @@ def diff_to_function_rewrite(patch: str, read_file: ReadFile) -> str:
         if old is None or patched.is_added_file or patched.is_removed_file:
             raise ValueError(f"{patched.path}: the function format only edits existing files")
         new, touched = _apply(patched, old)
-        wrapper = cst.metadata.MetadataWrapper(cst.parse_module(new))
+        try:
+            wrapper = cst.metadata.MetadataWrapper(cst.parse_module(new))
+        except cst.ParserSyntaxError as error:
+            raise ValueError(f"{patched.path}: libcst cannot parse the patched file: "
+                             f"{str(error).splitlines()[0]}") from None
         functions = _OutermostFunctions()
         wrapper.visit(functions)
         changed = []

@@ -137,6 +137,7 @@ def test_a_diff_as_functions_round_trips():
 @pytest.mark.parametrize("new, message", [
     (SHAPES.replace("import math\n", "import math\nimport os\n"), "outside any function"),
     (SHAPES.replace("self.side = side", "self.side = abs(side)"), "defined 2 times"),
+    (SHAPES.replace("return max(value, 0)", "return max(value, 0"), "cannot parse"),
 ])
 def test_a_diff_the_format_cannot_say_is_a_clear_error(new, message):
     with pytest.raises(ValueError, match=message):
