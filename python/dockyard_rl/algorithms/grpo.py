@@ -16,7 +16,7 @@ One synchronous step (`grpo_train`), each line below one call:
 A fresh run with a `warm_start` section first trains on gold answers to other tasks
 (warm_start.py) and checkpoints that as step 0.
 
-`async_grpo_train` runs 1-4 continuously in a trajectory collector (async_utils/collector.py)
+`async_grpo_train` runs 1-4 continuously in a trajectory collector actor (async_utils/collector.py)
 that pushes scored groups into the age-bounded replay buffer; the trainer samples groups no older
 than `async_grpo.max_trajectory_age_steps` and does 5-8 (module docstring there).
 

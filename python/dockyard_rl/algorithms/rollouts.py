@@ -101,6 +101,13 @@ class RolloutRunner:
         self.thinking_required = thinking_required
         self._prompts: dict[str, Any] = {}  # instance id -> Prompt (built once per instance)
 
+    def with_generation(self, generation) -> RolloutRunner:
+        """A runner like this one that samples from `generation` instead (async GRPO's collector
+        actor gets one over an engine client: `GenerationInterface.client()`)."""
+        return RolloutRunner(generation, self.environment, self.processor,
+                             max_response_tokens=self.max_response_tokens,
+                             thinking_required=self.thinking_required)
+
     def prompt(self, instance: SweInstance):
         if instance.instance_id not in self._prompts:
             read_file = git_file_reader(instance.repo, instance.base_commit)

@@ -271,7 +271,8 @@ def nccl_env_vars(role: str, cluster_config: ClusterConfig) -> dict[str, str]:
 def fleet_runtime_env(role: str, cluster_config: ClusterConfig,
                       env_vars: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The runtime_env of fleet `role`'s actors (module docstring); `env_vars` are added (they
-    may not set NCCL variables: those belong in the config)."""
+    may not set NCCL variables: those belong in the config). Role "driver" is for the driver's
+    own helper actors (async GRPO's trajectory collector): no fleet, so no NCCL settings."""
     env_vars = dict(env_vars or {})
     nccl = sorted(k for k in env_vars if k.startswith(("NCCL_", "TORCH_NCCL_")))
     if nccl:
@@ -282,7 +283,7 @@ def fleet_runtime_env(role: str, cluster_config: ClusterConfig,
     return {"env_vars": {
         "PYTHONPATH": os.pathsep.join(dict.fromkeys(python_path)),
         ROLE_ENV: role,
-        **nccl_env_vars(role, cluster_config),
+        **(nccl_env_vars(role, cluster_config) if role in FLEET_ROLES else {}),
         **env_vars,
     }}
 

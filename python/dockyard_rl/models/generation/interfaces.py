@@ -102,6 +102,12 @@ class GenerationInterface(abc.ABC):
         """
 
     @abc.abstractmethod
+    def client(self) -> Any:
+        """A picklable object with this `generate` (same contract, same engines) for another
+        process to sample from: async GRPO's trajectory collector actor. It cannot pause, wake
+        or update the engines; those stay with this object. RuntimeError after `shutdown`."""
+
+    @abc.abstractmethod
     async def prepare_for_generation(self) -> None:
         """Makes the engines ready to generate (resumes them after `finish_generation` or a
         pause). Idempotent: a no-op when already ready. Called by the driver (or the weight

@@ -170,7 +170,7 @@ def test_prompts_are_balanced_over_both_engines_and_each_sample_comes_back_once(
     # ... and, from idle engines, prompt p on engine p % 2: 3 prompts (9 samples) on each.
     assert {p: e for p, (e,) in engines_by_prompt.items()} == {
         p: p % NUM_ENGINES for p in range(len(PROMPTS))}
-    assert engine._num_in_flight == [0] * NUM_ENGINES  # every completion was accounted for
+    assert engine._client._num_in_flight == [0] * NUM_ENGINES  # every completion was accounted for
 
 
 def test_odd_prompt_count_splits_within_one_prompt(loop, engine):

@@ -603,6 +603,101 @@ class VllmEngineActor:
 # The driver-side controller
 
 
+class EngineClient:
+    """The sampling half of `VllmGeneration`: requests to its engine actors, validated and
+    balanced (module docstring: Data parallelism). Picklable (actor handles and the config), so
+    a process other than the driver can generate from the same engines: async GRPO's trajectory
+    collector (a Ray actor) gets one from `VllmGeneration.client()`. Each client balances with
+    its own in-flight counts; the samples carry the engines' weight versions either way. Weight
+    updates and pausing stay with `VllmGeneration` (the driver)."""
+
+    def __init__(self, actors: Sequence[Any], config: GenerationConfig, vocab_size: int):
+        self.actors = list(actors)
+        self.config = config
+        self.vocab_size = vocab_size
+        self.closed = False  # set by VllmGeneration.shutdown: the engines are gone
+        self._num_in_flight = [0] * len(self.actors)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy starts with nothing in flight of its own.
+        return {**self.__dict__, "_num_in_flight": [0] * len(self.actors)}
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], num_samples_per_prompt: int, *,
+                 sampling_overrides: Mapping[str, Any] | None = None
+                 ) -> AsyncIterator[GenerationSample]:
+        """`GenerationInterface.generate`, validated eagerly (a plain function returning the
+        async generator), so a bad call raises here, before any request exists."""
+        if self.closed:
+            raise RuntimeError("the engines were shut down")
+        config = self.config.with_sampling_overrides(
+            dict(sampling_overrides) if sampling_overrides else None)
+        prompts = self._check_prompts(prompt_token_ids, config)
+        if isinstance(num_samples_per_prompt, bool) or not isinstance(num_samples_per_prompt, int) \
+                or num_samples_per_prompt < 1:
+            raise ValueError(f"num_samples_per_prompt must be an int >= 1, got "
+                             f"{num_samples_per_prompt!r}")
+        sampling = {key: getattr(config, key)
+                    for key in ("temperature", "top_p", "top_k", "max_tokens", "stop", "seed")}
+        return self._generate(prompts, num_samples_per_prompt, sampling)
+
+    def _check_prompts(self, prompt_token_ids, config: GenerationConfig) -> list[list[int]]:
+        if isinstance(prompt_token_ids, (str, bytes)) \
+                or not isinstance(prompt_token_ids, Sequence) or len(prompt_token_ids) == 0:
+            raise ValueError("prompt_token_ids must be a non-empty list of prompts, each a list of "
+                             "token ids (tokenize with the chat template first)")
+        max_prompt_len = config.max_model_len - config.max_tokens
+        prompts = []
+        for i, prompt in enumerate(prompt_token_ids):
+            if isinstance(prompt, torch.Tensor):
+                prompt = prompt.tolist()
+            if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence) or not prompt:
+                raise ValueError(f"prompt_token_ids[{i}] must be a non-empty list of token ids, "
+                                 f"got {type(prompt).__name__}")
+            ids = list(prompt)
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+                   or not 0 <= t < self.vocab_size]
+            if bad:
+                bad = bad[0]
+                raise ValueError(f"prompt_token_ids[{i}]: {bad!r} is not a token id in "
+                                 f"[0, {self.vocab_size})")
+            if len(ids) > max_prompt_len:
+                raise ValueError(
+                    f"prompt_token_ids[{i}] has {len(ids)} tokens, more than max_model_len - "
+                    f"max_tokens = {max_prompt_len}; shorten the prompt or raise "
+                    "generation.max_model_len")
+            prompts.append(ids)
+        return prompts
+
+    async def _generate(self, prompts: list[list[int]], num_samples: int,
+                        sampling: dict[str, Any]) -> AsyncIterator[GenerationSample]:
+        pending: dict[asyncio.Future, tuple[int, ray.ObjectRef]] = {}
+        try:
+            for prompt_index, prompt in enumerate(prompts):
+                # Least-loaded engine for the whole prompt (its samples share the prefix).
+                engine = min(range(len(self.actors)), key=self._num_in_flight.__getitem__)
+                self._num_in_flight[engine] += num_samples
+                for sample_index in range(num_samples):
+                    request_id = f"p{prompt_index}-s{sample_index}-{uuid.uuid4().hex}"
+                    ref = self.actors[engine].generate_sample.remote(
+                        prompt, sampling, request_id, prompt_index, sample_index)
+                    pending[asyncio.ensure_future(_await_ref(ref))] = (engine, ref)
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    engine, _ = pending.pop(future)
+                    self._num_in_flight[engine] -= 1
+                    yield future.result()
+        finally:
+            # Left early (break, aclose, an error, cancellation): cancel what still runs. Ray
+            # cancels the actor's coroutine, and vLLM aborts a request whose generate() is
+            # cancelled, freeing its KV cache.
+            for future, (engine, ref) in pending.items():
+                future.cancel()
+                self._num_in_flight[engine] -= 1
+                if not self.closed:
+                    ray.cancel(ref)
+
+
 class VllmGeneration(GenerationInterface):
     """`num_engines` vLLM engines behind one `GenerationInterface` (see the module docstring).
 
@@ -647,6 +742,7 @@ class VllmGeneration(GenerationInterface):
         self._engine_env = {**engine_env, **_ENGINE_ENV}
         self._cluster_config = cluster_config or ClusterConfig()
         self._workers: WorkerGroup | None = None
+        self._client: EngineClient | None = None
         self._config = config
         try:
             self._model_dir = zoo.resolve_model(config.model)
@@ -658,7 +754,6 @@ class VllmGeneration(GenerationInterface):
         self._expected_refit_info: dict[str, tuple[tuple[int, ...], str]] = dict(
             self._checkpoint_info)
         self._version = initial_weight_version
-        self._num_in_flight = [0] * config.num_engines
         self._ready = True
         self._closed = False
         self._update_lock = asyncio.Lock()
@@ -700,6 +795,7 @@ class VllmGeneration(GenerationInterface):
         try:
             self._workers = self._start_group(engine_kwargs, num_gpus)
             self._actors = self._workers.actors
+            self._client = EngineClient(self._actors, config, self._vocab_size)
             infos = self._workers.call_all("start", timeout_s=engine_start_timeout_s)
         except WorkerError as error:
             self.shutdown()
@@ -766,73 +862,14 @@ class VllmGeneration(GenerationInterface):
         if not self._ready:
             raise RuntimeError("generate() after finish_generation(): call "
                                "prepare_for_generation() first")
-        config = self._config.with_sampling_overrides(
-            dict(sampling_overrides) if sampling_overrides else None)
-        prompts = self._check_prompts(prompt_token_ids, config)
-        if isinstance(num_samples_per_prompt, bool) or not isinstance(num_samples_per_prompt, int) \
-                or num_samples_per_prompt < 1:
-            raise ValueError(f"num_samples_per_prompt must be an int >= 1, got "
-                             f"{num_samples_per_prompt!r}")
-        sampling = {key: getattr(config, key)
-                    for key in ("temperature", "top_p", "top_k", "max_tokens", "stop", "seed")}
-        return self._generate(prompts, num_samples_per_prompt, sampling)
+        return self._client.generate(prompt_token_ids, num_samples_per_prompt,
+                                     sampling_overrides=sampling_overrides)
 
-    def _check_prompts(self, prompt_token_ids, config: GenerationConfig) -> list[list[int]]:
-        if isinstance(prompt_token_ids, (str, bytes)) \
-                or not isinstance(prompt_token_ids, Sequence) or len(prompt_token_ids) == 0:
-            raise ValueError("prompt_token_ids must be a non-empty list of prompts, each a list of "
-                             "token ids (tokenize with the chat template first)")
-        max_prompt_len = config.max_model_len - config.max_tokens
-        prompts = []
-        for i, prompt in enumerate(prompt_token_ids):
-            if isinstance(prompt, torch.Tensor):
-                prompt = prompt.tolist()
-            if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence) or not prompt:
-                raise ValueError(f"prompt_token_ids[{i}] must be a non-empty list of token ids, "
-                                 f"got {type(prompt).__name__}")
-            ids = list(prompt)
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
-                   or not 0 <= t < self._vocab_size]
-            if bad:
-                bad = bad[0]
-                raise ValueError(f"prompt_token_ids[{i}]: {bad!r} is not a token id in "
-                                 f"[0, {self._vocab_size})")
-            if len(ids) > max_prompt_len:
-                raise ValueError(
-                    f"prompt_token_ids[{i}] has {len(ids)} tokens, more than max_model_len - "
-                    f"max_tokens = {max_prompt_len}; shorten the prompt or raise "
-                    "generation.max_model_len")
-            prompts.append(ids)
-        return prompts
-
-    async def _generate(self, prompts: list[list[int]], num_samples: int,
-                        sampling: dict[str, Any]) -> AsyncIterator[GenerationSample]:
-        pending: dict[asyncio.Future, tuple[int, ray.ObjectRef]] = {}
-        try:
-            for prompt_index, prompt in enumerate(prompts):
-                # Least-loaded engine for the whole prompt (its samples share the prefix).
-                engine = min(range(len(self._actors)), key=self._num_in_flight.__getitem__)
-                self._num_in_flight[engine] += num_samples
-                for sample_index in range(num_samples):
-                    request_id = f"p{prompt_index}-s{sample_index}-{uuid.uuid4().hex}"
-                    ref = self._actors[engine].generate_sample.remote(
-                        prompt, sampling, request_id, prompt_index, sample_index)
-                    pending[asyncio.ensure_future(_await_ref(ref))] = (engine, ref)
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for future in done:
-                    engine, _ = pending.pop(future)
-                    self._num_in_flight[engine] -= 1
-                    yield future.result()
-        finally:
-            # Left early (break, aclose, an error, cancellation): cancel what still runs. Ray
-            # cancels the actor's coroutine, and vLLM aborts a request whose generate() is
-            # cancelled, freeing its KV cache.
-            for future, (engine, ref) in pending.items():
-                future.cancel()
-                self._num_in_flight[engine] -= 1
-                if not self._closed:
-                    ray.cancel(ref)
+    def client(self) -> EngineClient:
+        """A picklable client of these engines, for another process that generates for this
+        run (async GRPO's trajectory collector actor). See `EngineClient`."""
+        self._check_open()
+        return EngineClient(self._actors, self._config, self._vocab_size)
 
     async def prepare_for_generation(self) -> None:
         self._check_open()
@@ -1015,6 +1052,8 @@ class VllmGeneration(GenerationInterface):
             return
         self._closed = True
         self._actors = []
+        if self._client is not None:
+            self._client.closed = True
         if self._workers is not None:
             workers, self._workers = self._workers, None
             workers.shutdown(method="shutdown")

@@ -1,0 +1,219 @@
+"""Async GRPO's trajectory collector: a Ray actor that generates and scores groups nonstop.
+
+    collector = start_collector(runner, instances, ...)      # the actor, on the driver's node
+    ray.get(collector.start.remote())
+    records = ray.get(collector.sample.remote(num_groups, trainer_version, timeout_s))
+    ray.get(collector.pause_generation.remote()) ... resume_generation   # around a weight sync
+    state = ray.get(collector.snapshot.remote())                         # for a checkpoint
+
+One thread of the actor loops: the next `num_prompts` prompts (redone ones first) -> samples from
+the engines (through an `EngineClient`) -> verdicts from the sandbox -> one group per prompt,
+pushed into the actor's age-bounded replay buffer (replay_buffer.py). The trainer's calls run
+on the actor's other threads (a threaded actor), so `sample` waits for groups while the loop
+keeps generating.
+
+Why an actor and not a thread of the driver: generation and scoring are the slow, always-busy
+half of async GRPO; in their own process their Python work (tokenizing, parsing patches,
+assembling rewards) never competes with the trainer driver's GIL, and the driver only blocks on
+`sample`. The actor is pinned to the driver's node (the task repositories the prompts are read
+from are local files there) and takes no CPU from the fleets' placement (num_cpus 0: it mostly
+waits on the engines and the executor).
+
+A group is tagged with the OLDEST weight version that produced any of its samples (vLLM reports
+it per sample), so the buffer's bound holds for every sample. Groups the buffer drops as stale go
+round again: their prompts are redone first.
+
+Weight updates: with in-flight updates the trainer syncs the engines while the loop generates
+(a sample then spans versions and counts as its oldest). Without, the trainer brackets the sync
+with `pause_generation` (waits for the round being generated, starts no new one) and
+`resume_generation`, so weights never change under a request.
+
+`snapshot` returns, atomically, what a checkpoint needs to resume exactly: the prompt sampler's
+state, the prompts handed out but not yet buffered (generated again on resume), and the buffered
+groups with their versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from dockyard_rl.algorithms.async_utils.replay_buffer import (AsyncGRPOConfig, BufferClosedError,
+                                                              GroupRecord, ReplayBuffer)
+from dockyard_rl.algorithms.rollouts import Rollout, RolloutRunner
+from dockyard_rl.data.schema import SweInstance
+from dockyard_rl.utils.checkpoint import PromptSampler
+
+logger = logging.getLogger(__name__)
+
+# Task ids must not collide with validation's, which uses the step as its global step.
+_ROUND_OFFSET = 1_000_000
+
+
+def split_groups(rollout: Rollout) -> list[Rollout]:
+    """One Rollout per prompt (the buffer's unit: a whole group, never split)."""
+    from dockyard_rl.environments.interfaces import EnvironmentResult
+
+    n, groups = rollout.num_samples, []
+    for g, instance in enumerate(rollout.instances):
+        part = slice(g * n, (g + 1) * n)
+        result = EnvironmentResult(
+            rewards_B=rollout.rewards_B[part].clone(),
+            sample_mask_B=rollout.sample_mask_B[part].clone(),
+            metadata=rollout.result.metadata[part], metrics={})
+        groups.append(Rollout([instance], n, rollout.samples[part], result,
+                              generate_seconds=rollout.generate_seconds / len(rollout.instances),
+                              score_seconds=rollout.score_seconds / len(rollout.instances)))
+    return groups
+
+
+class TrajectoryCollector:
+    """The actor's class (module docstring); `start_collector` starts it.
+
+    Args:
+        runner: prompts -> scored rollouts, with an `EngineClient` as its generation.
+        instances: the training tasks; the sampler hands out indices into them.
+        sampler_state: the `PromptSampler` state to continue from (a checkpoint's).
+        num_prompts, num_samples: prompts per round, samples per prompt.
+        buffer_config: the replay buffer's (`async_grpo`).
+        redo: prompts to generate first (a checkpoint's in-flight ones).
+        buffered: a checkpoint's buffered groups, as `snapshot` returned them.
+    """
+
+    def __init__(self, runner: RolloutRunner, instances: Sequence[SweInstance],
+                 sampler_state: dict[str, Any], *, num_prompts: int, num_samples: int,
+                 seed: int, buffer_config: AsyncGRPOConfig, redo: Sequence[int] = (),
+                 buffered: Sequence[dict[str, Any]] = ()):
+        self._runner = runner
+        self._instances = list(instances)
+        self._num_prompts, self._num_samples = num_prompts, num_samples
+        self._sampler = PromptSampler(len(self._instances), num_prompts, seed)
+        self._sampler.load_state_dict(sampler_state)
+        self._buffer = ReplayBuffer(buffer_config)
+        for record in buffered:
+            self._buffer.push(record["group"], record["weight_version"],
+                              prompt_id=record["prompt_id"])
+        # Guards the prompt bookkeeping; never held while waiting, so snapshot() is quick.
+        self._state_lock = threading.Lock()
+        self._in_flight: list[int] = []      # prompts generated but not yet in the buffer
+        self._redo = list(redo)              # prompts to hand out first
+        self._generation_lock = threading.Lock()  # held while a round generates
+        self._stop = threading.Event()
+        self._error: str | None = None
+        self._round = 0
+        self._thread = threading.Thread(target=self._main, name="trajectory-collector",
+                                        daemon=True)
+
+    # ------------------------------------------------------------------- the trainer's calls
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def sample(self, num_groups: int, trainer_version: int,
+               timeout_s: float) -> list[GroupRecord] | None:
+        """`num_groups` groups no older than the age bound for `trainer_version`, or None after
+        `timeout_s` without enough. Raises RuntimeError when the loop has died."""
+        self._check_alive()
+        try:
+            return self._buffer.sample(num_groups, trainer_version, timeout=timeout_s)
+        except TimeoutError:
+            self._check_alive()
+            return None
+
+    def pause_generation(self) -> None:
+        """Waits for the round being generated to finish; no new round starts until
+        `resume_generation` (for weight syncs without in-flight updates)."""
+        self._generation_lock.acquire()
+
+    def resume_generation(self) -> None:
+        self._generation_lock.release()
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a checkpoint holds (module docstring), taken atomically."""
+        with self._state_lock:
+            return {"sampler": self._sampler.state_dict(),
+                    "in_flight": list(self._in_flight) + list(self._redo),
+                    "buffer": [{"group": r.payload, "weight_version": r.weight_version,
+                                "prompt_id": r.prompt_id} for r in self._buffer.snapshot()]}
+
+    def metrics(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self._buffer.metrics().items()
+                if isinstance(v, (int, float))}
+
+    def stop(self, timeout_s: float = 300.0) -> None:
+        self._stop.set()
+        self._buffer.close()
+        self._thread.join(timeout_s)
+
+    # ------------------------------------------------------------------------- the loop
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the trajectory collector failed: {self._error}")
+
+    def _next_round(self) -> list[int]:
+        with self._state_lock:
+            # Stale groups were dropped by the buffer: their prompts go round again.
+            self._redo += [dropped.prompt_id for dropped in self._buffer.pop_dropped()]
+            batch = self._redo[:self._num_prompts]
+            self._redo = self._redo[self._num_prompts:]
+            while len(batch) < self._num_prompts:
+                batch += self._sampler.next_batch()[:self._num_prompts - len(batch)]
+            self._in_flight = list(batch)
+            return batch
+
+    def _push(self, index: int, group: Rollout) -> None:
+        versions = [s.oldest_weight_version for s in group.samples]
+        while not self._stop.is_set():
+            with self._state_lock:
+                try:
+                    self._buffer.push(group, versions, prompt_id=index, timeout=0)
+                except TimeoutError:  # full: wait outside the lock for the trainer to sample
+                    pass
+                else:
+                    self._in_flight.remove(index)
+                    return
+            time.sleep(0.2)
+
+    def _main(self) -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            while not self._stop.is_set():
+                indices = self._next_round()
+                self._round += 1
+                with self._generation_lock:
+                    rollout = loop.run_until_complete(self._runner.run(
+                        [self._instances[i] for i in indices], num_samples=self._num_samples,
+                        global_step=_ROUND_OFFSET + self._round))
+                for index, group in zip(indices, split_groups(rollout)):
+                    self._push(index, group)
+        except BufferClosedError:
+            pass
+        except BaseException as error:  # surfaced to the trainer by sample()
+            self._error = f"{type(error).__name__}: {error}"
+            logger.exception("trajectory collector failed")
+        finally:
+            loop.close()
+
+
+def start_collector(runner: RolloutRunner, instances: Sequence[SweInstance],
+                    sampler_state: dict[str, Any], *, cluster_config, **kwargs: Any):
+    """Starts a `TrajectoryCollector` actor on this (the driver's) node and returns its handle;
+    `kwargs` go to the constructor. Ray must be running."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from dockyard_rl.cluster.bootstrap import fleet_runtime_env
+
+    return ray.remote(TrajectoryCollector).options(
+        num_cpus=0,
+        # The trainer's sample / pause / snapshot / stop calls wait concurrently with each other.
+        max_concurrency=8,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False),
+        runtime_env=fleet_runtime_env("driver", cluster_config),
+    ).remote(runner, instances, sampler_state, **kwargs)
