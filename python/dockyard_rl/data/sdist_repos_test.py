@@ -3,6 +3,7 @@
 import io
 import pathlib
 import subprocess
+import sys
 import tarfile
 
 import pytest
@@ -48,8 +49,21 @@ def test_bundled_packages_are_written_without_network(tmp_path):
     archive = sdist_repos.fetch_sdist("bundled:toystats", tmp_path / "dl")
     assert archive.parent == tmp_path / "dl" and archive.name == "toystats-1.0.tar.gz"
     assert archive.read_bytes() == testing_sdists.make_toy_sdist(tmp_path / "again").read_bytes()
-    with pytest.raises(sdist_repos.SdistError, match="bundled: bundled:toystats"):
+    with pytest.raises(sdist_repos.SdistError, match="bundled: bundled:toystats, "
+                                                     "bundled:pocketcalc"):
         sdist_repos.fetch_sdist("bundled:nope", tmp_path)
+
+
+@pytest.mark.parametrize("name", sorted(testing_sdists.BUNDLED))
+def test_bundled_packages_pass_their_own_tests(tmp_path, name):
+    # A bundled package's suite must pass unmutated, or no task can be synthesized from it.
+    layout = sdist_repos.unpack_sdist(sdist_repos.fetch_sdist(f"bundled:{name}", tmp_path / "dl"),
+                                      tmp_path / "src")
+    assert layout.name == name and layout.source_files and layout.test_files
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "--rootdir", str(layout.root), *layout.test_paths], cwd=layout.root,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
 
 
 def _archive(tmp_path, files):

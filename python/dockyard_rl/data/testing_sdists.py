@@ -1,4 +1,4 @@
-"""A small, real-looking source distribution for task synthesis without network access.
+"""Small, real-looking source distributions for task synthesis without network access.
 
 `make_toy_sdist(dest_dir) -> archive path` writes `toystats-1.0.tar.gz`: a package with a few
 functions whose bugs its pytest suite catches (module functions, a class, parametrized tests, a
@@ -8,7 +8,13 @@ like a PyPI sdist (one top folder, PKG-INFO, pyproject.toml).
 The synthesis tests use it, and so can recipes: `bundled:toystats` in `synthesis.packages` (or
 `--packages`) synthesizes from it (sdist_repos.fetch_sdist, `BUNDLED`). Its tasks are the
 easiest honest task set we have: small pure functions, each bug visible in a few lines, graded
-by real tests (the SmolLM2 learning run, docs/learning_run.md).
+by real tests.
+
+`make_pocketcalc_sdist(dest_dir)` writes `pocketcalc-1.0.tar.gz`: one-line functions whose names
+say what they compute (`add`, `is_even`, `last`, ...), each checked by a test or two. A bug
+mutated into one of them is the easiest honest task there is: the name, the code and the failing
+assertion together give the fix away, yet only a patch that makes the tests pass is rewarded.
+It is the learning run's task set (`bundled:pocketcalc`, docs/learning_run.md).
 """
 
 from __future__ import annotations
@@ -173,17 +179,181 @@ def test_bad_size():
 }
 
 
+CALC_NAME = "pocketcalc"
+
+_CALC_FILES = {
+    "PKG-INFO": f"Metadata-Version: 2.1\nName: {CALC_NAME}\nVersion: {VERSION}\n"
+                f"Summary: one-line arithmetic helpers\n",
+    "pyproject.toml": f'[project]\nname = "{CALC_NAME}"\nversion = "{VERSION}"\n',
+    "README.md": "# pocketcalc\n\nOne-line arithmetic helpers.\n",
+    "pocketcalc/__init__.py": "from pocketcalc.calc import *  # noqa: F401,F403\n",
+    "pocketcalc/calc.py": '''"""Arithmetic helpers, one line each."""
+
+
+def add(a, b):
+    return a + b
+
+
+def subtract(a, b):
+    return a - b
+
+
+def multiply(a, b):
+    return a * b
+
+
+def double(x):
+    return x * 2
+
+
+def square(x):
+    return x * x
+
+
+def increment(x):
+    return x + 1
+
+
+def is_even(n):
+    return n % 2 == 0
+
+
+def is_positive(x):
+    return x > 0
+
+
+def is_adult(age):
+    return age >= 18
+
+
+def average(a, b):
+    return (a + b) / 2
+
+
+def first(items):
+    return items[0]
+
+
+def last(items):
+    return items[-1]
+
+
+def absolute(x):
+    if x < 0:
+        return -x
+    return x
+
+
+def maximum(a, b):
+    if a > b:
+        return a
+    return b
+''',
+    "tests/__init__.py": "",
+    "tests/test_calc.py": '''from pocketcalc.calc import (absolute, add, average, double, first, increment,
+                             is_adult, is_even, is_positive, last, maximum, multiply, square,
+                             subtract)
+
+
+def test_add():
+    assert add(2, 3) == 5
+
+
+def test_subtract():
+    assert subtract(7, 4) == 3
+
+
+def test_multiply():
+    assert multiply(3, 4) == 12
+
+
+def test_double():
+    assert double(6) == 12
+
+
+def test_square():
+    assert square(5) == 25
+
+
+def test_increment():
+    assert increment(9) == 10
+
+
+def test_is_even():
+    assert is_even(4)
+
+
+def test_is_even_odd():
+    assert not is_even(7)
+
+
+def test_is_positive():
+    assert is_positive(3)
+
+
+def test_is_positive_zero():
+    assert not is_positive(0)
+
+
+def test_is_adult():
+    assert is_adult(18)
+
+
+def test_is_adult_child():
+    assert not is_adult(12)
+
+
+def test_average():
+    assert average(2, 6) == 4
+
+
+def test_first():
+    assert first([7, 8, 9]) == 7
+
+
+def test_last():
+    assert last([7, 8, 9]) == 9
+
+
+def test_absolute_negative():
+    assert absolute(-4) == 4
+
+
+def test_absolute_positive():
+    assert absolute(5) == 5
+
+
+def test_maximum():
+    assert maximum(3, 8) == 8
+
+
+def test_maximum_first():
+    assert maximum(9, 2) == 9
+''',
+}
+
+
 def make_toy_sdist(dest_dir: pathlib.Path, *, src_layout: bool = False) -> pathlib.Path:
-    """Writes the archive into `dest_dir` and returns its path. `src_layout` puts the package
-    under src/ (as many modern projects do)."""
+    """Writes toystats into `dest_dir` and returns the archive's path. `src_layout` puts the
+    package under src/ (as many modern projects do)."""
+    return _write_sdist(dest_dir, NAME, _FILES, src_layout=src_layout)
+
+
+def make_pocketcalc_sdist(dest_dir: pathlib.Path) -> pathlib.Path:
+    """Writes pocketcalc into `dest_dir` and returns the archive's path."""
+    return _write_sdist(dest_dir, CALC_NAME, _CALC_FILES)
+
+
+def _write_sdist(dest_dir: pathlib.Path, name: str, files: dict[str, str], *,
+                 src_layout: bool = False) -> pathlib.Path:
     dest_dir.mkdir(parents=True, exist_ok=True)
-    archive = dest_dir / f"{NAME}-{VERSION}.tar.gz"
-    files = {(f"src/{name}" if src_layout and name.startswith(f"{NAME}/") else name): text
-             for name, text in _FILES.items()}
+    archive = dest_dir / f"{name}-{VERSION}.tar.gz"
+    files = {(f"src/{path}" if src_layout and path.startswith(f"{name}/") else path): text
+             for path, text in files.items()}
     with tarfile.open(archive, "w:gz") as tarred:
-        for name, text in sorted(files.items()):
+        for path, text in sorted(files.items()):
             data = text.encode()
-            info = tarfile.TarInfo(f"{NAME}-{VERSION}/{name}")
+            info = tarfile.TarInfo(f"{name}-{VERSION}/{path}")
             info.size = len(data)
             info.mode = 0o644
             info.mtime = 1700000000
@@ -192,4 +362,4 @@ def make_toy_sdist(dest_dir: pathlib.Path, *, src_layout: bool = False) -> pathl
 
 
 # Name -> writer(dest_dir) -> archive: the packages `bundled:<name>` refers to.
-BUNDLED = {NAME: make_toy_sdist}
+BUNDLED = {NAME: make_toy_sdist, CALC_NAME: make_pocketcalc_sdist}
