@@ -1,0 +1,275 @@
+"""Daemonless OCI image assembly: deterministic layers and an OCI image layout, as Bazel actions.
+
+    oci.py layer --out L.tar.gz [--file DEST=SRC[:MODE] ...] [--dir DEST ...] [--tar T.tar ...]
+    oci.py image --out IMAGE.tar --digest-out D --layer L.tar.gz ... [--entrypoint JSON]
+                 [--cmd JSON] [--env K=V ...] [--user U] [--workdir W] [--port 9090/tcp ...]
+                 [--label K=V ...] [--tag repo:tag] [--architecture amd64] [--os linux]
+
+`layer` writes one gzip-compressed tar: the listed files (mode 0644 unless given, 0755 when the
+source is executable), folders, and the entries of existing tarballs (e.g. an unpacked
+distribution root), merged. Every entry is normalized so the bytes depend only on the content:
+sorted paths, mtime 0, uid/gid 0, no user/group names, PAX format; gzip with mtime 0 and no file
+name. Parent folders are added (0755) so every path has one.
+
+`image` writes an OCI image layout (https://github.com/opencontainers/image-spec, layout.md) as a
+tarball: `oci-layout`, `index.json`, `blobs/sha256/<digest>` for the config, the manifest and
+each layer, plus Docker's `manifest.json` so `docker load` takes the same file. `skopeo` reads it
+as `oci-archive:IMAGE.tar`, `podman load -i IMAGE.tar` loads it. The image config's `created` is
+the epoch and `history` is one entry per layer, so equal inputs give an equal manifest digest,
+written to `--digest-out` as `sha256:<hex>`.
+
+Not covered: multi-platform indexes, whiteouts (layers only add files), compression other than
+gzip, and pushing (use `skopeo copy oci-archive:IMAGE.tar docker://REGISTRY/REPO:TAG`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import io
+import json
+import os
+import pathlib
+import stat
+import sys
+import tarfile
+from collections.abc import Iterable, Sequence
+
+MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+MEDIA_INDEX = "application/vnd.oci.image.index.v1+json"
+MEDIA_CONFIG = "application/vnd.oci.image.config.v1+json"
+MEDIA_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
+EPOCH = "1970-01-01T00:00:00Z"
+_GZIP_LEVEL = 6
+
+
+# ---------------------------------------------------------------------------------------- layers
+
+
+def _normalized(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    info.mtime = 0
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.pax_headers = {}
+    return info
+
+
+def _parents(path: str) -> list[str]:
+    parts = path.split("/")[:-1]
+    return ["/".join(parts[:i + 1]) for i in range(len(parts))]
+
+
+def _clean_path(path: str) -> str:
+    """`path` relative to the image root ("./usr/bin/" -> "usr/bin"); "" for the root itself.
+    Resolved as if absolute, so ".." cannot climb above the root."""
+    return os.path.normpath("/" + path).lstrip("/")
+
+
+def write_layer(out: pathlib.Path, files: Sequence[tuple[str, pathlib.Path, int | None]],
+                dirs: Sequence[str] = (), tars: Sequence[pathlib.Path] = ()) -> None:
+    """The deterministic layer of `files` (dest, source, mode or None), `dirs` and the entries
+    of `tars` (module docstring). A path given twice is an error, not a silent overwrite."""
+    entries: dict[str, tuple[tarfile.TarInfo, bytes | None]] = {}
+
+    def add(info: tarfile.TarInfo, data: bytes | None, origin: str) -> None:
+        name = _clean_path(info.name)
+        if not name:
+            if info.isdir():
+                return  # the root folder ("./" in a distribution tarball)
+            raise ValueError(f"{info.name!r} from {origin} is not a path inside the image")
+        if name in entries:
+            if info.isdir() and entries[name][0].isdir():
+                return  # the same folder from two sources
+            raise ValueError(f"{name!r} is in the layer twice (again from {origin})")
+        info.name = name
+        entries[name] = (_normalized(info), data)
+
+    for tar_path in tars:
+        with tarfile.open(tar_path) as source:
+            for member in source.getmembers():
+                if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
+                    continue  # devices and fifos do not belong in an image layer
+                data = source.extractfile(member).read() if member.isfile() else None
+                if member.islnk():
+                    member.linkname = _clean_path(member.linkname)
+                add(member, data, str(tar_path))
+    for dest, source, mode in files:
+        data = source.read_bytes()
+        info = tarfile.TarInfo(dest)
+        info.size = len(data)
+        executable = source.stat().st_mode & stat.S_IXUSR
+        info.mode = mode if mode is not None else (0o755 if executable else 0o644)
+        add(info, data, str(source))
+    for dest in dirs:
+        info = tarfile.TarInfo(dest)
+        info.type, info.mode = tarfile.DIRTYPE, 0o755
+        add(info, None, "--dir")
+    for name in list(entries):
+        for parent in _parents(name):
+            if parent not in entries:
+                info = tarfile.TarInfo(parent)
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+                entries[parent] = (_normalized(info), None)
+            elif not entries[parent][0].isdir():
+                raise ValueError(f"{parent!r} is a file, but {name!r} is below it")
+
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tarred:
+        for name in sorted(entries):
+            info, data = entries[name]
+            tarred.addfile(info, io.BytesIO(data) if data is not None else None)
+    out.write_bytes(_gzip(raw.getvalue()))
+
+
+def _gzip(data: bytes) -> bytes:
+    buffer = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=buffer, mtime=0,
+                       compresslevel=_GZIP_LEVEL) as compressed:
+        compressed.write(data)
+    return buffer.getvalue()
+
+
+# ----------------------------------------------------------------------------------------- image
+
+
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _canonical(document: dict) -> bytes:
+    return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+
+
+def image_documents(layers: Sequence[bytes], *, entrypoint: Sequence[str] | None = None,
+                    cmd: Sequence[str] | None = None, env: Sequence[str] = (),
+                    user: str = "", workdir: str = "", ports: Sequence[str] = (),
+                    labels: dict[str, str] | None = None, architecture: str = "amd64",
+                    os_name: str = "linux") -> tuple[bytes, bytes]:
+    """(config, manifest) JSON bytes of an image made of the gzip `layers`, bottom first."""
+    diff_ids = [_digest(gzip.decompress(layer)) for layer in layers]
+    container_config: dict = {"Env": list(env), "Labels": dict(labels or {})}
+    if entrypoint is not None:
+        container_config["Entrypoint"] = list(entrypoint)
+    if cmd is not None:
+        container_config["Cmd"] = list(cmd)
+    if user:
+        container_config["User"] = user
+    if workdir:
+        container_config["WorkingDir"] = workdir
+    if ports:
+        container_config["ExposedPorts"] = {port: {} for port in ports}
+    config = _canonical({
+        "architecture": architecture, "os": os_name, "created": EPOCH,
+        "config": container_config,
+        "rootfs": {"type": "layers", "diff_ids": diff_ids},
+        "history": [{"created": EPOCH, "created_by": f"dockyard_rl tools/oci layer {i}"}
+                    for i in range(len(layers))],
+    })
+    manifest = _canonical({
+        "schemaVersion": 2, "mediaType": MEDIA_MANIFEST,
+        "config": {"mediaType": MEDIA_CONFIG, "digest": _digest(config), "size": len(config)},
+        "layers": [{"mediaType": MEDIA_LAYER, "digest": _digest(layer), "size": len(layer)}
+                   for layer in layers],
+        "annotations": dict(labels or {}),
+    })
+    return config, manifest
+
+
+def write_image(out: pathlib.Path, layers: Sequence[bytes], tag: str, **config_keys) -> str:
+    """Writes the OCI layout tarball (module docstring); returns the manifest digest."""
+    config, manifest = image_documents(layers, **config_keys)
+    manifest_digest = _digest(manifest)
+    index = _canonical({
+        "schemaVersion": 2, "mediaType": MEDIA_INDEX,
+        "manifests": [{"mediaType": MEDIA_MANIFEST, "digest": manifest_digest,
+                       "size": len(manifest),
+                       "annotations": {"org.opencontainers.image.ref.name": tag.split(":")[-1],
+                                       "io.containerd.image.name": tag}}],
+    })
+    blobs = {_digest(blob): blob for blob in [config, manifest, *layers]}
+    docker_manifest = json.dumps([{
+        "Config": f"blobs/sha256/{_digest(config)[7:]}",
+        "RepoTags": [tag],
+        "Layers": [f"blobs/sha256/{_digest(layer)[7:]}" for layer in layers],
+    }]).encode()
+    files = {"oci-layout": b'{"imageLayoutVersion":"1.0.0"}', "index.json": index,
+             "manifest.json": docker_manifest,
+             **{f"blobs/sha256/{d[7:]}": blob for d, blob in blobs.items()}}
+    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tarred:
+        for folder in ("blobs", "blobs/sha256"):
+            info = _normalized(tarfile.TarInfo(folder))
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tarred.addfile(info)
+        for name in sorted(files):
+            info = _normalized(tarfile.TarInfo(name))
+            info.size, info.mode = len(files[name]), 0o644
+            tarred.addfile(info, io.BytesIO(files[name]))
+    return manifest_digest
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+
+def _pairs(values: Iterable[str], flag: str) -> list[tuple[str, str]]:
+    pairs = []
+    for value in values:
+        key, sep, rest = value.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"{flag} {value!r}: expected KEY=VALUE")
+        pairs.append((key, rest))
+    return pairs
+
+
+def _file_spec(value: str) -> tuple[str, pathlib.Path, int | None]:
+    (dest, source), = _pairs([value], "--file")
+    mode = None
+    if ":" in source and source.rsplit(":", 1)[1].isdigit():
+        source, mode_text = source.rsplit(":", 1)
+        mode = int(mode_text, 8)
+    return dest, pathlib.Path(source), mode
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="oci.py", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    layer = commands.add_parser("layer", help="write one deterministic layer")
+    layer.add_argument("--out", type=pathlib.Path, required=True)
+    layer.add_argument("--file", action="append", default=[], help="DEST=SRC[:MODE]")
+    layer.add_argument("--dir", action="append", default=[], help="an (empty) folder")
+    layer.add_argument("--tar", action="append", default=[], type=pathlib.Path,
+                       help="a tarball whose entries go in")
+    image = commands.add_parser("image", help="write an OCI image layout tarball")
+    image.add_argument("--out", type=pathlib.Path, required=True)
+    image.add_argument("--digest-out", type=pathlib.Path, required=True)
+    image.add_argument("--layer", action="append", default=[], type=pathlib.Path)
+    image.add_argument("--entrypoint", type=json.loads)
+    image.add_argument("--cmd", type=json.loads)
+    image.add_argument("--env", action="append", default=[])
+    image.add_argument("--user", default="")
+    image.add_argument("--workdir", default="")
+    image.add_argument("--port", action="append", default=[])
+    image.add_argument("--label", action="append", default=[])
+    image.add_argument("--tag", required=True)
+    image.add_argument("--architecture", default="amd64")
+    image.add_argument("--os", default="linux")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "layer":
+            write_layer(args.out, [_file_spec(f) for f in args.file], args.dir, args.tar)
+        else:
+            _pairs(args.env, "--env")  # checks the shape; the config keeps "K=V" strings
+            digest = write_image(
+                args.out, [path.read_bytes() for path in args.layer], args.tag,
+                entrypoint=args.entrypoint, cmd=args.cmd, env=args.env, user=args.user,
+                workdir=args.workdir, ports=args.port, labels=dict(_pairs(args.label, "--label")),
+                architecture=args.architecture, os_name=args.os)
+            args.digest_out.write_text(digest + "\n")
+    except (ValueError, OSError) as error:
+        print(f"oci.py {args.command}: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,159 @@
+"""tools/oci: deterministic layers, the OCI layout the rules write, and what skopeo and umoci
+(Debian's packages, installed by tools/bazel) read from it."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import pathlib
+import shutil
+import subprocess
+import tarfile
+
+import pytest
+
+from tools.oci import oci
+
+# Built by //tools/oci:test_image; in the runfiles tree beside this file.
+IMAGE = pathlib.Path(__file__).absolute().parent / "test_image.tar"
+
+
+def _members(layer: bytes) -> list[tarfile.TarInfo]:
+    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(layer))) as tarred:
+        return tarred.getmembers()
+
+
+def _layout(image: pathlib.Path) -> dict[str, bytes]:
+    with tarfile.open(image) as tarred:
+        return {m.name: tarred.extractfile(m).read() for m in tarred.getmembers() if m.isfile()}
+
+
+def _blob(layout: dict[str, bytes], digest: str) -> bytes:
+    data = layout[f"blobs/sha256/{digest.split(':')[1]}"]
+    assert "sha256:" + hashlib.sha256(data).hexdigest() == digest
+    return data
+
+
+def test_layers_are_normalized_and_the_same_bytes_every_time(tmp_path):
+    (tmp_path / "bin").mkdir()
+    script = tmp_path / "bin" / "run"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o750)
+    data = tmp_path / "data.txt"
+    data.write_text("x")
+    base = tmp_path / "base.tar"
+    with tarfile.open(base, "w") as tarred:  # like a distribution tarball: "./" names, owners
+        for name, text in (("./", None), ("./etc/", None), ("./etc/os-release", "ID=debian\n")):
+            info = tarfile.TarInfo(name)
+            info.uid, info.uname, info.mtime = 1000, "builder", 1234567
+            if text is None:
+                info.type = tarfile.DIRTYPE
+                tarred.addfile(info)
+            else:
+                info.size = len(text)
+                tarred.addfile(info, io.BytesIO(text.encode()))
+    layers = []
+    for name in ("a.tar.gz", "b.tar.gz"):
+        oci.write_layer(tmp_path / name, [("/app/run", script, None),
+                                          ("app/data.txt", data, 0o600)],
+                        dirs=["/var/empty"], tars=[base])
+        layers.append((tmp_path / name).read_bytes())
+    assert layers[0] == layers[1]
+    members = _members(layers[0])
+    assert [m.name for m in members] == ["app", "app/data.txt", "app/run", "etc",
+                                         "etc/os-release", "var", "var/empty"]
+    assert all(m.mtime == 0 and m.uid == 0 and m.gid == 0 and not m.uname for m in members)
+    modes = {m.name: m.mode for m in members}
+    assert modes["app/run"] == 0o755 and modes["app/data.txt"] == 0o600
+    assert modes["var/empty"] == 0o755 and modes["app"] == 0o755
+
+
+def test_a_path_given_twice_is_an_error(tmp_path):
+    source = tmp_path / "f"
+    source.write_text("1")
+    with pytest.raises(ValueError, match="'etc/f' is in the layer twice"):
+        oci.write_layer(tmp_path / "l.tar.gz", [("/etc/f", source, None), ("etc/f", source, None)])
+    with pytest.raises(ValueError, match="'etc/f' is a file, but 'etc/f/g' is below it"):
+        oci.write_layer(tmp_path / "l.tar.gz", [("/etc/f", source, None),
+                                                ("/etc/f/g", source, None)])
+
+
+def test_the_rule_built_image_is_a_consistent_oci_layout():
+    layout = _layout(IMAGE)
+    assert json.loads(layout["oci-layout"]) == {"imageLayoutVersion": "1.0.0"}
+    index = json.loads(layout["index.json"])
+    assert index["mediaType"] == oci.MEDIA_INDEX and index["schemaVersion"] == 2
+    (entry,) = index["manifests"]
+    assert entry["mediaType"] == oci.MEDIA_MANIFEST
+    assert entry["annotations"]["io.containerd.image.name"] == "dockyard/test:latest"
+    manifest_bytes = _blob(layout, entry["digest"])
+    assert len(manifest_bytes) == entry["size"]
+    assert (IMAGE.parent / "test_image.digest").read_text().strip() == entry["digest"]
+    manifest = json.loads(manifest_bytes)
+    config = json.loads(_blob(layout, manifest["config"]["digest"]))
+    assert manifest["config"]["mediaType"] == oci.MEDIA_CONFIG
+    assert config["config"] == {
+        "Cmd": ["/app/hello.sh"], "Env": ["DOCKYARD_FLEET_ROLE=sandbox"],
+        "ExposedPorts": {"9090/tcp": {}}, "User": "1000:1000", "WorkingDir": "/app",
+        "Labels": {"org.opencontainers.image.title": "tools/oci test image"}}
+    assert (config["os"], config["architecture"]) == ("linux", "amd64")
+    layers = [_blob(layout, layer["digest"]) for layer in manifest["layers"]]
+    assert all(layer["mediaType"] == oci.MEDIA_LAYER for layer in manifest["layers"])
+    # diff_ids are the digests of the uncompressed layers, bottom first.
+    assert config["rootfs"]["diff_ids"] == [
+        "sha256:" + hashlib.sha256(gzip.decompress(layer)).hexdigest() for layer in layers]
+    assert [m.name for m in _members(layers[1])] == ["app", "app/hello.sh", "etc",
+                                                     "etc/greeting"]
+    docker = json.loads(layout["manifest.json"])
+    assert docker[0]["RepoTags"] == ["dockyard/test:latest"]
+    assert docker[0]["Config"] == "blobs/sha256/" + manifest["config"]["digest"][7:]
+
+
+def test_the_image_digest_depends_only_on_the_inputs(tmp_path):
+    layout = _layout(IMAGE)
+    manifest = json.loads(_blob(layout, json.loads(layout["index.json"])["manifests"][0]["digest"]))
+    layers = [_blob(layout, layer["digest"]) for layer in manifest["layers"]]
+    config = dict(cmd=["/app/hello.sh"], env=["DOCKYARD_FLEET_ROLE=sandbox"], user="1000:1000",
+                  workdir="/app", ports=["9090/tcp"],
+                  labels={"org.opencontainers.image.title": "tools/oci test image"})
+    first = oci.write_image(tmp_path / "1.tar", layers, "dockyard/test:latest", **config)
+    second = oci.write_image(tmp_path / "2.tar", layers, "dockyard/test:latest", **config)
+    assert first == second == (IMAGE.parent / "test_image.digest").read_text().strip()
+    assert (tmp_path / "1.tar").read_bytes() == IMAGE.read_bytes()
+    other = oci.write_image(tmp_path / "3.tar", layers, "dockyard/test:latest",
+                            **{**config, "user": "0"})
+    assert other != first
+
+
+def _skopeo(tmp_path: pathlib.Path, *args: str) -> dict:
+    # skopeo unpacks an oci-archive under /var/tmp by default: read-only in Bazel's sandbox.
+    run = subprocess.run(["skopeo", "--tmpdir", str(tmp_path), *args, f"oci-archive:{IMAGE}"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+@pytest.mark.skipif(shutil.which("skopeo") is None,
+                    reason="skopeo is not installed (tools/bazel installs Debian's skopeo)")
+def test_skopeo_reads_the_image(tmp_path):
+    assert _skopeo(tmp_path, "inspect", "--raw")["mediaType"] == oci.MEDIA_MANIFEST
+    config = _skopeo(tmp_path, "inspect", "--config")
+    assert config["config"]["Env"] == ["DOCKYARD_FLEET_ROLE=sandbox"]
+
+
+@pytest.mark.skipif(shutil.which("umoci") is None,
+                    reason="umoci is not installed (tools/bazel installs Debian's umoci)")
+def test_umoci_unpacks_the_image(tmp_path):
+    with tarfile.open(IMAGE) as tarred:
+        tarred.extractall(tmp_path / "layout", filter="data")
+    subprocess.run(["umoci", "unpack", "--rootless", "--image", f"{tmp_path / 'layout'}:latest",
+                    str(tmp_path / "bundle")], check=True, capture_output=True, timeout=120)
+    rootfs = tmp_path / "bundle" / "rootfs"
+    assert (rootfs / "etc" / "greeting").read_text() == "dockyard\n"
+    assert (rootfs / "app" / "hello.sh").stat().st_mode & 0o111
+    assert (rootfs / "var" / "empty").is_dir()
+    runtime = json.loads((tmp_path / "bundle" / "config.json").read_text())
+    assert runtime["process"]["args"] == ["/app/hello.sh"]
+    assert "DOCKYARD_FLEET_ROLE=sandbox" in runtime["process"]["env"]
