@@ -1,10 +1,11 @@
 """Module extension for Bazel >= 7 (MODULE.bazel): the same repositories as the WORKSPACE build.
 
-The venv toolchain and the CUDA toolkit come from the same repository rules, so every BUILD file
-works unchanged under both builds.
+The venv toolchain, the CUDA toolkit and the images' pinned contents come from the same
+repository rules, so every BUILD file works unchanged under both builds.
 """
 
 load("//tools/cuda:cuda_toolkit.bzl", "cuda_toolkit")
+load("//tools/oci:repositories.bzl", "deb_rootfs", "pip_site_packages")
 load("//tools/python:venv.bzl", "python_venv")
 
 def _dockyard_repositories_impl(_module_ctx):
@@ -16,5 +17,7 @@ def _dockyard_repositories_impl(_module_ctx):
         },
     )
     cuda_toolkit(name = "dockyard_cuda")
+    deb_rootfs(name = "sandbox_rootfs", lock = "//ubuntu-base:sandbox_packages.lock.json")
+    pip_site_packages(name = "sandbox_site_packages", lock = "//requirements:sandbox.lock.txt")
 
 dockyard_repositories = module_extension(implementation = _dockyard_repositories_impl)

@@ -1,7 +1,8 @@
 """OCI image rules without a container daemon: `oci_layer` and `oci_image` (see README.md).
 
-    oci_layer(name, srcs = [...], prefix = "/app", strip_prefix = "python", files = {label: dest},
-              dirs = [...], tars = [...])          -> <name>.tar.gz, one deterministic layer
+    oci_layer(name, srcs = [...], py_srcs_of = [...], prefix = "/app", strip_prefix = "python",
+              files = {label: dest}, dirs = [...], tars = [...])
+                                                   -> <name>.tar.gz, one deterministic layer
     oci_image(name, layers = [...], entrypoint = [...], cmd = [...], env = {...}, user = "",
               workdir = "", exposed_ports = [...], labels = {...}, tag = "repo:tag")
                                                    -> <name>.tar (OCI layout) and <name>.digest
@@ -15,6 +16,14 @@ _TOOL = "//tools/oci:oci"
 def _dest(prefix, path):
     return (prefix.rstrip("/") + "/" + path.lstrip("/")).lstrip("/")
 
+def _stripped(ctx, src):
+    path = src.short_path
+    if ctx.attr.strip_prefix:
+        if not path.startswith(ctx.attr.strip_prefix + "/"):
+            fail("%s is not under strip_prefix %s" % (path, ctx.attr.strip_prefix))
+        path = path[len(ctx.attr.strip_prefix) + 1:]
+    return path
+
 def _oci_layer_impl(ctx):
     out = ctx.actions.declare_file(ctx.label.name + ".tar.gz")
     args = ctx.actions.args()
@@ -22,13 +31,12 @@ def _oci_layer_impl(ctx):
     args.add("--out", out)
     inputs = []
     for src in ctx.files.srcs:
-        path = src.short_path
-        if ctx.attr.strip_prefix:
-            if not path.startswith(ctx.attr.strip_prefix + "/"):
-                fail("%s is not under strip_prefix %s" % (path, ctx.attr.strip_prefix))
-            path = path[len(ctx.attr.strip_prefix) + 1:]
-        args.add("--file", "%s=%s" % (_dest(ctx.attr.prefix, path), src.path))
+        args.add("--file", "%s=%s" % (_dest(ctx.attr.prefix, _stripped(ctx, src)), src.path))
         inputs.append(src)
+    for target in ctx.attr.py_srcs_of:
+        for src in target[PyInfo].transitive_sources.to_list():
+            args.add("--file", "%s=%s" % (_dest(ctx.attr.prefix, _stripped(ctx, src)), src.path))
+            inputs.append(src)
     for target, dest in ctx.attr.files.items():
         files = target.files.to_list()
         if len(files) != 1:
@@ -57,11 +65,13 @@ oci_layer = rule(
     attrs = {
         "srcs": attr.label_list(allow_files = True, doc = "files placed at prefix + their " +
                                                           "workspace path minus strip_prefix"),
+        "py_srcs_of": attr.label_list(providers = [PyInfo], doc = "py targets whose " +
+                                      "transitive sources go in like srcs"),
         "prefix": attr.string(default = "/", doc = "folder in the image for srcs"),
         "strip_prefix": attr.string(doc = "workspace folder removed from srcs' paths"),
         "files": attr.label_keyed_string_dict(allow_files = True,
                                               doc = "single file -> its path in the image"),
-        "dirs": attr.string_list(doc = "empty folders to create"),
+        "dirs": attr.string_list(doc = "empty folders to create: path or path:octal mode"),
         "tars": attr.label_list(allow_files = [".tar", ".tar.gz", ".tgz"],
                                 doc = "tarballs whose entries are merged in (e.g. a root fs)"),
         "_tool": attr.label(default = _TOOL, executable = True, cfg = "exec"),

@@ -6,7 +6,7 @@
                  [--label K=V ...] [--tag repo:tag] [--architecture amd64] [--os linux]
 
 `layer` writes one gzip-compressed tar: the listed files (mode 0644 unless given, 0755 when the
-source is executable), folders, and the entries of existing tarballs (e.g. an unpacked
+source is executable), folders (0755 unless given), and the entries of existing tarballs (e.g. an unpacked
 distribution root), merged. Every entry is normalized so the bytes depend only on the content:
 sorted paths, mtime 0, uid/gid 0, no user/group names, PAX format; gzip with mtime 0 and no file
 name. Parent folders are added (0755) so every path has one.
@@ -68,8 +68,9 @@ def _clean_path(path: str) -> str:
 
 def write_layer(out: pathlib.Path, files: Sequence[tuple[str, pathlib.Path, int | None]],
                 dirs: Sequence[str] = (), tars: Sequence[pathlib.Path] = ()) -> None:
-    """The deterministic layer of `files` (dest, source, mode or None), `dirs` and the entries
-    of `tars` (module docstring). A path given twice is an error, not a silent overwrite."""
+    """The deterministic layer of `files` (dest, source, mode or None), `dirs` ("dest" or
+    "dest:octal mode") and the entries of `tars` (module docstring). A path given twice is an
+    error, not a silent overwrite."""
     entries: dict[str, tuple[tarfile.TarInfo, bytes | None]] = {}
 
     def add(info: tarfile.TarInfo, data: bytes | None, origin: str) -> None:
@@ -101,9 +102,10 @@ def write_layer(out: pathlib.Path, files: Sequence[tuple[str, pathlib.Path, int 
         executable = source.stat().st_mode & stat.S_IXUSR
         info.mode = mode if mode is not None else (0o755 if executable else 0o644)
         add(info, data, str(source))
-    for dest in dirs:
+    for spec in dirs:
+        dest, _, mode = spec.partition(":")
         info = tarfile.TarInfo(dest)
-        info.type, info.mode = tarfile.DIRTYPE, 0o755
+        info.type, info.mode = tarfile.DIRTYPE, int(mode, 8) if mode else 0o755
         add(info, None, "--dir")
     for name in list(entries):
         for parent in _parents(name):
@@ -236,7 +238,8 @@ def main(argv: Sequence[str]) -> int:
     layer = commands.add_parser("layer", help="write one deterministic layer")
     layer.add_argument("--out", type=pathlib.Path, required=True)
     layer.add_argument("--file", action="append", default=[], help="DEST=SRC[:MODE]")
-    layer.add_argument("--dir", action="append", default=[], help="an (empty) folder")
+    layer.add_argument("--dir", action="append", default=[],
+                       help="an (empty) folder: DEST[:MODE], mode 0755 unless given")
     layer.add_argument("--tar", action="append", default=[], type=pathlib.Path,
                        help="a tarball whose entries go in")
     image = commands.add_parser("image", help="write an OCI image layout tarball")

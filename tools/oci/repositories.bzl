@@ -1,0 +1,89 @@
+"""Repository rules that fetch an image's pinned contents (run at fetch time, cached by Bazel).
+
+    deb_rootfs(name, lock)         -> @name//:rootfs.tar   Debian packages from a deb_lock.py lock
+    pip_site_packages(name, lock, prefix)
+                                   -> @name//:site.tar     wheels from a tools/python/lock.py lock
+
+Both verify every file against the lock's sha256 and go through the machine's own package
+managers (apt-get download, pip): no mirror or index host is written into the repository.
+The tarballs' entry metadata is normalized later by oci_layer.
+"""
+
+_ENV_VARS = ["DOCKYARD_PYTHON", "HOME", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"]
+
+def _host_python(rctx):
+    host_python = rctx.os.environ.get("DOCKYARD_PYTHON", "python3")
+    if "/" not in host_python:
+        found = rctx.which(host_python)
+        if not found:
+            fail("No `{}` on PATH; install CPython 3.11 or set DOCKYARD_PYTHON".format(host_python))
+        host_python = str(found)
+    return host_python
+
+def _deb_rootfs_impl(rctx):
+    lock = rctx.path(rctx.attr.lock)
+    script = rctx.path(rctx.attr._script)
+    rctx.path(rctx.attr._lock_module)  # deb_rootfs.py imports it: refetch when it changes
+    cache = rctx.os.environ.get("HOME", "/tmp") + "/.cache/dockyard_rl/debs"
+    rctx.report_progress("Fetching the Debian packages of {}".format(rctx.attr.lock))
+    result = rctx.execute(
+        [_host_python(rctx), script, "--lock", lock, "--out", "rootfs.tar", "--cache", cache],
+        timeout = 3600,
+        quiet = False,
+        environment = {"PYTHONPATH": ""},
+    )
+    if result.return_code != 0:
+        fail("deb_rootfs {} failed (exit {}): {}".format(rctx.name, result.return_code,
+                                                           result.stderr))
+    rctx.file("WORKSPACE", "workspace(name = \"{}\")\n".format(rctx.name))
+    rctx.file("BUILD.bazel", "exports_files([\"rootfs.tar\"])\n")
+
+deb_rootfs = repository_rule(
+    implementation = _deb_rootfs_impl,
+    attrs = {
+        "lock": attr.label(mandatory = True, allow_single_file = True,
+                           doc = "a tools/oci/deb_lock.py lock (.lock.json)"),
+        "_script": attr.label(default = "//tools/oci:deb_rootfs.py"),
+        "_lock_module": attr.label(default = "//tools/oci:deb_lock.py"),
+    },
+    environ = _ENV_VARS,
+    doc = "A root filesystem tarball of the lock's Debian packages (tools/oci/deb_rootfs.py).",
+)
+
+def _pip_site_packages_impl(rctx):
+    lock = rctx.path(rctx.attr.lock)
+    rctx.report_progress("Installing the wheels of {}".format(rctx.attr.lock))
+    result = rctx.execute(
+        [_host_python(rctx), "-m", "pip", "install", "--quiet", "--no-deps", "--require-hashes",
+         "--only-binary=:all:", "--no-compile", "--disable-pip-version-check",
+         "--target", "site", "-r", lock],
+        timeout = 3600,
+        quiet = False,
+        environment = {"PYTHONPATH": ""},
+    )
+    if result.return_code != 0:
+        fail("pip_site_packages {} failed (exit {}): {}".format(rctx.name, result.return_code,
+                                                                  result.stderr))
+
+    # Console scripts carry this machine's interpreter path: the image runs `python3 -m ...`.
+    rctx.delete("site/bin")
+    prefix = rctx.attr.prefix.strip("/")
+    tar = rctx.execute(["tar", "--create", "--file", "site.tar", "--sort=name",
+                        "--transform", "s,^site,{},".format(prefix), "site"])
+    if tar.return_code != 0:
+        fail("packing {} failed: {}".format(rctx.name, tar.stderr))
+    rctx.delete("site")
+    rctx.file("WORKSPACE", "workspace(name = \"{}\")\n".format(rctx.name))
+    rctx.file("BUILD.bazel", "exports_files([\"site.tar\"])\n")
+
+pip_site_packages = repository_rule(
+    implementation = _pip_site_packages_impl,
+    attrs = {
+        "lock": attr.label(mandatory = True, allow_single_file = True,
+                           doc = "a hash-pinned tools/python/lock.py lock"),
+        "prefix": attr.string(default = "usr/local/lib/python3.11/dist-packages",
+                              doc = "where the packages go in the image"),
+    },
+    environ = _ENV_VARS,
+    doc = "The lock's wheels installed into one folder, as a tarball at `prefix`.",
+)
