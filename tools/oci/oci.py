@@ -25,6 +25,9 @@ gzip, and pushing (use `skopeo copy oci-archive:IMAGE.tar docker://REGISTRY/REPO
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import functools
 import gzip
 import hashlib
 import io
@@ -34,7 +37,8 @@ import pathlib
 import stat
 import sys
 import tarfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import IO
 
 MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MEDIA_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -70,10 +74,12 @@ def write_layer(out: pathlib.Path, files: Sequence[tuple[str, pathlib.Path, int 
                 dirs: Sequence[str] = (), tars: Sequence[pathlib.Path] = ()) -> None:
     """The deterministic layer of `files` (dest, source, mode or None), `dirs` ("dest" or
     "dest:octal mode") and the entries of `tars` (module docstring). A path given twice is an
-    error, not a silent overwrite."""
-    entries: dict[str, tuple[tarfile.TarInfo, bytes | None]] = {}
+    error, not a silent overwrite. File contents stream from their sources to the gzip output
+    (a fleet image's Python layer is gigabytes)."""
+    # name -> (normalized header, opener of the content or None)
+    entries: dict[str, tuple[tarfile.TarInfo, Callable[[], IO[bytes]] | None]] = {}
 
-    def add(info: tarfile.TarInfo, data: bytes | None, origin: str) -> None:
+    def add(info: tarfile.TarInfo, opener, origin: str) -> None:
         name = _clean_path(info.name)
         if not name:
             if info.isdir():
@@ -84,52 +90,51 @@ def write_layer(out: pathlib.Path, files: Sequence[tuple[str, pathlib.Path, int 
                 return  # the same folder from two sources
             raise ValueError(f"{name!r} is in the layer twice (again from {origin})")
         info.name = name
-        entries[name] = (_normalized(info), data)
+        entries[name] = (_normalized(info), opener)
 
-    for tar_path in tars:
-        with tarfile.open(tar_path) as source:
+    with contextlib.ExitStack() as open_tars:
+        for tar_path in tars:
+            source = open_tars.enter_context(tarfile.open(tar_path))
             for member in source.getmembers():
                 if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
                     continue  # devices and fifos do not belong in an image layer
-                data = source.extractfile(member).read() if member.isfile() else None
                 if member.islnk():
                     member.linkname = _clean_path(member.linkname)
-                add(member, data, str(tar_path))
-    for dest, source, mode in files:
-        data = source.read_bytes()
-        info = tarfile.TarInfo(dest)
-        info.size = len(data)
-        executable = source.stat().st_mode & stat.S_IXUSR
-        info.mode = mode if mode is not None else (0o755 if executable else 0o644)
-        add(info, data, str(source))
-    for spec in dirs:
-        dest, _, mode = spec.partition(":")
-        info = tarfile.TarInfo(dest)
-        info.type, info.mode = tarfile.DIRTYPE, int(mode, 8) if mode else 0o755
-        add(info, None, "--dir")
-    for name in list(entries):
-        for parent in _parents(name):
-            if parent not in entries:
-                info = tarfile.TarInfo(parent)
-                info.type, info.mode = tarfile.DIRTYPE, 0o755
-                entries[parent] = (_normalized(info), None)
-            elif not entries[parent][0].isdir():
-                raise ValueError(f"{parent!r} is a file, but {name!r} is below it")
+                # The member is copied: add() renames and normalizes its own header.
+                opener = functools.partial(source.extractfile, member) if member.isfile() \
+                    else None
+                add(copy.copy(member), opener, str(tar_path))
+        for dest, path, mode in files:
+            info = tarfile.TarInfo(dest)
+            info.size = path.stat().st_size
+            executable = path.stat().st_mode & stat.S_IXUSR
+            info.mode = mode if mode is not None else (0o755 if executable else 0o644)
+            add(info, functools.partial(path.open, "rb"), str(path))
+        for spec in dirs:
+            dest, _, mode = spec.partition(":")
+            info = tarfile.TarInfo(dest)
+            info.type, info.mode = tarfile.DIRTYPE, int(mode, 8) if mode else 0o755
+            add(info, None, "--dir")
+        for name in list(entries):
+            for parent in _parents(name):
+                if parent not in entries:
+                    info = tarfile.TarInfo(parent)
+                    info.type, info.mode = tarfile.DIRTYPE, 0o755
+                    entries[parent] = (_normalized(info), None)
+                elif not entries[parent][0].isdir():
+                    raise ValueError(f"{parent!r} is a file, but {name!r} is below it")
 
-    raw = io.BytesIO()
-    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tarred:
-        for name in sorted(entries):
-            info, data = entries[name]
-            tarred.addfile(info, io.BytesIO(data) if data is not None else None)
-    out.write_bytes(_gzip(raw.getvalue()))
-
-
-def _gzip(data: bytes) -> bytes:
-    buffer = io.BytesIO()
-    with gzip.GzipFile(filename="", mode="wb", fileobj=buffer, mtime=0,
-                       compresslevel=_GZIP_LEVEL) as compressed:
-        compressed.write(data)
-    return buffer.getvalue()
+        with out.open("wb") as raw_out, \
+                gzip.GzipFile(filename="", mode="wb", fileobj=raw_out, mtime=0,
+                              compresslevel=_GZIP_LEVEL) as compressed, \
+                tarfile.open(fileobj=compressed, mode="w", format=tarfile.PAX_FORMAT) as tarred:
+            for name in sorted(entries):
+                info, opener = entries[name]
+                if opener is None:
+                    tarred.addfile(info)
+                else:
+                    with opener() as content:
+                        tarred.addfile(info, content)
 
 
 # ----------------------------------------------------------------------------------------- image

@@ -9,7 +9,9 @@ managers (apt-get download, pip): no mirror or index host is written into the re
 The tarballs' entry metadata is normalized later by oci_layer.
 """
 
-_ENV_VARS = ["DOCKYARD_PYTHON", "HOME", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"]
+# pip reads its index and wheel folders from these (torch's CPU build comes from PIP_FIND_LINKS
+# or the PyTorch index, as for the venv).
+_ENV_VARS = ["DOCKYARD_PYTHON", "HOME", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_INDEX_URL"]
 
 def _host_python(rctx):
     host_python = rctx.os.environ.get("DOCKYARD_PYTHON", "python3")
