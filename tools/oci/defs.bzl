@@ -96,6 +96,9 @@ def _oci_image_impl(ctx):
         args.add("--env", "%s=%s" % (key, ctx.attr.env[key]))
     for key in sorted(ctx.attr.labels):
         args.add("--label", "%s=%s" % (key, ctx.attr.labels[key]))
+    # The source commit, from Bazel's stable workspace status (tools/workspace_status.sh).
+    args.add("--status-file", ctx.info_file)
+    args.add("--status-label", "org.opencontainers.image.revision=STABLE_GIT_COMMIT")
     for port in ctx.attr.exposed_ports:
         args.add("--port", port)
     if ctx.attr.user:
@@ -105,7 +108,7 @@ def _oci_image_impl(ctx):
     ctx.actions.run(
         executable = ctx.executable._tool,
         arguments = [args],
-        inputs = ctx.files.layers,
+        inputs = ctx.files.layers + [ctx.info_file],
         outputs = [out, digest],
         mnemonic = "OciImage",
         progress_message = "Writing OCI image %s" % ctx.label,

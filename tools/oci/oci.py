@@ -258,6 +258,10 @@ def main(argv: Sequence[str]) -> int:
     image.add_argument("--workdir", default="")
     image.add_argument("--port", action="append", default=[])
     image.add_argument("--label", action="append", default=[])
+    image.add_argument("--status-file", type=pathlib.Path,
+                       help="Bazel's stable-status.txt (KEY VALUE lines)")
+    image.add_argument("--status-label", action="append", default=[],
+                       help="LABEL=STATUS_KEY: a label whose value is that status key's")
     image.add_argument("--tag", required=True)
     image.add_argument("--architecture", default="amd64")
     image.add_argument("--os", default="linux")
@@ -267,10 +271,16 @@ def main(argv: Sequence[str]) -> int:
             write_layer(args.out, [_file_spec(f) for f in args.file], args.dir, args.tar)
         else:
             _pairs(args.env, "--env")  # checks the shape; the config keeps "K=V" strings
+            labels = dict(_pairs(args.label, "--label"))
+            if args.status_label:
+                status = dict(line.split(" ", 1) for line in
+                              args.status_file.read_text().splitlines() if " " in line)
+                for label, key in _pairs(args.status_label, "--status-label"):
+                    labels[label] = status.get(key, "unknown")
             digest = write_image(
                 args.out, [path.read_bytes() for path in args.layer], args.tag,
                 entrypoint=args.entrypoint, cmd=args.cmd, env=args.env, user=args.user,
-                workdir=args.workdir, ports=args.port, labels=dict(_pairs(args.label, "--label")),
+                workdir=args.workdir, ports=args.port, labels=labels,
                 architecture=args.architecture, os_name=args.os)
             args.digest_out.write_text(digest + "\n")
     except (ValueError, OSError) as error:

@@ -36,6 +36,15 @@ def _blob(layout: dict[str, bytes], digest: str) -> bytes:
     return data
 
 
+def _head_commit() -> str:
+    # The workspace's commit, read like tools/workspace_status.sh does (from the source tree the
+    # runfiles point into).
+    source = pathlib.Path(__file__).resolve().parent
+    run = subprocess.run(["git", "rev-parse", "HEAD"], cwd=source, capture_output=True,
+                         text=True)
+    return run.stdout.strip() if run.returncode == 0 else "unknown"
+
+
 def test_layers_are_normalized_and_the_same_bytes_every_time(tmp_path):
     (tmp_path / "bin").mkdir()
     script = tmp_path / "bin" / "run"
@@ -94,10 +103,13 @@ def test_the_rule_built_image_is_a_consistent_oci_layout():
     manifest = json.loads(manifest_bytes)
     config = json.loads(_blob(layout, manifest["config"]["digest"]))
     assert manifest["config"]["mediaType"] == oci.MEDIA_CONFIG
+    labels = config["config"].pop("Labels")
     assert config["config"] == {
         "Cmd": ["/app/hello.sh"], "Env": ["DOCKYARD_FLEET_ROLE=sandbox"],
-        "ExposedPorts": {"9090/tcp": {}}, "User": "1000:1000", "WorkingDir": "/app",
-        "Labels": {"org.opencontainers.image.title": "tools/oci test image"}}
+        "ExposedPorts": {"9090/tcp": {}}, "User": "1000:1000", "WorkingDir": "/app"}
+    # The source commit comes from Bazel's workspace status (tools/workspace_status.sh).
+    assert labels.pop("org.opencontainers.image.revision") == _head_commit()
+    assert labels == {"org.opencontainers.image.title": "tools/oci test image"}
     assert (config["os"], config["architecture"]) == ("linux", "amd64")
     layers = [_blob(layout, layer["digest"]) for layer in manifest["layers"]]
     assert all(layer["mediaType"] == oci.MEDIA_LAYER for layer in manifest["layers"])
@@ -115,9 +127,9 @@ def test_the_image_digest_depends_only_on_the_inputs(tmp_path):
     layout = _layout(IMAGE)
     manifest = json.loads(_blob(layout, json.loads(layout["index.json"])["manifests"][0]["digest"]))
     layers = [_blob(layout, layer["digest"]) for layer in manifest["layers"]]
+    labels = json.loads(_blob(layout, manifest["config"]["digest"]))["config"]["Labels"]
     config = dict(cmd=["/app/hello.sh"], env=["DOCKYARD_FLEET_ROLE=sandbox"], user="1000:1000",
-                  workdir="/app", ports=["9090/tcp"],
-                  labels={"org.opencontainers.image.title": "tools/oci test image"})
+                  workdir="/app", ports=["9090/tcp"], labels=labels)
     first = oci.write_image(tmp_path / "1.tar", layers, "dockyard/test:latest", **config)
     second = oci.write_image(tmp_path / "2.tar", layers, "dockyard/test:latest", **config)
     assert first == second == (IMAGE.parent / "test_image.digest").read_text().strip()
