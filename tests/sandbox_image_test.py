@@ -85,6 +85,20 @@ def test_the_image_holds_exactly_the_locked_wheels():
     assert found == {name.lower().replace("_", "-"): version for name, version in pins.items()}
 
 
+@pytest.mark.skipif(shutil.which("skopeo") is None,
+                    reason="skopeo is not installed (tools/bazel installs Debian's skopeo)")
+def test_skopeo_reads_the_image(tmp_path):
+    run = subprocess.run(["skopeo", "--tmpdir", str(tmp_path), "inspect", "--config",
+                          f"oci-archive:{IMAGE}"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    config = json.loads(run.stdout)
+    assert config["config"]["Entrypoint"] == ["/usr/bin/python3", "-m",
+                                              "dockyard_rl.sandbox.executor"]
+    assert "DOCKYARD_FLEET_ROLE=sandbox" in config["config"]["Env"]
+    assert config["config"]["ExposedPorts"] == {"9090/tcp": {}}
+    assert len(config["rootfs"]["diff_ids"]) == 3
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import pathlib
+import re
 import shutil
 import subprocess
 import tarfile
@@ -89,20 +90,35 @@ def test_a_path_given_twice_is_an_error(tmp_path):
                                                 ("/etc/f/g", source, None)])
 
 
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def _check_descriptor(descriptor: dict, media_type: str) -> None:
+    """The image-spec's descriptor: mediaType, a sha256 digest, an integer size."""
+    assert descriptor["mediaType"] == media_type
+    assert _DIGEST.fullmatch(descriptor["digest"]), descriptor
+    assert isinstance(descriptor["size"], int) and descriptor["size"] > 0
+
+
 def test_the_rule_built_image_is_a_consistent_oci_layout():
     layout = _layout(IMAGE)
+    # Every blob is named by its own digest.
+    for name, data in layout.items():
+        if name.startswith("blobs/"):
+            assert name == "blobs/sha256/" + hashlib.sha256(data).hexdigest()
     assert json.loads(layout["oci-layout"]) == {"imageLayoutVersion": "1.0.0"}
     index = json.loads(layout["index.json"])
     assert index["mediaType"] == oci.MEDIA_INDEX and index["schemaVersion"] == 2
     (entry,) = index["manifests"]
-    assert entry["mediaType"] == oci.MEDIA_MANIFEST
+    _check_descriptor(entry, oci.MEDIA_MANIFEST)
     assert entry["annotations"]["io.containerd.image.name"] == "dockyard/test:latest"
     manifest_bytes = _blob(layout, entry["digest"])
     assert len(manifest_bytes) == entry["size"]
     assert (IMAGE.parent / "test_image.digest").read_text().strip() == entry["digest"]
     manifest = json.loads(manifest_bytes)
+    assert manifest["schemaVersion"] == 2 and manifest["mediaType"] == oci.MEDIA_MANIFEST
     config = json.loads(_blob(layout, manifest["config"]["digest"]))
-    assert manifest["config"]["mediaType"] == oci.MEDIA_CONFIG
+    _check_descriptor(manifest["config"], oci.MEDIA_CONFIG)
     labels = config["config"].pop("Labels")
     assert config["config"] == {
         "Cmd": ["/app/hello.sh"], "Env": ["DOCKYARD_FLEET_ROLE=sandbox"],
@@ -112,7 +128,10 @@ def test_the_rule_built_image_is_a_consistent_oci_layout():
     assert labels == {"org.opencontainers.image.title": "tools/oci test image"}
     assert (config["os"], config["architecture"]) == ("linux", "amd64")
     layers = [_blob(layout, layer["digest"]) for layer in manifest["layers"]]
-    assert all(layer["mediaType"] == oci.MEDIA_LAYER for layer in manifest["layers"])
+    for layer in manifest["layers"]:
+        _check_descriptor(layer, oci.MEDIA_LAYER)
+    assert config["rootfs"]["type"] == "layers"
+    assert len(config["history"]) == len(layers)
     # diff_ids are the digests of the uncompressed layers, bottom first.
     assert config["rootfs"]["diff_ids"] == [
         "sha256:" + hashlib.sha256(gzip.decompress(layer)).hexdigest() for layer in layers]
