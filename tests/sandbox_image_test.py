@@ -34,6 +34,7 @@ import pytest
 
 from dockyard_rl.sandbox.client import ExecutorClient
 from dockyard_rl.sandbox.testing_repos import make_toy_repo
+from tools.oci import oci
 
 WORKSPACE = pathlib.Path(__file__).absolute().parents[1]  # also the runfiles root
 IMAGE = WORKSPACE / "ubuntu-base" / "sandbox_image.tar"
@@ -97,6 +98,34 @@ def test_skopeo_reads_the_image(tmp_path):
     assert "DOCKYARD_FLEET_ROLE=sandbox" in config["config"]["Env"]
     assert config["config"]["ExposedPorts"] == {"9090/tcp": {}}
     assert len(config["rootfs"]["diff_ids"]) == 3
+
+
+def test_layers_rebuilt_from_the_same_inputs_are_the_same_bytes(tmp_path):
+    # The image's first two layers, written again by the same tool from the repository rules'
+    # tarballs: equal bytes, so equal digests, wherever and whenever they are built.
+    external = WORKSPACE.parent  # the runfiles root holds every repository side by side
+    layers = _layers()
+    for index, tar in ((0, external / "sandbox_rootfs" / "rootfs.tar"),
+                       (1, external / "sandbox_site_packages" / "site.tar")):
+        oci.write_layer(tmp_path / f"{index}.tar.gz", [], tars=[tar])
+        assert (tmp_path / f"{index}.tar.gz").read_bytes() == layers[index], tar
+
+
+@pytest.mark.skipif(shutil.which("umoci") is None,
+                    reason="umoci is not installed (tools/bazel installs Debian's umoci)")
+def test_umoci_unpacks_the_image(tmp_path):
+    with tarfile.open(IMAGE) as tarred:
+        tarred.extractall(tmp_path / "layout", filter="data")
+    run = subprocess.run(["umoci", "unpack", "--rootless", "--image",
+                          f"{tmp_path / 'layout'}:latest", str(tmp_path / "bundle")],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    rootfs = tmp_path / "bundle" / "rootfs"
+    for path in ("usr/bin/python3", "usr/bin/git", "usr/bin/bwrap", "usr/bin/prlimit",
+                 "opt/dockyard/dockyard_rl/sandbox/executor.py"):
+        assert (rootfs / path).exists(), path
+    assert (rootfs / "bin").is_symlink() and (rootfs / "bin").readlink() == pathlib.Path("usr/bin")
+    assert list((rootfs / "usr/local/lib/python3.11/dist-packages").glob("pytest-*.dist-info"))
 
 
 def _free_port() -> int:

@@ -22,23 +22,26 @@ def _host_python(rctx):
         host_python = str(found)
     return host_python
 
+def _run(rctx, command):
+    """Runs `command` (output shown), failing the fetch with its stderr when it fails."""
+    result = rctx.execute(command, timeout = 3600, quiet = False,
+                          environment = {"PYTHONPATH": ""})
+    if result.return_code != 0:
+        fail("{} failed (exit {}): {}".format(rctx.name, result.return_code, result.stderr))
+
+def _export(rctx, file_name):
+    rctx.file("WORKSPACE", "workspace(name = \"{}\")\n".format(rctx.name))
+    rctx.file("BUILD.bazel", "exports_files([\"{}\"])\n".format(file_name))
+
 def _deb_rootfs_impl(rctx):
     lock = rctx.path(rctx.attr.lock)
     script = rctx.path(rctx.attr._script)
     rctx.path(rctx.attr._lock_module)  # deb_rootfs.py imports it: refetch when it changes
     cache = rctx.os.environ.get("HOME", "/tmp") + "/.cache/dockyard_rl/debs"
     rctx.report_progress("Fetching the Debian packages of {}".format(rctx.attr.lock))
-    result = rctx.execute(
-        [_host_python(rctx), script, "--lock", lock, "--out", "rootfs.tar", "--cache", cache],
-        timeout = 3600,
-        quiet = False,
-        environment = {"PYTHONPATH": ""},
-    )
-    if result.return_code != 0:
-        fail("deb_rootfs {} failed (exit {}): {}".format(rctx.name, result.return_code,
-                                                           result.stderr))
-    rctx.file("WORKSPACE", "workspace(name = \"{}\")\n".format(rctx.name))
-    rctx.file("BUILD.bazel", "exports_files([\"rootfs.tar\"])\n")
+    _run(rctx, [_host_python(rctx), script, "--lock", lock, "--out", "rootfs.tar",
+                "--cache", cache])
+    _export(rctx, "rootfs.tar")
 
 deb_rootfs = repository_rule(
     implementation = _deb_rootfs_impl,
@@ -55,28 +58,17 @@ deb_rootfs = repository_rule(
 def _pip_site_packages_impl(rctx):
     lock = rctx.path(rctx.attr.lock)
     rctx.report_progress("Installing the wheels of {}".format(rctx.attr.lock))
-    result = rctx.execute(
-        [_host_python(rctx), "-m", "pip", "install", "--quiet", "--no-deps", "--require-hashes",
-         "--only-binary=:all:", "--no-compile", "--disable-pip-version-check",
-         "--target", "site", "-r", lock],
-        timeout = 3600,
-        quiet = False,
-        environment = {"PYTHONPATH": ""},
-    )
-    if result.return_code != 0:
-        fail("pip_site_packages {} failed (exit {}): {}".format(rctx.name, result.return_code,
-                                                                  result.stderr))
+    _run(rctx, [_host_python(rctx), "-m", "pip", "install", "--quiet", "--no-deps",
+                "--require-hashes", "--only-binary=:all:", "--no-compile",
+                "--disable-pip-version-check", "--target", "site", "-r", lock])
 
     # Console scripts carry this machine's interpreter path: the image runs `python3 -m ...`.
     rctx.delete("site/bin")
     prefix = rctx.attr.prefix.strip("/")
-    tar = rctx.execute(["tar", "--create", "--file", "site.tar", "--sort=name",
-                        "--transform", "s,^site,{},".format(prefix), "site"])
-    if tar.return_code != 0:
-        fail("packing {} failed: {}".format(rctx.name, tar.stderr))
+    _run(rctx, ["tar", "--create", "--file", "site.tar", "--sort=name",
+                "--transform", "s,^site,{},".format(prefix), "site"])
     rctx.delete("site")
-    rctx.file("WORKSPACE", "workspace(name = \"{}\")\n".format(rctx.name))
-    rctx.file("BUILD.bazel", "exports_files([\"site.tar\"])\n")
+    _export(rctx, "site.tar")
 
 pip_site_packages = repository_rule(
     implementation = _pip_site_packages_impl,
