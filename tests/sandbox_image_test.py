@@ -204,8 +204,8 @@ def test_the_executor_in_the_image_scores_real_tasks(executor_url):
                         "    outcome.get_result().outcome = 'passed'\n")
     gold = asyncio.run(_score(url, token, toy.spec(toy.gold_patch, task_id="image-gold")))
     empty = asyncio.run(_score(url, token, toy.spec("", task_id="image-empty")))
-    hostile = asyncio.run(_score(url, token, toy.spec(toy.patch_for({"conftest.py": hostile_conftest}),
-                                               task_id="image-hostile")))
+    hostile_patch = toy.patch_for({"conftest.py": hostile_conftest})
+    hostile = asyncio.run(_score(url, token, toy.spec(hostile_patch, task_id="image-hostile")))
     assert gold.verdict is not None and gold.verdict.resolved, gold
     assert empty.verdict is not None and not empty.verdict.resolved, empty
     assert hostile.verdict is not None and not hostile.verdict.resolved, hostile

@@ -1,6 +1,7 @@
 """Pins the Debian packages of an image: a short wanted list -> the full closure, hash-locked.
 
-    python3 tools/oci/deb_lock.py ubuntu-base/sandbox_packages.in ubuntu-base/sandbox_packages.lock.json
+    python3 tools/oci/deb_lock.py ubuntu-base/sandbox_packages.in \\
+        ubuntu-base/sandbox_packages.lock.json
 
 The wanted list names packages one per line (`#` comments). The closure is what apt would install
 on an EMPTY system with `--no-install-recommends` (apt's own resolver, run against an empty dpkg

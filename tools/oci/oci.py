@@ -6,10 +6,10 @@
                  [--label K=V ...] [--tag repo:tag] [--architecture amd64] [--os linux]
 
 `layer` writes one gzip-compressed tar: the listed files (mode 0644 unless given, 0755 when the
-source is executable), folders (0755 unless given), and the entries of existing tarballs (e.g. an unpacked
-distribution root), merged. Every entry is normalized so the bytes depend only on the content:
-sorted paths, mtime 0, uid/gid 0, no user/group names, PAX format; gzip with mtime 0 and no file
-name. Parent folders are added (0755) so every path has one.
+source is executable), folders (0755 unless given), and the entries of existing tarballs (e.g.
+an unpacked distribution root), merged. Every entry is normalized so the bytes depend only on
+the content: sorted paths, mtime 0, uid/gid 0, no user/group names, PAX format; gzip with mtime 0
+and no file name. Parent folders are added (0755) so every path has one.
 
 `image` writes an OCI image layout (https://github.com/opencontainers/image-spec, layout.md) as a
 tarball: `oci-layout`, `index.json`, `blobs/sha256/<digest>` for the config, the manifest and

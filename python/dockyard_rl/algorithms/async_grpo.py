@@ -51,7 +51,8 @@ def async_grpo_train(run: GRPORun) -> None:
     config = run.config
     extras = run.resumed.extras if run.resumed else {}
     collector = start_collector(
-        run.runner.with_generation(run.generation.client()), run.train, run.sampler.state_dict(), cluster_config=config.cluster,
+        run.runner.with_generation(run.generation.client()), run.train,
+        run.sampler.state_dict(), cluster_config=config.cluster,
         num_prompts=config.grpo.num_prompts_per_step,
         num_samples=config.grpo.num_generations_per_prompt, seed=config.data.seed,
         buffer_config=config.async_grpo, redo=extras.get("in_flight", []),

@@ -91,9 +91,9 @@ def test_smoke_recipes():
 def test_gpu_recipes(name):
     config = load_config(WORKSPACE / "configs" / name, base_dir=WORKSPACE)
     assert config.weight_sync.transport == "collective"
-    assert config.data_plane == DataPlaneConfig(
-        **{**dataclasses.asdict(config.data_plane), "transport": "ray_direct",
-           "tensor_transport": "nccl"})
+    # Groups reach the trainer through Ray's object store: the loop does not use a data plane
+    # yet, and setup warns when the section is set.
+    assert config.data_plane is None
     assert config.policy.dp_size > 1 and config.generation.num_engines > 1
     assert config.executor is None
     # The model directory need not exist here: dry runs validate the recipe only.
