@@ -16,6 +16,7 @@ device and a fresh /proc, which a masked /proc forbids).
 from __future__ import annotations
 
 import asyncio
+import functools
 import gzip
 import io
 import json
@@ -46,6 +47,7 @@ CONTAINER_OPTIONS = ["--ulimit", "nofile=20000:20000", "--ulimit", "nproc=4096:4
                      "--security-opt", "unmask=/proc/*"]
 
 
+@functools.cache  # the 85 MB image is read once per test module, not once per test
 def _layers() -> list[bytes]:
     with tarfile.open(IMAGE) as tarred:
         blobs = {m.name: tarred.extractfile(m).read() for m in tarred.getmembers() if m.isfile()}
