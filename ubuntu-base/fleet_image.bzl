@@ -13,15 +13,16 @@ torch, vLLM and Ray (gigabytes), so they build on request, the CUDA variant with
 
 load("//tools/oci:defs.bzl", "oci_image", "oci_layer")
 
-def fleet_image(name, role, variant):
+def fleet_layers(variant):
+    """The python and application layers of one variant, shared by its trainer and inference images."""
     tags = ["manual"]
     oci_layer(
-        name = name + "_python_layer",
+        name = "fleet_python_layer_" + variant,
         tars = ["@fleet_site_packages_%s//:site.tar" % variant],
         tags = tags,
     )
     oci_layer(
-        name = name + "_app_layer",
+        name = "fleet_app_layer_" + variant,
         dirs = ["/tmp:1777"],
         files = {"//cc:_dockyard_kernels.so": "/opt/dockyard/_dockyard_kernels.so"},
         prefix = "/opt/dockyard",
@@ -32,6 +33,9 @@ def fleet_image(name, role, variant):
         strip_prefix = "python",
         tags = tags,
     )
+
+def fleet_image(name, role, variant):
+    """One role's image: the shared layers of `variant` (see fleet_layers) and the role's config."""
     oci_image(
         name = name,
         entrypoint = ["/usr/bin/python3", "-m", "dockyard_rl.cluster.join"],
@@ -46,10 +50,10 @@ def fleet_image(name, role, variant):
         },
         layers = [
             ":fleet_rootfs_layer",
-            ":" + name + "_python_layer",
-            ":" + name + "_app_layer",
+            ":fleet_python_layer_" + variant,
+            ":fleet_app_layer_" + variant,
         ],
         tag = "dockyard/%s-%s:latest" % (role, variant),
         workdir = "/opt/dockyard",
-        tags = tags,
+        tags = ["manual"],
     )

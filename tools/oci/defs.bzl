@@ -33,10 +33,11 @@ def _oci_layer_impl(ctx):
     for src in ctx.files.srcs:
         args.add("--file", "%s=%s" % (_dest(ctx.attr.prefix, _stripped(ctx, src)), src.path))
         inputs.append(src)
-    for target in ctx.attr.py_srcs_of:
-        for src in target[PyInfo].transitive_sources.to_list():
-            args.add("--file", "%s=%s" % (_dest(ctx.attr.prefix, _stripped(ctx, src)), src.path))
-            inputs.append(src)
+    # One depset over all targets: a module two targets share goes in once.
+    py_srcs = depset(transitive = [t[PyInfo].transitive_sources for t in ctx.attr.py_srcs_of])
+    for src in py_srcs.to_list():
+        args.add("--file", "%s=%s" % (_dest(ctx.attr.prefix, _stripped(ctx, src)), src.path))
+        inputs.append(src)
     for target, dest in ctx.attr.files.items():
         files = target.files.to_list()
         if len(files) != 1:

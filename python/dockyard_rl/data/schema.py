@@ -21,7 +21,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from dockyard_rl.sandbox.task import RewardMode, TaskSpec
+from dockyard_rl.sandbox.task import DEFAULT_REPO_PATH, RewardMode, TaskSpec
 
 
 class DatasetError(ValueError):
@@ -56,6 +56,8 @@ class SweInstance:
     environment_setup_commit: str = ""
     created_at: str = ""
     test_command: str | None = None  # None: the executor's default (pytest on test_patch files)
+    image: str | None = None         # OCI image the tests run in (sandbox/images.py references)
+    repo_path: str | None = None     # the repository's folder in the image (None: /testbed)
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any], row_index: int, source: str) -> "SweInstance":
@@ -107,6 +109,8 @@ class SweInstance:
         fields["PASS_TO_PASS"] = test_ids("PASS_TO_PASS")
         command = text("test_command", False)
         fields["test_command"] = command if command.strip() else None
+        for name in ("image", "repo_path"):
+            fields[name] = text(name, False).strip() or None
         if not fields["FAIL_TO_PASS"]:
             # Without a failing test there is nothing to resolve: every patch would score 1.
             raise DatasetError(source, row_index, "FAIL_TO_PASS",
@@ -118,8 +122,9 @@ class SweInstance:
         data = dataclasses.asdict(self)
         data["FAIL_TO_PASS"] = list(self.FAIL_TO_PASS)
         data["PASS_TO_PASS"] = list(self.PASS_TO_PASS)
-        if self.test_command is None:
-            del data["test_command"]
+        for name in ("test_command", "image", "repo_path"):
+            if data[name] is None:
+                del data[name]
         return data
 
     def to_task_spec(self, patch: str, *, repo_url: str | None = None,
@@ -133,4 +138,5 @@ class SweInstance:
                         base_commit=self.base_commit, patch=patch, test_patch=self.test_patch,
                         fail_to_pass=self.FAIL_TO_PASS, pass_to_pass=self.PASS_TO_PASS,
                         test_command=self.test_command, timeout_s=timeout_s,
-                        reward_mode=reward_mode, task_id=task_id)
+                        reward_mode=reward_mode, task_id=task_id, image=self.image,
+                        repo_path=self.repo_path or DEFAULT_REPO_PATH)

@@ -215,6 +215,8 @@ _SYSTEM_DIRS = ("/usr",)
 _SYSTEM_LINKS_OR_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # What the dynamic loader, locale and time functions read from /etc; no host accounts, hostnames,
 # credentials or configuration.
+# Top-level entries of an image's root that the sandbox makes itself (or leaves out: /sys).
+_NOT_FROM_IMAGE = frozenset({"dev", "proc", "tmp", "sys", "run"})
 _SYSTEM_ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
                "/etc/localtime")
 
@@ -275,16 +277,9 @@ def _within(path: pathlib.Path, roots: Sequence[pathlib.Path]) -> bool:
     return any(path == root or root in path.parents for root in roots)
 
 
-def _bwrap_argv(argv: Sequence[str], *, writable_dirs: Sequence[pathlib.Path],
-                hidden_paths: Sequence[pathlib.Path], readonly_paths: Sequence[pathlib.Path],
-                limits: SandboxLimits, uid: int, cwd: pathlib.Path,
-                mounts: Sequence[Mount] = (), etc_fds: Mapping[str, int] | None = None
-                ) -> list[str]:
-    as_root = is_real_root()
-    args = ["bwrap", "--die-with-parent", "--new-session", "--unshare-net", "--unshare-pid",
-            "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
-    if not as_root:
-        args += ["--unshare-user", "--uid", str(_NOBODY), "--gid", str(_NOBODY)]
+def _bind_host_system(args: list[str], etc_fds: Mapping[str, int]) -> list[pathlib.Path]:
+    """The host's /usr (and the /bin, /lib... links), the loader's /etc files and the generated
+    /etc files; returns the trees bound."""
     bound: list[pathlib.Path] = []
     for path in _SYSTEM_DIRS:
         if os.path.isdir(path):
@@ -301,8 +296,48 @@ def _bwrap_argv(argv: Sequence[str], *, writable_dirs: Sequence[pathlib.Path],
     for path in _SYSTEM_ETC:
         if os.path.exists(path):
             args += ["--ro-bind", path, path]
-    for path, fd in (etc_fds or {}).items():
+    for path, fd in etc_fds.items():
         args += ["--perms", "0644", "--ro-bind-data", str(fd), path]
+    return bound
+
+
+def _bind_image_root(args: list[str], root: pathlib.Path,
+                     etc_fds: Mapping[str, int]) -> list[pathlib.Path]:
+    """An unpacked image's root filesystem, read-only, entry by entry on bwrap's tmpfs root (so
+    the caller's mount points outside it can still be made); /dev, /proc, /tmp, /sys and /run
+    are not taken from the image. The generated /etc files replace the image's own where it has
+    them (a file cannot be added to a read-only /etc). Returns the trees bound."""
+    bound: list[pathlib.Path] = []
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        dest = "/" + entry.name
+        if entry.name in _NOT_FROM_IMAGE:
+            continue
+        if entry.is_symlink():
+            args += ["--symlink", os.readlink(entry.path), dest]
+        elif entry.is_dir() or entry.is_file():
+            args += ["--ro-bind", entry.path, dest]
+            bound.append(pathlib.Path(dest))
+    for path, fd in etc_fds.items():
+        inside = root / path.lstrip("/")
+        if os.path.isfile(inside) and not os.path.islink(inside):
+            args += ["--perms", "0644", "--ro-bind-data", str(fd), path]
+    return bound
+
+
+def _bwrap_argv(argv: Sequence[str], *, writable_dirs: Sequence[pathlib.Path],
+                hidden_paths: Sequence[pathlib.Path], readonly_paths: Sequence[pathlib.Path],
+                limits: SandboxLimits, uid: int, cwd: pathlib.Path,
+                mounts: Sequence[Mount] = (), etc_fds: Mapping[str, int] | None = None,
+                root: pathlib.Path | None = None) -> list[str]:
+    as_root = is_real_root()
+    args = ["bwrap", "--die-with-parent", "--new-session", "--unshare-net", "--unshare-pid",
+            "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
+    if not as_root:
+        args += ["--unshare-user", "--uid", str(_NOBODY), "--gid", str(_NOBODY)]
+    if root is not None:
+        bound = _bind_image_root(args, root, etc_fds or {})
+    else:
+        bound = _bind_host_system(args, etc_fds or {})
     args += ["--dev", "/dev", "--proc", "/proc",
              # 1777 like a real /tmp: bwrap's default 0755 root-owned tmpfs is not writable by
              # the sandbox uid in root mode.
@@ -369,7 +404,8 @@ def run_sandboxed(argv: Sequence[str], *, writable_dirs: Sequence[pathlib.Path],
                   mounts: Sequence[Mount] = (),
                   env: Mapping[str, str] | None = None,
                   stdin_data: bytes | None = None,
-                  channels: Sequence[OutputChannel] = ()) -> SandboxResult:
+                  channels: Sequence[OutputChannel] = (),
+                  root: pathlib.Path | None = None) -> SandboxResult:
     """Runs `argv` in a fresh sandbox and returns its exit code and bounded output. Never raises
     for anything the command does; raises SandboxUnavailableError when bwrap cannot start and
     ValueError for bad arguments.
@@ -383,7 +419,10 @@ def run_sandboxed(argv: Sequence[str], *, writable_dirs: Sequence[pathlib.Path],
     when they lie inside something bound. `env` replaces the environment (default: a minimal
     PATH/HOME/LANG). `stdin_data` is what the command reads on stdin (default: /dev/null).
     `channels` are extra pipes out of the sandbox, read concurrently with the output; this
-    function closes them.
+    function closes them. `root`: an unpacked image's root filesystem (images.py) replaces the
+    host's /usr and /etc files as the read-only system view; its top-level entries are bound
+    read-only, except /dev, /proc, /tmp, /sys and /run, and `prlimit` (and `setpriv`, as root)
+    must be on the image's PATH (util-linux).
     """
     try:
         for path in list(writable_dirs) + list(readonly_paths) + list(hidden_paths) + [cwd]:
@@ -396,16 +435,18 @@ def run_sandboxed(argv: Sequence[str], *, writable_dirs: Sequence[pathlib.Path],
             raise ValueError("argv: must name a command")
         if shutil.which("bwrap") is None or _root_behind_user_namespace():
             check_available()  # raises with the fix
+        if root is not None and not root.is_dir():
+            raise ValueError(f"root: {str(root)!r} is not an existing directory")
         return _run(argv, writable_dirs=writable_dirs, limits=limits, cwd=cwd,
                     hidden_paths=hidden_paths, readonly_paths=readonly_paths, mounts=mounts,
-                    env=env, stdin_data=stdin_data, channels=channels)
+                    env=env, stdin_data=stdin_data, channels=channels, root=root)
     finally:
         for channel in channels:
             channel.close()
 
 
 def _run(argv, *, writable_dirs, limits, cwd, hidden_paths, readonly_paths, mounts, env,
-         stdin_data, channels) -> SandboxResult:
+         stdin_data, channels, root) -> SandboxResult:
     uid = _pick_uid()
     if is_real_root():
         for path in writable_dirs:
@@ -421,7 +462,7 @@ def _run(argv, *, writable_dirs, limits, cwd, hidden_paths, readonly_paths, moun
                                   name="sandbox-stdin")
     command = _bwrap_argv(argv, writable_dirs=writable_dirs, hidden_paths=hidden_paths,
                           readonly_paths=readonly_paths, limits=limits, uid=uid, cwd=cwd,
-                          mounts=mounts, etc_fds=etc_fds)
+                          mounts=mounts, etc_fds=etc_fds, root=root)
     output = BoundedOutput(limits.max_output_bytes)
     status_read, status_write = os.pipe()
     command = command[:1] + ["--json-status-fd", str(status_write)] + command[1:]

@@ -62,8 +62,8 @@ import time
 import unidiff
 
 from dockyard_rl.sandbox import apply as apply_lib
-from dockyard_rl.sandbox import (cleanup, grading, integrity, isolation, repo_cache, runner,
-                                 screening, tree_audit)
+from dockyard_rl.sandbox import (cleanup, grading, images, integrity, isolation, repo_cache,
+                                 runner, screening, tree_audit)
 from dockyard_rl.sandbox.task import ApplyMethod, FailureKind, TaskSpec, TestOutcome, Verdict
 from dockyard_rl.utils.config import require
 
@@ -92,6 +92,8 @@ class PipelineConfig:
     max_report_testcases: int = 200_000
     max_binary_patch_bytes: int = 1024**2      # declared size of a patch's binary content
     cache_dir: str | None = None               # repository mirrors; None -> <work_root>/mirrors
+    image_cache_dir: str | None = None         # unpacked task images; None -> <work_root>/images
+    image_cache_max_bytes: int = 20 * 1024**3  # LRU-evicted above this (images in use stay)
 
     def __post_init__(self):
         def positive_int(name: str, what: str):
@@ -113,6 +115,7 @@ class PipelineConfig:
         positive_int("max_report_bytes", "bytes of the test report and of the result stream")
         positive_int("max_report_testcases", "testcases in one report")
         positive_int("max_binary_patch_bytes", "bytes of binary content in a patch")
+        positive_int("image_cache_max_bytes", "bytes of unpacked task images kept")
         require(self.memory_bytes >= 64 * 1024**2, "memory_bytes",
                 f"must be at least 64 MiB (a Python interpreter needs more), got "
                 f"{self.memory_bytes}")
@@ -141,6 +144,25 @@ class PipelineConfig:
         if self.cache_dir is None:
             return work_root / "mirrors"
         return pathlib.Path(self.cache_dir).expanduser().resolve()
+
+
+    def image_cache_path(self, work_root: pathlib.Path) -> pathlib.Path:
+        if self.image_cache_dir is None:
+            return work_root / "images"
+        return pathlib.Path(self.image_cache_dir).expanduser().resolve()
+
+
+_image_caches_lock = threading.Lock()
+_image_caches: dict[pathlib.Path, images.ImageCache] = {}
+
+
+def image_cache(config: PipelineConfig, work_root: pathlib.Path) -> images.ImageCache:
+    """The process's one ImageCache for the config's cache folder (created on first use)."""
+    path = config.image_cache_path(pathlib.Path(work_root).expanduser().resolve())
+    with _image_caches_lock:
+        if path not in _image_caches:
+            _image_caches[path] = images.ImageCache(path, config.image_cache_max_bytes)
+        return _image_caches[path]
 
 
 _sandbox_checked = threading.Lock()
@@ -260,8 +282,14 @@ def score_task(spec: TaskSpec, config: PipelineConfig, work_root: pathlib.Path) 
         raise InfrastructureError(f"cannot create a task directory under {work_root}: "
                                   f"{error}") from error
     try:
-        return _Scoring(spec, config, work_root, cache, task_dir, timings, start).run(
-            all_test_files, pytest_args)
+        scoring = _Scoring(spec, config, work_root, cache, task_dir, timings, start)
+        if spec.image is None:
+            return scoring.run(all_test_files, pytest_args)
+        with image_cache(config, work_root).lease(spec.image) as image:
+            scoring.use_image(image)
+            return scoring.run(all_test_files, pytest_args)
+    except images.ImageUnavailableError as error:
+        raise InfrastructureError(str(error)) from error
     except (OSError, tree_audit.TreeAuditError) as error:
         # Disk full, git failing on our own trusted checkout, ...: not the patch's doing (the
         # patch's own effects are contained in the sandbox or judged by the checks above).
@@ -284,6 +312,14 @@ class _Scoring:
         self.scratch = task_dir / "scratch"
         self.flags: tuple[str, ...] = ()
         self.phase_start = time.monotonic()
+        self.image: images.Image | None = None
+        self.interpreter: str | None = None
+
+    def use_image(self, image: images.Image) -> None:
+        """Runs the tests in `image` (raises images.ImageError when it cannot host them)."""
+        self.interpreter = runner.image_interpreter(image, self.spec.test_command)
+        self.image = image
+        self.lap("image")
 
     def lap(self, phase: str) -> None:
         now = time.monotonic()
@@ -367,7 +403,9 @@ class _Scoring:
             result, evidence = runner.run_pytest(
                 pytest_args, self.worktree, self.scratch, config.runner_limits(spec.timeout_s),
                 canaries=True, hidden_paths=[self.work_root, config.cache_path(self.work_root)],
-                patched_files=sorted(integrity.touched_paths(spec.patch)[0]))
+                patched_files=sorted(integrity.touched_paths(spec.patch)[0]),
+                image=self.image, interpreter=self.interpreter,
+                worktree_dir=pathlib.Path(spec.repo_path))
         except isolation.SandboxUnavailableError as error:
             raise InfrastructureError(str(error)) from error
         self.lap("tests")

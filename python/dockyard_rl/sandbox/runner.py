@@ -38,7 +38,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from dockyard_rl.sandbox import isolation
+from dockyard_rl.sandbox import images, isolation
 from dockyard_rl.sandbox.evidence import JUnitStream, RecordStream
 from dockyard_rl.sandbox.grading import RunEvidence
 
@@ -138,15 +138,61 @@ def interpreter_paths() -> list[pathlib.Path]:
     return sorted(paths)
 
 
+def _in_image(image: images.Image, path: str) -> bool:
+    return os.path.lexists(image.rootfs / path.lstrip("/"))
+
+
+def image_interpreter(image: images.Image, test_command: str | None) -> str:
+    """The Python that runs the tests in `image`: the interpreter the task's `python -m pytest`
+    command names by absolute path, else the first python3 / python on the image's PATH. Raises
+    images.ImageError when the image lacks it or the tools the sandbox needs (util-linux)."""
+    search = image.env.get("PATH", "/usr/local/bin:/usr/bin:/bin").split(":")
+
+    def find(name: str) -> str | None:
+        return next((f"{folder}/{name}" for folder in search
+                     if folder.startswith("/") and _in_image(image, f"{folder}/{name}")), None)
+
+    needed = ["prlimit"] + (["setpriv"] if isolation.is_real_root() else [])
+    for tool in needed:
+        if find(tool) is None:
+            raise images.ImageError(f"image: {image.digest[:19]} has no `{tool}` on its PATH "
+                                    f"({':'.join(search)}); the sandbox needs util-linux in "
+                                    f"the image")
+    words = shlex.split(test_command) if test_command else []
+    if words and words[0].startswith("/") and _PYTHON_RE.match(words[0]):
+        if not _in_image(image, words[0]):
+            raise images.ImageError(f"test_command: {words[0]} does not exist in the image")
+        return words[0]
+    interpreter = find("python3") or find("python")
+    if interpreter is None:
+        raise images.ImageError(f"image: {image.digest[:19]} has no python3 or python on its "
+                                f"PATH ({':'.join(search)})")
+    return interpreter
+
+
 def run_pytest(pytest_args: Sequence[str], worktree: pathlib.Path, scratch_dir: pathlib.Path,
                limits: RunnerLimits, *, canaries: bool = True,
                hidden_paths: Sequence[pathlib.Path] = (),
-               patched_files: Sequence[str] = ()) -> tuple[isolation.SandboxResult, RunEvidence]:
+               patched_files: Sequence[str] = (),
+               image: images.Image | None = None, interpreter: str | None = None,
+               worktree_dir: pathlib.Path = SANDBOX_WORKTREE
+               ) -> tuple[isolation.SandboxResult, RunEvidence]:
     """Runs pytest with `pytest_args` on a copy of `worktree` inside the sandbox (module
     docstring). `scratch_dir` (executor-owned, outside the worktree) receives the runner's files.
-    `patched_files`: repository paths the agent's patch changed; a test whose code
-    comes from one of them (other than its own module) is tampering. Raises isolation.SandboxUnavailableError when the sandbox cannot start;
+    `patched_files`: repository paths the agent's patch changed; a test whose code comes from one
+    of them (other than its own module) is tampering. With `image` (an unpacked task image) the
+    image's root filesystem is the sandbox's system view and `interpreter` (a path inside it, see
+    image_interpreter) runs the tests, with the image's Env under ours; without, this executor's
+    interpreter does. The tests' copy of the worktree lives at `worktree_dir` (the repository's
+    path in the image). Raises isolation.SandboxUnavailableError when the sandbox cannot start;
     whatever the tests do ends in the returned evidence."""
+    if image is not None and interpreter is None:
+        raise ValueError("run_pytest: an image needs its interpreter (image_interpreter)")
+    if image is not None:
+        top = worktree_dir.parts[1] if len(worktree_dir.parts) > 1 else ""
+        if _in_image(image, top) and not (image.rootfs / str(worktree_dir).lstrip("/")).is_dir():
+            raise images.ImageError(f"repo_path: the image has no directory {worktree_dir} to "
+                                    f"put the repository on")
     runner_dir = scratch_dir / f"runner-{secrets.token_hex(8)}"
     runner_dir.mkdir(mode=0o755)
     os.chmod(runner_dir, 0o755)
@@ -162,7 +208,7 @@ def run_pytest(pytest_args: Sequence[str], worktree: pathlib.Path, scratch_dir: 
     inside_runner = pathlib.Path(f"/.dockyard/{secrets.token_hex(8)}")
     args = list(pytest_args)
     if not any(arg == "--rootdir" or arg.startswith("--rootdir=") for arg in args):
-        args.append(f"--rootdir={SANDBOX_WORKTREE}")
+        args.append(f"--rootdir={worktree_dir}")
     suite_name = f"dockyard-{secrets.token_hex(16)}"
     canary_names = (f"test_{secrets.token_hex(5)}", f"test_{secrets.token_hex(5)}")
     records = RecordStream(limits.max_report_bytes)
@@ -170,7 +216,7 @@ def run_pytest(pytest_args: Sequence[str], worktree: pathlib.Path, scratch_dir: 
     events_channel = isolation.OutputChannel(records)
     report_channel = isolation.OutputChannel(report)
     settings = {
-        "source_dir": str(_SANDBOX_SOURCE), "worktree_dir": str(SANDBOX_WORKTREE),
+        "source_dir": str(_SANDBOX_SOURCE), "worktree_dir": str(worktree_dir),
         "tmp_dir": "/tmp", "report_parent": str(_SANDBOX_REPORT_DIR),
         "report_name": f"junit-{secrets.token_hex(8)}.xml", "suite_name": suite_name,
         "canaries": canaries, "canary_path": str(inside_runner / canary_file.name),
@@ -178,26 +224,35 @@ def run_pytest(pytest_args: Sequence[str], worktree: pathlib.Path, scratch_dir: 
         "report_fd": report_channel.child_fd, "pytest_args": args,
         "patched_files": list(patched_files),
     }
-    interpreter = [pathlib.Path(p) for p in interpreter_paths()]
     mounts = [
         isolation.Mount("ro", _SANDBOX_SOURCE, worktree),
         isolation.Mount("ro", inside_runner, runner_dir),
-        isolation.Mount("tmpfs", SANDBOX_WORKTREE, size_bytes=limits.worktree_size_bytes,
+        isolation.Mount("tmpfs", worktree_dir, size_bytes=limits.worktree_size_bytes,
                         perms="1777"),
         isolation.Mount("tmpfs", _SANDBOX_REPORT_DIR,
                         size_bytes=limits.max_report_bytes + 1024 * 1024, perms="1777"),
     ]
-    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
-           "HOME": "/tmp", "LANG": "C.UTF-8", "TMPDIR": "/tmp", "USER": "sandbox",
+    env = {"HOME": "/tmp", "LANG": "C.UTF-8", "TMPDIR": "/tmp", "USER": "sandbox",
            "LOGNAME": "sandbox", "PYTHONHASHSEED": "0", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-           # /testbed is a root-owned tmpfs; git would refuse its copied .git as "dubious".
+           # The worktree is a root-owned tmpfs; git would refuse its copied .git as "dubious".
            "GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "safe.directory",
-           "GIT_CONFIG_VALUE_0": str(SANDBOX_WORKTREE)}
+           "GIT_CONFIG_VALUE_0": str(worktree_dir)}
+    if image is None:
+        env["PATH"] = f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin"
+        command = [sys.executable, "-s", "-P", "-B"]
+        readonly = [pathlib.Path(p) for p in interpreter_paths()]
+    else:
+        # The image's own environment (its PATH, a conda prefix, ...) under the fixed variables.
+        env = {**image.env, **env}
+        env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+        command = [interpreter, "-s", "-B"]
+        readonly = []
     result = isolation.run_sandboxed(
-        [sys.executable, "-s", "-P", "-B", str(inside_runner / bootstrap.name)],
-        writable_dirs=[], limits=limits.sandbox, cwd=SANDBOX_WORKTREE,
-        hidden_paths=hidden_paths, readonly_paths=interpreter, mounts=mounts, env=env,
-        stdin_data=json.dumps(settings).encode(), channels=[events_channel, report_channel])
+        [*command, str(inside_runner / bootstrap.name)],
+        writable_dirs=[], limits=limits.sandbox, cwd=worktree_dir,
+        hidden_paths=hidden_paths, readonly_paths=readonly, mounts=mounts, env=env,
+        stdin_data=json.dumps(settings).encode(), channels=[events_channel, report_channel],
+        root=image.rootfs if image is not None else None)
     records.finish()
     report.finish()
     evidence = RunEvidence(records=records, report=report, exit_code=result.exit_code,

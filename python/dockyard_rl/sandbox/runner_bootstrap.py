@@ -1,8 +1,9 @@
 """The test runner's entry point INSIDE the sandbox: starts pytest isolated and reports on it.
 
 This file is executed by the sandboxed interpreter as a script
-(`python -s -P -B <runner dir>/runner_bootstrap.py`); it imports nothing from dockyard_rl and
-only the standard library and pytest. The executor side is `sandbox/runner.py`, which builds
+(`python -s -P -B <runner dir>/runner_bootstrap.py`, or without -P for a task image's older
+interpreter); it imports nothing from dockyard_rl and only the standard library and pytest, and
+runs on Python 3.8 or later (audit hooks). The executor side is `sandbox/runner.py`, which builds
 the sandbox, feeds this script its settings and reads what it reports.
 
 What it does, in order (the order is the point):
@@ -378,6 +379,10 @@ def disk_usage(settings):
 
 
 def main():
+    # Without -P (an image's interpreter older than 3.11) the script's own folder is first on
+    # sys.path; it holds only this file and the canary file, but nothing should import from it.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     settings = json.loads(sys.stdin.buffer.read().decode("utf-8"))
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)

@@ -11,7 +11,8 @@
                         verdict (null until finished), last infrastructure error, attempts,
                         timestamps. 404 for an unknown id; 401 as above.
     GET  /healthz       {"status": "ok", ...} 200; 503 when no worker thread is alive.
-    GET  /metrics       Prometheus text format 0.0.4 (no auth: it reveals counts, not tasks).
+    GET  /metrics       Prometheus text format (prometheus_client; the metrics are listed in
+                        metrics.py). No auth: it reveals counts, not tasks.
 
 Every error body is JSON {"error": "<message>", "field": "<field or null>"}.
 
@@ -47,14 +48,12 @@ without spending its attempt, so the next start re-runs it.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import dataclasses
 import functools
 import hmac
 import json
 import logging
-import math
 import pathlib
 import queue
 import re
@@ -63,10 +62,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
+import prometheus_client
 from aiohttp import web
 
 from dockyard_rl.sandbox import pipeline, repo_cache, runner
 from dockyard_rl.sandbox.config import ExecutorConfig
+from dockyard_rl.sandbox.metrics import ExecutorMetrics, ImageStatsFn
 from dockyard_rl.sandbox.store import (QueueFullError, RecoveryReport, TaskConflictError,
                                        TaskRecord, TaskStore)
 from dockyard_rl.sandbox.task import TaskSpec, TaskStatus, TaskValidationError, Verdict
@@ -83,9 +84,6 @@ _TASK_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Submissions carry two patches plus small fields (ids, test lists, commands); this is the room
 # allowed for everything but the patches before the body itself is refused with 413.
 _BODY_OVERHEAD_BYTES = 1 << 20
-
-_OUTCOMES = ("resolved", "unresolved", "infra_error")
-_DURATION_BUCKETS_S = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 
 
 class ShuttingDownError(Exception):
@@ -122,89 +120,6 @@ def check_scorable(spec: TaskSpec) -> None:
             raise TaskValidationError(field, message) from None
 
 
-class _Metrics:
-    """Counters and a histogram for /metrics, written by hand in the Prometheus text format.
-
-    Counters count since this process started (Prometheus handles resets); queue depth and running
-    tasks are read from the store at scrape time, so they include work recovered after a restart.
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._completed = {outcome: 0 for outcome in _OUTCOMES}
-        self._num_retries = 0
-        self._rejected: dict[str, int] = {}
-        # Non-cumulative counts per bucket (+Inf last); made cumulative when rendered.
-        self._bucket_counts = [0] * (len(_DURATION_BUCKETS_S) + 1)
-        self._duration_sum_s = 0.0
-
-    def completed(self, outcome: str, duration_s: float) -> None:
-        assert outcome in self._completed, outcome
-        with self._lock:
-            self._completed[outcome] += 1
-            self._bucket_counts[bisect.bisect_left(_DURATION_BUCKETS_S, duration_s)] += 1
-            self._duration_sum_s += duration_s
-
-    def retried(self) -> None:
-        with self._lock:
-            self._num_retries += 1
-
-    def rejected(self, reason: str) -> None:
-        with self._lock:
-            self._rejected[reason] = self._rejected.get(reason, 0) + 1
-
-    def render(self, counts: dict[TaskStatus, int], num_workers: int, num_alive: int) -> str:
-        with self._lock:
-            completed = dict(self._completed)
-            num_retries = self._num_retries
-            rejected = dict(sorted(self._rejected.items()))
-            bucket_counts = list(self._bucket_counts)
-            duration_sum_s = self._duration_sum_s
-        lines = []
-
-        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]):
-            lines.append(f"# HELP {name} {help_text}")
-            lines.append(f"# TYPE {name} {kind}")
-            lines.extend(f"{name}{labels} {_format_value(value)}" for labels, value in samples)
-
-        metric("dockyard_executor_queue_depth", "gauge", "Tasks accepted and waiting for a worker.",
-               [("", counts[TaskStatus.QUEUED])])
-        metric("dockyard_executor_running_tasks", "gauge", "Tasks being scored now.",
-               [("", counts[TaskStatus.RUNNING])])
-        metric("dockyard_executor_workers", "gauge", "Worker threads configured.",
-               [("", num_workers)])
-        metric("dockyard_executor_workers_alive", "gauge", "Worker threads alive.",
-               [("", num_alive)])
-        metric("dockyard_executor_tasks_completed_total", "counter",
-               "Tasks that reached a final state since start, by outcome.",
-               [(f'{{outcome="{outcome}"}}', count) for outcome, count in completed.items()])
-        metric("dockyard_executor_task_retries_total", "counter",
-               "Scoring attempts retried after an infrastructure error.", [("", num_retries)])
-        metric("dockyard_executor_submissions_rejected_total", "counter",
-               "Submissions refused, by reason.",
-               [(f'{{reason="{reason}"}}', count) for reason, count in rejected.items()])
-        cumulative, samples = 0, []
-        for upper, count in zip([*_DURATION_BUCKETS_S, math.inf], bucket_counts):
-            cumulative += count
-            samples.append((f'_bucket{{le="{_format_value(upper)}"}}', cumulative))
-        samples.append(("_sum", duration_sum_s))
-        samples.append(("_count", cumulative))
-        lines.append("# HELP dockyard_executor_task_duration_seconds "
-                     "Wall-clock seconds of the final scoring attempt of each completed task.")
-        lines.append("# TYPE dockyard_executor_task_duration_seconds histogram")
-        lines.extend(f"dockyard_executor_task_duration_seconds{suffix} {_format_value(value)}"
-                     for suffix, value in samples)
-        return "\n".join(lines) + "\n"
-
-
-def _format_value(value: float) -> str:
-    if value == math.inf:
-        return "+Inf"
-    if float(value).is_integer():
-        return str(int(value))
-    return repr(float(value))
-
-
 class TaskExecutor:
     """The store, the queue and the worker threads; no HTTP (see `create_app`).
 
@@ -212,13 +127,22 @@ class TaskExecutor:
     `submit()` / `get()` from any thread, then `stop()` once (safe to repeat).
     """
 
-    def __init__(self, config: ExecutorConfig, score_fn: ScoreFn | None = None):
+    def __init__(self, config: ExecutorConfig, score_fn: ScoreFn | None = None, *,
+                 image_stats: ImageStatsFn | None = None):
+        """`image_stats`, when given, reports the unpacked-image cache on /metrics (see
+        metrics.ImageStatsFn); with the default (pipeline) scoring it is the pipeline's own image
+        cache."""
         self.config = config
         self._score_fn = (score_fn if score_fn is not None
                           else pipeline_score_fn(config.pipeline))
+        if score_fn is None and image_stats is None:
+            def image_stats() -> dict[str, float]:
+                return pipeline.image_cache(config.pipeline, config.work_path).stats()
         self._store = TaskStore(config.db_file)
         self._queue: queue.Queue[str | None] = queue.Queue()
-        self._metrics = _Metrics()
+        self._metrics = ExecutorMetrics(num_workers=config.num_workers, counts=self._store.counts,
+                                        num_workers_alive=lambda: self.num_workers_alive,
+                                        image_stats=image_stats)
         self._lock = threading.Lock()
         self._workers: list[threading.Thread] = []
         self._running: set[str] = set()
@@ -309,9 +233,9 @@ class TaskExecutor:
     def num_workers_alive(self) -> int:
         return sum(worker.is_alive() for worker in self._workers)
 
-    def metrics_text(self) -> str:
-        return self._metrics.render(self._store.counts(), self.config.num_workers,
-                                    self.num_workers_alive)
+    def metrics_exposition(self) -> bytes:
+        """GET /metrics's body (reads the store: call it off the event loop)."""
+        return self._metrics.exposition()
 
     def note_rejected(self, reason: str) -> None:
         self._metrics.rejected(reason)
@@ -352,8 +276,7 @@ class TaskExecutor:
         else:
             if not self._abandoned:
                 self._store.finish(task_id, verdict)
-                self._metrics.completed("resolved" if verdict.resolved else "unresolved",
-                                        time.monotonic() - started)
+                self._metrics.verdict_recorded(verdict, time.monotonic() - started)
         finally:
             with self._lock:
                 self._running.discard(task_id)
@@ -373,7 +296,7 @@ class TaskExecutor:
         logger.error("task %s failed after %d attempt(s): %s", record.task_id, record.attempts,
                      error)
         self._store.fail(record.task_id, error)
-        self._metrics.completed("infra_error", duration_s)
+        self._metrics.infra_error_recorded(duration_s)
 
     def _enqueue_later(self, task_id: str, delay_s: float) -> None:
         def fire():
@@ -489,9 +412,10 @@ def create_app(executor: TaskExecutor) -> web.Application:
             status=200 if num_alive > 0 else 503)
 
     async def metrics(request: web.Request) -> web.Response:
-        text = await asyncio.to_thread(executor.metrics_text)
-        return web.Response(text=text, content_type="text/plain",
-                            headers={"X-Prometheus-Format": "0.0.4"})
+        body = await asyncio.to_thread(executor.metrics_exposition)
+        # Passed as a header: aiohttp's content_type argument refuses a charset parameter.
+        return web.Response(body=body,
+                            headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
 
     app = web.Application(client_max_size=max_body_bytes)
     app.add_routes([
@@ -510,13 +434,14 @@ class RunningServer:
 
 
 @contextlib.asynccontextmanager
-async def running_server(config: ExecutorConfig,
-                         score_fn: ScoreFn | None = None) -> AsyncIterator[RunningServer]:
+async def running_server(config: ExecutorConfig, score_fn: ScoreFn | None = None, *,
+                         image_stats: ImageStatsFn | None = None) -> AsyncIterator[RunningServer]:
     """Starts the executor and its HTTP server; on exit shuts both down gracefully.
 
     With `config.port = 0` the OS picks a free port; `RunningServer.url` has the bound one.
+    `image_stats` is passed to TaskExecutor.
     """
-    executor = TaskExecutor(config, score_fn)
+    executor = TaskExecutor(config, score_fn, image_stats=image_stats)
     executor.start()
     # HTTP requests here are short (no handler waits on scoring), so shutdown need not wait long;
     # lingering_time bounds how long the server drains the rest of a body it refused with 413.

@@ -11,7 +11,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import posixpath
 from typing import Any
+
+from dockyard_rl.sandbox import images
 
 
 class RewardMode(str, enum.Enum):
@@ -72,6 +75,24 @@ class TaskValidationError(ValueError):
         self.field = field
 
 
+DEFAULT_REPO_PATH = "/testbed"  # SWE-bench's images keep the repository here
+# Where the sandbox itself mounts things: a repository there would hide them or be hidden.
+_RESERVED_ROOTS = ("/proc", "/dev", "/tmp", "/sys", "/run", "/etc", "/.dockyard")
+
+
+def check_repo_path(repo_path: str) -> None:
+    """Raises TaskValidationError unless `repo_path` is a normalized absolute folder that the
+    sandbox can mount the repository on."""
+    normalized = (repo_path.startswith("/") and not repo_path.startswith("//")
+                  and repo_path != "/" and "\0" not in repo_path
+                  and repo_path == posixpath.normpath(repo_path))
+    reserved = any(repo_path == root or repo_path.startswith(root + "/")
+                   for root in _RESERVED_ROOTS)
+    if not normalized or reserved:
+        raise TaskValidationError("repo_path", f"must be a normalized absolute folder other than "
+                                  f"/ and outside {', '.join(_RESERVED_ROOTS)}, got {repo_path!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:
     """One SWE-bench-style instance plus the agent's patch to score."""
@@ -87,6 +108,9 @@ class TaskSpec:
     timeout_s: float | None = None   # wall-clock limit of the test run; default from the executor
     reward_mode: RewardMode = RewardMode.BINARY
     task_id: str | None = None       # client-supplied id: resubmitting it is idempotent
+    image: str | None = None         # OCI image the tests run in (sandbox/images.py); None: the
+    #                                  executor's own interpreter
+    repo_path: str = DEFAULT_REPO_PATH  # where the repository sits in the image
 
     @classmethod
     def from_request(cls, body: Any) -> "TaskSpec":
@@ -132,6 +156,17 @@ class TaskSpec:
         except ValueError:
             raise TaskValidationError("reward_mode", f"must be one of "
                                       f"{[m.value for m in RewardMode]}, got {mode!r}") from None
+        image = text("image", required=False)
+        if image is not None:
+            try:
+                images.parse_reference(image)
+            except images.ImageError as error:
+                raise TaskValidationError("image", str(error).removeprefix("image: ")) from None
+        repo_path = text("repo_path", required=False)
+        if repo_path is not None:
+            if image is None:
+                raise TaskValidationError("repo_path", "is only meaningful with an image")
+            check_repo_path(repo_path)
         # Other SWE-bench fields (problem_statement, hints_text, version, ...) are accepted and
         # ignored: scoring does not need them.
         return cls(
@@ -146,6 +181,8 @@ class TaskSpec:
             timeout_s=float(timeout) if timeout is not None else None,
             reward_mode=reward_mode,
             task_id=text("task_id", required=False),
+            image=image,
+            repo_path=repo_path or DEFAULT_REPO_PATH,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -153,6 +190,8 @@ class TaskSpec:
         data["reward_mode"] = self.reward_mode.value
         data["FAIL_TO_PASS"] = list(data.pop("fail_to_pass"))
         data["PASS_TO_PASS"] = list(data.pop("pass_to_pass"))
+        if self.image is None:  # the form of tasks without an image stays what it always was
+            del data["image"], data["repo_path"]
         return data
 
 

@@ -27,6 +27,9 @@ def test_lists_accepted_as_json_lists_or_json_strings():
     ("PASS_TO_PASS", [1, 2], "PASS_TO_PASS: must be a list of test-id strings"),
     ("timeout_s", -1, "timeout_s: must be a number"),
     ("reward_mode", "partial", "reward_mode: must be one of"),
+    ("image", "ubuntu:22.04", "image: 'ubuntu:22.04' is not an image reference"),
+    ("image", "oci-archive:images/x.tar", "image: .* must be absolute"),
+    ("repo_path", "/testbed", "repo_path: is only meaningful with an image"),
 ])
 def test_bad_fields_are_named(field, value, message):
     body = dict(BODY)
@@ -57,3 +60,15 @@ def test_verdict_round_trips_through_json():
                       apply_method=ApplyMethod.GIT_APPLY_3WAY, integrity_violation=("conftest.py",),
                       test_exit_code=1, timed_out=False, timings_s={"total": 1.5}, log_tail="x")
     assert Verdict.from_dict(json.loads(json.dumps(verdict.to_dict()))) == verdict
+
+
+def test_image_and_repo_path():
+    spec = TaskSpec.from_request({**BODY, "image": "oci-archive:/data/x.tar:v1"})
+    assert spec.image == "oci-archive:/data/x.tar:v1" and spec.repo_path == "/testbed"
+    assert TaskSpec.from_request(spec.to_dict()) == spec  # what the store keeps reads back
+    assert TaskSpec.from_request({**BODY, "image": "docker://ghcr.io/o/x:1",
+                                  "repo_path": "/srv/repo"}).repo_path == "/srv/repo"
+    for bad in ("relative", "/", "//x", "/tmp/repo", "/proc", "/a/../b", "/.dockyard/src"):
+        with pytest.raises(TaskValidationError, match="repo_path: must be a normalized") as info:
+            TaskSpec.from_request({**BODY, "image": "/data/x.tar", "repo_path": bad})
+        assert info.value.field == "repo_path"
