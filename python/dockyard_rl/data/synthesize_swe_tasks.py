@@ -2,7 +2,7 @@
 
     tools/bazel run //python/dockyard_rl/data:synthesize_swe_tasks -- \\
         --packages sqlparse,boltons,xmltodict --out DIR [--max-tasks-per-package 50] \\
-        [--seed 0] [--workers N] [--executor-url http://127.0.0.1:9090]
+        [--seed 0] [--num-baseline-runs 3] [--workers N] [--executor-url http://127.0.0.1:9090]
 
 How a task is made and checked: task_synthesis.py. `--packages` takes PyPI requirements
 (`name` or `name==version`), paths of local sdist archives, or `bundled:toystats` (a package
@@ -16,8 +16,10 @@ Writes, under DIR:
   each task's base commit is the ref refs/tasks/<instance id>.
 - `tasks/<package>.jsonl` (one per package, written as soon as the package is done) and
   `tasks.jsonl` (all packages): SWE-bench rows, loadable with `data.datasets.load_jsonl`.
-- `report.json`: per package the counts, the time, the rejection reasons and the FAIL_TO_PASS /
-  PASS_TO_PASS size distributions; the same table is printed at the end.
+- `report.json`: per package the counts, the time, the rejection reasons, the flaky tests
+  (`flaky_tests`: passed in some of the `--num-baseline-runs` baseline runs but not all, so never
+  used in a task) and the FAIL_TO_PASS / PASS_TO_PASS size distributions; the same table is
+  printed at the end (and the flaky tests are logged as they are found).
 - `sdists/`: the downloaded archives (a rerun reuses them only when given as paths).
 
 A package whose `tasks/<package>.jsonl` and report entry exist from an earlier run with the same
@@ -64,6 +66,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-tasks-per-function", type=int)
     parser.add_argument("--max-fail-fraction", type=float)
     parser.add_argument("--num-gold-runs", type=int)
+    parser.add_argument("--num-baseline-runs", type=int,
+                        help="runs of the unmutated suite (default 3, at least 2): a test must "
+                             "pass in every one to be used; each kept mutant runs as often")
     parser.add_argument("--window-size", type=int,
                         help="screenings in flight at once (default 4; the tasks found depend on "
                              "it, so keep it fixed to reproduce a set)")
@@ -83,7 +88,8 @@ def config_from_args(args: argparse.Namespace) -> task_synthesis.SynthesisConfig
     """Flags -> a validated SynthesisConfig; ValueError names the flag's key."""
     data: dict[str, Any] = {}
     for key in ("seed", "max_tasks_per_package", "max_candidates_per_package",
-                "max_tasks_per_function", "max_fail_fraction", "num_gold_runs", "window_size"):
+                "max_tasks_per_function", "max_fail_fraction", "num_gold_runs",
+                "num_baseline_runs", "window_size"):
         if getattr(args, key) is not None:
             data[key] = getattr(args, key)
     if args.kinds:
@@ -108,12 +114,12 @@ def _write_jsonl(path: pathlib.Path, rows: list[dict[str, Any]]) -> None:
 
 
 def format_report(summaries: list[dict[str, Any]], total_s: float) -> str:
-    header = (f"{'package':<14}{'version':<10}{'tasks':>6}{'screened':>9}{'time s':>8}  "
-              f"{'F2P min/med/mean/max':<22}{'P2P min/med/max':<18}")
+    header = (f"{'package':<14}{'version':<10}{'tasks':>6}{'screened':>9}{'flaky':>6}"
+              f"{'time s':>8}  {'F2P min/med/mean/max':<22}{'P2P min/med/max':<18}")
     lines = [header, "-" * len(header)]
     for s in summaries:
         if "error" in s:
-            lines.append(f"{s['package']:<14}{'':<10}{0:>6}{'':>9}{'':>8}  skipped: "
+            lines.append(f"{s['package']:<14}{'':<10}{0:>6}{'':>9}{'':>6}{'':>8}  skipped: "
                          f"{s['error'].splitlines()[0][:80]}")
             continue
         f2p, p2p = s["fail_to_pass"], s["pass_to_pass"]
@@ -121,7 +127,8 @@ def format_report(summaries: list[dict[str, Any]], total_s: float) -> str:
                     if f2p["count"] else "-")
         p2p_text = f"{p2p['min']}/{p2p['median']}/{p2p['max']}" if p2p["count"] else "-"
         lines.append(f"{s['package']:<14}{s['version']:<10}{s['num_tasks']:>6}"
-                     f"{s['num_screened']:>9}{s['seconds']:>8.0f}  {f2p_text:<22}{p2p_text:<18}")
+                     f"{s['num_screened']:>9}{s['num_flaky_tests']:>6}{s['seconds']:>8.0f}  "
+                     f"{f2p_text:<22}{p2p_text:<18}")
     total = sum(s.get("num_tasks", 0) for s in summaries)
     lines.append(f"total: {total} validated tasks in {total_s:.0f} s")
     return "\n".join(lines)

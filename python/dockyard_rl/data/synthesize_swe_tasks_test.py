@@ -150,6 +150,9 @@ def test_bad_settings_exit_2_naming_the_key(tmp_path, capsys):
     assert synthesize_swe_tasks.main(["--packages", str(archive), "--out", str(tmp_path / "o"),
                                       "--max-tasks-per-package", "0"]) == 2
     assert "max_tasks_per_package" in capsys.readouterr().err
+    assert synthesize_swe_tasks.main(["--packages", str(archive), "--out", str(tmp_path / "o"),
+                                      "--num-baseline-runs", "1"]) == 2
+    assert "num_baseline_runs" in capsys.readouterr().err
     assert synthesize_swe_tasks.main(["--packages", " , ", "--out", str(tmp_path / "o")]) == 2
     assert "--packages" in capsys.readouterr().err
     (tmp_path / "a_file").write_text("")

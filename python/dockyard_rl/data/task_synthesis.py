@@ -7,8 +7,14 @@ Per package:
 1. sdist_repos: the sdist (pip download) unpacked into a bare git repository with a `pristine`
    commit and a `screening` commit (pristine without its test modules).
 2. The test ids are collected with `pytest --collect-only` inside the executor's sandbox, then
-   the baseline runs twice through the executor (every test as PASS_TO_PASS). Tests that passed
-   both times are the stable baseline; a test that passed once only is flaky and never used.
+   the baseline runs `num_baseline_runs` times through the executor (every test as
+   PASS_TO_PASS). Tests that passed every time are the stable baseline; a test that passed in
+   some runs but not all is flaky: it is never used (neither PASS_TO_PASS nor a FAIL_TO_PASS
+   candidate, since screenings only list the stable baseline), and the package's summary lists
+   it (`flaky_tests`). A test that failed in every run is simply not used. A test failing a
+   fraction q of runs looks stable with probability (1 - q) ** num_baseline_runs: more runs
+   catch rarer flakes. A baseline run whose outcomes are not trusted (timeout, crash, tampering)
+   stops the package.
 3. Candidates: every mutation site (mutations.py) of every source module, shuffled with the seed
    and interleaved by kind so each kind gets its turn. Each candidate is screened through the
    executor: base `screening`, the mutation as the patch, all test modules as the test_patch, the
@@ -22,8 +28,13 @@ Per package:
    mutation, the test_patch adds the held-out tests back, the test command runs the whole suite
    (so PASS_TO_PASS is checked everywhere, not only in the held-out files).
 5. Validation through the executor, in the task's final form: the gold patch resolves it in
-   `num_gold_runs` runs, the empty patch does not (every FAIL_TO_PASS test fails and every
-   PASS_TO_PASS test passes, exactly as screened), and nothing times out.
+   `num_gold_runs` runs; the empty patch (the mutant again, with the same files as screened)
+   runs `num_baseline_runs - 1` times and must reproduce the screened outcomes every time (every
+   FAIL_TO_PASS test fails and every PASS_TO_PASS test passes); nothing times out. So each kept
+   mutant is observed `num_baseline_runs` times like the baseline, and a test that flips on the
+   mutant (say it fails a fraction p of runs) becomes FAIL_TO_PASS only if it failed in all of
+   them (p ** num_baseline_runs); any flip rejects the mutant (`unstable_outcomes`). So every
+   PASS_TO_PASS test passed in all baseline runs, all mutant runs and all gold runs.
 6. The problem statement is written from the failing tests and their error lines
    (problem_statements.py).
 
@@ -33,7 +44,8 @@ order, so the same seed, package and window size give the same tasks whatever th
 number of executor workers.
 
 Not covered: packages whose tests need dependencies the executor's interpreter lacks (the
-baseline check stops such a package with a clear error); non-pytest test suites; semantic
+baseline check stops such a package with a clear error); tests that flip too rarely for
+`num_baseline_runs` runs to see (step 2's odds); non-pytest test suites; semantic
 deduplication of mutants (two different mutations with the same failing tests are both kept,
 at most `max_tasks_per_function` per function).
 """
@@ -61,12 +73,16 @@ from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.sandbox import pipeline
 from dockyard_rl.sandbox.client import (ExecutorClient, ExecutorRequestError,
                                         ExecutorUnavailableError)
-from dockyard_rl.sandbox.task import ApplyMethod, TaskSpec, TaskStatus, TestOutcome, Verdict
+from dockyard_rl.sandbox.task import (ApplyMethod, FailureKind, TaskSpec, TaskStatus, TestOutcome,
+                                      Verdict)
 from dockyard_rl.utils.config import is_int, require
 
 logger = logging.getLogger(__name__)
 
 _COLLECT_OUTPUT_BYTES = 32 * 1024 * 1024
+# Verdicts whose per-test outcomes come from a trusted report; any other kind reports every
+# listed test as missing (grading.py), which says nothing about the tests themselves.
+_TRUSTED_KINDS = (FailureKind.NONE, FailureKind.TESTS_FAILED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +96,8 @@ class SynthesisConfig:
     max_fail_fraction: float = 0.5            # of the stable baseline; more is a broken package
     mutation_kinds: tuple[str, ...] = mutations.MUTATION_KINDS
     num_gold_runs: int = 2                    # the gold patch must resolve every one of them
+    num_baseline_runs: int = 3                # a test must pass in all to be used; each kept
+                                              # mutant is observed as often (module docstring)
     window_size: int = 4                      # screenings in flight at once (changes which
                                               # tasks a budget finds: part of the settings)
     timeout_factor: float = 5.0               # test-run limit = factor x the baseline's time...
@@ -96,6 +114,9 @@ class SynthesisConfig:
         for name in ("max_tasks_per_package", "max_candidates_per_package",
                      "max_tasks_per_function", "num_gold_runs", "window_size"):
             positive_int(name)
+        require(is_int(self.num_baseline_runs) and self.num_baseline_runs >= 2,
+                "num_baseline_runs", f"must be an integer >= 2 (one run cannot show that a test "
+                                     f"is flaky), got {self.num_baseline_runs!r}")
         require(isinstance(self.max_fail_fraction, (int, float))
                 and 0 < self.max_fail_fraction <= 1, "max_fail_fraction",
                 f"must be in (0, 1], got {self.max_fail_fraction!r}")
@@ -157,7 +178,7 @@ class PackageResult:
     repo: str
     num_collected_tests: int
     num_baseline_passing: int
-    num_flaky_tests: int
+    flaky_tests: list[str]       # passed in some baseline runs, not all: never used
     num_candidates: int
     num_screened: int
     rejections: Counter
@@ -172,7 +193,7 @@ class PackageResult:
             "num_tasks": len(self.tasks), "seconds": round(self.seconds, 1),
             "num_collected_tests": self.num_collected_tests,
             "num_baseline_passing": self.num_baseline_passing,
-            "num_flaky_tests": self.num_flaky_tests,
+            "num_flaky_tests": len(self.flaky_tests), "flaky_tests": list(self.flaky_tests),
             "num_candidates": self.num_candidates, "num_screened": self.num_screened,
             "rejections": dict(sorted(self.rejections.items())),
             "tasks_per_kind": dict(sorted(Counter(
@@ -328,12 +349,18 @@ async def synthesize_package(requirement: str, config: SynthesisConfig, client: 
                              base_commit=repo.screening, patch="", test_patch=test_patch_all,
                              fail_to_pass=(), pass_to_pass=tuple(collected),
                              test_command=test_command, timeout_s=1800.0)
-    baselines = await asyncio.gather(scorer.score(baseline_spec), scorer.score(baseline_spec))
+    baselines = await asyncio.gather(*(scorer.score(baseline_spec)
+                                       for _ in range(config.num_baseline_runs)))
     if any(v is None for v in baselines):
         raise PackageSkipped(f"{layout.name}: the executor could not run the baseline")
+    for verdict in baselines:
+        if verdict.failure_kind not in _TRUSTED_KINDS:
+            raise PackageSkipped(f"{layout.name}: a baseline run's outcomes are not trusted "
+                                 f"({verdict.failure_kind.value}: {verdict.failure_detail}); "
+                                 f"log tail:\n{verdict.log_tail[-2000:]}")
     passing = [{t for t, o in _outcomes(v).items() if o is TestOutcome.PASSED} for v in baselines]
-    stable = sorted(passing[0] & passing[1])
-    flaky = passing[0] ^ passing[1]
+    stable = sorted(set.intersection(*passing))
+    flaky = sorted(set.union(*passing) - set(stable))
     if len(stable) < 2:
         raise PackageSkipped(f"{layout.name}: only {len(stable)} of {len(collected)} tests pass "
                              f"at baseline (missing test dependencies in the executor's "
@@ -343,6 +370,11 @@ async def synthesize_package(requirement: str, config: SynthesisConfig, client: 
     logger.info("%s: %d tests collected, %d pass stably, %d flaky; baseline %.1f s, timeout "
                 "%.0f s", layout.name, len(collected), len(stable), len(flaky), baseline_s,
                 timeout_s)
+    if flaky:
+        logger.warning("%s: %d flaky test(s) passed in some of %d baseline runs but not all; "
+                       "they are never used: %s%s", layout.name, len(flaky),
+                       config.num_baseline_runs, ", ".join(flaky[:10]),
+                       " ..." if len(flaky) > 10 else "")
 
     candidates = _candidates(repo, config)
     rejections: Counter = Counter()
@@ -381,7 +413,7 @@ async def synthesize_package(requirement: str, config: SynthesisConfig, client: 
                         len(tasks), dict(rejections))
     return PackageResult(name=layout.name, version=layout.version, repo=str(repo.path),
                          num_collected_tests=len(collected), num_baseline_passing=len(stable),
-                         num_flaky_tests=len(flaky), num_candidates=len(candidates),
+                         flaky_tests=flaky, num_candidates=len(candidates),
                          num_screened=num_screened, rejections=rejections, tasks=tasks,
                          seconds=time.monotonic() - start)
 
@@ -465,22 +497,27 @@ class _Search:
                              fail_to_pass=tuple(fail_to_pass), pass_to_pass=tuple(pass_to_pass),
                              test_command=self.test_command, timeout_s=self.timeout_s)
 
-        # Validation in the final form: gold resolves every time, the empty patch reproduces
-        # the screened outcomes exactly.
+        # Validation in the final form: gold resolves every time, and the empty patch (the
+        # mutant again) reproduces the screened outcomes exactly in each of its runs, so the
+        # mutant is observed num_baseline_runs times in all, like the baseline: a test that
+        # flips on the mutant is caught as often as a flaky baseline test would be.
+        num_gold_runs = self.config.num_gold_runs
         runs = await asyncio.gather(
-            *(self.scorer.score(task_spec) for _ in range(self.config.num_gold_runs)),
-            self.scorer.score(dataclasses.replace(task_spec, patch="")))
+            *(self.scorer.score(task_spec) for _ in range(num_gold_runs)),
+            *(self.scorer.score(dataclasses.replace(task_spec, patch=""))
+              for _ in range(self.config.num_baseline_runs - 1)))
         if any(run is None for run in runs):
             return None, "infra_error"
         if any(run.timed_out for run in runs):
             return None, "timeout"
-        *gold_runs, empty_run = runs
+        gold_runs, empty_runs = runs[:num_gold_runs], runs[num_gold_runs:]
         if not all(run.resolved for run in gold_runs):
             return None, "gold_not_resolved"
-        if empty_run.resolved or any(o is TestOutcome.PASSED
-                                     for o in empty_run.fail_to_pass.values()) \
-                or any(o is not TestOutcome.PASSED for o in empty_run.pass_to_pass.values()):
-            return None, "unstable_outcomes"
+        for empty_run in empty_runs:
+            if empty_run.resolved or any(o is TestOutcome.PASSED
+                                         for o in empty_run.fail_to_pass.values()) \
+                    or any(o is not TestOutcome.PASSED for o in empty_run.pass_to_pass.values()):
+                return None, "unstable_outcomes"
 
         statement = problem_statements.write_problem_statement(
             layout.name, layout.version, fail_to_pass, screened.log_tail)

@@ -15,6 +15,11 @@ say what they compute (`add`, `is_even`, `last`, ...), each checked by a test or
 mutated into one of them is the easiest honest task there is: the name, the code and the failing
 assertion together give the fix away, yet only a patch that makes the tests pass is rewarded.
 It is the learning run's task set (`bundled:pocketcalc`, docs/learning_run.md).
+
+`make_flaky_sdist(dest_dir)` writes `flakycalc-1.0.tar.gz`: a few one-line functions with
+deterministic tests, plus `FLAKY_TEST`, a test that fails one run in three whatever the code.
+The flaky-test checks of the synthesizer and the validator use it; it is not in `BUNDLED` (a
+recipe has no use for it).
 """
 
 from __future__ import annotations
@@ -333,6 +338,63 @@ def test_maximum_first():
 }
 
 
+FLAKY_NAME = "flakycalc"
+FLAKY_TEST = "tests/test_draw.py::test_fails_one_run_in_three"
+FLAKY_FAIL_PROBABILITY = 1 / 3
+
+_FLAKY_FILES = {
+    "PKG-INFO": f"Metadata-Version: 2.1\nName: {FLAKY_NAME}\nVersion: {VERSION}\n"
+                f"Summary: arithmetic helpers with a flaky test\n",
+    "pyproject.toml": f'[project]\nname = "{FLAKY_NAME}"\nversion = "{VERSION}"\n',
+    "flakycalc/__init__.py": "",
+    "flakycalc/calc.py": '''"""Arithmetic helpers, one line each."""
+
+
+def add(a, b):
+    return a + b
+
+
+def subtract(a, b):
+    return a - b
+
+
+def is_positive(x):
+    return x > 0
+''',
+    "tests/__init__.py": "",
+    "tests/test_calc.py": '''from flakycalc.calc import add, is_positive, subtract
+
+
+def test_add():
+    assert add(2, 3) == 5
+
+
+def test_subtract():
+    assert subtract(7, 4) == 3
+
+
+def test_is_positive():
+    assert is_positive(3)
+
+
+def test_is_positive_zero():
+    assert not is_positive(0)
+''',
+    # Each sandboxed run starts from a fresh copy of the repository with the same environment
+    # (the runner even pins PYTHONHASHSEED=0), so nothing in the files, the environment or
+    # hash() differs between runs. os.urandom does: it reads the kernel's random generator
+    # (getrandom(2), which the sandbox does not filter) anew in every process.
+    "tests/test_draw.py": '''import os
+import random
+
+
+def test_fails_one_run_in_three():
+    draw = random.Random(os.urandom(16)).randrange(3)
+    assert draw != 0, "the one-in-three draw came up"
+''',
+}
+
+
 def make_toy_sdist(dest_dir: pathlib.Path, *, src_layout: bool = False) -> pathlib.Path:
     """Writes toystats into `dest_dir` and returns the archive's path. `src_layout` puts the
     package under src/ (as many modern projects do)."""
@@ -342,6 +404,11 @@ def make_toy_sdist(dest_dir: pathlib.Path, *, src_layout: bool = False) -> pathl
 def make_pocketcalc_sdist(dest_dir: pathlib.Path) -> pathlib.Path:
     """Writes pocketcalc into `dest_dir` and returns the archive's path."""
     return _write_sdist(dest_dir, CALC_NAME, _CALC_FILES)
+
+
+def make_flaky_sdist(dest_dir: pathlib.Path) -> pathlib.Path:
+    """Writes flakycalc into `dest_dir` and returns the archive's path."""
+    return _write_sdist(dest_dir, FLAKY_NAME, _FLAKY_FILES)
 
 
 def _write_sdist(dest_dir: pathlib.Path, name: str, files: dict[str, str], *,
