@@ -109,7 +109,17 @@ def main() -> None:
                         default=pathlib.Path(__file__).parents[2] / "requirements/exclude.txt")
     parser.add_argument("--isolated", action="store_true",
                         help="ignore pip's machine config (its local wheel folders and caps)")
+    parser.add_argument("--keep-pins", action="store_true",
+                        help="resolve with the existing lock's versions as constraints, so adding "
+                             "a requirement moves no other package")
     args, pip_args = parser.parse_known_args()
+    if args.keep_pins and args.lock_file.exists():
+        constraints = tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False)
+        with constraints:
+            constraints.write("".join(f"{line.split(' ', 1)[0]}\n"
+                                      for line in args.lock_file.read_text().splitlines()
+                                      if "==" in line and not line.startswith("#")))
+        pip_args = pip_args + ["-c", constraints.name]
 
     excludes = read_excludes(args.exclude)
     ordinary, no_deps = parse_in_file(args.in_file)

@@ -21,6 +21,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from dockyard_rl.sandbox import swebench_harness
 from dockyard_rl.sandbox.task import DEFAULT_REPO_PATH, RewardMode, TaskSpec
 
 
@@ -58,6 +59,7 @@ class SweInstance:
     test_command: str | None = None  # None: the executor's default (pytest on test_patch files)
     image: str | None = None         # OCI image the tests run in (sandbox/images.py references)
     repo_path: str | None = None     # the repository's folder in the image (None: /testbed)
+    test_harness: str | None = None  # None: swebench_harness.harness_for_row(repo, version)
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any], row_index: int, source: str) -> "SweInstance":
@@ -109,7 +111,7 @@ class SweInstance:
         fields["PASS_TO_PASS"] = test_ids("PASS_TO_PASS")
         command = text("test_command", False)
         fields["test_command"] = command if command.strip() else None
-        for name in ("image", "repo_path"):
+        for name in ("image", "repo_path", "test_harness"):
             fields[name] = text(name, False).strip() or None
         if not fields["FAIL_TO_PASS"]:
             # Without a failing test there is nothing to resolve: every patch would score 1.
@@ -122,7 +124,7 @@ class SweInstance:
         data = dataclasses.asdict(self)
         data["FAIL_TO_PASS"] = list(self.FAIL_TO_PASS)
         data["PASS_TO_PASS"] = list(self.PASS_TO_PASS)
-        for name in ("test_command", "image", "repo_path"):
+        for name in ("test_command", "image", "repo_path", "test_harness"):
             if data[name] is None:
                 del data[name]
         return data
@@ -139,4 +141,13 @@ class SweInstance:
                         fail_to_pass=self.FAIL_TO_PASS, pass_to_pass=self.PASS_TO_PASS,
                         test_command=self.test_command, timeout_s=timeout_s,
                         reward_mode=reward_mode, task_id=task_id, image=self.image,
-                        repo_path=self.repo_path or DEFAULT_REPO_PATH)
+                        repo_path=self.repo_path or DEFAULT_REPO_PATH,
+                        test_harness=self.harness())
+
+    def harness(self) -> str | None:
+        """The runner that grades this instance: its `test_harness`, or for a SWE-bench row of a
+        repository the harness runs with Django's, sympy's or another non-pytest runner, that
+        harness (sandbox/swebench_harness.py); None means our pytest runner."""
+        if self.test_harness is not None or self.test_command is not None:
+            return self.test_harness
+        return swebench_harness.harness_for_row(self.repo, self.version)

@@ -21,19 +21,22 @@ Infrastructure errors — the client giving up (`ExecutorUnavailableError`), no 
 `max_infra_retries` times. Unavailable and timeout retries reuse the task id (the task may exist
 and still finish); an INFRA_ERROR task is final on the executor, so the retry submits it under a
 new id (suffix `-r<n>`). A sample still without a verdict gets sample_mask 0, reward 0 and
-`infra_error` in its metadata: it is excluded from the loss, never scored 0.
+`infra_error` in its metadata: it is excluded from the loss, never scored 0. So is a verdict
+marked `limit_outcome` (its test run ended at the wall-clock or CPU-time limit, which an
+overloaded machine causes as readily as a slow patch).
 
 Per-sample metadata keys: `instance_id`, `task_id` (None when not submitted), `parse_failure`
 (the extraction's reason or None), `patch_rejected` (the executor refused the patch itself, e.g.
 too large; or None), `apply_failure` (bool), `apply_method`, `integrity_violation` (files),
-`timed_out`, `test_outcomes` ({"FAIL_TO_PASS": {test id: outcome}, "PASS_TO_PASS": {...}}),
+`timed_out`, `limit_outcome`, `test_outcomes` ({"FAIL_TO_PASS": {test id: outcome}, "PASS_TO_PASS": {...}}),
 `resolved`, `failure_kind` (why the verdict is not resolved: a `FailureKind` value, "none" when
 resolved, None without a verdict), `failure_detail` (the verdict's reason in words; None without
 a verdict), `screening_flags` (the executor's static screening of the patch, "category: token"),
 `infra_error` (None or the last error), `num_tries`, plus the reward pipeline's keys
 (`raw_reward`, `reward`, `<stage>/...`) for samples with a verdict.
 
-Metrics: `env/num_samples`, `env/num_infra_errors`, `env/num_parse_failures`,
+Metrics: `env/num_samples`, `env/num_infra_errors`, `env/num_limit_outcomes`,
+`env/num_parse_failures`,
 `env/num_apply_failures`, `env/num_integrity_violations`, `env/num_timed_out`, `env/num_resolved`,
 `env/num_tampering` (verdicts whose failure kind is tampering: the test process altered its own
 results), `env/num_screening_flagged` (verdicts with any screening flag, penalised or not), plus
@@ -249,6 +252,7 @@ class SweEnvironment(Environment):
                 "apply_method": verdict.apply_method.value if verdict is not None else None,
                 "integrity_violation": list(verdict.integrity_violation) if verdict else [],
                 "timed_out": bool(verdict is not None and verdict.timed_out),
+                "limit_outcome": bool(verdict is not None and verdict.limit_outcome),
                 "test_outcomes": {
                     "FAIL_TO_PASS": {k: v.value for k, v in verdict.fail_to_pass.items()},
                     "PASS_TO_PASS": {k: v.value for k, v in verdict.pass_to_pass.items()},
@@ -263,6 +267,10 @@ class SweEnvironment(Environment):
             metadata.append(meta)
             if result is not None and result.infra_error is not None:
                 continue  # masked out: reward stays 0 and is never shaped or counted
+            if meta["limit_outcome"]:
+                # Killed at a time limit: the machine may be to blame, so it is no evidence
+                # against the patch either way; masked like an infrastructure error.
+                continue
             held_out = held_out_cache.get(rollout.instance.test_patch)
             if held_out is None:
                 held_out = tuple(sorted(touched_paths(rollout.instance.test_patch)[0]))
@@ -278,7 +286,9 @@ class SweEnvironment(Environment):
 
         metrics = {f"env/{key}": value for key, value in shaping.metrics.items()}
         metrics["env/num_samples"] = float(num_samples)
-        metrics["env/num_infra_errors"] = float(num_samples - len(shaped_indices))
+        num_limit = sum(m["limit_outcome"] for m in metadata)
+        metrics["env/num_infra_errors"] = float(num_samples - len(shaped_indices) - num_limit)
+        metrics["env/num_limit_outcomes"] = float(num_limit)
         metrics["env/num_parse_failures"] = float(sum(m["parse_failure"] is not None
                                                       for m in metadata))
         metrics["env/num_apply_failures"] = float(sum(m["apply_failure"] for m in metadata))

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from dockyard_rl.sandbox.evidence import JUnitStream, RecordStream, worst
 from dockyard_rl.sandbox.task import FailureKind, RewardMode, TestOutcome
@@ -225,10 +225,7 @@ def grade_run(fail_to_pass: Sequence[str], pass_to_pass: Sequence[str], evidence
                           for r in records.records("note")}))
 
     def untrusted(kind: FailureKind, detail: str) -> Grade:
-        return Grade(resolved=False, reward=0.0,
-                     fail_to_pass={test_id: TestOutcome.MISSING for test_id in fail_to_pass},
-                     pass_to_pass={test_id: TestOutcome.MISSING for test_id in pass_to_pass},
-                     failure_kind=kind, detail=detail, notes=notes)
+        return ungraded(fail_to_pass, pass_to_pass, kind, detail, notes)
 
     if evidence.timed_out:
         return untrusted(FailureKind.TIMEOUT, "the test run was killed at the wall-clock limit")
@@ -248,6 +245,28 @@ def grade_run(fail_to_pass: Sequence[str], pass_to_pass: Sequence[str], evidence
     def outcome(test_id: str) -> TestOutcome:
         return records.tests.get(test_id, TestOutcome.MISSING)
 
+    graded = grade_outcomes(fail_to_pass, pass_to_pass, outcome, reward_mode, notes)
+    if full and not graded.resolved:
+        return dataclasses.replace(graded, failure_kind=FailureKind.DISK_LIMIT,
+                                   detail=f"the worktree or /tmp filled its size cap; "
+                                          f"{graded.detail}")
+    return graded
+
+
+def ungraded(fail_to_pass: Sequence[str], pass_to_pass: Sequence[str], kind: FailureKind,
+             detail: str, notes: tuple[str, ...] = ()) -> Grade:
+    """The grade of a run whose results cannot be used: every expected test MISSING."""
+    return Grade(resolved=False, reward=0.0,
+                 fail_to_pass={test_id: TestOutcome.MISSING for test_id in fail_to_pass},
+                 pass_to_pass={test_id: TestOutcome.MISSING for test_id in pass_to_pass},
+                 failure_kind=kind, detail=detail, notes=notes)
+
+
+def grade_outcomes(fail_to_pass: Sequence[str], pass_to_pass: Sequence[str],
+                   outcome: Callable[[str], TestOutcome], reward_mode: RewardMode,
+                   notes: tuple[str, ...] = ()) -> Grade:
+    """SWE-bench grading of trusted per-test outcomes: resolved when every FAIL_TO_PASS and
+    PASS_TO_PASS test passed; the reward follows `reward_mode`."""
     f2p = {test_id: outcome(test_id) for test_id in fail_to_pass}
     p2p = {test_id: outcome(test_id) for test_id in pass_to_pass}
     num_expected = len(f2p) + len(p2p)
@@ -263,7 +282,4 @@ def grade_run(fail_to_pass: Sequence[str], pass_to_pass: Sequence[str], evidence
                if o is not TestOutcome.PASSED]
     detail = f"not every expected test passed: {_listed(failing)}" if num_expected else \
         "the task names no FAIL_TO_PASS or PASS_TO_PASS test"
-    if full:
-        return Grade(False, reward, f2p, p2p, FailureKind.DISK_LIMIT,
-                     f"the worktree or /tmp filled its size cap; {detail}", notes)
     return Grade(False, reward, f2p, p2p, FailureKind.TESTS_FAILED, detail, notes)

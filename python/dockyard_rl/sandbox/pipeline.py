@@ -55,6 +55,7 @@ import dataclasses
 import logging
 import os
 import pathlib
+import signal
 import tempfile
 import threading
 import time
@@ -63,7 +64,7 @@ import unidiff
 
 from dockyard_rl.sandbox import apply as apply_lib
 from dockyard_rl.sandbox import (cleanup, grading, images, integrity, isolation, repo_cache,
-                                 runner, screening, tree_audit)
+                                 runner, screening, swebench_harness, tree_audit)
 from dockyard_rl.sandbox.task import ApplyMethod, FailureKind, TaskSpec, TestOutcome, Verdict
 from dockyard_rl.utils.config import require
 
@@ -236,10 +237,27 @@ def run_pytest_sandboxed(pytest_args: list[str], worktree: pathlib.Path, config:
         cleanup.remove_tree(scratch)
 
 
+# A test process killed by RLIMIT_CPU (SIGXCPU) exits with 128 + the signal's number.
+_CPU_LIMIT_EXIT = 128 + signal.SIGXCPU
+
+
 def _verdict(spec: TaskSpec, *, apply_method: ApplyMethod, kind: FailureKind, detail: str,
              violation: tuple[str, ...] = (), grade: grading.Grade | None = None,
              exit_code: int | None = None, timed_out: bool = False,
              flags: tuple[str, ...] = (), timings: dict[str, float], log_tail: str) -> Verdict:
+    verdict = _graded_verdict(spec, apply_method=apply_method, kind=kind, detail=detail,
+                              violation=violation, grade=grade, exit_code=exit_code,
+                              timed_out=timed_out, flags=flags, timings=timings,
+                              log_tail=log_tail)
+    if not verdict.resolved and (timed_out or exit_code == _CPU_LIMIT_EXIT):
+        verdict = dataclasses.replace(verdict, limit_outcome=True)
+    return verdict
+
+
+def _graded_verdict(spec: TaskSpec, *, apply_method: ApplyMethod, kind: FailureKind,
+                    detail: str, violation: tuple[str, ...], grade: grading.Grade | None,
+                    exit_code: int | None, timed_out: bool, flags: tuple[str, ...],
+                    timings: dict[str, float], log_tail: str) -> Verdict:
     if grade is None:
         missing_f2p = {test_id: TestOutcome.MISSING for test_id in spec.fail_to_pass}
         missing_p2p = {test_id: TestOutcome.MISSING for test_id in spec.pass_to_pass}
@@ -272,6 +290,8 @@ def score_task(spec: TaskSpec, config: PipelineConfig, work_root: pathlib.Path) 
     work_root = pathlib.Path(work_root).expanduser().resolve()
     cache = repo_cache.RepoCache(config.cache_path(work_root))
     all_test_files, test_files = test_files_of(spec.test_patch)
+    harness = (swebench_harness.parse_harness(spec.test_harness)
+               if spec.test_harness is not None else None)
     pytest_args = runner.pytest_arguments(spec.test_command)
     if pytest_args is None:
         pytest_args = runner.default_pytest_arguments(test_files)
@@ -282,7 +302,7 @@ def score_task(spec: TaskSpec, config: PipelineConfig, work_root: pathlib.Path) 
         raise InfrastructureError(f"cannot create a task directory under {work_root}: "
                                   f"{error}") from error
     try:
-        scoring = _Scoring(spec, config, work_root, cache, task_dir, timings, start)
+        scoring = _Scoring(spec, config, work_root, cache, task_dir, timings, start, harness)
         if spec.image is None:
             return scoring.run(all_test_files, pytest_args)
         with image_cache(config, work_root).lease(spec.image) as image:
@@ -305,8 +325,10 @@ class _Scoring:
 
     def __init__(self, spec: TaskSpec, config: PipelineConfig, work_root: pathlib.Path,
                  cache: repo_cache.RepoCache, task_dir: pathlib.Path,
-                 timings: dict[str, float], start: float):
+                 timings: dict[str, float], start: float,
+                 harness: swebench_harness.Harness | None):
         self.spec, self.config, self.work_root, self.cache = spec, config, work_root, cache
+        self.harness = harness
         self.task_dir, self.timings, self.start = task_dir, timings, start
         self.worktree = task_dir / "repo"
         self.scratch = task_dir / "scratch"
@@ -352,6 +374,8 @@ class _Scoring:
             return result.stdout if result.returncode == 0 else None
 
         protected = protected_test_files(spec, all_test_files)
+        if self.harness is not None:
+            protected = sorted(set(protected) | set(self.harness.protected_files()))
         self.flags = screening.screen_patch(spec.patch)
         violation = integrity.check_integrity(spec.patch, protected, read_base_file)
         if violation:
@@ -399,6 +423,8 @@ class _Scoring:
         self.lap("apply")
 
         # 6. tests, sandboxed; 7. grade
+        if self.harness is not None:
+            return self.run_harness(applied.method)
         try:
             result, evidence = runner.run_pytest(
                 pytest_args, self.worktree, self.scratch, config.runner_limits(spec.timeout_s),
@@ -418,6 +444,28 @@ class _Scoring:
         return self.finish(apply_method=applied.method, grade=graded, kind=graded.failure_kind,
                            detail=graded.detail, exit_code=result.exit_code,
                            timed_out=result.timed_out, log_tail=log_tail)
+
+    def run_harness(self, apply_method: ApplyMethod) -> Verdict:
+        """Steps 6 and 7 with the SWE-bench harness's runner and log parser."""
+        spec, config = self.spec, self.config
+        commands = self.harness.test_commands(spec.test_patch, self.image)
+        try:
+            run = runner.run_script(
+                commands, self.worktree, config.runner_limits(spec.timeout_s),
+                hidden_paths=[self.work_root, config.cache_path(self.work_root)],
+                image=self.image, worktree_dir=pathlib.Path(spec.repo_path))
+        except isolation.SandboxUnavailableError as error:
+            raise InfrastructureError(str(error)) from error
+        self.lap("tests")
+        graded = self.harness.grade(run, spec.instance_id, spec.fail_to_pass, spec.pass_to_pass,
+                                    spec.reward_mode)
+        self.lap("grade")
+        log_tail = (run.result.output + run.log)[-config.max_log_bytes:]
+        if not graded.resolved:
+            log_tail += f"\n[dockyard] {graded.failure_kind.value}: {graded.detail}\n"
+        return self.finish(apply_method=apply_method, grade=graded, kind=graded.failure_kind,
+                           detail=graded.detail, exit_code=run.exit_status,
+                           timed_out=run.result.timed_out, log_tail=log_tail)
 
     def violation(self, violation: tuple[str, ...], what: str,
                   apply_method: ApplyMethod = ApplyMethod.NOT_ATTEMPTED) -> Verdict:

@@ -4,7 +4,9 @@ The hostile patches below each try one way of getting a reward without fixing th
 hurting the executor); every one must end in an unresolved Verdict, never an exception.
 """
 
+import dataclasses
 import pathlib
+import signal
 import socket
 import time
 
@@ -239,9 +241,20 @@ def test_endless_loop_is_killed_at_the_task_timeout(toy, work_root):
     start = time.monotonic()
     verdict = _score(toy, work_root, toy.patch_for({"calc/ops.py": ops}), timeout_s=2.0)
     _assert_not_resolved(verdict)
-    assert verdict.timed_out
+    assert verdict.timed_out and verdict.limit_outcome
     assert time.monotonic() - start < 15
     assert "wall-clock limit" in verdict.log_tail
+
+
+def test_a_run_killed_by_the_cpu_limit_is_a_limit_outcome(toy, work_root):
+    ops = OPS_BASE.replace("    return a + b\n\n\ndef clamp",
+                           "    while True:\n        pass\n\n\ndef clamp")
+    config = dataclasses.replace(CONFIG, cpu_time_s=2)
+    verdict = _score(toy, work_root, toy.patch_for({"calc/ops.py": ops}), config=config)
+    _assert_not_resolved(verdict)
+    assert not verdict.timed_out and verdict.test_exit_code == 128 + signal.SIGXCPU
+    assert verdict.limit_outcome
+    assert not _score(toy, work_root, "").limit_outcome  # an ordinary failure is not one
 
 
 def test_huge_output_is_bounded(toy, work_root):

@@ -170,6 +170,40 @@ def image_interpreter(image: images.Image, test_command: str | None) -> str:
     return interpreter
 
 
+def _check_repo_path(image: images.Image | None, worktree_dir: pathlib.Path) -> None:
+    """An image must have the folder the repository goes on (a mount point cannot be made inside
+    its read-only tree)."""
+    if image is None:
+        return
+    top = worktree_dir.parts[1] if len(worktree_dir.parts) > 1 else ""
+    if _in_image(image, top) and not (image.rootfs / str(worktree_dir).lstrip("/")).is_dir():
+        raise images.ImageError(f"repo_path: the image has no directory {worktree_dir} to put "
+                                f"the repository on")
+
+
+def _environment(image: images.Image | None, worktree_dir: pathlib.Path
+                 ) -> tuple[dict[str, str], list[pathlib.Path]]:
+    """The tests' environment variables and the host paths to bind read-only for them."""
+    env = {"HOME": "/tmp", "LANG": "C.UTF-8", "TMPDIR": "/tmp", "USER": "sandbox",
+           "LOGNAME": "sandbox", "PYTHONHASHSEED": "0", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+           # The worktree is a root-owned tmpfs; git would refuse its copied .git as "dubious".
+           "GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "safe.directory",
+           "GIT_CONFIG_VALUE_0": str(worktree_dir)}
+    if image is None:
+        env["PATH"] = f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin"
+        return env, [pathlib.Path(p) for p in interpreter_paths()]
+    # The image's own environment (its PATH, a conda prefix, ...) under the fixed variables.
+    env = {**image.env, **env}
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    return env, []
+
+
+def _readable(worktree: pathlib.Path) -> None:
+    """The sandbox's uid must be able to read the checkout whatever the executor's umask was."""
+    subprocess.run(["chmod", "-R", "a+rX", str(worktree)], check=False, timeout=600,
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def run_pytest(pytest_args: Sequence[str], worktree: pathlib.Path, scratch_dir: pathlib.Path,
                limits: RunnerLimits, *, canaries: bool = True,
                hidden_paths: Sequence[pathlib.Path] = (),
@@ -188,11 +222,7 @@ def run_pytest(pytest_args: Sequence[str], worktree: pathlib.Path, scratch_dir: 
     whatever the tests do ends in the returned evidence."""
     if image is not None and interpreter is None:
         raise ValueError("run_pytest: an image needs its interpreter (image_interpreter)")
-    if image is not None:
-        top = worktree_dir.parts[1] if len(worktree_dir.parts) > 1 else ""
-        if _in_image(image, top) and not (image.rootfs / str(worktree_dir).lstrip("/")).is_dir():
-            raise images.ImageError(f"repo_path: the image has no directory {worktree_dir} to "
-                                    f"put the repository on")
+    _check_repo_path(image, worktree_dir)
     runner_dir = scratch_dir / f"runner-{secrets.token_hex(8)}"
     runner_dir.mkdir(mode=0o755)
     os.chmod(runner_dir, 0o755)
@@ -202,9 +232,7 @@ def run_pytest(pytest_args: Sequence[str], worktree: pathlib.Path, scratch_dir: 
     canary_file.write_text("# collected by the executor's runner\n")
     for path in (bootstrap, canary_file):
         os.chmod(path, 0o644)
-    # The sandbox's uid must be able to read the checkout whatever the executor's umask was.
-    subprocess.run(["chmod", "-R", "a+rX", str(worktree)], check=False, timeout=600,
-                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _readable(worktree)
     inside_runner = pathlib.Path(f"/.dockyard/{secrets.token_hex(8)}")
     args = list(pytest_args)
     if not any(arg == "--rootdir" or arg.startswith("--rootdir=") for arg in args):
@@ -232,21 +260,11 @@ def run_pytest(pytest_args: Sequence[str], worktree: pathlib.Path, scratch_dir: 
         isolation.Mount("tmpfs", _SANDBOX_REPORT_DIR,
                         size_bytes=limits.max_report_bytes + 1024 * 1024, perms="1777"),
     ]
-    env = {"HOME": "/tmp", "LANG": "C.UTF-8", "TMPDIR": "/tmp", "USER": "sandbox",
-           "LOGNAME": "sandbox", "PYTHONHASHSEED": "0", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-           # The worktree is a root-owned tmpfs; git would refuse its copied .git as "dubious".
-           "GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "safe.directory",
-           "GIT_CONFIG_VALUE_0": str(worktree_dir)}
+    env, readonly = _environment(image, worktree_dir)
     if image is None:
-        env["PATH"] = f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin"
         command = [sys.executable, "-s", "-P", "-B"]
-        readonly = [pathlib.Path(p) for p in interpreter_paths()]
     else:
-        # The image's own environment (its PATH, a conda prefix, ...) under the fixed variables.
-        env = {**image.env, **env}
-        env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
         command = [interpreter, "-s", "-B"]
-        readonly = []
     result = isolation.run_sandboxed(
         [*command, str(inside_runner / bootstrap.name)],
         writable_dirs=[], limits=limits.sandbox, cwd=worktree_dir,
@@ -259,3 +277,65 @@ def run_pytest(pytest_args: Sequence[str], worktree: pathlib.Path, scratch_dir: 
                            timed_out=result.timed_out, suite_name=suite_name,
                            canary_names=canary_names if canaries else None)
     return result, evidence
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptRun:
+    """What `run_script` saw: the sandbox's result, the command's log (stdout and stderr, head
+    and tail kept up to the report limit), and its exit status, None when the command did not
+    finish (killed, crashed shell, or the completion line missing)."""
+
+    result: isolation.SandboxResult
+    log: str
+    exit_status: int | None
+
+
+def run_script(commands: Sequence[str], worktree: pathlib.Path, limits: RunnerLimits, *,
+               hidden_paths: Sequence[pathlib.Path] = (), image: images.Image | None = None,
+               worktree_dir: pathlib.Path = SANDBOX_WORKTREE) -> ScriptRun:
+    """Runs shell `commands` (bash, one per line) in the repository's copy at
+    `worktree_dir` inside the sandbox, for test runners other than pytest (swebench_harness.py).
+
+    Same view and isolation as run_pytest: the patched worktree read-only at /.dockyard/src,
+    copied into a size-capped tmpfs at `worktree_dir`, in `image` or on the host's system. The
+    script comes on stdin (no argv or file the tests could read); the log goes to a pipe of its
+    own, and after the commands a completion line with a per-run nonce and the exit status of the
+    last command, so a run that was killed, or whose output stopped early, is recognised. The log
+    itself is what the tests printed: anything in it can be forged by the code under test."""
+    _check_repo_path(image, worktree_dir)
+    _readable(worktree)
+    log = isolation.BoundedOutput(limits.max_report_bytes)
+    log_channel = isolation.OutputChannel(log.write)
+    nonce = secrets.token_hex(16)
+    fd = log_channel.child_fd
+    # One compound command: bash parses all of it before running any of it, so the commands
+    # cannot read the rest of the script (or the nonce) from stdin.
+    script = "\n".join([
+        "{",
+        f"cp -R {shlex.quote(str(_SANDBOX_SOURCE))}/. "
+        f"{shlex.quote(str(worktree_dir))}/ || {{ echo 'copying the worktree failed' >&{fd}; "
+        f"exit 97; }}",
+        f"cd {shlex.quote(str(worktree_dir))}",
+        f"exec 1>&{fd} 2>&1",
+        *commands,
+        "status=$?",
+        f'echo; echo "dockyard-{nonce} exit $status"',
+        "} </dev/null",
+    ]) + "\n"
+    env, readonly = _environment(image, worktree_dir)
+    mounts = [isolation.Mount("ro", _SANDBOX_SOURCE, worktree),
+              isolation.Mount("tmpfs", worktree_dir, size_bytes=limits.worktree_size_bytes,
+                              perms="1777")]
+    result = isolation.run_sandboxed(
+        ["bash", "--noprofile", "--norc", "-s"], writable_dirs=[], limits=limits.sandbox,
+        cwd=pathlib.Path("/"), hidden_paths=hidden_paths, readonly_paths=readonly, mounts=mounts,
+        env=env, stdin_data=script.encode(), channels=[log_channel],
+        root=image.rootfs if image is not None else None)
+    text = log.text()
+    marker = f"dockyard-{nonce} exit "
+    at = text.rfind(marker)
+    if at < 0 or result.timed_out:
+        return ScriptRun(result=result, log=text, exit_status=None)
+    status = text[at + len(marker):].split("\n", 1)[0].strip()
+    return ScriptRun(result=result, log=text[:at],
+                     exit_status=int(status) if status.isdigit() else None)

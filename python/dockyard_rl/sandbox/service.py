@@ -65,7 +65,7 @@ from collections.abc import AsyncIterator, Callable
 import prometheus_client
 from aiohttp import web
 
-from dockyard_rl.sandbox import pipeline, repo_cache, runner
+from dockyard_rl.sandbox import pipeline, repo_cache, runner, swebench_harness
 from dockyard_rl.sandbox.config import ExecutorConfig
 from dockyard_rl.sandbox.metrics import ExecutorMetrics, ImageStatsFn
 from dockyard_rl.sandbox.store import (QueueFullError, RecoveryReport, TaskConflictError,
@@ -101,16 +101,18 @@ def _score_with_pipeline(pipeline_config: pipeline.PipelineConfig, spec: TaskSpe
 
 
 def check_scorable(spec: TaskSpec) -> None:
-    """The pipeline's own checks of repo, base_commit, test_patch and test_command, run at
-    submission so that a task that could never be scored is a 400 now rather than an infra_error
-    later.
+    """The pipeline's own checks of repo, base_commit, test_patch, test_command and test_harness,
+    run at submission so that a task that could never be scored is a 400 now rather than an
+    infra_error later.
 
     Raises TaskValidationError naming the field. A local repo path must exist on this machine.
     """
     for field, check in (("repo", lambda: repo_cache.normalize_repo(spec.repo)),
                          ("base_commit", lambda: repo_cache.validate_commit(spec.base_commit)),
                          ("test_patch", lambda: pipeline.test_files_of(spec.test_patch)),
-                         ("test_command", lambda: runner.pytest_arguments(spec.test_command))):
+                         ("test_command", lambda: runner.pytest_arguments(spec.test_command)),
+                         ("test_harness", lambda: spec.test_harness and
+                          swebench_harness.parse_harness(spec.test_harness))):
         try:
             check()
         except ValueError as error:

@@ -111,6 +111,8 @@ class TaskSpec:
     image: str | None = None         # OCI image the tests run in (sandbox/images.py); None: the
     #                                  executor's own interpreter
     repo_path: str = DEFAULT_REPO_PATH  # where the repository sits in the image
+    test_harness: str | None = None  # "swebench:<owner/name>@<version>": that runner and log
+    #                                  parser (sandbox/swebench_harness.py) instead of pytest
 
     @classmethod
     def from_request(cls, body: Any) -> "TaskSpec":
@@ -167,6 +169,10 @@ class TaskSpec:
             if image is None:
                 raise TaskValidationError("repo_path", "is only meaningful with an image")
             check_repo_path(repo_path)
+        test_harness = text("test_harness", required=False)
+        if test_harness is not None and body.get("test_command") is not None:
+            raise TaskValidationError("test_harness", "names the test command itself; leave "
+                                                      "test_command out")
         # Other SWE-bench fields (problem_statement, hints_text, version, ...) are accepted and
         # ignored: scoring does not need them.
         return cls(
@@ -183,6 +189,7 @@ class TaskSpec:
             task_id=text("task_id", required=False),
             image=image,
             repo_path=repo_path or DEFAULT_REPO_PATH,
+            test_harness=test_harness,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -190,8 +197,11 @@ class TaskSpec:
         data["reward_mode"] = self.reward_mode.value
         data["FAIL_TO_PASS"] = list(data.pop("fail_to_pass"))
         data["PASS_TO_PASS"] = list(data.pop("pass_to_pass"))
-        if self.image is None:  # the form of tasks without an image stays what it always was
+        # Tasks that use neither keep the form they always had (the store compares it).
+        if self.image is None:
             del data["image"], data["repo_path"]
+        if self.test_harness is None:
+            del data["test_harness"]
         return data
 
 
@@ -212,6 +222,9 @@ class Verdict:
     failure_kind: FailureKind = FailureKind.NONE  # why it is not resolved (NONE when resolved)
     failure_detail: str = ""               # the reason in words ("" when resolved)
     screening_flags: tuple[str, ...] = ()  # static screening of the patch ("category: token")
+    # The run ended at the wall-clock or CPU-time limit: a slow patch, or an overloaded machine.
+    # Not evidence against the patch; the environment masks such samples like infra errors.
+    limit_outcome: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -236,8 +249,9 @@ class Verdict:
             timed_out=bool(data["timed_out"]),
             timings_s=dict(data["timings_s"]),
             log_tail=data["log_tail"],
-            # Verdicts stored by an older executor lack these three.
+            # Verdicts stored by an older executor lack these four.
             failure_kind=FailureKind(data.get("failure_kind", FailureKind.NONE.value)),
             failure_detail=data.get("failure_detail", ""),
             screening_flags=tuple(data.get("screening_flags", ())),
+            limit_outcome=bool(data.get("limit_outcome", False)),
         )

@@ -1,0 +1,161 @@
+"""Tests under runners other than pytest, with the official SWE-bench harness's commands and parsers.
+
+    harness = parse_harness("swebench:django/django@4.0")        # ValueError names the problem
+    commands = harness.test_commands(spec.test_patch, image)      # eval commands + test command
+    run = runner.run_script(commands, worktree, limits, image=image, worktree_dir=...)
+    grade = harness.grade(run, spec.instance_id, spec.fail_to_pass, spec.pass_to_pass,
+                          spec.reward_mode)
+
+A task opts in with `test_harness: "swebench:<owner/name>@<version>"`, the `repo` and `version` of
+its SWE-bench row. From the `swebench` package (PyPI, 4.x; imported on first use, it is slow to
+import) come:
+- the test command: `MAP_REPO_VERSION_TO_SPECS[repo][version]["test_cmd"]` (Django's
+  `./tests/runtests.py ...`, sympy's `bin/test ...`, `tox ...`, or pytest for the others), run on
+  the harness's test directives (`get_test_directives`: the files the test patch touches, as
+  module labels for Django), after the spec's `eval_commands`; in an image with SWE-bench's conda
+  layout, the `testbed` environment is activated first, as the harness does;
+- the parser: `MAP_REPO_TO_PARSER[repo]`, which turns the log into test -> status. A test passes
+  when its status is PASSED or XFAIL (the harness's rule); FAIL_TO_PASS and PASS_TO_PASS ids are
+  matched exactly as the parser names them, and a test the log does not name is MISSING.
+Only Python repositories are accepted (the harness's other languages need their own directives).
+
+Forgeability: these outcomes come from the log the tests print, and the code under test can print
+anything, e.g. "test_x ... ok". What contains that: the patch still passes every integrity check
+before any test runs (protected test files, runner configuration, symlinks, tree audit; the test
+patch is re-applied after it), the runner script the test command names (`tests/runtests.py`,
+`bin/test`) is protected like a test file, the run must reach the completion line whose nonce only the
+executor's shell knows (a killed or crashed run is REPORT_UNTRUSTED, never parsed as passing),
+and the verdict carries the flag "evidence: parsed_log" so the reward side can weigh or audit
+such verdicts. It is still weaker than the pytest runner's streamed records, JUnit report,
+canaries and tampering checks, which is why pytest tasks never take this path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import posixpath
+import shlex
+from collections.abc import Sequence
+
+from dockyard_rl.sandbox import grading, images
+from dockyard_rl.sandbox.runner import ScriptRun
+from dockyard_rl.sandbox.task import FailureKind, RewardMode, TestOutcome
+
+PREFIX = "swebench:"
+EVIDENCE_FLAG = "evidence: parsed_log"
+# SWE-bench's images keep a conda install here with the repository's environment "testbed".
+_CONDA_ACTIVATE = "/opt/miniconda3/bin/activate"
+_STATUS_TO_OUTCOME = {"PASSED": TestOutcome.PASSED, "XFAIL": TestOutcome.PASSED,
+                      "FAILED": TestOutcome.FAILED, "ERROR": TestOutcome.ERROR,
+                      "SKIPPED": TestOutcome.SKIPPED}
+
+
+@functools.cache
+def _swebench():
+    """The harness's tables, imported once (the package pulls in docker, modal and datasets)."""
+    try:
+        from swebench.harness import constants, log_parsers
+        from swebench.harness.test_spec import python as python_specs
+        from swebench.harness.test_spec.test_spec import TestSpec
+    except ImportError as error:
+        raise ValueError(f"test_harness: the swebench package is not installed in the executor's "
+                         f"environment ({error}); it is in requirements/cpu.lock.txt") from None
+    return constants, log_parsers, python_specs, TestSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Harness:
+    """One repository/version of the SWE-bench harness (module docstring)."""
+
+    repo: str
+    version: str
+
+    @property
+    def spec(self) -> dict:
+        constants, _, _, _ = _swebench()
+        return constants.MAP_REPO_VERSION_TO_SPECS[self.repo][self.version]
+
+    def test_commands(self, test_patch: str, image: images.Image | None) -> list[str]:
+        """The shell lines that run this version's tests on the test patch's files; in an image
+        with SWE-bench's conda layout the `testbed` environment is activated first."""
+        _, _, python_specs, _ = _swebench()
+        conda = image is not None and os.path.lexists(image.rootfs / _CONDA_ACTIVATE.lstrip("/"))
+        directives = python_specs.get_test_directives({"repo": self.repo,
+                                                       "test_patch": test_patch})
+        activate = [f"source {_CONDA_ACTIVATE}", "conda activate testbed"] if conda else []
+        return [*activate, *self.spec.get("eval_commands", []),
+                " ".join([self.spec["test_cmd"], *map(shlex.quote, directives)])]
+
+    def protected_files(self) -> list[str]:
+        """The runner scripts the test command names (`./tests/runtests.py`, `bin/test`): like
+        the test files, a patch must not edit them (it could print any result)."""
+        words = shlex.split(self.spec["test_cmd"])
+        return sorted({posixpath.normpath(word) for word in words
+                       if "/" in word and not word.startswith(("-", "/")) and "=" not in word})
+
+    def parse(self, log: str, instance_id: str, fail_to_pass: Sequence[str],
+              pass_to_pass: Sequence[str]) -> dict[str, str]:
+        """The harness parser's test -> status map for `log`."""
+        constants, log_parsers, _, test_spec_class = _swebench()
+        test_spec = test_spec_class(
+            instance_id=instance_id, repo=self.repo, version=self.version, repo_script_list=[],
+            eval_script_list=[], env_script_list=[], arch="x86_64",
+            FAIL_TO_PASS=list(fail_to_pass), PASS_TO_PASS=list(pass_to_pass), language="py",
+            docker_specs={}, namespace=None)
+        return log_parsers.MAP_REPO_TO_PARSER[self.repo](log, test_spec)
+
+    def grade(self, run: ScriptRun, instance_id: str, fail_to_pass: Sequence[str],
+              pass_to_pass: Sequence[str], reward_mode: RewardMode) -> grading.Grade:
+        """The verdict's grade for a run of `test_commands`."""
+        notes = (EVIDENCE_FLAG,)
+        if run.result.timed_out:
+            return grading.ungraded(fail_to_pass, pass_to_pass, FailureKind.TIMEOUT,
+                                    "the test run was killed at the wall-clock limit", notes)
+        if run.exit_status is None:
+            return grading.ungraded(
+                fail_to_pass, pass_to_pass, FailureKind.REPORT_UNTRUSTED,
+                f"the test command did not finish (sandbox exit status "
+                f"{run.result.exit_code}): a crash, a forced exit or a kill; its log is not "
+                f"graded", notes)
+        statuses = self.parse(run.log, instance_id, fail_to_pass, pass_to_pass)
+
+        def outcome(test_id: str) -> TestOutcome:
+            return _STATUS_TO_OUTCOME.get(statuses.get(test_id, ""), TestOutcome.MISSING)
+
+        return grading.grade_outcomes(fail_to_pass, pass_to_pass, outcome, reward_mode, notes)
+
+
+def parse_harness(value: str) -> Harness:
+    """Reads a task's `test_harness` ("swebench:<owner/name>@<version>"); raises ValueError
+    naming the field and what the harness knows."""
+    if not value.startswith(PREFIX) or "@" not in value:
+        raise ValueError(f"test_harness: must look like 'swebench:<owner/name>@<version>' (the "
+                         f"SWE-bench row's repo and version), got {value!r}")
+    repo, _, version = value[len(PREFIX):].rpartition("@")
+    constants, log_parsers, _, _ = _swebench()
+    specs, parsers = constants.MAP_REPO_VERSION_TO_SPECS, log_parsers.MAP_REPO_TO_PARSER_PY
+    if repo not in specs or repo not in parsers:
+        known = ", ".join(sorted(set(specs) & set(parsers)))
+        raise ValueError(f"test_harness: the swebench harness has no Python repository {repo!r} "
+                         f"(known: {known})")
+    if version not in specs[repo]:
+        raise ValueError(f"test_harness: the swebench harness has no version {version!r} of "
+                         f"{repo} (known: {', '.join(sorted(specs[repo]))})")
+    return Harness(repo=repo, version=version)
+
+
+def harness_for_row(repo: str, version: str) -> str | None:
+    """The `test_harness` a SWE-bench row needs: "swebench:<repo>@<version>" when the harness
+    knows that Python repository and version and runs its tests with something other than pytest
+    (pytest tasks keep our stronger pytest runner); None otherwise, and always for a `repo` that
+    is a path or URL rather than "owner/name". Returns None when swebench is not installed."""
+    if not version or repo.count("/") != 1 or repo.startswith((".", "/")) or ":" in repo:
+        return None
+    try:
+        harness = parse_harness(f"{PREFIX}{repo}@{version}")
+    except ValueError:
+        return None
+    runner_word = shlex.split(harness.spec["test_cmd"])[0]
+    return None if runner_word in ("pytest", "py.test") else f"{PREFIX}{repo}@{version}"
