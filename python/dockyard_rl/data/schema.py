@@ -60,6 +60,7 @@ class SweInstance:
     image: str | None = None         # OCI image the tests run in (sandbox/images.py references)
     repo_path: str | None = None     # the repository's folder in the image (None: /testbed)
     test_harness: str | None = None  # None: swebench_harness.harness_for_row(repo, version)
+    requirements: tuple[str, ...] = ()  # pip requirements of a per-repository venv (no image)
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any], row_index: int, source: str) -> "SweInstance":
@@ -113,6 +114,14 @@ class SweInstance:
         fields["test_command"] = command if command.strip() else None
         for name in ("image", "repo_path", "test_harness"):
             fields[name] = text(name, False).strip() or None
+        requirements = row.get("requirements") or []
+        if isinstance(requirements, str):
+            requirements = requirements.splitlines()
+        if not isinstance(requirements, (list, tuple)) or not all(
+                isinstance(line, str) for line in requirements):
+            raise DatasetError(source, row_index, "requirements",
+                               "must be a list of pip requirement strings")
+        fields["requirements"] = tuple(line.strip() for line in requirements if line.strip())
         if not fields["FAIL_TO_PASS"]:
             # Without a failing test there is nothing to resolve: every patch would score 1.
             raise DatasetError(source, row_index, "FAIL_TO_PASS",
@@ -127,6 +136,10 @@ class SweInstance:
         for name in ("test_command", "image", "repo_path", "test_harness"):
             if data[name] is None:
                 del data[name]
+        if self.requirements:
+            data["requirements"] = list(self.requirements)
+        else:
+            del data["requirements"]
         return data
 
     def to_task_spec(self, patch: str, *, repo_url: str | None = None,
@@ -142,7 +155,7 @@ class SweInstance:
                         test_command=self.test_command, timeout_s=timeout_s,
                         reward_mode=reward_mode, task_id=task_id, image=self.image,
                         repo_path=self.repo_path or DEFAULT_REPO_PATH,
-                        test_harness=self.harness())
+                        test_harness=self.harness(), requirements=self.requirements)
 
     def harness(self) -> str | None:
         """The runner that grades this instance: its `test_harness`, or for a SWE-bench row of a

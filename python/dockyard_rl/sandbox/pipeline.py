@@ -64,7 +64,7 @@ import unidiff
 
 from dockyard_rl.sandbox import apply as apply_lib
 from dockyard_rl.sandbox import (cleanup, grading, images, integrity, isolation, repo_cache,
-                                 runner, screening, swebench_harness, tree_audit)
+                                 repo_envs, runner, screening, swebench_harness, tree_audit)
 from dockyard_rl.sandbox.task import ApplyMethod, FailureKind, TaskSpec, TestOutcome, Verdict
 from dockyard_rl.utils.config import require
 
@@ -95,6 +95,7 @@ class PipelineConfig:
     cache_dir: str | None = None               # repository mirrors; None -> <work_root>/mirrors
     image_cache_dir: str | None = None         # unpacked task images; None -> <work_root>/images
     image_cache_max_bytes: int = 20 * 1024**3  # LRU-evicted above this (images in use stay)
+    repo_env_dir: str | None = None            # per-repository venvs; None -> <work_root>/envs
 
     def __post_init__(self):
         def positive_int(name: str, what: str):
@@ -153,8 +154,24 @@ class PipelineConfig:
         return pathlib.Path(self.image_cache_dir).expanduser().resolve()
 
 
+    def repo_env_path(self, work_root: pathlib.Path) -> pathlib.Path:
+        if self.repo_env_dir is None:
+            return work_root / "envs"
+        return pathlib.Path(self.repo_env_dir).expanduser().resolve()
+
+
 _image_caches_lock = threading.Lock()
 _image_caches: dict[pathlib.Path, images.ImageCache] = {}
+_repo_env_caches: dict[pathlib.Path, repo_envs.RepoEnvCache] = {}
+
+
+def repo_env_cache(config: PipelineConfig, work_root: pathlib.Path) -> repo_envs.RepoEnvCache:
+    """The process's one RepoEnvCache for the config's folder (created on first use)."""
+    path = config.repo_env_path(pathlib.Path(work_root).expanduser().resolve())
+    with _image_caches_lock:
+        if path not in _repo_env_caches:
+            _repo_env_caches[path] = repo_envs.RepoEnvCache(path)
+        return _repo_env_caches[path]
 
 
 def image_cache(config: PipelineConfig, work_root: pathlib.Path) -> images.ImageCache:
@@ -303,6 +320,11 @@ def score_task(spec: TaskSpec, config: PipelineConfig, work_root: pathlib.Path) 
                                   f"{error}") from error
     try:
         scoring = _Scoring(spec, config, work_root, cache, task_dir, timings, start, harness)
+        if spec.requirements:
+            with repo_env_cache(config, work_root).lease(spec.requirements) as env:
+                scoring.repo_env = env.root
+                scoring.lap("environment")
+                return scoring.run(all_test_files, pytest_args)
         if spec.image is None:
             return scoring.run(all_test_files, pytest_args)
         with image_cache(config, work_root).lease(spec.image) as image:
@@ -336,6 +358,7 @@ class _Scoring:
         self.phase_start = time.monotonic()
         self.image: images.Image | None = None
         self.interpreter: str | None = None
+        self.repo_env: pathlib.Path | None = None  # a per-repository venv (repo_envs.py)
 
     def use_image(self, image: images.Image) -> None:
         """Runs the tests in `image` (raises images.ImageError when it cannot host them)."""
@@ -431,7 +454,7 @@ class _Scoring:
                 canaries=True, hidden_paths=[self.work_root, config.cache_path(self.work_root)],
                 patched_files=sorted(integrity.touched_paths(spec.patch)[0]),
                 image=self.image, interpreter=self.interpreter,
-                worktree_dir=pathlib.Path(spec.repo_path))
+                worktree_dir=pathlib.Path(spec.repo_path), repo_env=self.repo_env)
         except isolation.SandboxUnavailableError as error:
             raise InfrastructureError(str(error)) from error
         self.lap("tests")

@@ -181,7 +181,8 @@ def _check_repo_path(image: images.Image | None, worktree_dir: pathlib.Path) -> 
                                 f"the repository on")
 
 
-def _environment(image: images.Image | None, worktree_dir: pathlib.Path
+def _environment(image: images.Image | None, worktree_dir: pathlib.Path,
+                 repo_env: pathlib.Path | None = None
                  ) -> tuple[dict[str, str], list[pathlib.Path]]:
     """The tests' environment variables and the host paths to bind read-only for them."""
     env = {"HOME": "/tmp", "LANG": "C.UTF-8", "TMPDIR": "/tmp", "USER": "sandbox",
@@ -190,8 +191,13 @@ def _environment(image: images.Image | None, worktree_dir: pathlib.Path
            "GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "safe.directory",
            "GIT_CONFIG_VALUE_0": str(worktree_dir)}
     if image is None:
+        interpreter = [pathlib.Path(p) for p in interpreter_paths()]
+        if repo_env is not None:  # a venv of this same CPython (repo_envs.py)
+            env["PATH"] = f"{repo_env}/bin:/usr/local/bin:/usr/bin:/bin"
+            env["VIRTUAL_ENV"] = str(repo_env)
+            return env, [*interpreter, repo_env]
         env["PATH"] = f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin"
-        return env, [pathlib.Path(p) for p in interpreter_paths()]
+        return env, interpreter
     # The image's own environment (its PATH, a conda prefix, ...) under the fixed variables.
     env = {**image.env, **env}
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
@@ -209,7 +215,8 @@ def run_pytest(pytest_args: Sequence[str], worktree: pathlib.Path, scratch_dir: 
                hidden_paths: Sequence[pathlib.Path] = (),
                patched_files: Sequence[str] = (),
                image: images.Image | None = None, interpreter: str | None = None,
-               worktree_dir: pathlib.Path = SANDBOX_WORKTREE
+               worktree_dir: pathlib.Path = SANDBOX_WORKTREE,
+               repo_env: pathlib.Path | None = None
                ) -> tuple[isolation.SandboxResult, RunEvidence]:
     """Runs pytest with `pytest_args` on a copy of `worktree` inside the sandbox (module
     docstring). `scratch_dir` (executor-owned, outside the worktree) receives the runner's files.
@@ -218,8 +225,10 @@ def run_pytest(pytest_args: Sequence[str], worktree: pathlib.Path, scratch_dir: 
     image's root filesystem is the sandbox's system view and `interpreter` (a path inside it, see
     image_interpreter) runs the tests, with the image's Env under ours; without, this executor's
     interpreter does. The tests' copy of the worktree lives at `worktree_dir` (the repository's
-    path in the image). Raises isolation.SandboxUnavailableError when the sandbox cannot start;
-    whatever the tests do ends in the returned evidence."""
+    path in the image). `repo_env` (a per-repository venv, repo_envs.py; not with an image) runs
+    the tests with that venv's interpreter instead of this one. Raises
+    isolation.SandboxUnavailableError when the sandbox cannot start; whatever the tests do ends
+    in the returned evidence."""
     if image is not None and interpreter is None:
         raise ValueError("run_pytest: an image needs its interpreter (image_interpreter)")
     _check_repo_path(image, worktree_dir)
@@ -260,9 +269,10 @@ def run_pytest(pytest_args: Sequence[str], worktree: pathlib.Path, scratch_dir: 
         isolation.Mount("tmpfs", _SANDBOX_REPORT_DIR,
                         size_bytes=limits.max_report_bytes + 1024 * 1024, perms="1777"),
     ]
-    env, readonly = _environment(image, worktree_dir)
+    env, readonly = _environment(image, worktree_dir, repo_env)
     if image is None:
-        command = [sys.executable, "-s", "-P", "-B"]
+        python = str(repo_env / "bin" / "python") if repo_env is not None else sys.executable
+        command = [python, "-s", "-P", "-B"]
     else:
         command = [interpreter, "-s", "-B"]
     result = isolation.run_sandboxed(

@@ -14,7 +14,7 @@ import json
 import posixpath
 from typing import Any
 
-from dockyard_rl.sandbox import images
+from dockyard_rl.sandbox import images, repo_envs
 
 
 class RewardMode(str, enum.Enum):
@@ -113,6 +113,8 @@ class TaskSpec:
     repo_path: str = DEFAULT_REPO_PATH  # where the repository sits in the image
     test_harness: str | None = None  # "swebench:<owner/name>@<version>": that runner and log
     #                                  parser (sandbox/swebench_harness.py) instead of pytest
+    requirements: tuple[str, ...] = ()  # pip requirements of a per-repository venv
+    #                                     (sandbox/repo_envs.py); only without an image
 
     @classmethod
     def from_request(cls, body: Any) -> "TaskSpec":
@@ -170,6 +172,23 @@ class TaskSpec:
                 raise TaskValidationError("repo_path", "is only meaningful with an image")
             check_repo_path(repo_path)
         test_harness = text("test_harness", required=False)
+        requirements = body.get("requirements") or ()
+        if requirements:
+            if isinstance(requirements, str):
+                requirements = requirements.split("\n")
+            if not isinstance(requirements, list) or not all(
+                    isinstance(line, str) for line in requirements):
+                raise TaskValidationError("requirements", "must be a list of pip requirement "
+                                                          "strings")
+            requirements = [line.strip() for line in requirements if line.strip()]
+            if image is not None:
+                raise TaskValidationError("requirements", "cannot be combined with an image "
+                                                          "(install them in the image)")
+            try:
+                repo_envs.check_requirements(requirements)
+            except ValueError as error:
+                raise TaskValidationError("requirements", str(error).removeprefix(
+                    "requirements: ")) from None
         if test_harness is not None and body.get("test_command") is not None:
             raise TaskValidationError("test_harness", "names the test command itself; leave "
                                                       "test_command out")
@@ -190,6 +209,7 @@ class TaskSpec:
             image=image,
             repo_path=repo_path or DEFAULT_REPO_PATH,
             test_harness=test_harness,
+            requirements=tuple(requirements),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -202,6 +222,10 @@ class TaskSpec:
             del data["image"], data["repo_path"]
         if self.test_harness is None:
             del data["test_harness"]
+        if self.requirements:
+            data["requirements"] = list(self.requirements)
+        else:
+            del data["requirements"]
         return data
 
 
