@@ -2,7 +2,7 @@
 
     python3 tools/oci/deb_rootfs.py --lock L.lock.json --out rootfs.tar [--cache DIR]
 
-Run by the `deb_rootfs` repository rule (debian.bzl) at fetch time:
+Run by the `deb_rootfs` repository rule (tools/oci/repositories.bzl) at fetch time:
 
 1. Checks that the lock's distribution is this machine's (a lock for another release cannot be
    fetched through this machine's apt sources).

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import posixpath
 import shlex
@@ -43,6 +44,8 @@ from dockyard_rl.sandbox import grading, images
 from dockyard_rl.sandbox.runner import ScriptRun
 from dockyard_rl.sandbox.task import FailureKind, RewardMode, TestOutcome
 
+logger = logging.getLogger(__name__)
+
 PREFIX = "swebench:"
 EVIDENCE_FLAG = "evidence: parsed_log"
 # SWE-bench's images keep a conda install here with the repository's environment "testbed".
@@ -50,6 +53,11 @@ _CONDA_ACTIVATE = "/opt/miniconda3/bin/activate"
 _STATUS_TO_OUTCOME = {"PASSED": TestOutcome.PASSED, "XFAIL": TestOutcome.PASSED,
                       "FAILED": TestOutcome.FAILED, "ERROR": TestOutcome.ERROR,
                       "SKIPPED": TestOutcome.SKIPPED}
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning("%s; SWE-bench rows are graded with the pytest runner", message)
 
 
 @functools.cache
@@ -152,6 +160,11 @@ def harness_for_row(repo: str, version: str) -> str | None:
     (pytest tasks keep our stronger pytest runner); None otherwise, and always for a `repo` that
     is a path or URL rather than "owner/name". Returns None when swebench is not installed."""
     if not version or repo.count("/") != 1 or repo.startswith((".", "/")) or ":" in repo:
+        return None
+    try:
+        _swebench()
+    except ValueError as error:  # not installed (e.g. the CUDA lock): say so once, then pytest
+        _warn_once(str(error))
         return None
     try:
         harness = parse_harness(f"{PREFIX}{repo}@{version}")
