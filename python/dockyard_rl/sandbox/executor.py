@@ -3,10 +3,12 @@
     tools/bazel run //python/dockyard_rl/sandbox:executor -- [--host 127.0.0.1] [--port 9090]
         [--workers N] [--work-dir DIR] [--db FILE] [--max-queue N] [--max-patch-bytes N]
         [--max-infra-attempts N] [--default-timeout-s S] [--auth-token-file FILE]
+        [--image-cache-dir DIR] [--image-cache-max-bytes N]
     python -m dockyard_rl.sandbox.executor ...   (the same, without Bazel; the image uses this)
 
 Flags map one-to-one onto ExecutorConfig keys (config.py holds the defaults and the validation);
---default-timeout-s sets `pipeline.timeout_s`.
+--default-timeout-s sets `pipeline.timeout_s`; --image-cache-dir and --image-cache-max-bytes set
+the task images' cache (`pipeline.image_cache_dir`, `pipeline.image_cache_max_bytes`).
 The bearer token is never a flag: command lines are visible to every user of the machine (`ps`).
 It comes from `--auth-token-file` or the DOCKYARD_EXECUTOR_TOKEN environment variable.
 
@@ -64,6 +66,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="test-run wall clock when a task names none")
     parser.add_argument("--shutdown-grace-s", type=float,
                         help="how long shutdown waits for running tasks")
+    parser.add_argument("--image-cache-dir",
+                        help="unpacked task images (default <work-dir>/images)")
+    parser.add_argument("--image-cache-max-bytes", type=int,
+                        help="size of the task image cache before LRU eviction (default 20 GiB)")
     parser.add_argument("--auth-token-file", type=pathlib.Path,
                         help=f"file holding the bearer token (else ${TOKEN_ENV_VAR}; none = no "
                              f"authentication, allowed only on a loopback host)")
@@ -82,8 +88,11 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> Execu
     """Flags (and the token source) -> a validated ExecutorConfig; ValueError names the key."""
     data = {key: getattr(args, dest) for dest, key in _FLAG_KEYS.items()
             if getattr(args, dest) is not None}
-    if args.default_timeout_s is not None:
-        data["pipeline"] = {"timeout_s": args.default_timeout_s}
+    pipeline = {key: value for key, value in (
+        ("timeout_s", args.default_timeout_s), ("image_cache_dir", args.image_cache_dir),
+        ("image_cache_max_bytes", args.image_cache_max_bytes)) if value is not None}
+    if pipeline:
+        data["pipeline"] = pipeline
     if args.auth_token_file is not None:
         try:
             data["auth_token"] = args.auth_token_file.read_text().strip()

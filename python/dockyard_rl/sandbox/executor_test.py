@@ -16,13 +16,16 @@ def test_flags_map_onto_config_keys(tmp_path):
                        str(tmp_path), "--db", str(tmp_path / "t.db"), "--max-queue", "7",
                        "--max-patch-bytes", "1000", "--max-infra-attempts", "1",
                        "--retry-backoff-s", "0.5", "--default-timeout-s", "60",
-                       "--shutdown-grace-s", "1"])
+                       "--shutdown-grace-s", "1", "--image-cache-dir", str(tmp_path / "img"),
+                       "--image-cache-max-bytes", "5000000000"])
     config = config_from_args(args, environ={})
     assert (config.port, config.num_workers, config.max_queue, config.max_patch_bytes) == \
         (0, 2, 7, 1000)
     assert config.db_file == tmp_path / "t.db" and config.work_path == tmp_path
     assert (config.max_infra_attempts, config.retry_backoff_s, config.pipeline.timeout_s,
             config.shutdown_grace_s) == (1, 0.5, 60.0, 1.0)
+    assert (config.pipeline.image_cache_dir, config.pipeline.image_cache_max_bytes) == \
+        (str(tmp_path / "img"), 5_000_000_000)
 
 
 def test_token_from_file_or_environment(tmp_path):
@@ -43,3 +46,6 @@ def test_invalid_configuration_exits_2_naming_the_key(capsys, monkeypatch):
     assert "executor.num_workers: must be an integer >= 1" in capsys.readouterr().err
     assert main(["--host", "0.0.0.0"]) == 2
     assert "requires auth_token" in capsys.readouterr().err
+    assert main(["--image-cache-max-bytes", "0"]) == 2
+    assert "executor.pipeline.image_cache_max_bytes: must be a positive integer" in \
+        capsys.readouterr().err
