@@ -6,13 +6,13 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "cc/advantages.h"
 #include "cc/cuda/advantages_cuda.h"
+#include "cc/cuda/testing.h"
 #include "cc/testing.h"
 
 namespace {
@@ -56,13 +56,6 @@ void check_parity(int64_t num_groups, int64_t group_size, Baseline baseline, boo
 }  // namespace
 
 int main() {
-  int num_devices = 0;
-  const cudaError_t status = cudaGetDeviceCount(&num_devices);
-  if (status != cudaSuccess || num_devices == 0) {
-    std::printf("SKIPPED: no CUDA device (%s); the CUDA kernel was compiled and linked only.\n",
-                status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
-    return 0;
-  }
   std::vector<dockyard::testing::TestCase> cases;
   for (int64_t group_size : {1, 2, 5, 16, 64}) {
     for (int64_t num_groups : {1, 7, 5000}) {
@@ -77,5 +70,5 @@ int main() {
       }
     }
   }
-  return dockyard::testing::RunTests("advantages_cuda_test", cases);
+  return dockyard::testing::RunCudaTests("advantages_cuda_test", cases);
 }

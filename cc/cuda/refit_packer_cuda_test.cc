@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -26,6 +25,7 @@
 
 #include "cc/cuda/refit_packer_cuda.h"
 #include "cc/refit_packer.h"
+#include "cc/cuda/testing.h"
 #include "cc/testing.h"
 
 namespace {
@@ -351,13 +351,6 @@ void TestErrors() {
 }  // namespace
 
 int main() {
-  int num_devices = 0;
-  const cudaError_t status = cudaGetDeviceCount(&num_devices);
-  if (status != cudaSuccess || num_devices == 0) {
-    std::printf("SKIPPED: no CUDA device (%s); the CUDA kernel was compiled and linked only.\n",
-                status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
-    return 0;
-  }
   std::vector<dockyard::testing::TestCase> cases;
   for (int64_t alignment : {16, 256}) {
     const char* name = alignment == 16 ? "MixedLayoutsAlign16" : "MixedLayoutsAlign256";
@@ -415,5 +408,5 @@ int main() {
     CheckPlanParity("word widths", std::move(t), 2, 256);
  }});
   cases.push_back({"PlanErrors", TestPlanErrors});
-  return dockyard::testing::RunTests("refit_packer_cuda_test", cases);
+  return dockyard::testing::RunCudaTests("refit_packer_cuda_test", cases);
 }

@@ -40,24 +40,16 @@ import subprocess
 import sys
 import time
 
+from dockyard_rl.utils import process_memory
+
 VARIANTS = ("torch", "fused")
 
 
 def _rss_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # Resets VmHWM to the current RSS (Linux >= 4.0).
-        return True
-    except OSError:
-        return False
+    value = process_memory.status_bytes(field)
+    if value is None:
+        raise RuntimeError(f"{field} not in /proc/self/status")
+    return value
 
 
 def _worker(variant: str, num_tokens: int, vocab_size: int, dtype_name: str, device: str,
@@ -92,7 +84,7 @@ def _worker(variant: str, num_tokens: int, vocab_size: int, dtype_name: str, dev
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
     else:
-        if not _reset_peak_rss():
+        if not process_memory.reset_peak_rss():
             raise RuntimeError("cannot reset the peak RSS through /proc/self/clear_refs")
         before = _rss_bytes("VmRSS")
     times, total = [], None

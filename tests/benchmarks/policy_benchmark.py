@@ -39,15 +39,9 @@ import subprocess
 import sys
 import time
 
+from dockyard_rl.utils import process_memory
+
 BACKENDS = ("dtensor", "jax")
-
-
-def _rss_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _make_batch(args: argparse.Namespace):
@@ -192,8 +186,8 @@ def _worker(args: argparse.Namespace) -> dict:
         if backend == "dtensor":
             policy.memory_stats(reset=True)
         else:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
+            if not process_memory.reset_peak_rss():
+                raise RuntimeError("cannot reset the peak RSS through /proc/self/clear_refs")
         step_seconds, losses = [], []
         for index in range(args.steps):
             if eager is not None and index % 2 == 0:
@@ -213,7 +207,7 @@ def _worker(args: argparse.Namespace) -> dict:
 
             device = jax.devices()[0]
             if device.platform == "cpu":
-                peak_bytes, memory_kind = _rss_bytes("VmHWM"), "RSS"
+                peak_bytes, memory_kind = process_memory.status_bytes("VmHWM") or 0, "RSS"
             else:
                 peak_bytes = int(device.memory_stats().get("peak_bytes_in_use", 0))
                 memory_kind = "device"

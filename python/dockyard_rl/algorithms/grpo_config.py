@@ -79,7 +79,7 @@ from dockyard_rl.models.policy.config import PolicyConfig
 from dockyard_rl.rewards.shaping import OverlongStageConfig, RewardShapingConfig
 from dockyard_rl.sandbox.config import ExecutorConfig
 from dockyard_rl.utils.checkpoint import CheckpointingConfig
-from dockyard_rl.utils.config import from_dict, optional_dataclass, require
+from dockyard_rl.utils.config import from_dict, is_int, is_number, optional_dataclass, require
 from dockyard_rl.utils.logger import LoggerConfig
 from dockyard_rl.weight_sync.config import WeightSyncConfig
 
@@ -106,14 +106,6 @@ _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 class ConfigError(ValueError):
     """A recipe that cannot be used; the message is one line: `<file>: <dotted.key>: <why, fix>`."""
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,22 +144,22 @@ class GRPOConfig:
                 ("max_num_steps", 1, ""),
                 ("val_period", 0, " (0 = no periodic validation)")):
             value = getattr(self, key)
-            require(_is_int(value) and value >= minimum, key,
+            require(is_int(value) and value >= minimum, key,
                     f"must be an integer >= {minimum}{hint}, got {value!r}")
-        require(self.max_rollout_turns == 1 and _is_int(self.max_rollout_turns),
+        require(self.max_rollout_turns == 1 and is_int(self.max_rollout_turns),
                 "max_rollout_turns", f"only single-shot rollouts (1) are supported, got "
                                      f"{self.max_rollout_turns!r}; set it to 1")
         for key in ("val_at_start", "val_at_end", "skip_reference_policy_logprobs"):
             value = getattr(self, key)
             require(isinstance(value, bool), key, f"must be true or false, got {value!r}")
         require(self.val_num_prompts is None
-                or (_is_int(self.val_num_prompts) and self.val_num_prompts >= 1),
+                or (is_int(self.val_num_prompts) and self.val_num_prompts >= 1),
                 "val_num_prompts", f"must be an integer >= 1 or null (= the whole validation "
                                    f"split), got {self.val_num_prompts!r}")
-        require(_is_number(self.val_temperature) and self.val_temperature >= 0,
+        require(is_number(self.val_temperature) and self.val_temperature >= 0,
                 "val_temperature", f"must be a number >= 0 (0 = greedy), got "
                                    f"{self.val_temperature!r}")
-        require(_is_int(self.seed) and self.seed >= 0, "seed",
+        require(is_int(self.seed) and self.seed >= 0, "seed",
                 f"must be an integer >= 0, got {self.seed!r}")
         require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got "
                                             f"{self.mode!r}")
@@ -359,9 +351,9 @@ def _matches(value: Any, scalar: type) -> bool:
     if scalar is bool:
         return isinstance(value, bool)
     if scalar is int:
-        return _is_int(value)
+        return is_int(value)
     if scalar is float:
-        return _is_number(value)
+        return is_number(value)
     if scalar is str:
         return isinstance(value, str)
     return value is None

@@ -42,7 +42,7 @@ import re
 from collections.abc import Mapping
 
 from dockyard_rl.utils.byte_sizes import parse_byte_size
-from dockyard_rl.utils.config import require
+from dockyard_rl.utils.config import is_int, is_number, require
 
 ROLE_ENV = "DOCKYARD_FLEET_ROLE"
 # Every process of a deployment declares one of these in DOCKYARD_FLEET_ROLE.
@@ -56,14 +56,6 @@ _NCCL_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 # Custom resource names: what `ray start --resources` accepts, minus Ray's own names.
 _RESOURCE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]*")
 _RAY_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def parse_address(value: str, key: str) -> tuple[str, int]:
@@ -94,7 +86,7 @@ class NodeConfig:
                         f"null (detect), got {self.ip_address!r}")
         for key in ("num_cpus", "num_gpus"):
             value = getattr(self, key)
-            require(value is None or (_is_int(value) and value >= 0), key,
+            require(value is None or (is_int(value) and value >= 0), key,
                     f"must be an int >= 0 or null (Ray detects), got {value!r}")
         if self.memory is not None:
             object.__setattr__(self, "memory", parse_byte_size(self.memory, "memory"))
@@ -105,7 +97,7 @@ class NodeConfig:
                     and name not in _RAY_RESOURCES, f"resources.{name}",
                     f"custom resource names are identifiers other than {_RAY_RESOURCES} "
                     "(set those with num_cpus / num_gpus / memory)")
-            require(_is_number(amount) and amount >= 0, f"resources.{name}",
+            require(is_number(amount) and amount >= 0, f"resources.{name}",
                     f"must be a number >= 0, got {amount!r}")
         object.__setattr__(self, "resources", dict(self.resources))
 
@@ -128,10 +120,10 @@ class NcclEnvConfig:
                     f"must be a non-empty string or null, got {value!r}")
         require(self.ib_disable is None or isinstance(self.ib_disable, bool), "ib_disable",
                 f"must be true, false or null, got {self.ib_disable!r}")
-        require(self.ib_timeout is None or (_is_int(self.ib_timeout)
+        require(self.ib_timeout is None or (is_int(self.ib_timeout)
                                             and 1 <= self.ib_timeout <= 31), "ib_timeout",
                 f"must be an int in [1, 31] (an exponent) or null, got {self.ib_timeout!r}")
-        require(self.heartbeat_timeout_s is None or (_is_int(self.heartbeat_timeout_s)
+        require(self.heartbeat_timeout_s is None or (is_int(self.heartbeat_timeout_s)
                                                      and self.heartbeat_timeout_s > 0),
                 "heartbeat_timeout_s", f"must be an int > 0 or null, got "
                 f"{self.heartbeat_timeout_s!r}")
@@ -176,7 +168,7 @@ class FleetConfig:
     def __post_init__(self):
         require(self.strategy in STRATEGIES, "strategy",
                 f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
-        require(_is_int(self.max_worker_restarts) and self.max_worker_restarts >= 0,
+        require(is_int(self.max_worker_restarts) and self.max_worker_restarts >= 0,
                 "max_worker_restarts", f"must be an int >= 0, got {self.max_worker_restarts!r}")
 
 
@@ -209,7 +201,7 @@ class ClusterConfig:
     def __post_init__(self):
         if self.address is not None:
             parse_address(self.address, "address")
-        require(_is_number(self.placement_timeout_s) and self.placement_timeout_s > 0,
+        require(is_number(self.placement_timeout_s) and self.placement_timeout_s > 0,
                 "placement_timeout_s", f"must be a number of seconds > 0, got "
                 f"{self.placement_timeout_s!r}")
         for key, cls in (("node", NodeConfig), ("fleets", FleetsConfig)):

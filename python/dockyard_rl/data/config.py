@@ -23,7 +23,7 @@ import dataclasses
 from dockyard_rl.data import datasets
 from dockyard_rl.data.processors import PromptConfig
 from dockyard_rl.data.schema import SweInstance
-from dockyard_rl.utils.config import require
+from dockyard_rl.utils.config import is_int, require
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +61,7 @@ class DataConfig:
                                        "of validation instances)")
         for name in ("min_validation_repos", "seed"):
             value = getattr(self, name)
-            require(isinstance(value, int) and not isinstance(value, bool)
-                    and value >= (1 if name == "min_validation_repos" else 0), name,
+            require(is_int(value) and value >= (1 if name == "min_validation_repos" else 0), name,
                     f"must be an integer >= {1 if name == 'min_validation_repos' else 0}, "
                     f"got {value!r}")
         require(isinstance(self.shuffle, bool), "shuffle",

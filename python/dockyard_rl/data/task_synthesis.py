@@ -106,11 +106,9 @@ class SynthesisConfig:
     def __post_init__(self):
         def positive_int(name: str):
             value = getattr(self, name)
-            require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
-                    f"must be an integer >= 1, got {value!r}")
+            require(is_int(value) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
 
-        require(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed",
-                f"must be an integer, got {self.seed!r}")
+        require(is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
         for name in ("max_tasks_per_package", "max_candidates_per_package",
                      "max_tasks_per_function", "num_gold_runs", "window_size"):
             positive_int(name)

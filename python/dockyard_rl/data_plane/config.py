@@ -22,18 +22,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from dockyard_rl.utils.config import from_dict, require
+from dockyard_rl.utils.config import from_dict, is_int, is_number, require
 
 TRANSPORTS = ("in_memory", "ray_direct")
 TENSOR_TRANSPORTS = ("gloo", "nccl", "nixl")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,16 +67,16 @@ class DataPlaneConfig:
         require(self.tensor_transport in TENSOR_TRANSPORTS, "tensor_transport",
                 f"unknown tensor transport {self.tensor_transport!r}; valid: "
                 f"{', '.join(TENSOR_TRANSPORTS)} (gloo for CPU tensors, nccl for CUDA tensors)")
-        require(_is_int(self.max_in_flight_batches) and self.max_in_flight_batches >= 1,
+        require(is_int(self.max_in_flight_batches) and self.max_in_flight_batches >= 1,
                 "max_in_flight_batches",
                 f"must be an integer >= 1 (batches a receiver holds before producers wait), got "
                 f"{self.max_in_flight_batches!r}")
         for key in ("backpressure_timeout_s", "transfer_timeout_s", "receive_timeout_s"):
             value = getattr(self, key)
-            require(_is_number(value) and value > 0, key,
+            require(is_number(value) and value > 0, key,
                     f"must be a number of seconds > 0 (the data plane never waits forever), got "
                     f"{value!r}")
-        require(_is_int(self.max_metadata_bytes) and 0 < self.max_metadata_bytes <= 100 * 1024,
+        require(is_int(self.max_metadata_bytes) and 0 < self.max_metadata_bytes <= 100 * 1024,
                 "max_metadata_bytes",
                 f"must be an integer in [1, 102400] (Ray inlines task arguments up to 100 KiB; "
                 f"larger ones would go through the object store), got "

@@ -28,7 +28,7 @@ import os
 import re
 
 from dockyard_rl.sandbox.task import RewardMode
-from dockyard_rl.utils.config import require
+from dockyard_rl.utils.config import is_int, is_number, require
 
 __all__ = ["SweEnvironmentConfig"]
 
@@ -37,12 +37,9 @@ __all__ = ["SweEnvironmentConfig"]
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _is_finite_number(value) -> bool:
+    # Stricter than utils.config.is_number: a timeout of NaN or inf is no timeout.
+    return is_number(value) and math.isfinite(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,15 +61,15 @@ class SweEnvironmentConfig:
                 and self.executor_url.startswith(("http://", "https://")), "executor_url",
                 f"must be an http:// or https:// URL of the executor, e.g. "
                 f"http://127.0.0.1:9090, got {self.executor_url!r}")
-        require(_is_int(self.max_concurrency) and self.max_concurrency >= 1, "max_concurrency",
+        require(is_int(self.max_concurrency) and self.max_concurrency >= 1, "max_concurrency",
                 f"must be an integer >= 1, got {self.max_concurrency!r}")
         for name in ("request_timeout_s", "task_timeout_s", "poll_interval_s"):
             value = getattr(self, name)
-            require(_is_number(value) and value > 0, name,
+            require(_is_finite_number(value) and value > 0, name,
                     f"must be a number of seconds > 0, got {value!r}")
         require(self.poll_interval_s <= self.task_timeout_s, "poll_interval_s",
                 f"must be <= task_timeout_s ({self.task_timeout_s}), got {self.poll_interval_s}")
-        require(_is_int(self.max_infra_retries) and self.max_infra_retries >= 0,
+        require(is_int(self.max_infra_retries) and self.max_infra_retries >= 0,
                 "max_infra_retries",
                 f"must be an integer >= 0 (0 = one try only), got {self.max_infra_retries!r}")
         valid_modes = [mode.value for mode in RewardMode]

@@ -50,8 +50,8 @@ from dockyard_rl.kernels.refit_manifest import (
     TensorEntry,
     _check_bucket_index,
     _dtype_name,
-    _is_int,
 )
+from dockyard_rl.utils.config import is_int
 
 # The extension this module calls (None outside the build); tests replace it.
 _ext = _extension.EXTENSION
@@ -967,7 +967,7 @@ def _check_manifest(manifest: Any, where: str) -> None:
 
 
 def _check_num_threads(num_threads: Any) -> None:
-    if not _is_int(num_threads) or not 0 <= num_threads <= MAX_THREADS:
+    if not is_int(num_threads) or not 0 <= num_threads <= MAX_THREADS:
         raise ValueError(
             f"num_threads must be in [0, {MAX_THREADS}] (0 = automatic), got {num_threads!r}"
         )

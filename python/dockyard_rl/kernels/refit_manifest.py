@@ -8,7 +8,7 @@ Covered here:
 - ``Manifest``: every entry plus every bucket's size and the alignment; plain data
   (``to_dict`` / ``from_dict``, JSON-serialisable), validated whenever one is built, so a corrupt
   or mismatched manifest fails before any byte is copied.
-- The validation helpers shared by the refit modules (``_is_int``, ``_check_alignment``,
+- The validation helpers shared by the refit modules (``_check_alignment``,
   ``_check_bucket_index``); they start with ``_`` because they are not API.
 
 Not covered: choosing the layout (refit_planning.py), copying bytes (refit_copy.py). The layout
@@ -24,7 +24,10 @@ from typing import Any
 
 import torch
 
-# dtype name in the manifest -> torch dtype. Names are torch's without the "torch." prefix.
+from dockyard_rl.utils.config import is_int
+
+# dtype name -> torch dtype, names as torch spells them without "torch.": the dtypes a manifest
+# may name, and the repository's one name -> dtype map (policy.dtype, generation.dtype).
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "float32": torch.float32,
@@ -61,11 +64,6 @@ __all__ = [
 # --- Helpers shared by the refit modules ---------------------------------------------------------
 
 
-def _is_int(value: Any) -> bool:
-    """An int that is not a bool (``True`` is an ``int`` to Python, never a size here)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _numel(shape: Sequence[int]) -> int:
     n = 1
     for s in shape:
@@ -84,7 +82,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _check_alignment(alignment: Any, where: str) -> None:
     if (
-        not _is_int(alignment)
+        not is_int(alignment)
         or alignment & (alignment - 1)
         or not MIN_ALIGNMENT <= alignment <= MAX_ALIGNMENT
     ):
@@ -95,7 +93,7 @@ def _check_alignment(alignment: Any, where: str) -> None:
 
 
 def _check_bucket_index(manifest: Manifest, bucket_index: Any) -> None:
-    if not _is_int(bucket_index) or not 0 <= bucket_index < manifest.num_buckets:
+    if not is_int(bucket_index) or not 0 <= bucket_index < manifest.num_buckets:
         raise ValueError(
             f"bucket_index must be an int in [0, {manifest.num_buckets}), got {bucket_index!r}"
         )
@@ -139,13 +137,13 @@ class TensorEntry:
                 f"{where}: unknown dtype {self.dtype!r}; valid dtypes: {', '.join(DTYPES)}"
             )
         if not isinstance(self.shape, (tuple, list)) or not all(
-            _is_int(s) and s >= 0 for s in self.shape
+            is_int(s) and s >= 0 for s in self.shape
         ):
             raise ValueError(f"{where}: shape must be a list of ints >= 0, got {self.shape!r}")
         object.__setattr__(self, "shape", tuple(self.shape))
         for key in ("bucket", "offset", "nbytes"):
             value = getattr(self, key)
-            if not _is_int(value) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"{where}: {key} must be an int >= 0, got {value!r}")
         expected = _numel(self.shape) * _itemsize(DTYPES[self.dtype])
         if self.nbytes != expected:
@@ -178,7 +176,7 @@ class Manifest:
             raise ValueError(f"bucket_sizes must be a list of ints, got {self.bucket_sizes!r}")
         object.__setattr__(self, "bucket_sizes", tuple(self.bucket_sizes))
         for b, size in enumerate(self.bucket_sizes):
-            if not _is_int(size) or size < 0:
+            if not is_int(size) or size < 0:
                 raise ValueError(f"bucket_sizes[{b}] must be an int >= 0, got {size!r}")
         if not isinstance(self.tensors, (tuple, list)) or not all(
             isinstance(t, TensorEntry) for t in self.tensors

@@ -30,10 +30,10 @@ from dockyard_rl.kernels.refit_manifest import (
     Manifest,
     TensorEntry,
     _check_alignment,
-    _is_int,
     _itemsize,
     _numel,
 )
+from dockyard_rl.utils.config import is_int
 
 # The extension this module calls (None outside the build); tests replace it.
 _ext = _extension.EXTENSION
@@ -76,7 +76,7 @@ def plan_buckets(
             f"{type(named_shapes_dtypes).__name__}"
         )
     _check_alignment(alignment, "plan_buckets")
-    if not _is_int(bucket_size_bytes) or bucket_size_bytes <= 0 or bucket_size_bytes % alignment:
+    if not is_int(bucket_size_bytes) or bucket_size_bytes <= 0 or bucket_size_bytes % alignment:
         raise ValueError(
             "plan_buckets: bucket_size_bytes must be a positive multiple of the alignment "
             f"({alignment}), got {bucket_size_bytes!r}; round it up to a multiple of {alignment}"
@@ -90,7 +90,7 @@ def plan_buckets(
         shape, dtype = spec
         if isinstance(shape, torch.Size):
             shape = tuple(shape)
-        if not isinstance(shape, (tuple, list)) or not all(_is_int(s) and s >= 0 for s in shape):
+        if not isinstance(shape, (tuple, list)) or not all(is_int(s) and s >= 0 for s in shape):
             raise ValueError(f"tensor {name!r}: shape must be a sequence of ints >= 0, got {shape!r}")
         dtype_name = dtype if isinstance(dtype, str) else _DTYPE_NAMES.get(dtype)
         if dtype_name not in DTYPES:

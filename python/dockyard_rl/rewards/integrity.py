@@ -6,8 +6,8 @@ runs the tests; the reward side also zeroes such a sample, so the policy is neve
 
 Covered:
 - `normalize_repo_path`: one spelling per repository path: surrounding whitespace, git's C-style
-  quoting ("tests/t\\303\\251st.py"), leading "/", "./" segments, duplicate slashes, "x/../"
-  segments and trailing slashes are removed.
+  quoting ("tests/t\\303\\251st.py", undone by the sandbox's `unquote_c_style`), leading "/",
+  "./" segments, duplicate slashes, "x/../" segments and trailing slashes are removed.
 - `held_out_violations`: which held-out files a list of touched paths hits. Either list may hold
   paths as diff headers spell them: a path also matches with its first component removed when
   that is "a" or "b" (git's default prefixes), so "a/tests/x.py", "./tests//x.py" and
@@ -23,14 +23,14 @@ Not covered: case-insensitive or Unicode-normalising file systems (the sandbox's
 from __future__ import annotations
 
 import posixpath
-import re
 from collections.abc import Iterable
+
+from dockyard_rl.sandbox.integrity import unquote_c_style
 
 __all__ = ["held_out_violations", "normalize_repo_path"]
 
 # git's default diff prefixes.
 _DIFF_PREFIXES = ("a/", "b/")
-_C_ESCAPES = {"a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, '"': 34, "\\": 92}
 
 
 def normalize_repo_path(path: str) -> str:
@@ -43,7 +43,7 @@ def normalize_repo_path(path: str) -> str:
         raise ValueError(f"path must be a str, got {type(path).__name__} {path!r}")
     path = path.strip()
     if len(path) >= 2 and path[0] == '"' and path[-1] == '"':
-        path = _unquote_c_style(path)
+        path = unquote_c_style(path)
     # Leading slashes: a path inside the repository, written as if the repository were "/".
     path = posixpath.normpath(path.lstrip("/")) if path.lstrip("/") else ""
     return "" if path == "." else path
@@ -73,28 +73,3 @@ def _aliases(path: str) -> set[str]:
     if normalized.startswith(_DIFF_PREFIXES) and len(normalized) > 2:
         aliases.add(normalized[2:])
     return aliases
-
-
-def _unquote_c_style(quoted: str) -> str:
-    """Decodes git's quoting: "\\t", "\\"", "\\\\", and octal bytes ("\\303\\251" = "é")."""
-    body = quoted[1:-1]
-    out = bytearray()
-    i = 0
-    while i < len(body):
-        char = body[i]
-        if char != "\\":
-            out += char.encode("utf-8")
-            i += 1
-            continue
-        if i + 1 >= len(body):
-            raise ValueError(f"malformed quoted path {quoted!r}: ends with a lone backslash")
-        escape = body[i + 1]
-        if escape in _C_ESCAPES:
-            out.append(_C_ESCAPES[escape])
-            i += 2
-        elif re.fullmatch(r"[0-3][0-7]{2}", body[i + 1 : i + 4]):
-            out.append(int(body[i + 1 : i + 4], 8))
-            i += 4
-        else:
-            raise ValueError(f"malformed quoted path {quoted!r}: unknown escape \\{escape}")
-    return out.decode("utf-8", errors="surrogateescape")

@@ -18,6 +18,7 @@ from dockyard_rl.rewards.integrity import held_out_violations, normalize_repo_pa
         ("tests/", "tests"),
         ('"tests/t\\303\\251st x.py"', "tests/tést x.py"),
         ('"tests/tab\\there.py"', "tests/tab\there.py"),
+        ('"tests/say \\"hi\\".py"', 'tests/say "hi".py'),
         ("", ""),
         ("./", ""),
         ("/", ""),

@@ -64,7 +64,7 @@ from typing import Any, ClassVar, Union
 from dockyard_rl.rewards.integrity import held_out_violations
 from dockyard_rl.rewards.outcome import SCREENING_CATEGORIES, SampleOutcome, screening_category
 from dockyard_rl.rewards.thinking import check_thinking_format, validate_tag
-from dockyard_rl.utils.config import from_dict, require
+from dockyard_rl.utils.config import from_dict, is_int, require
 
 __all__ = [
     "STAGE_TYPES",
@@ -95,9 +95,8 @@ def _require_number(value: Any, key: str, *, optional: bool = False) -> None:
 def _require_int(value: Any, key: str, minimum: int, *, optional: bool = False) -> None:
     if optional and value is None:
         return
-    is_int = isinstance(value, int) and not isinstance(value, bool)
     require(
-        is_int and value >= minimum,
+        is_int(value) and value >= minimum,
         key,
         f"must be an integer >= {minimum}{' or null' if optional else ''}, got {value!r}",
     )

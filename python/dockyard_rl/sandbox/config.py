@@ -18,7 +18,7 @@ import pathlib
 
 from dockyard_rl.sandbox.pipeline import PipelineConfig
 from dockyard_rl.utils.addresses import is_loopback
-from dockyard_rl.utils.config import require
+from dockyard_rl.utils.config import is_int, is_number, require
 
 
 def default_num_workers() -> int:
@@ -59,13 +59,13 @@ class ExecutorConfig:
         require(is_loopback(self.host) or self.auth_token is not None, "host",
                 f"{self.host!r} is not a loopback address; the executor runs untrusted code, so "
                 f"serving beyond this machine requires auth_token to be set")
-        require(_is_int(self.port) and 0 <= self.port <= 65535, "port",
+        require(is_int(self.port) and 0 <= self.port <= 65535, "port",
                 f"must be an integer in [0, 65535] (0 = any free port), got {self.port!r}")
-        require(_is_int(self.num_workers) and self.num_workers >= 1, "num_workers",
+        require(is_int(self.num_workers) and self.num_workers >= 1, "num_workers",
                 f"must be an integer >= 1, got {self.num_workers!r}")
-        require(_is_int(self.max_queue) and self.max_queue >= 1, "max_queue",
+        require(is_int(self.max_queue) and self.max_queue >= 1, "max_queue",
                 f"must be an integer >= 1, got {self.max_queue!r}")
-        require(_is_int(self.max_patch_bytes) and self.max_patch_bytes >= 1, "max_patch_bytes",
+        require(is_int(self.max_patch_bytes) and self.max_patch_bytes >= 1, "max_patch_bytes",
                 f"must be an integer >= 1, got {self.max_patch_bytes!r}")
         if self.auth_token is not None:
             # A short token is guessable by brute force against an endpoint that runs code.
@@ -79,14 +79,14 @@ class ExecutorConfig:
         require(self.db_path is None or (isinstance(self.db_path, str) and bool(self.db_path)),
                 "db_path", f"must be a file path or null (= <work_dir>/tasks.sqlite3), "
                            f"got {self.db_path!r}")
-        require(_is_int(self.max_infra_attempts) and self.max_infra_attempts >= 1,
+        require(is_int(self.max_infra_attempts) and self.max_infra_attempts >= 1,
                 "max_infra_attempts", f"must be an integer >= 1 (1 = never retry), "
                                       f"got {self.max_infra_attempts!r}")
-        require(_is_number(self.retry_backoff_s) and self.retry_backoff_s >= 0, "retry_backoff_s",
+        require(is_number(self.retry_backoff_s) and self.retry_backoff_s >= 0, "retry_backoff_s",
                 f"must be a number of seconds >= 0, got {self.retry_backoff_s!r}")
-        require(_is_int(self.retry_after_s) and self.retry_after_s >= 1, "retry_after_s",
+        require(is_int(self.retry_after_s) and self.retry_after_s >= 1, "retry_after_s",
                 f"must be an integer number of seconds >= 1, got {self.retry_after_s!r}")
-        require(_is_number(self.shutdown_grace_s) and self.shutdown_grace_s >= 0,
+        require(is_number(self.shutdown_grace_s) and self.shutdown_grace_s >= 0,
                 "shutdown_grace_s", f"must be a number of seconds >= 0, "
                                     f"got {self.shutdown_grace_s!r}")
         require(isinstance(self.pipeline, PipelineConfig), "pipeline",
@@ -103,9 +103,3 @@ class ExecutorConfig:
         return pathlib.Path(self.db_path).expanduser()
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

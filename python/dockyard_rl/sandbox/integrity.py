@@ -52,17 +52,62 @@ _HEADER_RES = [
 ]
 
 
-def _unquote(name: str) -> str:
-    """Undoes git's C-style quoting of unusual path names ("a/t\\303\\251st")."""
-    if len(name) >= 2 and name[0] == name[-1] == '"':
-        raw = name[1:-1].encode("latin-1", errors="backslashreplace").decode("unicode_escape")
-        return raw.encode("latin-1", errors="replace").decode("utf-8", errors="replace")
-    return name
+# git's C-style escapes (quote.c: sq_lookup / unquote_c_style) -> the byte each stands for.
+_C_ESCAPES = {"a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, '"': 34, "\\": 92}
+_OCTAL_BYTE = re.compile(r"[0-3][0-7]{2}")
+
+
+def unquote_c_style(quoted: str) -> str:
+    """Decodes a path as git quotes it: '"tests/t\\303\\251st.py"' -> "tests/tést.py".
+
+    git wraps a path that holds control characters, '"', '\\' or (with core.quotePath, the
+    default) bytes >= 0x80 in double quotes and writes those as C escapes: \\a \\b \\t \\n \\v \\f
+    \\r \\" \\\\ and three octal digits per byte ("é" is \\303\\251 in UTF-8). Other characters
+    stand for their own UTF-8 bytes. The bytes are decoded as UTF-8; bytes that are not UTF-8
+    become surrogates ("surrogateescape"), so the name still differs from every other one and
+    `os.fsencode` gives back git's bytes.
+
+    Raises:
+        ValueError: `quoted` is not wrapped in double quotes, or holds an escape git does not
+            write (a lone trailing backslash, "\\q", "\\x41", an octal value above \\377).
+    """
+    if len(quoted) < 2 or quoted[0] != '"' or quoted[-1] != '"':
+        raise ValueError(f"malformed quoted path {quoted!r}: not wrapped in double quotes")
+    body = quoted[1:-1]
+    out = bytearray()
+    i = 0
+    while i < len(body):
+        char = body[i]
+        if char != "\\":
+            out += char.encode("utf-8", errors="surrogateescape")
+            i += 1
+            continue
+        if i + 1 >= len(body):
+            raise ValueError(f"malformed quoted path {quoted!r}: ends with a lone backslash")
+        escape = body[i + 1]
+        if escape in _C_ESCAPES:
+            out.append(_C_ESCAPES[escape])
+            i += 2
+        elif _OCTAL_BYTE.fullmatch(body[i + 1:i + 4]):
+            out.append(int(body[i + 1:i + 4], 8))
+            i += 4
+        else:
+            raise ValueError(f"malformed quoted path {quoted!r}: unknown escape \\{escape}")
+    return out.decode("utf-8", errors="surrogateescape")
 
 
 def normalize_path(name: str) -> str | None:
-    """A diff path as a clean repository-relative path; None for /dev/null."""
-    name = _unquote(name.strip())
+    """A diff path as a clean repository-relative path; None for /dev/null.
+
+    A quoted name is unquoted (`unquote_c_style`); a malformed one, which git would not write,
+    keeps its text between the quotes, so that it is still compared with the protected names.
+    """
+    name = name.strip()
+    if len(name) >= 2 and name[0] == name[-1] == '"':
+        try:
+            name = unquote_c_style(name)
+        except ValueError:
+            name = name[1:-1]
     if name == "/dev/null" or not name:
         return None
     if name.startswith(("a/", "b/")):

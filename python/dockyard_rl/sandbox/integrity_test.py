@@ -75,6 +75,38 @@ def test_path_tricks_are_normalised(disguise):
     assert integrity.check_integrity(patch, PROTECTED) == ("tests/test_ops.py",)
 
 
+@pytest.mark.parametrize("quoted, expected", [
+    ('"tests/t\\303\\251st.py"', "tests/tést.py"),  # octal escapes: the UTF-8 bytes of "é"
+    ('"a\\303\\251.py"', "aé.py"),
+    ('"tests/say \\"hi\\".py"', 'tests/say "hi".py'),  # embedded quotes
+    ('"back\\\\slash\\ttab\\nnewline"', "back\\slash\ttab\nnewline"),
+    ('"\\a\\b\\v\\f\\r"', "\a\b\v\f\r"),
+    ('"tést\\t.py"', "tést\t.py"),  # core.quotePath=false: raw UTF-8 between the quotes
+    ('"\\377.py"', "\udcff.py"),  # not UTF-8: a surrogate, so no two names collapse
+    ('""', ""),
+])
+def test_unquote_c_style(quoted, expected):
+    assert integrity.unquote_c_style(quoted) == expected
+
+
+@pytest.mark.parametrize("quoted", ['"x\\q"', '"x\\x41"', '"x\\"', '"\\400"', '"\\12"',
+                                    "no-quotes", '"'])
+def test_unquote_c_style_rejects_what_git_does_not_write(quoted):
+    with pytest.raises(ValueError, match="malformed quoted path"):
+        integrity.unquote_c_style(quoted)
+    if quoted.startswith('"') and len(quoted) > 1:
+        # The integrity check does not fail on it: the name counts as written between quotes.
+        assert integrity.normalize_path(quoted) in (quoted[1:-1], None)
+
+
+@pytest.mark.parametrize("name", ["tests/tést_ops.py", 'tests/say "hi".py', "tests/tab\there.py"])
+def test_names_git_quotes_are_matched(toy, name):
+    patch = toy.patch_for({name: "def test_x():\n    pass\n"})
+    assert '"b/tests/' in patch  # git quoted the name
+    assert integrity.check_integrity(patch, (name,)) == (name,)
+    assert integrity.check_integrity(patch, PROTECTED) == ()
+
+
 def test_headers_unidiff_ignores_are_still_scanned():
     # A context diff: unidiff sees no file, GNU patch (without --unified) would apply it.
     context = "*** a/conftest.py\n--- b/conftest.py\n***************\n*** 1 ****\n! x\n" \

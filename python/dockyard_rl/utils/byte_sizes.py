@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from dockyard_rl.utils.config import is_int
+
 # Binary units only: "GB" would leave open whether 10**9 or 2**30 was meant.
 _BYTE_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 _BYTE_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)\s*")
@@ -17,7 +19,7 @@ def parse_byte_size(value, key: str) -> int:
             positive; the message starts with `key`.
     """
     units = ", ".join(_BYTE_UNITS)
-    if _is_int(value):
+    if is_int(value):
         size = value
     elif isinstance(value, str) and (match := _BYTE_SIZE.fullmatch(value)) \
             and match.group(2) in _BYTE_UNITS:
@@ -36,7 +38,3 @@ def format_bytes(num_bytes: int | float) -> str:
         if abs(num_bytes) >= _BYTE_UNITS[unit]:
             return f"{num_bytes / _BYTE_UNITS[unit]:.2f} {unit}"
     return f"{int(num_bytes)} B"
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

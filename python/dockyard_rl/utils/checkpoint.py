@@ -20,12 +20,13 @@ Layout of `checkpoint_dir` (one `CheckpointManager` per directory):
         extras/<name>.pt        one torch.save file per extra payload (replay buffer, ...)
       manifest.json             written LAST, fsynced: step, metrics, time, "complete": true
     step_20/ ...
-    .tmp-step_30-<pid>-<hex>/   a save in progress (or a crashed one: removed at the next start)
+    .tmp-step_30-<pid>-<rnd>/   a save in progress (or a crashed one: removed at the next start)
     .trash-step_10-<hex>/       a checkpoint being deleted (likewise removed)
 
-Atomicity: `save` has the caller write into a temporary sibling directory, fsyncs every file in
-it, writes the manifest last (fsynced), and renames the directory to `step_<N>` (atomic on one
-file system), then fsyncs the parent. Deleting renames to `.trash-*` first. So a SIGKILL or power
+Atomicity: `save` has the caller write into a temporary sibling directory, writes the manifest
+last, fsyncs every file and directory in it, and renames the directory to `step_<N>` (atomic on
+one file system), then fsyncs the parent: `publish_directory`, which the policies' own
+`save_checkpoint` use as well. Deleting renames to `.trash-*` first. So a SIGKILL or power
 loss at any moment leaves the complete checkpoints that were there before, or those plus the new
 one; never a half-written `step_<N>` that `latest()` would pick. `step_<N>` directories without a
 valid manifest (not written by this module) are ignored by `latest()` and removed at start-up.
@@ -63,11 +64,12 @@ import random
 import re
 import secrets
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from dockyard_rl.utils.config import require
+from dockyard_rl.utils.config import is_int, require
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +78,6 @@ FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-step_"
 _TRASH_PREFIX = ".trash-step_"
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # --- config ------------------------------------------------------------------------------------
@@ -104,10 +102,10 @@ class CheckpointingConfig:
         require(isinstance(self.checkpoint_dir, str) and bool(self.checkpoint_dir.strip()),
                 "checkpoint_dir", f"must be a directory path (absolute, or relative to the run "
                                   f"directory), got {self.checkpoint_dir!r}")
-        require(_is_int(self.save_period) and self.save_period >= 1, "save_period",
+        require(is_int(self.save_period) and self.save_period >= 1, "save_period",
                 f"must be an integer >= 1 (optimizer steps between saves), got "
                 f"{self.save_period!r}; set enabled: false to turn checkpointing off")
-        require(self.keep_top_k is None or (_is_int(self.keep_top_k) and self.keep_top_k >= 1),
+        require(self.keep_top_k is None or (is_int(self.keep_top_k) and self.keep_top_k >= 1),
                 "keep_top_k", f"must be an integer >= 1 or null (= keep every checkpoint), got "
                               f"{self.keep_top_k!r}")
         require(self.metric_name is None
@@ -190,6 +188,51 @@ def _write_json_durably(path: pathlib.Path, payload: Mapping[str, Any]) -> None:
     _fsync_path(path.parent)
 
 
+def publish_directory(directory: str | os.PathLike, write: Callable[[pathlib.Path], None], *,
+                      tmp_prefix: str | None = None) -> pathlib.Path:
+    """Writes the directory `directory` as one atomic step; returns its absolute path.
+
+    `write(tmp)` fills a fresh temporary sibling directory (named `<tmp_prefix><random>`, by
+    default `.<name>.tmp-<random>`; mode 0755, as other processes, e.g. Ray workers of the same
+    user, may write into it). Then every file and directory in it is fsynced, it is renamed to
+    `directory`, and the parent directory is fsynced, so the rename itself survives a power loss.
+    A directory already at `directory` is first renamed aside to `.<name>.old-<random>` and
+    removed once the new one is in place.
+
+    Readers see the previous directory or the new one, complete: never a mixture. A crash while
+    writing leaves the temporary directory (the caller may remove such leftovers); a crash between
+    the two renames leaves the previous directory, complete, at `.<name>.old-<random>`. Both names
+    start with "." so that listings of checkpoints skip them. All of it must be on one file system.
+
+    Raises:
+        Whatever `write` raises, or an OSError of the publishing: the temporary directory is
+            removed, and when the new directory did not get into place, a previous one stays at
+            (or is renamed back to) `directory`.
+    """
+    directory = pathlib.Path(directory).absolute()
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{directory.name}.tmp-" if tmp_prefix is None else tmp_prefix
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=prefix, dir=directory.parent))
+    old: pathlib.Path | None = None
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        write(tmp)
+        _fsync_tree(tmp)
+        if directory.exists():
+            old = directory.parent / f".{directory.name}.old-{secrets.token_hex(4)}"
+            os.rename(directory, old)
+        os.rename(tmp, directory)
+        _fsync_path(directory.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not directory.exists():
+            os.rename(old, directory)  # the new one never arrived: put the previous one back
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return directory
+
+
 class CheckpointManager:
     """Saves, lists and prunes the checkpoints under `root` (module docstring).
 
@@ -269,7 +312,7 @@ class CheckpointManager:
             Whatever `write` raises: the temporary directory is removed and the existing
                 checkpoints are untouched.
         """
-        if not _is_int(step) or step < 0:
+        if not is_int(step) or step < 0:
             raise ValueError(f"checkpoint step must be an integer >= 0, got {step!r}")
         metrics = _check_metrics(metrics)
         latest = self.latest()
@@ -278,25 +321,20 @@ class CheckpointManager:
                              f"must increase; resume from it (continue at step {latest.step + 1}) "
                              f"or use a new checkpointing.checkpoint_dir")
         self._clean_leftovers()
-        final = self.root / f"step_{step}"
-        tmp = self.root / f"{_TMP_PREFIX}{step}-{os.getpid()}-{secrets.token_hex(4)}"
-        tmp.mkdir()
-        try:
+
+        def write_with_manifest(tmp: pathlib.Path) -> None:
             write(tmp)
             if (tmp / MANIFEST_NAME).exists():
                 raise ValueError(f"write() created {MANIFEST_NAME} in the checkpoint directory; "
                                  f"that name is reserved for the completeness marker")
             merged = {**self._pending_metrics.get(step, {}), **metrics}
-            _fsync_tree(tmp)
             # The marker goes last: its presence in step_<N> vouches for everything else.
             _write_json_durably(tmp / MANIFEST_NAME, {
                 "format_version": FORMAT_VERSION, "step": step, "metrics": merged,
                 "saved_at_unix": time.time(), "complete": True})
-            os.rename(tmp, final)
-            _fsync_path(self.root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+        final = publish_directory(self.root / f"step_{step}", write_with_manifest,
+                                  tmp_prefix=f"{_TMP_PREFIX}{step}-{os.getpid()}-")
         # Steps only grow, so metrics pending for this step or older ones can never be used.
         self._pending_metrics = {s: m for s, m in self._pending_metrics.items() if s > step}
         logger.info("saved checkpoint %s", final)
@@ -307,7 +345,7 @@ class CheckpointManager:
         """Attaches validation `metrics` to step `step`'s checkpoint, whether it is already
         saved (its manifest is rewritten atomically, then retention runs) or not yet (held until
         `save(step)`). Metrics for an older step that was never saved are dropped."""
-        if not _is_int(step) or step < 0:
+        if not is_int(step) or step < 0:
             raise ValueError(f"checkpoint step must be an integer >= 0, got {step!r}")
         metrics = _check_metrics(metrics)
         infos = {info.step: info for info in self.list()}
@@ -437,7 +475,7 @@ class TrainerState:
     def __post_init__(self):
         for name in ("step", "weight_version"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"TrainerState.{name} must be an integer >= 0, got {value!r}")
         if not isinstance(self.sampler, Mapping):
             raise ValueError(f"TrainerState.sampler must be PromptSampler.state_dict(), got "
@@ -534,7 +572,7 @@ class PromptSampler:
     def __init__(self, num_prompts: int, batch_size: int, seed: int):
         for name, value, low in (("num_prompts", num_prompts, 1), ("batch_size", batch_size, 1),
                                  ("seed", seed, 0)):
-            if not _is_int(value) or value < low:
+            if not is_int(value) or value < low:
                 raise ValueError(f"PromptSampler {name} must be an integer >= {low}, got "
                                  f"{value!r}")
         self.num_prompts = num_prompts
@@ -604,7 +642,7 @@ class PromptSampler:
                              f"{self.num_prompts}: resuming would change the prompt order; keep "
                              f"the dataset and its seed, or start a new run")
         epoch, position = state["epoch"], state["position"]
-        if not (_is_int(epoch) and epoch >= 0 and _is_int(position)
+        if not (is_int(epoch) and epoch >= 0 and is_int(position)
                 and 0 <= position < self.num_prompts):
             raise ValueError(f"sampler state has epoch {epoch!r}, position {position!r}; expected "
                              f"integers with epoch >= 0 and 0 <= position < {self.num_prompts}")

@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 import torch
 
+from dockyard_rl.utils import checkpoint
 from dockyard_rl.utils.checkpoint import (MANIFEST_NAME, CheckpointingConfig, CheckpointManager,
                                           PromptSampler, RngState, TrainerState,
-                                          load_trainer_state, save_trainer_state)
+                                          load_trainer_state, publish_directory,
+                                          save_trainer_state)
 from dockyard_rl.utils.config import from_dict
 
 def config(**overrides) -> CheckpointingConfig:
@@ -214,8 +216,82 @@ def test_sigkill_at_any_moment_leaves_only_complete_checkpoints(tmp_path):
             assert len(shards) == 20
             assert all(s.read_bytes() == info.step.to_bytes(4, "big") * 4096 for s in shards)
         assert not [p for p in root.iterdir() if p.name.startswith(".")]  # cleaned at start
-        assert len(infos) <= 3  # top 2 + latest; one more only if killed before retention ran
+        # Top 2 + the latest, plus one more when the kill fell between a save's rename and its
+        # retention (the next save prunes it).
+        assert len(infos) <= 4
     assert num_kills_mid_save > 0  # (saving is most of the loop's time: nearly every kill)
+
+
+# --- publish_directory (also what the policies' save_checkpoint use) ----------------------------
+
+
+def write_files(content: bytes):
+    def write(tmp: pathlib.Path) -> None:
+        (tmp / "sub").mkdir()
+        (tmp / "model.bin").write_bytes(content)
+        (tmp / "sub" / "state.json").write_bytes(content)
+    return write
+
+
+def test_publish_directory_writes_replaces_and_leaves_nothing_behind(tmp_path):
+    target = tmp_path / "runs" / "ckpt"  # the parent is created
+    assert publish_directory(target, write_files(b"one")) == target
+    assert (target / "model.bin").read_bytes() == b"one"
+    assert oct(target.stat().st_mode & 0o777) == oct(0o755)
+    publish_directory(target, write_files(b"two"))  # an existing directory is replaced
+    assert (target / "sub" / "state.json").read_bytes() == b"two"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["ckpt"]
+
+
+def test_publish_directory_fsyncs_every_file_before_the_rename_and_the_parent_after(
+        tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(src, dst):
+        events.append(("rename", str(dst)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "fsync", fsync)
+    monkeypatch.setattr(checkpoint.os, "rename", rename)
+    target = tmp_path / "ckpt"
+    publish_directory(target, write_files(b"x"))
+    publish_at = events.index(("rename", str(target)))
+    synced_before = {pathlib.Path(path).relative_to(tmp_path).parts[1:]
+                     for kind, path in events[:publish_at] if kind == "fsync"}
+    assert {("model.bin",), ("sub", "state.json"), ("sub",), ()} <= synced_before
+    assert ("fsync", str(tmp_path)) in events[publish_at:]
+
+
+def test_publish_directory_keeps_the_previous_directory_when_writing_fails(tmp_path, monkeypatch):
+    target = tmp_path / "ckpt"
+    publish_directory(target, write_files(b"old"))
+
+    def failing(tmp: pathlib.Path) -> None:
+        (tmp / "model.bin").write_bytes(b"partial")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        publish_directory(target, failing)
+    assert (target / "model.bin").read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    # The rename of the new directory fails after the old one was moved aside: it is put back.
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if ".tmp-" in str(src):
+            raise OSError("rename failed")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "rename", rename)
+    with pytest.raises(OSError, match="rename failed"):
+        publish_directory(target, write_files(b"new"))
+    assert (target / "model.bin").read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
 # --- retention ----------------------------------------------------------------------------------

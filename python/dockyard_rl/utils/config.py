@@ -60,8 +60,15 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, key_path: str) -> T:
 
 
 def is_int(value: Any) -> bool:
-    """An integer, not a bool (YAML's `true` is an int to Python)."""
+    """An `int`, not a bool (YAML's `true` is an int to Python). An integral float (2.0) is not
+    an int here: counts and sizes must be written as integers."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """An `int` or a `float`, not a bool (YAML's `true` is an int to Python). NaN and the
+    infinities are numbers here: check `math.isfinite` where they are not allowed."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def optional_dataclass(hint: Any) -> type | None:

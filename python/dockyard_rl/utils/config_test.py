@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from dockyard_rl.utils.config import from_dict, require
+from dockyard_rl.utils.config import from_dict, is_int, is_number, require
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,3 +58,11 @@ def test_frozen():
     cfg = from_dict(Outer, {}, "s")
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.name = "y"
+
+
+def test_is_int_and_is_number_reject_bool():
+    assert is_int(3) and is_int(-1) and is_int(0)
+    assert not is_int(True) and not is_int(False)
+    assert not is_int(2.0) and not is_int("2") and not is_int(None)
+    assert is_number(3) and is_number(0.5) and is_number(float("inf"))
+    assert not is_number(True) and not is_number("0.5") and not is_number(None)

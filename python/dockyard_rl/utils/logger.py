@@ -65,7 +65,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from dockyard_rl.utils.config import require
+from dockyard_rl.utils.config import is_int, require
 
 _log = logging.getLogger(__name__)
 
@@ -156,8 +156,7 @@ class LoggerConfig:
         for key in ("console", "tensorboard", "jsonl", "plot"):
             value = getattr(self, key)
             require(isinstance(value, bool), key, f"must be true or false, got {value!r}")
-        require(isinstance(self.log_every, int) and not isinstance(self.log_every, bool)
-                and self.log_every >= 1, "log_every",
+        require(is_int(self.log_every) and self.log_every >= 1, "log_every",
                 f"must be an integer >= 1 (1 = every step), got {self.log_every!r}")
         require(not self.plot or self.jsonl, "plot",
                 "the plot is drawn from metrics.jsonl, so it needs jsonl: true; set "

@@ -58,7 +58,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from dockyard_rl.utils.config import require
+from dockyard_rl.utils.config import is_int, is_number, require
 
 # `timeout` arguments default to the config's value; None means "wait indefinitely".
 _FROM_CONFIG: Any = object()
@@ -95,11 +95,11 @@ class AsyncGRPOConfig:
     sample_timeout_s: float | None = 1800.0
 
     def __post_init__(self):
-        require(_is_int(self.max_trajectory_age_steps) and self.max_trajectory_age_steps >= 0,
+        require(is_int(self.max_trajectory_age_steps) and self.max_trajectory_age_steps >= 0,
                 "max_trajectory_age_steps",
                 f"must be an integer >= 0 (0 = on-policy, 1 = one-step-off), got "
                 f"{self.max_trajectory_age_steps!r}")
-        require(_is_int(self.max_buffer_groups) and self.max_buffer_groups > 0,
+        require(is_int(self.max_buffer_groups) and self.max_buffer_groups > 0,
                 "max_buffer_groups",
                 f"must be an integer > 0 (capacity in groups; at least the number of prompts "
                 f"per step), got {self.max_buffer_groups!r}")
@@ -107,7 +107,7 @@ class AsyncGRPOConfig:
                 f"must be true or false, got {self.in_flight_weight_updates!r}")
         for key in ("push_timeout_s", "sample_timeout_s"):
             value = getattr(self, key)
-            require(value is None or (_is_number(value) and value > 0), key,
+            require(value is None or (is_number(value) and value > 0), key,
                     f"must be a number of seconds > 0, or null to wait indefinitely; got "
                     f"{value!r}")
 
@@ -260,7 +260,7 @@ class ReplayBuffer:
             BufferClosedError: the buffer is closed and holds too few groups (a closed buffer
                 still hands out what it holds).
         """
-        if not _is_int(num_groups) or not 1 <= num_groups <= self._config.max_buffer_groups:
+        if not is_int(num_groups) or not 1 <= num_groups <= self._config.max_buffer_groups:
             raise ValueError(
                 f"num_groups must be an integer in [1, {self._config.max_buffer_groups}] "
                 f"(async_grpo.max_buffer_groups); got {num_groups!r}. Raise max_buffer_groups "
@@ -387,14 +387,14 @@ class ReplayBuffer:
     # Internals; callers of *_locked hold self._cond.
 
     def _group_version(self, weight_version: int | Sequence[int]) -> int:
-        if _is_int(weight_version):
+        if is_int(weight_version):
             versions = [weight_version]
         elif isinstance(weight_version, Sequence) and not isinstance(weight_version, str):
             versions = list(weight_version)
         else:
             raise ValueError(f"weight_version must be an int or a sequence of per-sample ints, "
                              f"got {weight_version!r}")
-        if not versions or not all(_is_int(v) and v >= 0 for v in versions):
+        if not versions or not all(is_int(v) and v >= 0 for v in versions):
             raise ValueError(f"weight_version(s) must be integers >= 0 (weight version k = "
                              f"weights after k optimizer steps), got {weight_version!r}")
         if not self._config.in_flight_weight_updates and len(set(versions)) > 1:
@@ -409,7 +409,7 @@ class ReplayBuffer:
         return step > version + self._config.max_trajectory_age_steps
 
     def _advance_locked(self, current_step: int) -> int:
-        if not _is_int(current_step) or current_step < self._current_step:
+        if not is_int(current_step) or current_step < self._current_step:
             raise ValueError(f"current_step must be an integer >= the last step seen "
                              f"({self._current_step}); steps never go backwards, got "
                              f"{current_step!r}")
@@ -452,7 +452,7 @@ def create_replay_buffer_actor(config: AsyncGRPOConfig, num_producers: int, **ac
     num_producers + 3 unless `actor_options` sets it. Ray must be initialised by the caller.
     Use it as `ray.get(handle.sample.remote(num_groups, step))`.
     """
-    if not _is_int(num_producers) or num_producers < 1:
+    if not is_int(num_producers) or num_producers < 1:
         raise ValueError(f"num_producers must be an integer >= 1, got {num_producers!r}")
     import ray  # Lazy: the buffer itself does not need Ray.
 
@@ -461,18 +461,10 @@ def create_replay_buffer_actor(config: AsyncGRPOConfig, num_producers: int, **ac
     return ray.remote(ReplayBuffer).options(**options).remote(config)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _deadline(timeout: float | None, method: str) -> float | None:
     if timeout is None:
         return None
-    if not _is_number(timeout) or timeout < 0:
+    if not is_number(timeout) or timeout < 0:
         raise ValueError(f"{method}(timeout=...) must be seconds >= 0 or None, got {timeout!r}")
     return time.monotonic() + timeout
 

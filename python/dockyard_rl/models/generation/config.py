@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from dockyard_rl.utils.byte_sizes import format_bytes, parse_byte_size
-from dockyard_rl.utils.config import require
+from dockyard_rl.utils.config import is_int, is_number, require
 
 __all__ = ["GenerationConfig", "format_bytes", "parse_byte_size"]
 
@@ -33,14 +33,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 # Keys of GenerationConfig that are sampling parameters (what `generate` may override per call).
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop", "seed")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,28 +78,28 @@ class GenerationConfig:
         require(isinstance(self.model, str) and bool(self.model), "model",
                 f"must be a zoo name or a checkpoint directory, got {self.model!r}")
         require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
-        require(_is_int(self.max_model_len) and self.max_model_len >= 2, "max_model_len",
+        require(is_int(self.max_model_len) and self.max_model_len >= 2, "max_model_len",
                 f"must be an int >= 2, got {self.max_model_len!r}")
         if self.kv_cache_memory_bytes is not None:
             object.__setattr__(self, "kv_cache_memory_bytes",
                                parse_byte_size(self.kv_cache_memory_bytes, "kv_cache_memory_bytes"))
-        require(_is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
+        require(is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
                 "gpu_memory_utilization",
                 f"must be in (0, 1] (about 0.3 on CPU), got {self.gpu_memory_utilization!r}")
         for key in ("tensor_parallel_size", "num_engines"):
             value = getattr(self, key)
-            require(_is_int(value) and value >= 1, key, f"must be an int >= 1, got {value!r}")
+            require(is_int(value) and value >= 1, key, f"must be an int >= 1, got {value!r}")
         for key in ("enforce_eager", "enable_prefix_caching",
                     "recompute_kv_cache_after_weight_updates"):
             value = getattr(self, key)
             require(isinstance(value, bool), key, f"must be true or false, got {value!r}")
-        require(_is_number(self.temperature) and self.temperature >= 0, "temperature",
+        require(is_number(self.temperature) and self.temperature >= 0, "temperature",
                 f"must be a number >= 0 (0 = greedy), got {self.temperature!r}")
-        require(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
+        require(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
                 f"must be in (0, 1] (1 = no nucleus filtering), got {self.top_p!r}")
-        require(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
+        require(is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
                 f"must be an int >= 1, or 0 (or -1) for no top-k filtering, got {self.top_k!r}")
-        require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+        require(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
                 f"must be an int >= 1, got {self.max_tokens!r}")
         require(self.max_tokens < self.max_model_len, "max_tokens",
                 f"({self.max_tokens}) must be below max_model_len ({self.max_model_len}) to leave "
@@ -117,7 +109,7 @@ class GenerationConfig:
         require(isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop),
                 "stop", f"must be a list of non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))
-        require(self.seed is None or (_is_int(self.seed) and self.seed >= 0), "seed",
+        require(self.seed is None or (is_int(self.seed) and self.seed >= 0), "seed",
                 f"must be null or an int >= 0, got {self.seed!r}")
 
     def with_sampling_overrides(self, overrides: dict | None) -> GenerationConfig:

@@ -765,7 +765,7 @@ class VllmGeneration(GenerationInterface):
             raise ValueError(
                 f"generation.tensor_parallel_size: {config.tensor_parallel_size} needs GPUs, but "
                 "the Ray cluster has none; use tensor_parallel_size: 1 on CPU")
-        itemsize = torch.empty(0, dtype=getattr(torch, config.dtype)).element_size()
+        itemsize = torch.empty(0, dtype=refit_packer.DTYPES[config.dtype]).element_size()
         self.memory_budget = plan_memory(
             config, on_gpu=num_gpus > 0,
             weight_bytes=sum(math.prod(shape) * itemsize

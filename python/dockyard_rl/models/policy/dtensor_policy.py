@@ -24,9 +24,10 @@ every rank gathers each bucket, rank 0 sends it).
 
 Checkpoints (`save_checkpoint`): the ranks write `model.safetensors`, `config.json`, tokenizer,
 `optimizer.pt`, `scheduler.pt` and `rng_rank<r>.pt` (dtensor_worker.py) into a temporary sibling
-directory; the controller adds the manifest `CHECKPOINT_MANIFEST` last and renames the directory
-into place, so a crash leaves the previous checkpoint (or none) intact. transformers and vLLM
-load it as an ordinary checkpoint. Loading with the same dp_size resumes bit-exactly; with
+directory; the controller adds the manifest `CHECKPOINT_MANIFEST` last, and
+`utils.checkpoint.publish_directory` fsyncs it all and renames the directory into place, so a
+crash leaves the previous checkpoint (or none) intact. transformers and vLLM load it as an
+ordinary checkpoint. Loading with the same dp_size resumes bit-exactly; with
 another dp_size the weights, optimizer and schedule still load exactly but the per-rank RNG
 streams restart from `policy.seed`.
 
@@ -43,8 +44,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -64,6 +63,7 @@ from dockyard_rl.models.policy.dtensor_worker import (OPTIMIZER_FILE, SCHEDULER_
                                                       WEIGHTS_FILE, DTensorPolicyWorker,
                                                       shifted_logprobs)
 from dockyard_rl.models.policy.interfaces import LossFunction, PolicyInterface
+from dockyard_rl.utils.checkpoint import publish_directory
 
 CHECKPOINT_MANIFEST = "dockyard_checkpoint.json"
 CHECKPOINT_FORMAT_VERSION = 1
@@ -323,12 +323,7 @@ class DTensorPolicy(PolicyInterface):
             self._call_rank0("close_weight_sender", session)
 
     def save_checkpoint(self, directory: pathlib.Path) -> None:
-        directory = pathlib.Path(directory).absolute()
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-",
-                                            dir=directory.parent))
-        try:
-            os.chmod(tmp, 0o755)
+        def write(tmp: pathlib.Path) -> None:
             self._call_all("save_checkpoint", str(tmp))
             step = self._call_rank0("step_count")
             config = json.loads((tmp / "config.json").read_text())
@@ -341,21 +336,10 @@ class DTensorPolicy(PolicyInterface):
                 "identity": {key: config.get(key) for key in _IDENTITY_KEYS},
                 "saved_at_unix": time.time(),
             }
-            with open(tmp / CHECKPOINT_MANIFEST, "w") as f:
-                f.write(json.dumps(manifest, indent=2) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            # Publish: move an existing checkpoint aside, rename the new one in, drop the old.
-            old = None
-            if directory.exists():
-                old = directory.parent / f".{directory.name}.old-{os.getpid()}-{time.time_ns()}"
-                os.rename(directory, old)
-            os.rename(tmp, directory)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            (tmp / CHECKPOINT_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+        # The ranks write into the temporary directory (a sibling, so on the same file system).
+        publish_directory(directory, write)
 
     def _check_checkpoint_identity(self, directory: pathlib.Path) -> None:
         saved = json.loads((directory / CHECKPOINT_MANIFEST).read_text()).get("identity", {})

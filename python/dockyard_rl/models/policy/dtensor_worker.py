@@ -44,19 +44,11 @@ from dockyard_rl.distributed.batched_data_dict import BatchedDataDict, invert_pe
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models.policy.config import PolicyConfig, learning_rate_at
 from dockyard_rl.models.policy.interfaces import LossFunction
+from dockyard_rl.utils import process_memory
 
 WEIGHTS_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _read_status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -174,7 +166,7 @@ class DTensorPolicyWorker:
         from transformers import AutoModelForCausalLM
 
         cfg = self.cfg
-        compute_dtype = _TORCH_DTYPES[cfg.dtype]
+        compute_dtype = refit_packer.DTYPES[cfg.dtype]
         # Trainable: float32 master weights, bf16 compute through FSDP's mixed precision.
         # Reference: loaded directly in the compute dtype (it has no optimizer state).
         load_dtype = torch.float32 if trainable else compute_dtype
@@ -261,7 +253,7 @@ class DTensorPolicyWorker:
 
     def refit_info(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         params = dict(self.model.named_parameters())
-        dtype = _TORCH_DTYPES[self.cfg.dtype]
+        dtype = refit_packer.DTYPES[self.cfg.dtype]
         return [(name, tuple(params[name].shape), dtype) for name in self.refit_names]
 
     def gather_weights(self, names: Sequence[str]) -> dict[str, torch.Tensor] | None:
@@ -269,7 +261,7 @@ class DTensorPolicyWorker:
         from torch.distributed.tensor import DTensor
 
         params = dict(self.model.named_parameters())
-        dtype = _TORCH_DTYPES[self.cfg.dtype]
+        dtype = refit_packer.DTYPES[self.cfg.dtype]
         out = {}
         for name in names:
             param = params[name].detach()
@@ -384,15 +376,11 @@ class DTensorPolicyWorker:
     def memory_stats(self, reset: bool) -> dict[str, int]:
         """Peak memory of this rank since the last reset: resident set high-water mark (VmHWM)
         and, on GPU, torch's peak allocated device memory. `reset` starts a new window."""
-        stats = {"peak_rss_bytes": _read_status_bytes("VmHWM")}
+        stats = {"peak_rss_bytes": process_memory.status_bytes("VmHWM") or 0}
         if self.device.type == "cuda":
             stats["peak_device_bytes"] = int(torch.cuda.max_memory_allocated(self.device))
         if reset:
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-            except OSError:
-                pass
+            process_memory.reset_peak_rss()
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
         return stats

@@ -54,10 +54,10 @@ generation file of the model directory (and of `tokenizer_dir`); plus
 `jax_train_state.safetensors` (the optimizer state's leaves, including the schedule's step count)
 and `jax_train_state.json` (step, model architecture, compute dtype; written last). There is no
 RNG state to save: nothing in the forward pass or the loss samples. The directory is written under
-a temporary sibling name and renamed into place; a previous checkpoint at that path is renamed to
-`.<name>.old-*` first and deleted after the new one is in place (a crash between the two renames
-leaves it there, complete). Checkpoints are backend-specific: the DTensor backend does not read
-this optimizer state, nor this backend its.
+a temporary sibling name, fsynced and renamed into place by `utils.checkpoint.publish_directory`;
+a previous checkpoint at that path is renamed to `.<name>.old-*` first and deleted after the new
+one is in place (a crash between the two renames leaves it there, complete). Checkpoints are
+backend-specific: the DTensor backend does not read this optimizer state, nor this backend its.
 
 Shape legend: B = sequences, S = token positions.
 
@@ -77,9 +77,7 @@ import json
 import os
 import pathlib
 import shutil
-import tempfile
 import time
-import uuid
 from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any
@@ -100,10 +98,12 @@ from dockyard_rl.algorithms.loss_functions import (
     count_valid,
 )
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
+from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models import zoo
 from dockyard_rl.models.policy import llama_nnx
 from dockyard_rl.models.policy.config import OptimizerConfig, PolicyConfig, SchedulerConfig
 from dockyard_rl.models.policy.interfaces import LossFunction, PolicyInterface
+from dockyard_rl.utils.checkpoint import publish_directory
 
 # Sequence lengths are padded up to a multiple of this, so batches of nearby lengths share one
 # compiled program (jit specialises on shapes; compiling SmolLM2's train step takes seconds).
@@ -608,7 +608,7 @@ class JaxPolicy(PolicyInterface):
     def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         self._check_open()
         # Refit sends the weights in the compute dtype (what the engine runs in).
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.cfg.dtype]
+        dtype = refit_packer.DTYPES[self.cfg.dtype]
         return {name: (shape, dtype)
                 for name, shape in llama_nnx.hf_names_and_shapes(self.model_config).items()}
 
@@ -622,10 +622,8 @@ class JaxPolicy(PolicyInterface):
         from safetensors.numpy import save_file
 
         self._check_open()
-        directory = pathlib.Path(directory).absolute()
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-        try:
+
+        def write(tmp: pathlib.Path) -> None:
             weights = dict(llama_nnx.iter_hf_weights(self.model_config,
                                                      nnx.to_pure_dict(self._params)))
             save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -653,20 +651,8 @@ class JaxPolicy(PolicyInterface):
             }
             # Written last: a directory without it is incomplete (load_checkpoint refuses it).
             (tmp / TRAIN_STATE_JSON).write_text(json.dumps(state, indent=2) + "\n")
-            for path in tmp.iterdir():
-                with open(path, "rb") as f:
-                    os.fsync(f.fileno())
-            os.chmod(tmp, 0o755)
-            old = None
-            if directory.exists():
-                old = directory.parent / f".{directory.name}.old-{uuid.uuid4().hex[:8]}"
-                os.rename(directory, old)
-            os.rename(tmp, directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+
+        publish_directory(directory, write)
 
     def load_checkpoint(self, directory: pathlib.Path) -> None:
         from safetensors.numpy import load_file
