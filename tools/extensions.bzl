@@ -18,7 +18,8 @@ def _dockyard_repositories_impl(_module_ctx):
     )
     cuda_toolkit(name = "dockyard_cuda")
     deb_rootfs(name = "sandbox_rootfs", lock = "//ubuntu-base:sandbox_packages.lock.json")
-    pip_site_packages(name = "sandbox_site_packages", lock = "//requirements:sandbox.lock.txt")
+    pip_site_packages(name = "sandbox_site_packages", lock = "//requirements:sandbox.lock.txt",
+                      compile = True)
     deb_rootfs(name = "fleet_rootfs", lock = "//ubuntu-base:fleet_packages.lock.json")
     pip_site_packages(name = "fleet_site_packages_cpu", lock = "//requirements:cpu.lock.txt")
     pip_site_packages(name = "fleet_site_packages_cuda", lock = "//requirements:cuda.lock.txt")

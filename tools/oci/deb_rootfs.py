@@ -15,6 +15,9 @@ Run by the `deb_rootfs` repository rule (tools/oci/repositories.bzl) at fetch ti
    usr/), writes `var/lib/dpkg/status` (each package's control fields, "install ok installed"),
    and /etc/passwd and /etc/group from base-passwd's masters (what its postinst would copy).
 
+4. Adds reproducible bytecode for the image's Python (compile_python.py), which Debian's
+   py3compile would have written.
+
 Maintainer scripts do not run: the result is a set of files, like distroless images. Two
 packages shipping the same path with different content is an error (dpkg would need a diversion).
 Entry metadata (mtimes, owners) is left to tools/oci/oci.py, which normalizes it.
@@ -141,6 +144,8 @@ def build_rootfs(lock: dict, debs: Sequence[pathlib.Path], out: pathlib.Path) ->
         info.size, info.mode = len(data), mode
         entries[name] = (info, data, "deb_rootfs.py")
 
+    add_bytecode(entries)
+
     # Each package's control fields with dpkg's Status right after its first line (Package:).
     status = "\n\n".join(_control(deb).replace("\n", "\nStatus: install ok installed\n", 1)
                          for deb in debs)
@@ -153,6 +158,35 @@ def build_rootfs(lock: dict, debs: Sequence[pathlib.Path], out: pathlib.Path) ->
         for name in sorted(entries):
             info, data, _ = entries[name]
             tarred.addfile(info, io.BytesIO(data) if data is not None else None)
+
+
+def add_bytecode(entries: dict[str, tuple[tarfile.TarInfo, bytes | None, str]]) -> None:
+    """Adds reproducible .pyc files for the image's Python (compile_python.py says why), when
+    that Python is the one running this script; otherwise leaves the sources alone."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    folders = [f"usr/lib/{version}", "usr/lib/python3/dist-packages"]
+    if f"usr/lib/{version}/os.py" not in entries:
+        print(f"deb_rootfs.py: the image's Python is not {version}: no bytecode added")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (info, data, _) in entries.items():
+            if info.isfile() and name.endswith(".py") and name.startswith(tuple(folders)):
+                path = pathlib.Path(tmp, name)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
+        subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name("compile_python.py")),
+                        tmp, "/", *folders], check=True)
+        for path in sorted(pathlib.Path(tmp).rglob("*.pyc")):
+            name = path.relative_to(tmp).as_posix()
+            folder = name.rsplit("/", 1)[0]
+            if folder not in entries:
+                info = tarfile.TarInfo(folder)
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+                entries[folder] = (info, None, "compile_python.py")
+            info = tarfile.TarInfo(name)
+            data = path.read_bytes()
+            info.size, info.mode = len(data), 0o644
+            entries[name] = (info, data, "compile_python.py")
 
 
 def main(argv: Sequence[str]) -> int:

@@ -37,6 +37,7 @@ def _deb_rootfs_impl(rctx):
     lock = rctx.path(rctx.attr.lock)
     script = rctx.path(rctx.attr._script)
     rctx.path(rctx.attr._lock_module)  # deb_rootfs.py imports it: refetch when it changes
+    rctx.path(rctx.attr._compile_script)  # deb_rootfs.py runs it: likewise
     cache = rctx.os.environ.get("HOME", "/tmp") + "/.cache/dockyard_rl/debs"
     rctx.report_progress("Fetching the Debian packages of {}".format(rctx.attr.lock))
     _run(rctx, [_host_python(rctx), script, "--lock", lock, "--out", "rootfs.tar",
@@ -50,6 +51,7 @@ deb_rootfs = repository_rule(
                            doc = "a tools/oci/deb_lock.py lock (.lock.json)"),
         "_script": attr.label(default = "//tools/oci:deb_rootfs.py"),
         "_lock_module": attr.label(default = "//tools/oci:deb_lock.py"),
+        "_compile_script": attr.label(default = "//tools/oci:compile_python.py"),
     },
     environ = _ENV_VARS,
     doc = "A root filesystem tarball of the lock's Debian packages (tools/oci/deb_rootfs.py).",
@@ -64,6 +66,9 @@ def _pip_site_packages_impl(rctx):
 
     # Console scripts carry this machine's interpreter path: the image runs `python3 -m ...`.
     rctx.delete("site/bin")
+    if rctx.attr.compile:
+        _run(rctx, [_host_python(rctx), rctx.path(rctx.attr._compile_script), "site",
+                    "/" + rctx.attr.prefix.strip("/")])
     prefix = rctx.attr.prefix.strip("/")
     _run(rctx, ["tar", "--create", "--file", "site.tar", "--sort=name",
                 "--transform", "s,^site,{},".format(prefix), "site"])
@@ -77,6 +82,9 @@ pip_site_packages = repository_rule(
                            doc = "a hash-pinned tools/python/lock.py lock"),
         "prefix": attr.string(default = "usr/local/lib/python3.11/dist-packages",
                               doc = "where the packages go in the image"),
+        "compile": attr.bool(default = False, doc = "add reproducible bytecode " +
+                                                    "(tools/oci/compile_python.py)"),
+        "_compile_script": attr.label(default = "//tools/oci:compile_python.py"),
     },
     environ = _ENV_VARS,
     doc = "The lock's wheels installed into one folder, as a tarball at `prefix`.",
