@@ -59,6 +59,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import unidiff
 
@@ -143,44 +144,43 @@ class PipelineConfig:
                                    max_report_testcases=self.max_report_testcases)
 
     def cache_path(self, work_root: pathlib.Path) -> pathlib.Path:
-        if self.cache_dir is None:
-            return work_root / "mirrors"
-        return pathlib.Path(self.cache_dir).expanduser().resolve()
-
+        return _folder(self.cache_dir, work_root / "mirrors")
 
     def image_cache_path(self, work_root: pathlib.Path) -> pathlib.Path:
-        if self.image_cache_dir is None:
-            return work_root / "images"
-        return pathlib.Path(self.image_cache_dir).expanduser().resolve()
-
+        return _folder(self.image_cache_dir, work_root / "images")
 
     def repo_env_path(self, work_root: pathlib.Path) -> pathlib.Path:
-        if self.repo_env_dir is None:
-            return work_root / "envs"
-        return pathlib.Path(self.repo_env_dir).expanduser().resolve()
+        return _folder(self.repo_env_dir, work_root / "envs")
 
 
-_image_caches_lock = threading.Lock()
-_image_caches: dict[pathlib.Path, images.ImageCache] = {}
-_repo_env_caches: dict[pathlib.Path, repo_envs.RepoEnvCache] = {}
+def _folder(setting: str | None, default: pathlib.Path) -> pathlib.Path:
+    return default if setting is None else pathlib.Path(setting).expanduser().resolve()
 
 
-def repo_env_cache(config: PipelineConfig, work_root: pathlib.Path) -> repo_envs.RepoEnvCache:
-    """The process's one RepoEnvCache for the config's folder (created on first use)."""
-    path = config.repo_env_path(pathlib.Path(work_root).expanduser().resolve())
-    with _image_caches_lock:
-        if path not in _repo_env_caches:
-            _repo_env_caches[path] = repo_envs.RepoEnvCache(path)
-        return _repo_env_caches[path]
+# One image cache and one environment cache per folder and process: their locks and leases only
+# work when every task scored in the process goes through the same object.
+_caches_lock = threading.Lock()
+_caches: dict[tuple[type, pathlib.Path], object] = {}
+
+
+def _one_per_folder(kind: type, path: pathlib.Path, make: Callable[[], object]):
+    with _caches_lock:
+        if (kind, path) not in _caches:
+            _caches[(kind, path)] = make()
+        return _caches[(kind, path)]
 
 
 def image_cache(config: PipelineConfig, work_root: pathlib.Path) -> images.ImageCache:
     """The process's one ImageCache for the config's cache folder (created on first use)."""
     path = config.image_cache_path(pathlib.Path(work_root).expanduser().resolve())
-    with _image_caches_lock:
-        if path not in _image_caches:
-            _image_caches[path] = images.ImageCache(path, config.image_cache_max_bytes)
-        return _image_caches[path]
+    return _one_per_folder(images.ImageCache, path,
+                           lambda: images.ImageCache(path, config.image_cache_max_bytes))
+
+
+def repo_env_cache(config: PipelineConfig, work_root: pathlib.Path) -> repo_envs.RepoEnvCache:
+    """The process's one RepoEnvCache for the config's folder (created on first use)."""
+    path = config.repo_env_path(pathlib.Path(work_root).expanduser().resolve())
+    return _one_per_folder(repo_envs.RepoEnvCache, path, lambda: repo_envs.RepoEnvCache(path))
 
 
 _sandbox_checked = threading.Lock()
