@@ -103,14 +103,20 @@ def test_skopeo_reads_the_image(tmp_path):
 
 
 def test_layers_rebuilt_from_the_same_inputs_are_the_same_bytes(tmp_path):
-    # The image's first two layers, written again by the same tool from the repository rules'
-    # tarballs: equal bytes, so equal digests, wherever and whenever they are built.
+    # The image's first two layers, written again by the same tool: the Debian root from the
+    # repository rule's tarball, the Python layer from its own files unpacked into a folder.
+    # Equal bytes, so equal digests, wherever and whenever they are built.
     external = WORKSPACE.parent  # the runfiles root holds every repository side by side
     layers = _layers()
-    for index, tar in ((0, external / "sandbox_rootfs" / "rootfs.tar"),
-                       (1, external / "sandbox_site_packages" / "site.tar")):
-        oci.write_layer(tmp_path / f"{index}.tar.gz", [], tars=[tar])
-        assert (tmp_path / f"{index}.tar.gz").read_bytes() == layers[index], tar
+    oci.write_layer(tmp_path / "0.tar.gz", [], tars=[external / "sandbox_rootfs" / "rootfs.tar"])
+    assert (tmp_path / "0.tar.gz").read_bytes() == layers[0]
+    python_layer = external / "sandbox_site_packages" / "layer.tar.gz"
+    assert python_layer.read_bytes() == layers[1]
+    with tarfile.open(python_layer) as tarred:
+        tarred.extractall(tmp_path / "unpacked", filter="tar")  # "tar" keeps the modes as stored
+    site = "usr/local/lib/python3.11/dist-packages"
+    oci.write_layer(tmp_path / "1.tar.gz", [], trees=[(site, tmp_path / "unpacked" / site)])
+    assert (tmp_path / "1.tar.gz").read_bytes() == layers[1]
 
 
 @pytest.mark.skipif(shutil.which("umoci") is None,

@@ -33,6 +33,7 @@ def _oci_layer_impl(ctx):
     for src in ctx.files.srcs:
         args.add("--file", "%s=%s" % (_dest(ctx.attr.prefix, _stripped(ctx, src)), src.path))
         inputs.append(src)
+
     # One depset over all targets: a module two targets share goes in once.
     py_srcs = depset(transitive = [t[PyInfo].transitive_sources for t in ctx.attr.py_srcs_of])
     for src in py_srcs.to_list():
@@ -67,14 +68,18 @@ oci_layer = rule(
         "srcs": attr.label_list(allow_files = True, doc = "files placed at prefix + their " +
                                                           "workspace path minus strip_prefix"),
         "py_srcs_of": attr.label_list(providers = [PyInfo], doc = "py targets whose " +
-                                      "transitive sources go in like srcs"),
+                                                                  "transitive sources go in like srcs"),
         "prefix": attr.string(default = "/", doc = "folder in the image for srcs"),
         "strip_prefix": attr.string(doc = "workspace folder removed from srcs' paths"),
-        "files": attr.label_keyed_string_dict(allow_files = True,
-                                              doc = "single file -> its path in the image"),
+        "files": attr.label_keyed_string_dict(
+            allow_files = True,
+            doc = "single file -> its path in the image",
+        ),
         "dirs": attr.string_list(doc = "empty folders to create: path or path:octal mode"),
-        "tars": attr.label_list(allow_files = [".tar", ".tar.gz", ".tgz"],
-                                doc = "tarballs whose entries are merged in (e.g. a root fs)"),
+        "tars": attr.label_list(
+            allow_files = [".tar", ".tar.gz", ".tgz"],
+            doc = "tarballs whose entries are merged in (e.g. a root fs)",
+        ),
         "_tool": attr.label(default = _TOOL, executable = True, cfg = "exec"),
     },
 )
@@ -97,6 +102,7 @@ def _oci_image_impl(ctx):
         args.add("--env", "%s=%s" % (key, ctx.attr.env[key]))
     for key in sorted(ctx.attr.labels):
         args.add("--label", "%s=%s" % (key, ctx.attr.labels[key]))
+
     # The source commit, from Bazel's stable workspace status (tools/workspace_status.sh).
     args.add("--status-file", ctx.info_file)
     args.add("--status-label", "org.opencontainers.image.revision=STABLE_GIT_COMMIT")
@@ -114,15 +120,20 @@ def _oci_image_impl(ctx):
         mnemonic = "OciImage",
         progress_message = "Writing OCI image %s" % ctx.label,
     )
-    return [DefaultInfo(files = depset([out, digest]),
-                        runfiles = ctx.runfiles(files = [out, digest]))]
+    return [DefaultInfo(
+        files = depset([out, digest]),
+        runfiles = ctx.runfiles(files = [out, digest]),
+    )]
 
 oci_image = rule(
     implementation = _oci_image_impl,
     doc = "An OCI image layout tarball (skopeo: oci-archive:<name>.tar; podman/docker load).",
     attrs = {
-        "layers": attr.label_list(allow_files = [".tar.gz"], mandatory = True,
-                                  doc = "oci_layer targets, bottom first"),
+        "layers": attr.label_list(
+            allow_files = [".tar.gz"],
+            mandatory = True,
+            doc = "oci_layer targets, bottom first",
+        ),
         "entrypoint": attr.string_list(),
         "cmd": attr.string_list(),
         "env": attr.string_dict(),

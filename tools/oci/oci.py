@@ -1,13 +1,15 @@
 """Daemonless OCI image assembly: deterministic layers and an OCI image layout, as Bazel actions.
 
     oci.py layer --out L.tar.gz [--file DEST=SRC[:MODE] ...] [--dir DEST ...] [--tar T.tar ...]
+                 [--tree DEST=DIR ...]
     oci.py image --out IMAGE.tar --digest-out D --layer L.tar.gz ... [--entrypoint JSON]
                  [--cmd JSON] [--env K=V ...] [--user U] [--workdir W] [--port 9090/tcp ...]
                  [--label K=V ...] [--tag repo:tag] [--architecture amd64] [--os linux]
 
 `layer` writes one gzip-compressed tar: the listed files (mode 0644 unless given, 0755 when the
-source is executable), folders (0755 unless given), and the entries of existing tarballs (e.g.
-an unpacked distribution root), merged. Every entry is normalized so the bytes depend only on
+source is executable), folders (0755 unless given), the entries of existing tarballs (e.g. an
+unpacked distribution root) and whole folder trees (files, folders and symlinks, modes kept; e.g.
+an installed site-packages, streamed without an intermediate tarball), merged. Every entry is normalized so the bytes depend only on
 the content: sorted paths, mtime 0, uid/gid 0, no user/group names, PAX format; gzip with mtime 0
 and no file name. Parent folders are added (0755) so every path has one.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import functools
 import gzip
 import hashlib
@@ -37,6 +40,7 @@ import pathlib
 import stat
 import sys
 import tarfile
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import IO
 
@@ -46,6 +50,7 @@ MEDIA_CONFIG = "application/vnd.oci.image.config.v1+json"
 MEDIA_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
 EPOCH = "1970-01-01T00:00:00Z"
 _GZIP_LEVEL = 6
+_CHUNK_BYTES = 1 << 20
 
 
 # ---------------------------------------------------------------------------------------- layers
@@ -70,12 +75,36 @@ def _clean_path(path: str) -> str:
     return os.path.normpath("/" + path).lstrip("/")
 
 
+def _tree_entries(dest: str, root: pathlib.Path):
+    """(header, opener or None) of everything below `root`, named under `dest`; symlinks are kept
+    as links, sockets and devices are left out."""
+    if not root.is_dir():
+        raise ValueError(f"--tree {dest}={root}: not a folder")
+    for folder, subfolders, names in os.walk(root):
+        subfolders.sort()
+        for name in sorted(subfolders + names):
+            path = pathlib.Path(folder, name)
+            status = path.lstat()
+            info = tarfile.TarInfo(f"{dest}/{path.relative_to(root)}")
+            info.mode = stat.S_IMODE(status.st_mode)
+            if stat.S_ISLNK(status.st_mode):
+                info.type, info.linkname = tarfile.SYMTYPE, os.readlink(path)
+                yield info, None
+            elif stat.S_ISDIR(status.st_mode):
+                info.type = tarfile.DIRTYPE
+                yield info, None
+            elif stat.S_ISREG(status.st_mode):
+                info.size = status.st_size
+                yield info, functools.partial(path.open, "rb")
+
+
 def write_layer(out: pathlib.Path, files: Sequence[tuple[str, pathlib.Path, int | None]],
-                dirs: Sequence[str] = (), tars: Sequence[pathlib.Path] = ()) -> None:
+                dirs: Sequence[str] = (), tars: Sequence[pathlib.Path] = (),
+                trees: Sequence[tuple[str, pathlib.Path]] = ()) -> None:
     """The deterministic layer of `files` (dest, source, mode or None), `dirs` ("dest" or
-    "dest:octal mode") and the entries of `tars` (module docstring). A path given twice is an
-    error, not a silent overwrite. File contents stream from their sources to the gzip output
-    (a fleet image's Python layer is gigabytes)."""
+    "dest:octal mode"), the entries of `tars` and the contents of `trees` (dest, folder) (module
+    docstring). A path given twice is an error, not a silent overwrite. File contents stream from
+    their sources to the gzip output (a fleet image's Python layer is gigabytes)."""
     # name -> (normalized header, opener of the content or None)
     entries: dict[str, tuple[tarfile.TarInfo, Callable[[], IO[bytes]] | None]] = {}
 
@@ -104,6 +133,9 @@ def write_layer(out: pathlib.Path, files: Sequence[tuple[str, pathlib.Path, int 
                 opener = functools.partial(source.extractfile, member) if member.isfile() \
                     else None
                 add(copy.copy(member), opener, str(tar_path))
+        for dest, root in trees:
+            for info, opener in _tree_entries(dest, root):
+                add(info, opener, f"--tree {root}")
         for dest, path, mode in files:
             info = tarfile.TarInfo(dest)
             info.size = path.stat().st_size
@@ -148,13 +180,49 @@ def _canonical(document: dict) -> bytes:
     return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
 
 
-def image_documents(layers: Sequence[bytes], *, entrypoint: Sequence[str] | None = None,
+@dataclasses.dataclass(frozen=True)
+class LayerBlob:
+    """A gzip layer file as the image documents name it."""
+    path: pathlib.Path
+    digest: str  # sha256 of the compressed bytes: the blob's name and the manifest's digest
+    size: int
+    diff_id: str  # sha256 of the uncompressed tar: the config's rootfs.diff_ids
+
+
+def describe_layer(path: pathlib.Path) -> LayerBlob:
+    """Reads the layer once, in chunks: a CUDA fleet image's Python layer is gigabytes
+    compressed and several times that uncompressed, more than this machine's memory."""
+    compressed, uncompressed = hashlib.sha256(), hashlib.sha256()
+    decompressor = zlib.decompressobj(16 + zlib.MAX_WBITS)  # 16+: the gzip wrapper
+    size = 0
+    try:
+        with path.open("rb") as layer:
+            while chunk := layer.read(_CHUNK_BYTES):
+                size += len(chunk)
+                compressed.update(chunk)
+                # Bounded output per call, so one highly compressible chunk cannot balloon.
+                data = decompressor.decompress(chunk, _CHUNK_BYTES)
+                while data:
+                    uncompressed.update(data)
+                    data = decompressor.decompress(decompressor.unconsumed_tail, _CHUNK_BYTES)
+                if decompressor.unused_data:
+                    raise ValueError(f"{path}: data after the gzip stream (layers are one "
+                                     "gzip member)")
+            uncompressed.update(decompressor.flush())
+    except zlib.error as error:
+        raise ValueError(f"{path} is not a gzip layer: {error}") from None
+    if not decompressor.eof:
+        raise ValueError(f"{path} is a truncated gzip stream")
+    return LayerBlob(path, "sha256:" + compressed.hexdigest(), size,
+                     "sha256:" + uncompressed.hexdigest())
+
+
+def image_documents(layers: Sequence[LayerBlob], *, entrypoint: Sequence[str] | None = None,
                     cmd: Sequence[str] | None = None, env: Sequence[str] = (),
                     user: str = "", workdir: str = "", ports: Sequence[str] = (),
                     labels: dict[str, str] | None = None, architecture: str = "amd64",
                     os_name: str = "linux") -> tuple[bytes, bytes]:
-    """(config, manifest) JSON bytes of an image made of the gzip `layers`, bottom first."""
-    diff_ids = [_digest(gzip.decompress(layer)) for layer in layers]
+    """(config, manifest) JSON bytes of an image made of `layers`, bottom first."""
     container_config: dict = {"Env": list(env), "Labels": dict(labels or {})}
     if entrypoint is not None:
         container_config["Entrypoint"] = list(entrypoint)
@@ -169,22 +237,25 @@ def image_documents(layers: Sequence[bytes], *, entrypoint: Sequence[str] | None
     config = _canonical({
         "architecture": architecture, "os": os_name, "created": EPOCH,
         "config": container_config,
-        "rootfs": {"type": "layers", "diff_ids": diff_ids},
+        "rootfs": {"type": "layers", "diff_ids": [layer.diff_id for layer in layers]},
         "history": [{"created": EPOCH, "created_by": f"dockyard_rl tools/oci layer {i}"}
                     for i in range(len(layers))],
     })
     manifest = _canonical({
         "schemaVersion": 2, "mediaType": MEDIA_MANIFEST,
         "config": {"mediaType": MEDIA_CONFIG, "digest": _digest(config), "size": len(config)},
-        "layers": [{"mediaType": MEDIA_LAYER, "digest": _digest(layer), "size": len(layer)}
+        "layers": [{"mediaType": MEDIA_LAYER, "digest": layer.digest, "size": layer.size}
                    for layer in layers],
         "annotations": dict(labels or {}),
     })
     return config, manifest
 
 
-def write_image(out: pathlib.Path, layers: Sequence[bytes], tag: str, **config_keys) -> str:
-    """Writes the OCI layout tarball (module docstring); returns the manifest digest."""
+def write_image(out: pathlib.Path, layer_paths: Sequence[pathlib.Path], tag: str,
+                **config_keys) -> str:
+    """Writes the OCI layout tarball (module docstring); returns the manifest digest. Layers
+    stream from their files into the tarball."""
+    layers = [describe_layer(path) for path in layer_paths]
     config, manifest = image_documents(layers, **config_keys)
     manifest_digest = _digest(manifest)
     index = _canonical({
@@ -194,24 +265,32 @@ def write_image(out: pathlib.Path, layers: Sequence[bytes], tag: str, **config_k
                        "annotations": {"org.opencontainers.image.ref.name": tag.split(":")[-1],
                                        "io.containerd.image.name": tag}}],
     })
-    blobs = {_digest(blob): blob for blob in [config, manifest, *layers]}
     docker_manifest = json.dumps([{
         "Config": f"blobs/sha256/{_digest(config)[7:]}",
         "RepoTags": [tag],
-        "Layers": [f"blobs/sha256/{_digest(layer)[7:]}" for layer in layers],
+        "Layers": [f"blobs/sha256/{layer.digest[7:]}" for layer in layers],
     }]).encode()
-    files = {"oci-layout": b'{"imageLayoutVersion":"1.0.0"}', "index.json": index,
-             "manifest.json": docker_manifest,
-             **{f"blobs/sha256/{d[7:]}": blob for d, blob in blobs.items()}}
+    # name -> (size, opener); a layer listed twice is stored once, as its digest names it.
+    files: dict[str, tuple[int, Callable[[], IO[bytes]]]] = {
+        name: (len(data), functools.partial(io.BytesIO, data)) for name, data in [
+            ("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'), ("index.json", index),
+            ("manifest.json", docker_manifest),
+            (f"blobs/sha256/{_digest(config)[7:]}", config),
+            (f"blobs/sha256/{manifest_digest[7:]}", manifest)]}
+    for layer in layers:
+        files[f"blobs/sha256/{layer.digest[7:]}"] = (layer.size,
+                                                     functools.partial(layer.path.open, "rb"))
     with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tarred:
         for folder in ("blobs", "blobs/sha256"):
             info = _normalized(tarfile.TarInfo(folder))
             info.type, info.mode = tarfile.DIRTYPE, 0o755
             tarred.addfile(info)
         for name in sorted(files):
+            size, opener = files[name]
             info = _normalized(tarfile.TarInfo(name))
-            info.size, info.mode = len(files[name]), 0o644
-            tarred.addfile(info, io.BytesIO(files[name]))
+            info.size, info.mode = size, 0o644
+            with opener() as content:
+                tarred.addfile(info, content)
     return manifest_digest
 
 
@@ -247,6 +326,8 @@ def main(argv: Sequence[str]) -> int:
                        help="an (empty) folder: DEST[:MODE], mode 0755 unless given")
     layer.add_argument("--tar", action="append", default=[], type=pathlib.Path,
                        help="a tarball whose entries go in")
+    layer.add_argument("--tree", action="append", default=[],
+                       help="DEST=DIR: everything below folder DIR, placed under DEST")
     image = commands.add_parser("image", help="write an OCI image layout tarball")
     image.add_argument("--out", type=pathlib.Path, required=True)
     image.add_argument("--digest-out", type=pathlib.Path, required=True)
@@ -268,7 +349,8 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "layer":
-            write_layer(args.out, [_file_spec(f) for f in args.file], args.dir, args.tar)
+            trees = [(dest, pathlib.Path(folder)) for dest, folder in _pairs(args.tree, "--tree")]
+            write_layer(args.out, [_file_spec(f) for f in args.file], args.dir, args.tar, trees)
         else:
             _pairs(args.env, "--env")  # checks the shape; the config keeps "K=V" strings
             labels = dict(_pairs(args.label, "--label"))
@@ -278,7 +360,7 @@ def main(argv: Sequence[str]) -> int:
                 for label, key in _pairs(args.status_label, "--status-label"):
                     labels[label] = status.get(key, "unknown")
             digest = write_image(
-                args.out, [path.read_bytes() for path in args.layer], args.tag,
+                args.out, args.layer, args.tag,
                 entrypoint=args.entrypoint, cmd=args.cmd, env=args.env, user=args.user,
                 workdir=args.workdir, ports=args.port, labels=labels,
                 architecture=args.architecture, os_name=args.os)

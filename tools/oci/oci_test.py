@@ -145,7 +145,10 @@ def test_the_rule_built_image_is_a_consistent_oci_layout():
 def test_the_image_digest_depends_only_on_the_inputs(tmp_path):
     layout = _layout(IMAGE)
     manifest = json.loads(_blob(layout, json.loads(layout["index.json"])["manifests"][0]["digest"]))
-    layers = [_blob(layout, layer["digest"]) for layer in manifest["layers"]]
+    layers = []
+    for index, layer in enumerate(manifest["layers"]):
+        layers.append(tmp_path / f"layer{index}.tar.gz")
+        layers[-1].write_bytes(_blob(layout, layer["digest"]))
     labels = json.loads(_blob(layout, manifest["config"]["digest"]))["config"]["Labels"]
     config = dict(cmd=["/app/hello.sh"], env=["DOCKYARD_FLEET_ROLE=sandbox"], user="1000:1000",
                   workdir="/app", ports=["9090/tcp"], labels=labels)
@@ -156,6 +159,26 @@ def test_the_image_digest_depends_only_on_the_inputs(tmp_path):
     other = oci.write_image(tmp_path / "3.tar", layers, "dockyard/test:latest",
                             **{**config, "user": "0"})
     assert other != first
+
+
+def test_describe_layer_streams_and_rejects_what_is_not_one_gzip_member(tmp_path):
+    tar = io.BytesIO()
+    with tarfile.open(fileobj=tar, mode="w") as tarred:
+        info = tarfile.TarInfo("zeros")
+        info.size = 3 << 20  # compresses ~1000x: more than one chunk of output per input chunk
+        tarred.addfile(info, io.BytesIO(bytes(info.size)))
+    layer = tmp_path / "l.tar.gz"
+    layer.write_bytes(gzip.compress(tar.getvalue(), mtime=0))
+    described = oci.describe_layer(layer)
+    assert described.diff_id == "sha256:" + hashlib.sha256(tar.getvalue()).hexdigest()
+    assert described.digest == "sha256:" + hashlib.sha256(layer.read_bytes()).hexdigest()
+    assert described.size == layer.stat().st_size
+    broken = {"truncated": layer.read_bytes()[:-20], "not gzip": b"plain tar",
+              "two members": layer.read_bytes() * 2}
+    for name, data in broken.items():
+        (tmp_path / "bad").write_bytes(data)
+        with pytest.raises(ValueError):
+            oci.describe_layer(tmp_path / "bad")
 
 
 def _skopeo(tmp_path: pathlib.Path, *args: str) -> dict:
@@ -188,3 +211,24 @@ def test_umoci_unpacks_the_image(tmp_path):
     runtime = json.loads((tmp_path / "bundle" / "config.json").read_text())
     assert runtime["process"]["args"] == ["/app/hello.sh"]
     assert "DOCKYARD_FLEET_ROLE=sandbox" in runtime["process"]["env"]
+
+
+def test_a_tree_goes_in_with_its_modes_and_symlinks(tmp_path):
+    tree = tmp_path / "site"
+    (tree / "pkg" / "sub").mkdir(parents=True)
+    (tree / "pkg" / "__init__.py").write_text("x = 1\n")
+    (tree / "pkg" / "tool").write_text("#!/bin/sh\n")
+    (tree / "pkg" / "tool").chmod(0o755)
+    (tree / "pkg" / "alias").symlink_to("tool")
+    oci.write_layer(tmp_path / "l.tar.gz", [], trees=[("usr/lib/site", tree)])
+    members = {m.name: m for m in _members((tmp_path / "l.tar.gz").read_bytes())}
+    assert list(members) == ["usr", "usr/lib", "usr/lib/site", "usr/lib/site/pkg",
+                             "usr/lib/site/pkg/__init__.py", "usr/lib/site/pkg/alias",
+                             "usr/lib/site/pkg/sub", "usr/lib/site/pkg/tool"]
+    assert members["usr/lib/site/pkg/tool"].mode == 0o755
+    assert members["usr/lib/site/pkg/__init__.py"].mode & 0o777 == 0o644
+    assert members["usr/lib/site/pkg/alias"].issym()
+    assert members["usr/lib/site/pkg/alias"].linkname == "tool"
+    assert {m.mtime for m in members.values()} == {0}
+    with pytest.raises(ValueError, match="not a folder"):
+        oci.write_layer(tmp_path / "m.tar.gz", [], trees=[("x", tmp_path / "missing")])

@@ -2,11 +2,13 @@
 
     deb_rootfs(name, lock)         -> @name//:rootfs.tar   Debian packages from a deb_lock.py lock
     pip_site_packages(name, lock, prefix)
-                                   -> @name//:site.tar     wheels from a tools/python/lock.py lock
+                                   -> @name//:layer.tar.gz wheels from a tools/python/lock.py lock
 
 Both verify every file against the lock's sha256 and go through the machine's own package
 managers (apt-get download, pip): no mirror or index host is written into the repository.
-The tarballs' entry metadata is normalized later by oci_layer.
+rootfs.tar's entry metadata is normalized later by oci_layer; layer.tar.gz is already a finished
+layer (tools/oci/oci.py), written straight from the installed folder: a CUDA lock installs into
+more than 10 GB, which an intermediate tarball and a second compression pass would double.
 """
 
 # pip reads its index and wheel folders from these (torch's CPU build comes from PIP_FIND_LINKS
@@ -24,8 +26,12 @@ def _host_python(rctx):
 
 def _run(rctx, command):
     """Runs `command` (output shown), failing the fetch with its stderr when it fails."""
-    result = rctx.execute(command, timeout = 3600, quiet = False,
-                          environment = {"PYTHONPATH": ""})
+    result = rctx.execute(
+        command,
+        timeout = 3600,
+        quiet = False,
+        environment = {"PYTHONPATH": ""},
+    )
     if result.return_code != 0:
         fail("{} failed (exit {}): {}".format(rctx.name, result.return_code, result.stderr))
 
@@ -40,15 +46,26 @@ def _deb_rootfs_impl(rctx):
     rctx.path(rctx.attr._compile_script)  # deb_rootfs.py runs it: likewise
     cache = rctx.os.environ.get("HOME", "/tmp") + "/.cache/dockyard_rl/debs"
     rctx.report_progress("Fetching the Debian packages of {}".format(rctx.attr.lock))
-    _run(rctx, [_host_python(rctx), script, "--lock", lock, "--out", "rootfs.tar",
-                "--cache", cache])
+    _run(rctx, [
+        _host_python(rctx),
+        script,
+        "--lock",
+        lock,
+        "--out",
+        "rootfs.tar",
+        "--cache",
+        cache,
+    ])
     _export(rctx, "rootfs.tar")
 
 deb_rootfs = repository_rule(
     implementation = _deb_rootfs_impl,
     attrs = {
-        "lock": attr.label(mandatory = True, allow_single_file = True,
-                           doc = "a tools/oci/deb_lock.py lock (.lock.json)"),
+        "lock": attr.label(
+            mandatory = True,
+            allow_single_file = True,
+            doc = "a tools/oci/deb_lock.py lock (.lock.json)",
+        ),
         "_script": attr.label(default = "//tools/oci:deb_rootfs.py"),
         "_lock_module": attr.label(default = "//tools/oci:deb_lock.py"),
         "_compile_script": attr.label(default = "//tools/oci:compile_python.py"),
@@ -60,32 +77,62 @@ deb_rootfs = repository_rule(
 def _pip_site_packages_impl(rctx):
     lock = rctx.path(rctx.attr.lock)
     rctx.report_progress("Installing the wheels of {}".format(rctx.attr.lock))
-    _run(rctx, [_host_python(rctx), "-m", "pip", "install", "--quiet", "--no-deps",
-                "--require-hashes", "--only-binary=:all:", "--no-compile",
-                "--disable-pip-version-check", "--target", "site", "-r", lock])
+    _run(rctx, [
+        _host_python(rctx),
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--require-hashes",
+        "--only-binary=:all:",
+        "--no-compile",
+        "--disable-pip-version-check",
+        "--target",
+        "site",
+        "-r",
+        lock,
+    ])
 
     # Console scripts carry this machine's interpreter path: the image runs `python3 -m ...`.
     rctx.delete("site/bin")
     if rctx.attr.compile:
-        _run(rctx, [_host_python(rctx), rctx.path(rctx.attr._compile_script), "site",
-                    "/" + rctx.attr.prefix.strip("/")])
-    prefix = rctx.attr.prefix.strip("/")
-    _run(rctx, ["tar", "--create", "--file", "site.tar", "--sort=name",
-                "--transform", "s,^site,{},".format(prefix), "site"])
+        _run(rctx, [
+            _host_python(rctx),
+            rctx.path(rctx.attr._compile_script),
+            "site",
+            "/" + rctx.attr.prefix.strip("/"),
+        ])
+    rctx.report_progress("Writing the layer of {}".format(rctx.attr.lock))
+    _run(rctx, [
+        _host_python(rctx),
+        rctx.path(rctx.attr._oci_tool),
+        "layer",
+        "--out",
+        "layer.tar.gz",
+        "--tree",
+        "{}=site".format(rctx.attr.prefix.strip("/")),
+    ])
     rctx.delete("site")
-    _export(rctx, "site.tar")
+    _export(rctx, "layer.tar.gz")
 
 pip_site_packages = repository_rule(
     implementation = _pip_site_packages_impl,
     attrs = {
-        "lock": attr.label(mandatory = True, allow_single_file = True,
-                           doc = "a hash-pinned tools/python/lock.py lock"),
-        "prefix": attr.string(default = "usr/local/lib/python3.11/dist-packages",
-                              doc = "where the packages go in the image"),
+        "lock": attr.label(
+            mandatory = True,
+            allow_single_file = True,
+            doc = "a hash-pinned tools/python/lock.py lock",
+        ),
+        "prefix": attr.string(
+            default = "usr/local/lib/python3.11/dist-packages",
+            doc = "where the packages go in the image",
+        ),
         "compile": attr.bool(default = False, doc = "add reproducible bytecode " +
                                                     "(tools/oci/compile_python.py)"),
         "_compile_script": attr.label(default = "//tools/oci:compile_python.py"),
+        "_oci_tool": attr.label(default = "//tools/oci:oci.py"),
     },
     environ = _ENV_VARS,
-    doc = "The lock's wheels installed into one folder, as a tarball at `prefix`.",
+    doc = "The lock's wheels installed at `prefix`, as one deterministic image layer.",
 )
