@@ -26,7 +26,7 @@ world-readable directory under /var/tmp (as a data directory on a real machine w
 for that reason would prove nothing about the deny-by-default view the issue asks for.
 
 Not covered here: each defence layer on its own (their modules' unit tests do that), the restart
-with a pathological leftover (service_restart_test), reward-pipeline penalties for screening
+with a pathological leftover (cleanup_test), reward-pipeline penalties for screening
 flags, and cheats that change the code under test so that the held-out tests really pass (e.g.
 an object equal to everything): the sandbox cannot tell those from fixes.
 
@@ -55,12 +55,12 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from dockyard_rl.data import synthesize_swe_tasks, testing_sdists
 from dockyard_rl.data.datasets import load_jsonl
+from dockyard_rl.data.synthesis import synthesize_swe_tasks, testing_sdists
 from dockyard_rl.sandbox.client import ExecutorClient, TaskResult
 from dockyard_rl.sandbox.config import ExecutorConfig
 from dockyard_rl.sandbox.pipeline import PipelineConfig
-from dockyard_rl.sandbox.service import running_server
+from dockyard_rl.sandbox.server import running_server
 from dockyard_rl.sandbox.task import FailureKind, TaskStatus
 from dockyard_rl.utils.config import from_dict
 

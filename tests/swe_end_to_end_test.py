@@ -11,8 +11,9 @@ outputs, which must get the invalid-action outcome (parse failure in the metadat
 reward) without ever reaching the executor.
 
 The second test does the same for tasks the synthesizer generates on the spot from a toy sdist
-(data/synthesize_swe_tasks.py; no committed data): every output format of every task's gold
-patch scores 1, the empty output is an invalid action. Synthesis and scoring share one executor.
+(data/synthesis/synthesize_swe_tasks.py; no committed data): every output format of every task's
+gold patch scores 1, the empty output is an invalid action. Synthesis and scoring share one
+executor.
 
 Not covered: sampling from a model (no policy here), prompts cut to a token budget
 (processors_test covers those), infrastructure retries (swe_env_test covers them).
@@ -25,20 +26,20 @@ import pytest
 import transformers
 import unidiff
 
-from dockyard_rl.data import synthesize_swe_tasks, testing_sdists
 from dockyard_rl.data.datasets import load_jsonl
 from dockyard_rl.data.function_rewrite import diff_to_function_rewrite
 from dockyard_rl.data.patch_formats import (InvalidReason, PatchFormat, diff_to_search_replace,
                                             git_file_reader, gold_answer, parse_model_output)
 from dockyard_rl.data.processors import PromptConfig, SwePromptProcessor
 from dockyard_rl.data.schema import SweInstance
+from dockyard_rl.data.synthesis import synthesize_swe_tasks, testing_sdists
 from dockyard_rl.environments.config import SweEnvironmentConfig
 from dockyard_rl.environments.swe_env import SweEnvironment, SweRollout
 from dockyard_rl.models.zoo import resolve_model
 from dockyard_rl.rewards.shaping import RewardPipeline, RewardShapingConfig
 from dockyard_rl.sandbox import testing_repos
 from dockyard_rl.sandbox.config import ExecutorConfig
-from dockyard_rl.sandbox.service import running_server
+from dockyard_rl.sandbox.server import running_server
 from dockyard_rl.utils.config import from_dict
 
 PENALTY = -1.0

@@ -30,7 +30,7 @@ from dockyard_rl.cluster.local_ray import init_local_ray
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models.generation.config import GenerationConfig
-from dockyard_rl.models.generation.vllm_worker import VllmGeneration
+from dockyard_rl.models.generation.vllm_generation import VllmGeneration
 from dockyard_rl.models.policy.config import OptimizerConfig, PolicyConfig
 from dockyard_rl.models.policy.dtensor_policy import DTensorPolicy
 from dockyard_rl.weight_sync.config import WeightSyncConfig

@@ -40,8 +40,9 @@ from dockyard_rl.sandbox import apply as apply_lib
 from dockyard_rl.sandbox import cleanup, evidence, grading, isolation, pipeline, repo_cache, runner
 from dockyard_rl.sandbox.client import ExecutorClient
 from dockyard_rl.sandbox.config import ExecutorConfig
-from dockyard_rl.sandbox.service import pipeline_score_fn, running_server
+from dockyard_rl.sandbox.server import running_server
 from dockyard_rl.sandbox.task import TaskSpec, TaskStatus, TestOutcome, Verdict
+from dockyard_rl.sandbox.task_executor import pipeline_score_fn
 
 _GIT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8",
             "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",

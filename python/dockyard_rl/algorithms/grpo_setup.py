@@ -115,7 +115,7 @@ def ensure_task_data(config: MasterConfig) -> None:
         train_path = pathlib.Path(path)
         if train_path.exists() or synthesis is None:
             continue
-        from dockyard_rl.data.synthesize_swe_tasks import synthesize
+        from dockyard_rl.data.synthesis.synthesize_swe_tasks import synthesize
 
         logger.info("no tasks at %s: synthesizing them from %s once (cached for later runs)",
                     train_path, ", ".join(synthesis.packages))

@@ -44,7 +44,7 @@ from dockyard_rl.algorithms.rollouts import pack_sequences, pad_to_dp_multiple
 from dockyard_rl.data import datasets
 from dockyard_rl.data.patch_formats import git_file_reader, gold_answer
 from dockyard_rl.data.schema import SweInstance
-from dockyard_rl.data.task_synthesis import TaskSynthesisConfig
+from dockyard_rl.data.synthesis.task_synthesis import TaskSynthesisConfig
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.utils.config import is_int, require
 
@@ -61,7 +61,8 @@ class WarmStartConfig:
     batch_size: int = 4            # examples per optimizer step
     seed: int = 0                  # the order of the examples in each epoch
     # Tasks to synthesize into train_path's folder when train_path is missing (the same shape
-    # as the recipe's `synthesis` section, data/task_synthesis.py); null = train_path must exist.
+    # as the recipe's `synthesis` section, data/synthesis/task_synthesis.py); null = train_path
+    # must exist.
     synthesis: TaskSynthesisConfig | None = None
 
     def __post_init__(self):

@@ -1,4 +1,3 @@
 """SWE task data: the instance schema, dataset loaders and registries, the `data` config section,
-prompt processors and the model-output patch formats, and the SWE-smith-style task synthesizer
-(sdist_repos, mutations, test_holdout, problem_statements, task_synthesis,
-synthesize_swe_tasks)."""
+prompt processors and the model-output patch formats. The SWE-smith-style task synthesizer and the
+task-set validator are the `synthesis` sub-package."""

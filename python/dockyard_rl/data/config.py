@@ -41,7 +41,7 @@ class DataConfig:
     processor: str = "swe_single_shot"     # prompt processor registry name
     prompt: PromptConfig = dataclasses.field(default_factory=PromptConfig)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.dataset in datasets.dataset_names(), "dataset",
                 f"unknown dataset loader {self.dataset!r}; valid: "
                 f"{', '.join(datasets.dataset_names())} (register others with "
@@ -79,6 +79,7 @@ class DataConfig:
 def load_train_validation(cfg: DataConfig) -> tuple[list[SweInstance], list[SweInstance]]:
     """(train, validation) as the module docstring says. Raises DatasetError for a bad row and
     ValueError for missing files, an impossible split, or repositories on both sides."""
+    assert cfg.train_path is not None, "DataConfig.__post_init__ requires train_path"
     loader = datasets.get_dataset(cfg.dataset)
     train = loader(cfg.train_path)
     if not train:

@@ -20,8 +20,9 @@ from dockyard_rl.sandbox import screening, testing_repos
 from dockyard_rl.sandbox.client import ExecutorClient, ExecutorRequestError
 from dockyard_rl.sandbox.config import ExecutorConfig
 from dockyard_rl.sandbox.pipeline import InfrastructureError
-from dockyard_rl.sandbox.service import pipeline_score_fn, running_server
+from dockyard_rl.sandbox.server import running_server
 from dockyard_rl.sandbox.task import ApplyMethod, FailureKind, TestOutcome, Verdict
+from dockyard_rl.sandbox.task_executor import pipeline_score_fn
 from dockyard_rl.utils.config import from_dict
 
 PENALTY = -1.0

@@ -1,5 +1,5 @@
 """Tests of dockyard_rl.kernels.refit_packer, the facade: what it re-exports and the usage of it
-elsewhere in the repository (vllm_worker, vllm_worker_extension, weight_sync, the benchmark).
+elsewhere in the repository (the vLLM backend, vllm_worker_extension, weight_sync, the benchmark).
 
 The parts are tested beside their modules (refit_manifest_test, refit_planning_test,
 refit_copy_test); here only that the facade's API is theirs and that the documented sender /
@@ -55,8 +55,8 @@ def _model() -> dict[str, torch.Tensor]:
     }
 
 
-def test_vllm_worker_usage(ext):
-    # vllm_worker_test / vllm_multi_engine_test: pack_bucket per bucket from ALL the tensors;
+def test_vllm_backend_usage(ext):
+    # vllm_generation_test / vllm_multi_engine_test: pack_bucket per bucket from ALL the tensors;
     # vllm_worker_extension: Manifest.from_dict, then unpack_bucket(copy=False) views.
     named = _model()
     manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(named), 256)
@@ -73,7 +73,7 @@ def test_vllm_worker_usage(ext):
         # Views into the received bucket: no copy.
         bucket_storage = buckets[e.bucket].untyped_storage().data_ptr()
         assert views[e.name].untyped_storage().data_ptr() == bucket_storage, e.name
-    # vllm_worker: a manifest dtype name is checked against DTYPES.
+    # vllm_generation: a manifest dtype name is checked against DTYPES.
     assert refit_packer.DTYPES[received.tensors[0].dtype].is_floating_point
 
 

@@ -397,7 +397,7 @@ def test_executor_starts_cleanly_over_a_pathological_leftover(tmp_path):
     """A restart of the real TaskExecutor on a work dir a killed executor left in the worst
     state a patch can cause: it starts, scores, and the leftovers are gone."""
     from dockyard_rl.sandbox.config import ExecutorConfig
-    from dockyard_rl.sandbox.service import TaskExecutor
+    from dockyard_rl.sandbox.task_executor import TaskExecutor
     from dockyard_rl.sandbox.task import ApplyMethod, TaskSpec, TaskStatus, Verdict
 
     outside = tmp_path / "outside"

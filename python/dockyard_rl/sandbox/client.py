@@ -1,4 +1,4 @@
-"""Async client of the task executor service (service.py).
+"""Async client of the task executor service (its HTTP API: http_app.py).
 
     async with ExecutorClient("http://127.0.0.1:9090") as client:
         result = await client.score(spec)          # submit + wait

@@ -17,7 +17,7 @@ from aiohttp import web
 from dockyard_rl.sandbox.client import (ExecutorClient, ExecutorRequestError,
                                         ExecutorUnavailableError)
 from dockyard_rl.sandbox.config import ExecutorConfig
-from dockyard_rl.sandbox.service import running_server
+from dockyard_rl.sandbox.server import running_server
 from dockyard_rl.sandbox.task import ApplyMethod, TaskSpec, TaskStatus, TestOutcome, Verdict
 
 SPEC = TaskSpec.from_request({

@@ -53,7 +53,7 @@ class ExecutorConfig:
     # Scoring one task; `pipeline.timeout_s` is the test-run wall clock when a task names none.
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(isinstance(self.host, str) and bool(self.host), "host",
                 f"must be a host name or IP address, got {self.host!r}")
         require(is_loopback(self.host) or self.auth_token is not None, "host",

@@ -14,7 +14,7 @@ It comes from `--auth-token-file` or the DOCKYARD_EXECUTOR_TOKEN environment var
 
 Once listening, prints one line `dockyard executor listening on http://HOST:PORT` to stdout (with
 the bound port when --port 0), which scripts and tests wait for. SIGTERM and SIGINT shut down
-gracefully (see service.py).
+gracefully (see server.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import sys
 from collections.abc import Mapping
 
 from dockyard_rl.sandbox.config import ExecutorConfig
-from dockyard_rl.sandbox.service import RunningServer, serve
+from dockyard_rl.sandbox.server import RunningServer, serve
 from dockyard_rl.utils.config import from_dict
 
 TOKEN_ENV_VAR = "DOCKYARD_EXECUTOR_TOKEN"

@@ -1,5 +1,5 @@
 """Tests of the executor entry point's flags -> ExecutorConfig mapping (the process itself is
-started for real in service_load_test.py)."""
+started for real in executor_restart_test.py)."""
 
 import pytest
 

@@ -4,7 +4,7 @@
     fleet.urls            # ["http://127.0.0.1:40123"]: what SweEnvironment's executor_url takes
     fleet.shutdown()
 
-Each `ExecutorActor` runs the executor service (service.running_server: HTTP + scoring worker
+Each `ExecutorActor` runs the executor service (server.running_server: HTTP + scoring worker
 threads) on its own event-loop thread inside a Ray actor of the sandbox fleet (a `WorkerGroup`
 of role "sandbox": nodes labelled for it, SPREAD by default), so the GRPO driver and the trajectory
 collector reach it over HTTP like any executor. On a single machine the actor binds 127.0.0.1; on
@@ -50,7 +50,7 @@ class ExecutorActor:
         self._thread.start()
 
     def _serve(self) -> None:
-        from dockyard_rl.sandbox.service import serve
+        from dockyard_rl.sandbox.server import serve
 
         asyncio.set_event_loop(self._loop)
         self._stop = asyncio.Event()

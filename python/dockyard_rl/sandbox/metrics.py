@@ -1,4 +1,4 @@
-"""The task executor's Prometheus metrics: what GET /metrics serves (service.py).
+"""The task executor's Prometheus metrics: what GET /metrics serves (http_app.py).
 
 One `ExecutorMetrics` per executor, on a `CollectorRegistry` of its own: several executors run in
 one process (the tests, a fleet's actors), and the global default registry would mix their counts
@@ -37,7 +37,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from dockyard_rl.sandbox.task import FailureKind, TaskStatus, Verdict
@@ -45,6 +46,9 @@ from dockyard_rl.sandbox.task import FailureKind, TaskStatus, Verdict
 # Returns the image cache's figures: monotonic counts `hits`, `misses`, `evictions`; current
 # `bytes` and `images`. Called at every scrape, from a worker thread of the HTTP server.
 ImageStatsFn = Callable[[], Mapping[str, float]]
+
+# The Content-Type header of `ExecutorMetrics.exposition()`'s body (the text format's version).
+EXPOSITION_CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 OUTCOMES = ("resolved", "unresolved", "infra_error")
 REJECTION_REASONS = ("unauthorized", "too_large", "invalid", "conflict", "queue_full")
@@ -115,8 +119,8 @@ class ExecutorMetrics:
         self._rejected.labels(reason=reason).inc()
 
     def exposition(self) -> bytes:
-        """The Prometheus text format, to serve as prometheus_client.CONTENT_TYPE_LATEST. Reads
-        the store: call it off the event loop."""
+        """The Prometheus text format, to serve as EXPOSITION_CONTENT_TYPE. Reads the store: call
+        it off the event loop."""
         return generate_latest(self.registry)
 
 

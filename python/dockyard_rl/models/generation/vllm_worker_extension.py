@@ -25,10 +25,10 @@ inside the worker (a gloo/NCCL broadcast, or a mapping of the trainer's shared m
 way the worker keeps the received buckets until the last one is in (peak memory: one model copy;
 none for ipc_zmq, whose buckets are mappings of the trainer's segments).
 
-The caller (vllm_worker.py's engine actor) validates the manifest against the expected refit info
-before calling in here and pauses the scheduler around the call; this module checks only what it
-must to not corrupt memory: the manifest's own consistency and every bucket's size, before the
-model is touched.
+The callers validate the manifest against the expected refit info before calling in here
+(`VllmGeneration`, vllm_generation.py) and pause the scheduler around the call (the engine actor,
+vllm_engine_actor.py); this module checks only what it must to not corrupt memory: the manifest's
+own consistency and every bucket's size, before the model is touched.
 
 Not covered: LoRA adapters, speculative-decoding draft models, quantised checkpoints.
 """

@@ -18,9 +18,9 @@ import types
 import pytest
 import unidiff
 
-from dockyard_rl.data import (mutations, synthesize_swe_tasks, test_holdout, testing_sdists,
-                              validate_swe_tasks)
 from dockyard_rl.data.datasets import load_jsonl
+from dockyard_rl.data.synthesis import (mutations, synthesize_swe_tasks, test_holdout, testing_sdists,
+                                        validate_swe_tasks)
 
 NUM_TASKS = 4
 _COMPARED = ("instance_id", "base_commit", "patch", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS",

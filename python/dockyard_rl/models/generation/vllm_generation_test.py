@@ -34,7 +34,7 @@ from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models.generation.config import GenerationConfig
 from dockyard_rl.models.generation.memory_pressure import (HeldMemory, describe_squeeze,
                                                            squeeze_bytes)
-from dockyard_rl.models.generation.vllm_worker import VllmGeneration, ensure_ray
+from dockyard_rl.models.generation.vllm_generation import VllmGeneration, ensure_ray
 
 CONFIG = GenerationConfig(
     model="smollm2-135m-instruct",

@@ -13,7 +13,7 @@ its own (`memory_pressure.BallastWorkerExtension`, more than `gpu_memory_utiliza
 machine) and logs the budget; with a null size the same squeeze reproduces vLLM's refusal, which
 comes back as a ValueError naming the key; an explicit size too small for one max_model_len
 sequence likewise. A real engine beside a large allocation of another process: the SmolLM2 and
-the two-engine tests (vllm_worker_test.py, vllm_multi_engine_test.py). Not covered: GPUs (the
+the two-engine tests (vllm_generation_test.py, vllm_multi_engine_test.py). Not covered: GPUs (the
 budget is logged but not checked against host memory there), vLLM refusing an explicit size
 because memory vanished between our check and its allocation (the same translation as below, but
 it needs the machine nearly full).
@@ -33,19 +33,15 @@ import pytest
 import ray
 
 from dockyard_rl.models import zoo
-from dockyard_rl.models.generation import vllm_worker
+from dockyard_rl.models.generation import vllm_generation
 from dockyard_rl.models.generation.config import GenerationConfig
 from dockyard_rl.models.generation.memory_pressure import (
     BALLAST_BYTES_ENV,
     BALLAST_WORKER_EXTENSION_CLS,
     process_tree_rss,
 )
-from dockyard_rl.models.generation.vllm_worker import (
-    VllmGeneration,
-    ensure_ray,
-    plan_memory,
-    vllm_kv_memory_refusal,
-)
+from dockyard_rl.models.generation.vllm_generation import VllmGeneration, ensure_ray
+from dockyard_rl.models.generation.vllm_memory_budget import plan_memory, vllm_kv_memory_refusal
 
 GiB = 1 << 30
 # The share of the machine that vLLM's automatic CPU sizing requests (weights + KV cache); the
@@ -211,7 +207,7 @@ def test_kv_size_above_available_memory_is_a_config_error_before_any_engine_star
 
 def test_explicit_kv_starts_and_generates_while_the_worker_holds_memory_of_its_own(
         ray_started, model_dir, caplog):
-    caplog.set_level(logging.INFO, logger=vllm_worker.__name__)
+    caplog.set_level(logging.INFO, logger=vllm_generation.__name__)
     generation = _with_ballast(_config(model_dir))
     try:
         (actor,) = generation._actors

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dockyard_rl.data import test_holdout
+from dockyard_rl.data.synthesis import test_holdout
 
 MODULE = '''import pytest
 

@@ -19,9 +19,9 @@ import types
 
 import pytest
 
-from dockyard_rl.data import (synthesize_swe_tasks, task_synthesis, testing_sdists,
-                              validate_swe_tasks)
 from dockyard_rl.data.datasets import load_jsonl
+from dockyard_rl.data.synthesis import (synthesize_swe_tasks, task_synthesis, testing_sdists,
+                                        validate_swe_tasks)
 from dockyard_rl.sandbox.client import TaskResult
 from dockyard_rl.sandbox.task import (ApplyMethod, FailureKind, TaskStatus, TestOutcome,
                                       Verdict)

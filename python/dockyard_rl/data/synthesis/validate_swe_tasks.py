@@ -1,8 +1,8 @@
 """Checks a SWE task set against an executor: does each gold patch resolve, does the empty patch not?
 
-    tools/bazel run //python/dockyard_rl/data:validate_swe_tasks -- --tasks DIR/tasks.jsonl \\
-        [--dataset jsonl|hf_local] [--gold-runs 3] [--workers N] [--executor-url URL] \\
-        [--report report.json] [--write-cleaned cleaned.jsonl]
+    tools/bazel run //python/dockyard_rl/data/synthesis:validate_swe_tasks -- \\
+        --tasks DIR/tasks.jsonl [--dataset jsonl|hf_local] [--gold-runs 3] [--workers N] \\
+        [--executor-url URL] [--report report.json] [--write-cleaned cleaned.jsonl]
 
 Run it on a synthesized set before training on it, or on a published set (SWE-Gym, SWE-smith):
 their `repo` is "owner/name", so give `--repo-root DIR` holding local clones as DIR/owner/name
@@ -50,7 +50,7 @@ from dockyard_rl.data.schema import DatasetError, SweInstance
 from dockyard_rl.sandbox.client import (ExecutorClient, ExecutorRequestError,
                                         ExecutorUnavailableError)
 from dockyard_rl.sandbox.executor import token_from_environment
-from dockyard_rl.sandbox.service import executor_url
+from dockyard_rl.sandbox.server import executor_url
 from dockyard_rl.sandbox.task import FailureKind, TaskStatus, TestOutcome
 from dockyard_rl.utils.paths import caller_path
 

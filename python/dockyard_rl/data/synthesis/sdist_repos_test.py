@@ -8,7 +8,7 @@ import tarfile
 
 import pytest
 
-from dockyard_rl.data import sdist_repos, testing_sdists
+from dockyard_rl.data.synthesis import sdist_repos, testing_sdists
 
 
 @pytest.fixture

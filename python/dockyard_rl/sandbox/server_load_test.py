@@ -3,7 +3,7 @@
 Real everything: a git repository built by testing_repos, the pipeline (mirror cache, checkout,
 patch apply chain, pytest under bubblewrap, JUnit grading), the HTTP service on 127.0.0.1 and the
 async client. Checks that every task finishes, none is lost or scored twice, and each verdict is
-the right one for its patch. Restart after a crash is service_restart_test.py.
+the right one for its patch. Restart after a crash is executor_restart_test.py.
 """
 
 import asyncio
@@ -13,8 +13,9 @@ import threading
 from dockyard_rl.sandbox import testing_repos
 from dockyard_rl.sandbox.client import ExecutorClient
 from dockyard_rl.sandbox.config import ExecutorConfig
-from dockyard_rl.sandbox.service import pipeline_score_fn, running_server
+from dockyard_rl.sandbox.server import running_server
 from dockyard_rl.sandbox.task import ApplyMethod, TaskStatus, TestOutcome
+from dockyard_rl.sandbox.task_executor import pipeline_score_fn
 
 NUM_TASKS = 50
 

@@ -120,7 +120,7 @@ def fetch_sdist(requirement: str, download_dir: pathlib.Path) -> pathlib.Path:
     archive's path to reuse it). Raises SdistError with pip's output when nothing could be
     downloaded."""
     if requirement.startswith(BUNDLED_PREFIX):
-        from dockyard_rl.data import testing_sdists
+        from dockyard_rl.data.synthesis import testing_sdists
 
         name = requirement[len(BUNDLED_PREFIX):]
         if name not in testing_sdists.BUNDLED:

@@ -16,8 +16,8 @@ import warnings
 import libcst as cst
 import pytest
 
-from dockyard_rl.data import mutations
-from dockyard_rl.data.mutations import (
+from dockyard_rl.data.synthesis import mutations
+from dockyard_rl.data.synthesis.mutations import (
     MUTATION_KINDS,
     MutationSite,
     apply_mutation,

@@ -68,8 +68,8 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from dockyard_rl.data import mutations, problem_statements, sdist_repos, test_holdout
 from dockyard_rl.data.schema import SweInstance
+from dockyard_rl.data.synthesis import mutations, problem_statements, sdist_repos, test_holdout
 from dockyard_rl.sandbox import pipeline
 from dockyard_rl.sandbox.client import (ExecutorClient, ExecutorRequestError,
                                         ExecutorUnavailableError)

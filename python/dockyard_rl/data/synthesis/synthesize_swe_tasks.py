@@ -1,6 +1,6 @@
 """Synthesizes SWE-bench-format tasks from PyPI packages (SWE-smith style, no model needed).
 
-    tools/bazel run //python/dockyard_rl/data:synthesize_swe_tasks -- \\
+    tools/bazel run //python/dockyard_rl/data/synthesis:synthesize_swe_tasks -- \\
         --packages sqlparse,boltons,xmltodict --out DIR [--max-tasks-per-package 50] \\
         [--seed 0] [--num-baseline-runs 3] [--workers N] [--executor-url http://127.0.0.1:9090]
 
@@ -43,10 +43,10 @@ import tempfile
 import time
 from typing import Any
 
-from dockyard_rl.data import mutations, sdist_repos, task_synthesis
+from dockyard_rl.data.synthesis import mutations, sdist_repos, task_synthesis
 from dockyard_rl.sandbox.client import ExecutorClient
 from dockyard_rl.sandbox.executor import token_from_environment
-from dockyard_rl.sandbox.service import executor_url
+from dockyard_rl.sandbox.server import executor_url
 from dockyard_rl.utils.config import from_dict
 from dockyard_rl.utils.paths import caller_path
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dockyard_rl.data import problem_statements
+from dockyard_rl.data.synthesis import problem_statements
 
 LOG = """============================= test session starts ==============================
 collected 6 items
