@@ -65,10 +65,10 @@ void GroupAdvantages(const RewardsGN& rewards, const OutGN& out,
           : static_cast<float>(epsilon_in);  // NaN stays NaN.
   const Baseline baseline = ParseBaseline(baseline_name);
   if (rewards.shape(0) != out.shape(0) || rewards.shape(1) != out.shape(1)) {
-    throw std::invalid_argument(
-        "group_advantages: rewards has shape " +
-        ShapeText(rewards.shape(0), rewards.shape(1)) + " but out has shape " +
-        ShapeText(out.shape(0), out.shape(1)));
+    throw std::invalid_argument("group_advantages: rewards has shape " +
+                                ShapeText(rewards.shape(0), rewards.shape(1)) +
+                                " but out has shape " +
+                                ShapeText(out.shape(0), out.shape(1)));
   }
   if (rewards.device_type() != out.device_type() ||
       rewards.device_id() != out.device_id()) {
@@ -100,10 +100,10 @@ void GroupAdvantages(const RewardsGN& rewards, const OutGN& out,
         "with --config=cuda");
 #endif
   }
-  throw std::invalid_argument(
-      "group_advantages: unsupported device type " +
-      std::to_string(rewards.device_type()) + " (DLPack code); CPU and CUDA "
-      "are supported");
+  throw std::invalid_argument("group_advantages: unsupported device type " +
+                              std::to_string(rewards.device_type()) +
+                              " (DLPack code); CPU and CUDA "
+                              "are supported");
 }
 
 }  // namespace
@@ -113,9 +113,8 @@ void bind_advantages(nb::module_& m) {
         // noconvert: a dtype or layout mismatch is a TypeError, never a silent
         // copy (a copy of `out` would swallow the results).
         nb::arg("rewards").noconvert(), nb::arg("out").noconvert(),
-        nb::arg("baseline") = "leave_one_out",
-        nb::arg("normalize_std") = false, nb::arg("epsilon") = 1e-6,
-        nb::arg("stream") = 0,
+        nb::arg("baseline") = "leave_one_out", nb::arg("normalize_std") = false,
+        nb::arg("epsilon") = 1e-6, nb::arg("stream") = 0,
         "Writes group-relative advantages of rewards (num_groups, group_size) "
         "float32 into out (same shape and device). baseline: 'leave_one_out' "
         "or 'group_mean'; normalize_std divides by (unbiased std + epsilon). "

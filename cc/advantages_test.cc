@@ -105,10 +105,10 @@ void TestGroupSizeTwo() {
                 1e-7);
   ExpectAllNear(Run({0, 1}, 1, 2, Baseline::kGroupMean, false), {-0.5, 0.5},
                 1e-7);
-  ExpectAllNear(Run({0, 1}, 1, 2, Baseline::kGroupMean, true), {-0.5 / s, 0.5 / s},
-                1e-6);
-  ExpectAllNear(Run({0, 1}, 1, 2, Baseline::kLeaveOneOut, true), {-1 / s, 1 / s},
-                1e-6);
+  ExpectAllNear(Run({0, 1}, 1, 2, Baseline::kGroupMean, true),
+                {-0.5 / s, 0.5 / s}, 1e-6);
+  ExpectAllNear(Run({0, 1}, 1, 2, Baseline::kLeaveOneOut, true),
+                {-1 / s, 1 / s}, 1e-6);
 }
 
 void TestEqualRewardsGiveExactZeros() {
@@ -254,19 +254,22 @@ void TestInvalidArguments() {
 }  // namespace
 
 int main() {
-  return dockyard::testing::RunTests("advantages_test", {
-      {"LeaveOneOutHandExample", TestLeaveOneOutHandExample},
-      {"GroupMean", TestGroupMean},
-      {"StdNormalisation", TestStdNormalisation},
-      {"GroupsAreIndependent", TestGroupsAreIndependent},
-      {"NegativeRewards", TestNegativeRewards},
-      {"GroupSizeOne", TestGroupSizeOne},
-      {"GroupSizeTwo", TestGroupSizeTwo},
-      {"EqualRewardsGiveExactZeros", TestEqualRewardsGiveExactZeros},
-      {"LargeValues", TestLargeValues},
-      {"InPlace", TestInPlace},
-      {"EmptyInputs", TestEmptyInputs},
-      {"ThreadedPathMatchesPerGroupCalls", TestThreadedPathMatchesPerGroupCalls},
-      {"InvalidArguments", TestInvalidArguments},
-  });
+  return dockyard::testing::RunTests(
+      "advantages_test",
+      {
+          {"LeaveOneOutHandExample", TestLeaveOneOutHandExample},
+          {"GroupMean", TestGroupMean},
+          {"StdNormalisation", TestStdNormalisation},
+          {"GroupsAreIndependent", TestGroupsAreIndependent},
+          {"NegativeRewards", TestNegativeRewards},
+          {"GroupSizeOne", TestGroupSizeOne},
+          {"GroupSizeTwo", TestGroupSizeTwo},
+          {"EqualRewardsGiveExactZeros", TestEqualRewardsGiveExactZeros},
+          {"LargeValues", TestLargeValues},
+          {"InPlace", TestInPlace},
+          {"EmptyInputs", TestEmptyInputs},
+          {"ThreadedPathMatchesPerGroupCalls",
+           TestThreadedPathMatchesPerGroupCalls},
+          {"InvalidArguments", TestInvalidArguments},
+      });
 }

@@ -209,9 +209,9 @@ DY_INLINE void ForwardRow(const ForwardArgs& a, int64_t r) {
   const double inv_t_d = 1.0 / a.temperature;
   const float inv_t = static_cast<float>(inv_t_d);
 
-  float m = -kInfF;   // Running max of the raw logits.
-  double s = 0.0;     // sum exp((x - m) / T)
-  double t = 0.0;     // sum exp((x - m) / T) * (x - m) / T  (entropy only)
+  float m = -kInfF;  // Running max of the raw logits.
+  double s = 0.0;    // sum exp((x - m) / T)
+  double t = 0.0;    // sum exp((x - m) / T) * (x - m) / T  (entropy only)
   VI nan_seen = VI{};
   for (int64_t c = 0; c < V; c += kChunk) {
     const int64_t end = std::min(V, c + kChunk);
@@ -532,15 +532,15 @@ void gather_logprobs(const void* logits, LogitsDtype dtype, int64_t num_rows,
                      float* logprobs, float* entropy, float* row_max,
                      double* row_log_sum) {
   constexpr const char* kFn = "gather_logprobs";
-  internal::validate_logprobs_args(kFn, logits, dtype, num_rows, vocab_size,
-                                   row_stride, targets, temperature, false,
-                                   logprobs, nullptr, nullptr, nullptr,
-                                   nullptr);
+  internal::validate_logprobs_args(
+      kFn, logits, dtype, num_rows, vocab_size, row_stride, targets,
+      temperature, false, logprobs, nullptr, nullptr, nullptr, nullptr);
   if (num_rows == 0) return;
   ValidateTargets(kFn, targets, num_rows, vocab_size);
 
-  const ForwardArgs args{logits,   num_rows, vocab_size, row_stride, targets,
-                         temperature, logprobs, entropy, row_max, row_log_sum};
+  const ForwardArgs args{logits,  num_rows,    vocab_size, row_stride,
+                         targets, temperature, logprobs,   entropy,
+                         row_max, row_log_sum};
   const bool with_entropy = entropy != nullptr;
   ForwardFn fn;
   if (dtype == LogitsDtype::kFloat32) {
@@ -569,10 +569,9 @@ void gather_logprobs_backward(const void* logits, LogitsDtype dtype,
   if (num_rows == 0) return;
   ValidateTargets(kFn, targets, num_rows, vocab_size);
 
-  const BackwardArgs args{logits,      num_rows,      vocab_size,
-                          row_stride,  targets,       temperature,
-                          row_max,     row_log_sum,   entropy,
-                          grad_logprobs, grad_entropy, grad_logits};
+  const BackwardArgs args{logits,  num_rows,      vocab_size,   row_stride,
+                          targets, temperature,   row_max,      row_log_sum,
+                          entropy, grad_logprobs, grad_entropy, grad_logits};
   const bool with_entropy = grad_entropy != nullptr;
   BackwardFn fn;
   if (dtype == LogitsDtype::kFloat32) {

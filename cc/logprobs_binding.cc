@@ -60,10 +60,9 @@ void CheckRows(const char* fn, int64_t num_rows, const Array& a,
                const char* name) {
   if (!a.is_valid()) return;
   if (static_cast<int64_t>(a.shape(0)) != num_rows) {
-    throw std::invalid_argument(std::string(fn) + ": " + name + " has " +
-                                std::to_string(a.shape(0)) +
-                                " rows but logits have " +
-                                std::to_string(num_rows));
+    throw std::invalid_argument(
+        std::string(fn) + ": " + name + " has " + std::to_string(a.shape(0)) +
+        " rows but logits have " + std::to_string(num_rows));
   }
 }
 
@@ -91,9 +90,10 @@ int64_t RowStride(const char* fn, const LogitsNV& logits) {
   const auto vocab_size = static_cast<int64_t>(logits.shape(1));
   if (vocab_size > 1 && logits.stride(1) != 1) {
     throw std::invalid_argument(
-        std::string(fn) + ": logits must have unit stride along the vocab "
-        "(dim 1), got " + std::to_string(logits.stride(1)) +
-        "; pass logits.contiguous()");
+        std::string(fn) +
+        ": logits must have unit stride along the vocab "
+        "(dim 1), got " +
+        std::to_string(logits.stride(1)) + "; pass logits.contiguous()");
   }
   if (logits.stride(0) < 0) {
     throw std::invalid_argument(std::string(fn) +
@@ -152,12 +152,11 @@ void GatherLogprobs(const LogitsNV& logits, const TargetsN& targets,
 #ifdef DOCKYARD_WITH_CUDA
     // Released: a checked call waits for its stream.
     nb::gil_scoped_release release;
-    gather_logprobs_cuda(logits.data(), dtype, num_rows, vocab_size,
-                         row_stride, targets.data(), temperature,
-                         logprobs.data(), DataOrNull(entropy),
-                         DataOrNull(row_max), DataOrNull(row_log_sum),
-                         reinterpret_cast<cudaStream_t>(stream),
-                         check_targets);
+    gather_logprobs_cuda(logits.data(), dtype, num_rows, vocab_size, row_stride,
+                         targets.data(), temperature, logprobs.data(),
+                         DataOrNull(entropy), DataOrNull(row_max),
+                         DataOrNull(row_log_sum),
+                         reinterpret_cast<cudaStream_t>(stream), check_targets);
     return;
 #else
     (void)stream;
@@ -201,11 +200,11 @@ void GatherLogprobsBackward(const LogitsNV& logits, const TargetsN& targets,
 
   if (device.type == nb::device::cpu::value) {
     nb::gil_scoped_release release;
-    gather_logprobs_backward(
-        logits.data(), dtype, num_rows, vocab_size, row_stride, targets.data(),
-        temperature, row_max.data(), row_log_sum.data(), DataOrNull(entropy),
-        DataOrNull(grad_logprobs), DataOrNull(grad_entropy),
-        grad_logits.data());
+    gather_logprobs_backward(logits.data(), dtype, num_rows, vocab_size,
+                             row_stride, targets.data(), temperature,
+                             row_max.data(), row_log_sum.data(),
+                             DataOrNull(entropy), DataOrNull(grad_logprobs),
+                             DataOrNull(grad_entropy), grad_logits.data());
     return;
   }
   if (device.type == nb::device::cuda::value) {
@@ -215,9 +214,8 @@ void GatherLogprobsBackward(const LogitsNV& logits, const TargetsN& targets,
     gather_logprobs_backward_cuda(
         logits.data(), dtype, num_rows, vocab_size, row_stride, targets.data(),
         temperature, row_max.data(), row_log_sum.data(), DataOrNull(entropy),
-        DataOrNull(grad_logprobs), DataOrNull(grad_entropy),
-        grad_logits.data(), reinterpret_cast<cudaStream_t>(stream),
-        check_targets);
+        DataOrNull(grad_logprobs), DataOrNull(grad_entropy), grad_logits.data(),
+        reinterpret_cast<cudaStream_t>(stream), check_targets);
     return;
 #else
     (void)stream;
@@ -236,8 +234,7 @@ void bind_logprobs(nb::module_& m) {
   // None.
   m.def("gather_logprobs", &GatherLogprobs, nb::arg("logits").noconvert(),
         nb::arg("targets").noconvert(), nb::arg("temperature"),
-        nb::arg("logprobs").noconvert(),
-        nb::arg("entropy").noconvert().none(),
+        nb::arg("logprobs").noconvert(), nb::arg("entropy").noconvert().none(),
         nb::arg("row_max").noconvert().none(),
         nb::arg("row_log_sum").noconvert().none(), nb::arg("stream") = 0,
         nb::arg("check_targets") = true,

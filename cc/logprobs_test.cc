@@ -23,8 +23,8 @@
 
 namespace {
 
-using dockyard::testing::ToBf16;
 using dockyard::testing::FromBf16;
+using dockyard::testing::ToBf16;
 
 using dockyard::kernels::gather_logprobs;
 using dockyard::kernels::gather_logprobs_backward;
@@ -42,7 +42,8 @@ struct Forward {
 // Runs the forward on float logits (converted to bf16 bits when asked).
 Forward RunForward(const std::vector<float>& logits, int64_t num_rows,
                    int64_t vocab_size, const std::vector<int64_t>& targets,
-                   double temperature, LogitsDtype dtype = LogitsDtype::kFloat32,
+                   double temperature,
+                   LogitsDtype dtype = LogitsDtype::kFloat32,
                    int64_t row_stride = -1) {
   if (row_stride < 0) row_stride = vocab_size;
   Forward f;
@@ -55,9 +56,9 @@ Forward RunForward(const std::vector<float>& logits, int64_t num_rows,
   const void* data = dtype == LogitsDtype::kFloat32
                          ? static_cast<const void*>(logits.data())
                          : static_cast<const void*>(bf16.data());
-  gather_logprobs(data, dtype, num_rows, vocab_size, row_stride,
-                  targets.data(), temperature, f.logprobs.data(),
-                  f.entropy.data(), f.row_max.data(), f.row_log_sum.data());
+  gather_logprobs(data, dtype, num_rows, vocab_size, row_stride, targets.data(),
+                  temperature, f.logprobs.data(), f.entropy.data(),
+                  f.row_max.data(), f.row_log_sum.data());
   return f;
 }
 
@@ -109,7 +110,8 @@ void TestHandExamples() {
 
 void TestTemperature() {
   // {0, 2 ln 3} at T = 2 is {0, ln 3} at T = 1: p = {1/4, 3/4}.
-  const std::vector<float> logits = {0.0f, static_cast<float>(2 * std::log(3.0))};
+  const std::vector<float> logits = {0.0f,
+                                     static_cast<float>(2 * std::log(3.0))};
   const Forward f = RunForward(logits, 1, 2, {0}, 2.0);
   EXPECT_NEAR(f.logprobs[0], std::log(0.25), 1e-7);
   EXPECT_NEAR(f.entropy[0], -(0.25 * std::log(0.25) + 0.75 * std::log(0.75)),
@@ -172,7 +174,8 @@ void TestRandomParity() {
   // Vocab sizes around the 8-lane vectors and the 2048-element chunks.
   for (int64_t V : {2, 7, 8, 9, 100, 2047, 2048, 2049, 5000}) {
     for (double T : {1.0, 0.7, 1.9}) {
-      for (LogitsDtype dtype : {LogitsDtype::kFloat32, LogitsDtype::kBFloat16}) {
+      for (LogitsDtype dtype :
+           {LogitsDtype::kFloat32, LogitsDtype::kBFloat16}) {
         const int64_t N = 5, stride = V + 3;  // Rows with a gap between them.
         std::vector<float> logits =
             PseudoRandom(N * stride, 12.0f, static_cast<uint64_t>(V * 10 + T));
@@ -230,7 +233,8 @@ void TestBackwardFiniteDifferences() {
                            f.row_log_sum.data(), f.entropy.data(), g.data(),
                            g_h.data(), grad.data());
   for (int64_t r = 0; r < N; ++r) {
-    std::vector<double> row(logits.begin() + r * V, logits.begin() + (r + 1) * V);
+    std::vector<double> row(logits.begin() + r * V,
+                            logits.begin() + (r + 1) * V);
     for (int64_t k = 0; k < V; ++k) {
       if (std::isinf(row[k])) {
         // Masked logit: no gradient from either output, even at the target.
@@ -336,7 +340,8 @@ void TestThreadedMatchesPerRow() {
                              &targets[r], 1.0, one.row_max.data(),
                              one.row_log_sum.data(), one.entropy.data(),
                              g.data(), g.data(), one_grad.data());
-    for (int64_t k = 0; k < V; ++k) mismatches += one_grad[k] != grad[r * V + k];
+    for (int64_t k = 0; k < V; ++k)
+      mismatches += one_grad[k] != grad[r * V + k];
   }
   CHECK(mismatches == 0);
 }
@@ -378,7 +383,8 @@ void TestErrors() {
   for (double t : {0.0, -1.0, kInf, std::nan("")}) {
     EXPECT_THROW_MSG(gather_logprobs(logits.data(), f32, 2, 3, 3, ok.data(), t,
                                      out.data(), nullptr, nullptr, nullptr),
-                     std::invalid_argument, "temperature must be finite and > 0");
+                     std::invalid_argument,
+                     "temperature must be finite and > 0");
   }
   EXPECT_THROW_MSG(gather_logprobs(logits.data(), f32, -1, 3, 3, ok.data(), 1.0,
                                    out.data(), nullptr, nullptr, nullptr),
@@ -390,13 +396,14 @@ void TestErrors() {
                                    out.data(), nullptr, nullptr, nullptr),
                    std::invalid_argument, "row_stride must be >= 0");
   EXPECT_THROW_MSG(
-      gather_logprobs(logits.data(), f32, std::numeric_limits<int64_t>::max() / 2,
-                      3, 3, ok.data(), 1.0, out.data(), nullptr, nullptr, nullptr),
+      gather_logprobs(logits.data(), f32,
+                      std::numeric_limits<int64_t>::max() / 2, 3, 3, ok.data(),
+                      1.0, out.data(), nullptr, nullptr, nullptr),
       std::invalid_argument, "overflows");
-  EXPECT_THROW_MSG(gather_logprobs(logits.data(), static_cast<LogitsDtype>(9), 2,
-                                   3, 3, ok.data(), 1.0, out.data(), nullptr,
-                                   nullptr, nullptr),
-                   std::invalid_argument, "unknown dtype enumerator 9");
+  EXPECT_THROW_MSG(
+      gather_logprobs(logits.data(), static_cast<LogitsDtype>(9), 2, 3, 3,
+                      ok.data(), 1.0, out.data(), nullptr, nullptr, nullptr),
+      std::invalid_argument, "unknown dtype enumerator 9");
   EXPECT_THROW_MSG(gather_logprobs(nullptr, f32, 2, 3, 3, ok.data(), 1.0,
                                    out.data(), nullptr, nullptr, nullptr),
                    std::invalid_argument, "logits is null");
@@ -418,18 +425,20 @@ void TestErrors() {
 }  // namespace
 
 int main() {
-  return dockyard::testing::RunTests("logprobs_test", {
-      {"HandExamples", TestHandExamples},
-      {"Temperature", TestTemperature},
-      {"VocabOne", TestVocabOne},
-      {"HugeLogits", TestHugeLogits},
-      {"MaskedLogits", TestMaskedLogits},
-      {"NaNRows", TestNaNRows},
-      {"RandomParity", TestRandomParity},
-      {"BackwardFiniteDifferences", TestBackwardFiniteDifferences},
-      {"BackwardNullGradsAndBf16", TestBackwardNullGradsAndBf16},
-      {"ThreadedMatchesPerRow", TestThreadedMatchesPerRow},
-      {"EmptyAndOptionalOutputs", TestEmptyAndOptionalOutputs},
-      {"Errors", TestErrors},
-  });
+  return dockyard::testing::RunTests(
+      "logprobs_test",
+      {
+          {"HandExamples", TestHandExamples},
+          {"Temperature", TestTemperature},
+          {"VocabOne", TestVocabOne},
+          {"HugeLogits", TestHugeLogits},
+          {"MaskedLogits", TestMaskedLogits},
+          {"NaNRows", TestNaNRows},
+          {"RandomParity", TestRandomParity},
+          {"BackwardFiniteDifferences", TestBackwardFiniteDifferences},
+          {"BackwardNullGradsAndBf16", TestBackwardNullGradsAndBf16},
+          {"ThreadedMatchesPerRow", TestThreadedMatchesPerRow},
+          {"EmptyAndOptionalOutputs", TestEmptyAndOptionalOutputs},
+          {"Errors", TestErrors},
+      });
 }

@@ -21,9 +21,7 @@ constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
   throw std::invalid_argument(std::string(function) + ": " + what);
 }
 
-std::string SpanName(int64_t index) {
-  return "span " + std::to_string(index);
-}
+std::string SpanName(int64_t index) { return "span " + std::to_string(index); }
 
 bool IsPowerOfTwo(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
 
@@ -91,7 +89,8 @@ void CopyElementRange(const internal::CollapsedSpan& span, char* bucket,
   int64_t e = begin;
   while (e < end) {
     char* strided = span.data;
-    for (int64_t d = 0; d < ndim; ++d) strided += index[d] * span.byte_strides[d];
+    for (int64_t d = 0; d < ndim; ++d)
+      strided += index[d] * span.byte_strides[d];
     const int64_t count = std::min(inner_size - index[ndim - 1], end - e);
     if (inner_stride == es) {  // The innermost dim is dense: one memcpy.
       if (direction == Direction::kPack) {
@@ -138,7 +137,8 @@ void CopyByteRange(const std::vector<CopyTask>& tasks,
     const internal::CollapsedSpan& span = *tasks[i].span;
     if (span.numel == 0) continue;
     auto element_at = [&](int64_t cut) {
-      const int64_t local = std::clamp<int64_t>(cut - starts[i], 0, span.nbytes);
+      const int64_t local =
+          std::clamp<int64_t>(cut - starts[i], 0, span.nbytes);
       return local / span.element_size;
     };
     CopyElementRange(span, tasks[i].bucket, element_at(begin), element_at(end),
@@ -163,7 +163,8 @@ void RunCopies(const std::vector<CopyTask>& tasks, int num_threads,
   int64_t workers = num_threads;
   if (workers == 0) {
     const int64_t hw = std::max(1u, std::thread::hardware_concurrency());
-    workers = std::min(hw, (total + kMinBytesPerThread - 1) / kMinBytesPerThread);
+    workers =
+        std::min(hw, (total + kMinBytesPerThread - 1) / kMinBytesPerThread);
   }
   workers = std::max<int64_t>(1, std::min(workers, total));
   if (workers == 1) {
@@ -212,8 +213,10 @@ internal::CollapsedSpan CollapseSpan(const char* function, int64_t idx,
                                      bool check_self_overlap) {
   const int64_t es = t.element_size;
   if (es != 1 && es != 2 && es != 4 && es != 8 && es != 16) {
-    ThrowInvalid(function, SpanName(idx) + ": element_size must be 1, 2, 4, "
-                           "8 or 16, got " + std::to_string(es));
+    ThrowInvalid(function, SpanName(idx) +
+                               ": element_size must be 1, 2, 4, "
+                               "8 or 16, got " +
+                               std::to_string(es));
   }
   if (t.shape.size() != t.strides.size()) {
     ThrowInvalid(function, SpanName(idx) + ": shape has " +
@@ -250,16 +253,17 @@ internal::CollapsedSpan CollapseSpan(const char* function, int64_t idx,
                                std::to_string(c.offset));
   }
   if (c.offset > bucket_nbytes || c.nbytes > bucket_nbytes - c.offset) {
-    throw std::out_of_range(
-        std::string(function) + ": " + SpanName(idx) + " covers bytes [" +
-        std::to_string(c.offset) + ", " + std::to_string(c.offset) + " + " +
-        std::to_string(c.nbytes) + ") but " + bucket_name + " has " +
-        std::to_string(bucket_nbytes) + " bytes");
+    throw std::out_of_range(std::string(function) + ": " + SpanName(idx) +
+                            " covers bytes [" + std::to_string(c.offset) +
+                            ", " + std::to_string(c.offset) + " + " +
+                            std::to_string(c.nbytes) + ") but " + bucket_name +
+                            " has " + std::to_string(bucket_nbytes) + " bytes");
   }
   if (numel == 0) return c;
   if (t.data == nullptr) {
-    ThrowInvalid(function, SpanName(idx) + ": data is null but the tensor "
-                                           "has elements");
+    ThrowInvalid(function, SpanName(idx) +
+                               ": data is null but the tensor "
+                               "has elements");
   }
   // Collapse: drop size-1 dims, then merge an outer dim into the inner one
   // when outer stride == inner stride * inner size (they walk memory as
@@ -293,10 +297,11 @@ internal::CollapsedSpan CollapseSpan(const char* function, int64_t idx,
     int64_t extent = 0;
     for (size_t d : order) {
       if (c.byte_strides[d] < extent + es) {
-        ThrowInvalid(function, SpanName(idx) + ": the destination overlaps "
-                               "itself (several elements share an address, "
-                               "e.g. an expanded tensor); write into a "
-                               "tensor that owns its elements");
+        ThrowInvalid(function, SpanName(idx) +
+                                   ": the destination overlaps "
+                                   "itself (several elements share an address, "
+                                   "e.g. an expanded tensor); write into a "
+                                   "tensor that owns its elements");
       }
       extent += (c.shape[d] - 1) * c.byte_strides[d];
     }
@@ -377,9 +382,11 @@ BucketPlan plan_buckets(const std::vector<int64_t>& tensor_nbytes,
                           std::to_string(alignment));
   }
   if (bucket_size_bytes <= 0 || bucket_size_bytes % alignment != 0) {
-    ThrowInvalid(kFn, "bucket_size_bytes must be a positive multiple of the "
-                      "alignment (" + std::to_string(alignment) + "), got " +
-                      std::to_string(bucket_size_bytes));
+    ThrowInvalid(kFn,
+                 "bucket_size_bytes must be a positive multiple of the "
+                 "alignment (" +
+                     std::to_string(alignment) + "), got " +
+                     std::to_string(bucket_size_bytes));
   }
   BucketPlan plan;
   const size_t n = tensor_nbytes.size();
@@ -395,7 +402,8 @@ BucketPlan plan_buckets(const std::vector<int64_t>& tensor_nbytes,
     }
     if (plan.bucket_sizes.empty()) plan.bucket_sizes.push_back(0);
     int64_t offset = 0;
-    if (!AlignUp(end, alignment, &offset)) ThrowInvalid(kFn, "offsets overflow int64");
+    if (!AlignUp(end, alignment, &offset))
+      ThrowInvalid(kFn, "offsets overflow int64");
     // `offset + nbytes <= bucket_size_bytes`, written without overflow.
     const bool fits =
         offset <= bucket_size_bytes && nbytes <= bucket_size_bytes - offset;
@@ -407,14 +415,16 @@ BucketPlan plan_buckets(const std::vector<int64_t>& tensor_nbytes,
       offset = 0;
       end = 0;
     }
-    if (nbytes > kInt64Max - offset) ThrowInvalid(kFn, "offsets overflow int64");
+    if (nbytes > kInt64Max - offset)
+      ThrowInvalid(kFn, "offsets overflow int64");
     plan.bucket_of[i] = static_cast<int64_t>(plan.bucket_sizes.size()) - 1;
     plan.offset_of[i] = offset;
     end = std::max(end, offset + nbytes);
   }
   if (!plan.bucket_sizes.empty()) {
     int64_t last = 0;
-    if (!AlignUp(end, alignment, &last)) ThrowInvalid(kFn, "offsets overflow int64");
+    if (!AlignUp(end, alignment, &last))
+      ThrowInvalid(kFn, "offsets overflow int64");
     plan.bucket_sizes.back() = last;
   }
   return plan;
@@ -424,10 +434,9 @@ namespace internal {
 
 void validate_num_threads(const char* function, int num_threads) {
   if (num_threads < 0 || num_threads > kMaxThreads) {
-    ThrowInvalid(function, "num_threads must be in [0, " +
-                               std::to_string(kMaxThreads) +
-                               "] (0 = automatic), got " +
-                               std::to_string(num_threads));
+    ThrowInvalid(function,
+                 "num_threads must be in [0, " + std::to_string(kMaxThreads) +
+                     "] (0 = automatic), got " + std::to_string(num_threads));
   }
 }
 
@@ -449,10 +458,12 @@ std::vector<CollapsedSpan> validate_spans(const char* function,
   for (size_t i = 0; i < spans.size(); ++i) {
     const auto idx = static_cast<int64_t>(i);
     out.push_back(CollapseSpan(function, idx, spans[i].tensor, spans[i].offset,
-                               bucket_nbytes, "the bucket", check_self_overlap));
+                               bucket_nbytes, "the bucket",
+                               check_self_overlap));
     if (MemoryOverlaps(out.back(), bucket, bucket_nbytes)) {
-      ThrowInvalid(function, SpanName(idx) + ": the tensor's memory "
-                                             "overlaps the bucket");
+      ThrowInvalid(function, SpanName(idx) +
+                                 ": the tensor's memory "
+                                 "overlaps the bucket");
     }
   }
   std::vector<int64_t> all(out.size());
@@ -479,7 +490,8 @@ void pack_bucket(const std::vector<BucketSpan>& spans, void* bucket,
   char* bytes = static_cast<char*>(bucket);
   // Padding is zeroed so that a bucket never carries stale memory (it may
   // leave the machine) and equal tensors always give equal buckets.
-  for (const auto& [begin, end] : internal::uncovered_ranges(collapsed, bucket_nbytes)) {
+  for (const auto& [begin, end] :
+       internal::uncovered_ranges(collapsed, bucket_nbytes)) {
     std::memset(bytes + begin, 0, static_cast<size_t>(end - begin));
   }
   RunCopies(TasksOf(collapsed, bytes), num_threads, Direction::kPack);
@@ -492,8 +504,9 @@ void unpack_bucket(const void* bucket, int64_t bucket_nbytes,
   const std::vector<internal::CollapsedSpan> collapsed =
       internal::validate_spans(kFn, spans, bucket, bucket_nbytes, true);
   // Only read through this pointer in the unpack direction.
-  RunCopies(TasksOf(collapsed, const_cast<char*>(static_cast<const char*>(bucket))),
-            num_threads, Direction::kUnpack);
+  RunCopies(
+      TasksOf(collapsed, const_cast<char*>(static_cast<const char*>(bucket))),
+      num_threads, Direction::kUnpack);
 }
 
 CopyPlan::CopyPlan(const char* function, CopyDirection direction,
@@ -519,16 +532,16 @@ CopyPlan::CopyPlan(const char* function, CopyDirection direction,
                                  " is not in [0, " +
                                  std::to_string(num_buckets) + ")");
     }
-    spans_.push_back(CollapseSpan(function, idx, spans[i].tensor,
-                                  spans[i].offset, bucket_sizes_[b],
-                                  BucketName(b, num_buckets),
-                                  direction == CopyDirection::kUnpack));
+    spans_.push_back(CollapseSpan(
+        function, idx, spans[i].tensor, spans[i].offset, bucket_sizes_[b],
+        BucketName(b, num_buckets), direction == CopyDirection::kUnpack));
     span_bucket_.push_back(b);
     if (spans_.back().nbytes > 0) bucket_members_[b].push_back(idx);
   }
   for (int64_t b = 0; b < num_buckets; ++b) {
     std::vector<int64_t>& members = bucket_members_[b];
-    CheckNoOverlapInBucket(function, spans_, members, BucketName(b, num_buckets));
+    CheckNoOverlapInBucket(function, spans_, members,
+                           BucketName(b, num_buckets));
     // By offset: each bucket's bytes are then written front to back.
     std::sort(members.begin(), members.end(), [&](int64_t x, int64_t y) {
       return spans_[x].offset < spans_[y].offset;
@@ -544,7 +557,8 @@ CopyPlan::CopyPlan(const char* function, CopyDirection direction,
   std::sort(ranges.begin(), ranges.end());
   for (const auto& r : ranges) {
     if (!memory_ranges_.empty() && r.first <= memory_ranges_.back().second) {
-      memory_ranges_.back().second = std::max(memory_ranges_.back().second, r.second);
+      memory_ranges_.back().second =
+          std::max(memory_ranges_.back().second, r.second);
     } else {
       memory_ranges_.push_back(r);
     }
@@ -568,8 +582,9 @@ void CopyPlan::check_buckets(const char* function,
     const int64_t nbytes = bucket_sizes_[b];
     if (nbytes == 0) continue;
     if (buckets[k] == nullptr) {
-      ThrowInvalid(function, "bucket " + std::to_string(b) + " is null but has " +
-                                 std::to_string(nbytes) + " bytes");
+      ThrowInvalid(function, "bucket " + std::to_string(b) +
+                                 " is null but has " + std::to_string(nbytes) +
+                                 " bytes");
     }
     // The first merged range that ends after the bucket starts; it overlaps
     // the bucket iff it also starts before the bucket ends.
@@ -577,7 +592,9 @@ void CopyPlan::check_buckets(const char* function,
     const auto b_hi = b_lo + static_cast<uintptr_t>(nbytes);
     auto it = std::upper_bound(
         memory_ranges_.begin(), memory_ranges_.end(), b_lo,
-        [](uintptr_t v, const std::pair<uintptr_t, uintptr_t>& r) { return v < r.second; });
+        [](uintptr_t v, const std::pair<uintptr_t, uintptr_t>& r) {
+          return v < r.second;
+        });
     if (it == memory_ranges_.end() || it->first >= b_hi) continue;
     // Rare: find the span to name it.
     for (size_t i = 0; i < spans_.size(); ++i) {
@@ -608,7 +625,8 @@ void CopyPlan::run(const std::vector<void*>& buckets, int64_t first_bucket,
     for (int64_t i : bucket_members_[b]) tasks.push_back({&spans_[i], bytes});
   }
   RunCopies(tasks, num_threads,
-            direction_ == CopyDirection::kPack ? Direction::kPack : Direction::kUnpack);
+            direction_ == CopyDirection::kPack ? Direction::kPack
+                                               : Direction::kUnpack);
 }
 
 }  // namespace dockyard::kernels

@@ -58,8 +58,8 @@ using BucketBytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig>;
 using AnyArray = nb::ndarray<>;
 
 std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>
-PlanBuckets(const std::vector<int64_t>& tensor_nbytes, int64_t bucket_size_bytes,
-            int64_t alignment) {
+PlanBuckets(const std::vector<int64_t>& tensor_nbytes,
+            int64_t bucket_size_bytes, int64_t alignment) {
   BucketPlan plan = plan_buckets(tensor_nbytes, bucket_size_bytes, alignment);
   return {std::move(plan.bucket_of), std::move(plan.offset_of),
           std::move(plan.bucket_sizes)};
@@ -91,9 +91,9 @@ std::vector<BucketSpan> ToSpans(const char* function, const BucketBytes& bucket,
                                 const std::vector<AnyArray>& tensors,
                                 const std::vector<int64_t>& offsets) {
   if (tensors.size() != offsets.size()) {
-    throw std::invalid_argument(std::string(function) + ": got " +
-                                std::to_string(tensors.size()) + " tensors but " +
-                                std::to_string(offsets.size()) + " offsets");
+    throw std::invalid_argument(
+        std::string(function) + ": got " + std::to_string(tensors.size()) +
+        " tensors but " + std::to_string(offsets.size()) + " offsets");
   }
   std::vector<BucketSpan> spans(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -122,10 +122,10 @@ class RefitCopyPlan {
       : cuda_device_(cuda_device) {
     constexpr const char* kFn = "RefitCopyPlan";
     if (tensors.size() != buckets.size() || tensors.size() != offsets.size()) {
-      throw std::invalid_argument(std::string(kFn) + ": got " +
-                                  std::to_string(tensors.size()) + " tensors, " +
-                                  std::to_string(buckets.size()) + " bucket indices and " +
-                                  std::to_string(offsets.size()) + " offsets");
+      throw std::invalid_argument(
+          std::string(kFn) + ": got " + std::to_string(tensors.size()) +
+          " tensors, " + std::to_string(buckets.size()) +
+          " bucket indices and " + std::to_string(offsets.size()) + " offsets");
     }
     const int32_t device_type =
         cuda_device < 0 ? nb::device::cpu::value : nb::device::cuda::value;
@@ -134,21 +134,24 @@ class RefitCopyPlan {
       const AnyArray& t = tensors[i];
       if (t.device_type() != device_type ||
           (cuda_device >= 0 && t.device_id() != cuda_device)) {
-        throw std::invalid_argument(std::string(kFn) + ": tensor " + std::to_string(i) +
+        throw std::invalid_argument(std::string(kFn) + ": tensor " +
+                                    std::to_string(i) +
                                     " is not on the plan's device");
       }
       spans[i].tensor = ToStrided(kFn, t, i);
       spans[i].bucket = buckets[i];
       spans[i].offset = offsets[i];
     }
-    const CopyDirection direction = unpack ? CopyDirection::kUnpack : CopyDirection::kPack;
+    const CopyDirection direction =
+        unpack ? CopyDirection::kUnpack : CopyDirection::kPack;
     if (cuda_device < 0) {
-      cpu_ = std::make_unique<CopyPlan>(kFn, direction, spans, std::move(bucket_sizes));
+      cpu_ = std::make_unique<CopyPlan>(kFn, direction, spans,
+                                        std::move(bucket_sizes));
       return;
     }
 #ifdef DOCKYARD_WITH_CUDA
-    cuda_ = std::make_unique<CudaCopyPlan>(kFn, direction, spans,
-                                           std::move(bucket_sizes), cuda_device);
+    cuda_ = std::make_unique<CudaCopyPlan>(
+        kFn, direction, spans, std::move(bucket_sizes), cuda_device);
 #else
     throw std::runtime_error(std::string(kFn) +
                              ": _dockyard_kernels was built without CUDA; "
@@ -231,7 +234,8 @@ void PackBucket(const BucketBytes& bucket, const std::vector<AnyArray>& tensors,
   ThrowDevice(kFn, bucket);
 }
 
-void UnpackBucket(const BucketBytes& bucket, const std::vector<AnyArray>& tensors,
+void UnpackBucket(const BucketBytes& bucket,
+                  const std::vector<AnyArray>& tensors,
                   const std::vector<int64_t>& offsets, int num_threads,
                   uintptr_t stream) {
   constexpr const char* kFn = "unpack_bucket";
@@ -283,9 +287,11 @@ void bind_refit_packer(nb::module_& m) {
       "the plan's lifetime; dockyard_rl.kernels.refit_packer.PackPlan / "
       "UnpackPlan do that.")
       .def(nb::init<const std::vector<AnyArray>&, const std::vector<int64_t>&,
-                    const std::vector<int64_t>&, std::vector<int64_t>, bool, int>(),
+                    const std::vector<int64_t>&, std::vector<int64_t>, bool,
+                    int>(),
            nb::arg("tensors"), nb::arg("buckets"), nb::arg("offsets"),
-           nb::arg("bucket_sizes"), nb::arg("unpack"), nb::arg("cuda_device") = -1,
+           nb::arg("bucket_sizes"), nb::arg("unpack"),
+           nb::arg("cuda_device") = -1,
            "tensors[i] (any strides; same-size integer views) lies at "
            "offsets[i] of bucket buckets[i]; bucket b has bucket_sizes[b] "
            "bytes. unpack: copy buckets -> tensors (else tensors -> buckets, "

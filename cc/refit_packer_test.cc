@@ -26,9 +26,9 @@ using dockyard::kernels::BucketPlan;
 using dockyard::kernels::BucketSpan;
 using dockyard::kernels::CopyDirection;
 using dockyard::kernels::CopyPlan;
-using dockyard::kernels::PlanSpan;
 using dockyard::kernels::pack_bucket;
 using dockyard::kernels::plan_buckets;
+using dockyard::kernels::PlanSpan;
 using dockyard::kernels::StridedTensor;
 using dockyard::kernels::unpack_bucket;
 
@@ -68,8 +68,8 @@ HostTensor MakeDense(int64_t element_size, std::vector<int64_t> shape,
   int64_t numel = 1;
   for (int64_t s : shape) numel *= s;
   std::vector<int64_t> strides = DenseStrides(shape);
-  return MakeTensor(element_size, std::move(shape), std::move(strides),
-                    numel, 0, seed);
+  return MakeTensor(element_size, std::move(shape), std::move(strides), numel,
+                    0, seed);
 }
 
 int64_t NumElements(const StridedTensor& t) {
@@ -106,7 +106,8 @@ std::vector<char> ReferenceBucket(const std::vector<BucketSpan>& spans,
   std::vector<char> bucket(static_cast<size_t>(bucket_nbytes), 0);
   for (const BucketSpan& s : spans) {
     const std::vector<char> bytes = ReferenceBytes(s.tensor);
-    if (!bytes.empty()) std::memcpy(bucket.data() + s.offset, bytes.data(), bytes.size());
+    if (!bytes.empty())
+      std::memcpy(bucket.data() + s.offset, bytes.data(), bytes.size());
   }
   return bucket;
 }
@@ -161,7 +162,9 @@ void TestPlanProperties() {
   std::vector<int64_t> sizes;
   for (size_t i = 0; i < noise.size(); i += 2) {
     const auto r = static_cast<unsigned char>(noise[i]);
-    sizes.push_back(r % 5 == 0 ? 0 : r * (1 + static_cast<unsigned char>(noise[i + 1]) % 7));
+    sizes.push_back(
+        r % 5 == 0 ? 0
+                   : r * (1 + static_cast<unsigned char>(noise[i + 1]) % 7));
   }
   const int64_t bucket = 1024, align = 64;
   const BucketPlan plan = plan_buckets(sizes, bucket, align);
@@ -185,22 +188,25 @@ void TestPlanProperties() {
 }
 
 void TestPlanErrors() {
-  EXPECT_INVALID_ARGUMENT(plan_buckets({1}, 256, 8), "alignment must be a power of two in [16,");
+  EXPECT_INVALID_ARGUMENT(plan_buckets({1}, 256, 8),
+                          "alignment must be a power of two in [16,");
   EXPECT_INVALID_ARGUMENT(plan_buckets({1}, 240, 48), "got 48");
-  EXPECT_INVALID_ARGUMENT(
-      plan_buckets({1}, 100, 16),
-      "bucket_size_bytes must be a positive multiple of the alignment (16), got 100");
+  EXPECT_INVALID_ARGUMENT(plan_buckets({1}, 100, 16),
+                          "bucket_size_bytes must be a positive multiple of "
+                          "the alignment (16), got 100");
   EXPECT_INVALID_ARGUMENT(plan_buckets({1}, 0, 16), "got 0");
   EXPECT_INVALID_ARGUMENT(plan_buckets({1, -3}, 256, 16),
                           "tensor 1 has a negative size (-3 bytes)");
-  EXPECT_INVALID_ARGUMENT(plan_buckets({INT64_MAX - 4, INT64_MAX - 4}, 256, 16), "overflow");
+  EXPECT_INVALID_ARGUMENT(plan_buckets({INT64_MAX - 4, INT64_MAX - 4}, 256, 16),
+                          "overflow");
 }
 
 // --- Copies -----------------------------------------------------------------
 
 // Packs `spans`, compares with the reference bucket, unpacks into fresh
 // dense copies and into strided destinations, with several thread counts.
-void CheckRoundTrip(std::vector<HostTensor>* tensors, const std::vector<int64_t>& offsets,
+void CheckRoundTrip(std::vector<HostTensor>* tensors,
+                    const std::vector<int64_t>& offsets,
                     int64_t bucket_nbytes) {
   std::vector<BucketSpan> spans;
   for (size_t i = 0; i < tensors->size(); ++i) {
@@ -208,7 +214,8 @@ void CheckRoundTrip(std::vector<HostTensor>* tensors, const std::vector<int64_t>
   }
   const std::vector<char> expected = ReferenceBucket(spans, bucket_nbytes);
   for (int threads : {0, 1, 2, 3, 7}) {
-    std::vector<char> bucket(static_cast<size_t>(bucket_nbytes), 'x');  // Not zero: padding must be written.
+    std::vector<char> bucket(static_cast<size_t>(bucket_nbytes),
+                             'x');  // Not zero: padding must be written.
     pack_bucket(spans, bucket.data(), bucket_nbytes, threads);
     CHECK(SameBytes(bucket, expected));
 
@@ -226,10 +233,12 @@ void CheckRoundTrip(std::vector<HostTensor>* tensors, const std::vector<int64_t>
       const auto shift = static_cast<char*>((*tensors)[i].view.data) - base;
       dests.back().view.data = dests.back().storage.data() + shift;
     }
-    for (size_t i = 0; i < dests.size(); ++i) dest_spans.push_back({dests[i].view, offsets[i]});
+    for (size_t i = 0; i < dests.size(); ++i)
+      dest_spans.push_back({dests[i].view, offsets[i]});
     unpack_bucket(bucket.data(), bucket_nbytes, dest_spans, threads);
     for (size_t i = 0; i < dests.size(); ++i) {
-      CHECK(SameBytes(ReferenceBytes(dests[i].view), ReferenceBytes((*tensors)[i].view)));
+      CHECK(SameBytes(ReferenceBytes(dests[i].view),
+                      ReferenceBytes((*tensors)[i].view)));
     }
   }
 }
@@ -286,13 +295,18 @@ void TestCopyErrors() {
     return std::vector<BucketSpan>{{std::move(v), offset}};
   };
   EXPECT_THROW_MSG(pack_bucket(one(a.view, 56), b, 64), std::out_of_range,
-                 "pack_bucket: span 0 covers bytes [56, 56 + 16) but the bucket has 64 bytes");
-  EXPECT_THROW_MSG(unpack_bucket(b, 8, one(a.view, 0)), std::out_of_range, "unpack_bucket: span 0");
-  EXPECT_INVALID_ARGUMENT(pack_bucket(one(a.view, -16), b, 64), "offset must be >= 0, got -16");
+                   "pack_bucket: span 0 covers bytes [56, 56 + 16) but the "
+                   "bucket has 64 bytes");
+  EXPECT_THROW_MSG(unpack_bucket(b, 8, one(a.view, 0)), std::out_of_range,
+                   "unpack_bucket: span 0");
+  EXPECT_INVALID_ARGUMENT(pack_bucket(one(a.view, -16), b, 64),
+                          "offset must be >= 0, got -16");
   EXPECT_INVALID_ARGUMENT(pack_bucket({{a.view, 0}, {a.view, 8}}, b, 64),
                           "span 0 and span 1 overlap in the bucket");
-  EXPECT_INVALID_ARGUMENT(pack_bucket(one(a.view, 0), nullptr, 64), "bucket is null");
-  EXPECT_INVALID_ARGUMENT(pack_bucket(one(a.view, 0), b, -1), "bucket_nbytes must be >= 0");
+  EXPECT_INVALID_ARGUMENT(pack_bucket(one(a.view, 0), nullptr, 64),
+                          "bucket is null");
+  EXPECT_INVALID_ARGUMENT(pack_bucket(one(a.view, 0), b, -1),
+                          "bucket_nbytes must be >= 0");
   EXPECT_INVALID_ARGUMENT(pack_bucket(one(a.view, 0), b, 64, -1),
                           "num_threads must be in [0, 1024]");
   StridedTensor bad = a.view;
@@ -301,7 +315,8 @@ void TestCopyErrors() {
                           "element_size must be 1, 2, 4, 8 or 16, got 3");
   bad = a.view;
   bad.strides = {1, 1};
-  EXPECT_INVALID_ARGUMENT(pack_bucket(one(bad, 0), b, 64), "shape has 1 dims but strides has 2");
+  EXPECT_INVALID_ARGUMENT(pack_bucket(one(bad, 0), b, 64),
+                          "shape has 1 dims but strides has 2");
   bad = a.view;
   bad.strides = {-1};
   EXPECT_INVALID_ARGUMENT(pack_bucket(one(bad, 0), b, 64), "both must be >= 0");
@@ -312,7 +327,8 @@ void TestCopyErrors() {
   pack_bucket(one(bad, 0), b, 64);
   bad = a.view;
   bad.shape = {INT64_MAX / 2};
-  EXPECT_INVALID_ARGUMENT(pack_bucket(one(bad, 0), b, 64), "byte size overflows int64");
+  EXPECT_INVALID_ARGUMENT(pack_bucket(one(bad, 0), b, 64),
+                          "byte size overflows int64");
 
   // A zero-stride (expanded) destination: reading is fine, writing is not.
   StridedTensor expanded = a.view;
@@ -326,17 +342,20 @@ void TestCopyErrors() {
   StridedTensor windows = storage.view;
   windows.shape = {4, 3};
   windows.strides = {2, 1};
-  EXPECT_INVALID_ARGUMENT(unpack_bucket(b, 64, one(windows, 0)), "overlaps itself");
+  EXPECT_INVALID_ARGUMENT(unpack_bucket(b, 64, one(windows, 0)),
+                          "overlaps itself");
   // A tensor inside the bucket's memory.
   StridedTensor inside = a.view;
   inside.data = b + 32;
   EXPECT_INVALID_ARGUMENT(pack_bucket(one(inside, 0), b, 64),
                           "span 0: the tensor's memory overlaps the bucket");
-  EXPECT_INVALID_ARGUMENT(unpack_bucket(b, 64, one(inside, 0)), "overlaps the bucket");
+  EXPECT_INVALID_ARGUMENT(unpack_bucket(b, 64, one(inside, 0)),
+                          "overlaps the bucket");
 
   // Nothing was written by a failing call.
   std::vector<char> guard(64, 'g');
-  EXPECT_INVALID_ARGUMENT(pack_bucket({{a.view, 0}, {a.view, 8}}, guard.data(), 64), "overlap");
+  EXPECT_INVALID_ARGUMENT(
+      pack_bucket({{a.view, 0}, {a.view, 8}}, guard.data(), 64), "overlap");
   CHECK(SameBytes(guard, std::vector<char>(64, 'g')));
 }
 
@@ -357,31 +376,37 @@ void TestEmptyBucket() {
 // values in the same memory, for every thread count.
 void TestCopyPlanRoundTrip() {
   std::vector<HostTensor> t;
-  t.push_back(MakeDense(4, {3, 5}, 51));                          // b0 @0
-  t.push_back(MakeTensor(2, {5, 3}, {1, 5}, 15, 0, 52));          // b0 @64 (transposed)
-  t.push_back(MakeTensor(8, {3, 3, 3}, {42, 14, 3}, 168, 42, 53));  // b2 @32 (stepped)
-  t.push_back(MakeTensor(1, {}, {}, 1, 0, 54));                   // b2 @0 (0-d)
-  t.push_back(MakeTensor(4, {0, 9}, {9, 1}, 0, 0, 55));           // b1 (empty)
-  t.push_back(MakeTensor(16, {6}, {4}, 24, 1, 56));               // b0 @128 (16-byte)
+  t.push_back(MakeDense(4, {3, 5}, 51));                  // b0 @0
+  t.push_back(MakeTensor(2, {5, 3}, {1, 5}, 15, 0, 52));  // b0 @64 (transposed)
+  t.push_back(
+      MakeTensor(8, {3, 3, 3}, {42, 14, 3}, 168, 42, 53));  // b2 @32 (stepped)
+  t.push_back(MakeTensor(1, {}, {}, 1, 0, 54));             // b2 @0 (0-d)
+  t.push_back(MakeTensor(4, {0, 9}, {9, 1}, 0, 0, 55));     // b1 (empty)
+  t.push_back(MakeTensor(16, {6}, {4}, 24, 1, 56));         // b0 @128 (16-byte)
   const std::vector<int64_t> bucket_of = {0, 0, 2, 2, 1, 0};
   const std::vector<int64_t> offset_of = {0, 64, 32, 0, 0, 128};
   const std::vector<int64_t> sizes = {240, 0, 272};
   std::vector<PlanSpan> spans;
-  for (size_t i = 0; i < t.size(); ++i) spans.push_back({t[i].view, bucket_of[i], offset_of[i]});
+  for (size_t i = 0; i < t.size(); ++i)
+    spans.push_back({t[i].view, bucket_of[i], offset_of[i]});
   const CopyPlan pack_plan("test", CopyDirection::kPack, spans, sizes);
   CHECK(pack_plan.num_buckets() == 3);
   CHECK((pack_plan.bucket_members()[0] == std::vector<int64_t>{0, 1, 5}));
-  CHECK((pack_plan.bucket_members()[2] == std::vector<int64_t>{3, 2}));  // By offset.
-  CHECK((pack_plan.gaps()[0] ==
-         std::vector<std::pair<int64_t, int64_t>>{{60, 64}, {94, 128}, {224, 240}}));
+  CHECK((pack_plan.bucket_members()[2] ==
+         std::vector<int64_t>{3, 2}));  // By offset.
+  CHECK((pack_plan.gaps()[0] == std::vector<std::pair<int64_t, int64_t>>{
+                                    {60, 64}, {94, 128}, {224, 240}}));
   CHECK(pack_plan.gaps()[1].empty());
   for (int round = 0; round < 3; ++round) {
     for (int threads : {0, 1, 2, 5}) {
       // New values in the same memory, as an optimizer step leaves them.
-      for (size_t i = 0; i < t.size(); ++i) FillPseudoRandom(&t[i].storage, 100 * round + i);
+      for (size_t i = 0; i < t.size(); ++i)
+        FillPseudoRandom(&t[i].storage, 100 * round + i);
       std::vector<std::vector<char>> buckets;
-      for (int64_t size : sizes) buckets.emplace_back(static_cast<size_t>(size), 'x');
-      pack_plan.run({buckets[0].data(), nullptr, buckets[2].data()}, 0, threads);
+      for (int64_t size : sizes)
+        buckets.emplace_back(static_cast<size_t>(size), 'x');
+      pack_plan.run({buckets[0].data(), nullptr, buckets[2].data()}, 0,
+                    threads);
       for (int64_t b = 0; b < 3; ++b) {
         std::vector<BucketSpan> ref;
         for (size_t i = 0; i < t.size(); ++i) {
@@ -399,24 +424,29 @@ void TestCopyPlanRoundTrip() {
       for (size_t i = 0; i < t.size(); ++i) {
         dests.push_back(t[i]);
         FillPseudoRandom(&dests.back().storage, 900 + i);
-        dests.back().view.data = dests.back().storage.data() +
-                                 (static_cast<char*>(t[i].view.data) - t[i].storage.data());
+        dests.back().view.data =
+            dests.back().storage.data() +
+            (static_cast<char*>(t[i].view.data) - t[i].storage.data());
       }
       std::vector<std::vector<char>> before;
       for (const HostTensor& d : dests) before.push_back(d.storage);
       for (size_t i = 0; i < t.size(); ++i) {
         dest_spans.push_back({dests[i].view, bucket_of[i], offset_of[i]});
       }
-      const CopyPlan unpack_plan("test", CopyDirection::kUnpack, dest_spans, sizes);
-      unpack_plan.run({buckets[0].data(), nullptr, buckets[2].data()}, 0, threads);
+      const CopyPlan unpack_plan("test", CopyDirection::kUnpack, dest_spans,
+                                 sizes);
+      unpack_plan.run({buckets[0].data(), nullptr, buckets[2].data()}, 0,
+                      threads);
       for (size_t i = 0; i < t.size(); ++i) {
-        CHECK(SameBytes(ReferenceBytes(dests[i].view), ReferenceBytes(t[i].view)));
+        CHECK(SameBytes(ReferenceBytes(dests[i].view),
+                        ReferenceBytes(t[i].view)));
         // Storage bytes that are not elements keep their old values.
         std::vector<char> expected = before[i];
         const int64_t n = NumElements(t[i].view);
         const int64_t es = t[i].view.element_size;
         for (int64_t e = 0; e < n; ++e) {
-          const int64_t at = ElementAddress(dests[i].view, e) - dests[i].storage.data();
+          const int64_t at =
+              ElementAddress(dests[i].view, e) - dests[i].storage.data();
           std::memcpy(expected.data() + at, ElementAddress(t[i].view, e), es);
         }
         CHECK(SameBytes(dests[i].storage, expected));
@@ -429,36 +459,46 @@ void TestCopyPlanErrors() {
   HostTensor a = MakeDense(4, {4}, 61);
   std::vector<char> bucket(64, 'g');
   char* b = bucket.data();
-  EXPECT_INVALID_ARGUMENT(CopyPlan("plan", CopyDirection::kPack, {{a.view, 1, 0}}, {64}),
-                          "plan: span 0: bucket 1 is not in [0, 1)");
-  EXPECT_INVALID_ARGUMENT(CopyPlan("plan", CopyDirection::kPack, {{a.view, -1, 0}}, {64}),
-                          "span 0: bucket -1 is not in [0, 1)");
+  EXPECT_INVALID_ARGUMENT(
+      CopyPlan("plan", CopyDirection::kPack, {{a.view, 1, 0}}, {64}),
+      "plan: span 0: bucket 1 is not in [0, 1)");
+  EXPECT_INVALID_ARGUMENT(
+      CopyPlan("plan", CopyDirection::kPack, {{a.view, -1, 0}}, {64}),
+      "span 0: bucket -1 is not in [0, 1)");
   EXPECT_INVALID_ARGUMENT(CopyPlan("plan", CopyDirection::kPack, {}, {64, -8}),
                           "plan: bucket 1 has a negative size (-8 bytes)");
   EXPECT_THROW_MSG(
-      CopyPlan("plan", CopyDirection::kPack, {{a.view, 0, 0}, {a.view, 1, 56}}, {64, 64}),
-      std::out_of_range, "plan: span 1 covers bytes [56, 56 + 16) but bucket 1 has 64 bytes");
-  // Overlap is per bucket: the same offset in two buckets is fine.
-  CopyPlan("plan", CopyDirection::kPack, {{a.view, 0, 0}, {a.view, 1, 0}}, {64, 64});
-  EXPECT_INVALID_ARGUMENT(
-      CopyPlan("plan", CopyDirection::kPack, {{a.view, 1, 8}, {a.view, 0, 0}, {a.view, 1, 0}},
+      CopyPlan("plan", CopyDirection::kPack, {{a.view, 0, 0}, {a.view, 1, 56}},
                {64, 64}),
+      std::out_of_range,
+      "plan: span 1 covers bytes [56, 56 + 16) but bucket 1 has 64 bytes");
+  // Overlap is per bucket: the same offset in two buckets is fine.
+  CopyPlan("plan", CopyDirection::kPack, {{a.view, 0, 0}, {a.view, 1, 0}},
+           {64, 64});
+  EXPECT_INVALID_ARGUMENT(
+      CopyPlan("plan", CopyDirection::kPack,
+               {{a.view, 1, 8}, {a.view, 0, 0}, {a.view, 1, 0}}, {64, 64}),
       "plan: span 0 and span 2 overlap in bucket 1");
   StridedTensor expanded = a.view;
   expanded.shape = {4, 3};
   expanded.strides = {1, 0};
-  CopyPlan("plan", CopyDirection::kPack, {{expanded, 0, 0}}, {64});  // Reading is fine.
-  EXPECT_INVALID_ARGUMENT(CopyPlan("plan", CopyDirection::kUnpack, {{expanded, 0, 0}}, {64}),
-                          "span 0: the destination overlaps itself");
+  CopyPlan("plan", CopyDirection::kPack, {{expanded, 0, 0}},
+           {64});  // Reading is fine.
+  EXPECT_INVALID_ARGUMENT(
+      CopyPlan("plan", CopyDirection::kUnpack, {{expanded, 0, 0}}, {64}),
+      "span 0: the destination overlaps itself");
 
-  const CopyPlan plan("plan", CopyDirection::kPack, {{a.view, 0, 0}, {a.view, 1, 16}}, {64, 48});
-  EXPECT_INVALID_ARGUMENT(plan.run({b, b}, 1),
-                          "CopyPlan::run: buckets [1, 1 + 2) are not all in the plan's 2 buckets");
+  const CopyPlan plan("plan", CopyDirection::kPack,
+                      {{a.view, 0, 0}, {a.view, 1, 16}}, {64, 48});
+  EXPECT_INVALID_ARGUMENT(
+      plan.run({b, b}, 1),
+      "CopyPlan::run: buckets [1, 1 + 2) are not all in the plan's 2 buckets");
   EXPECT_INVALID_ARGUMENT(plan.run({b}, -1), "buckets [-1, -1 + 1)");
   EXPECT_INVALID_ARGUMENT(plan.run({b}, 3), "buckets [3, 3 + 1)");
   EXPECT_INVALID_ARGUMENT(plan.run({b, nullptr}, 0),
                           "CopyPlan::run: bucket 1 is null but has 48 bytes");
-  EXPECT_INVALID_ARGUMENT(plan.run({b}, 0, 2000), "num_threads must be in [0, 1024]");
+  EXPECT_INVALID_ARGUMENT(plan.run({b}, 0, 2000),
+                          "num_threads must be in [0, 1024]");
   // A tensor inside a bucket's memory: found whatever the bucket's position
   // relative to the tensors' (merged) memory ranges.
   HostTensor storage = MakeDense(4, {64}, 62);
@@ -467,14 +507,16 @@ void TestCopyPlanErrors() {
   inside.data = s + 64;
   StridedTensor other = a.view;
   other.data = s + 200;
-  const CopyPlan aliased("plan", CopyDirection::kUnpack, {{other, 0, 16}, {inside, 0, 0}}, {32});
+  const CopyPlan aliased("plan", CopyDirection::kUnpack,
+                         {{other, 0, 16}, {inside, 0, 0}}, {32});
   EXPECT_INVALID_ARGUMENT(aliased.run({s + 40}, 0),
                           "span 1: the tensor's memory overlaps bucket 0");
   EXPECT_INVALID_ARGUMENT(aliased.run({s + 79}, 0),
                           "span 1: the tensor's memory overlaps bucket 0");
   EXPECT_INVALID_ARGUMENT(aliased.run({s + 180}, 0),
                           "span 0: the tensor's memory overlaps bucket 0");
-  aliased.run({s + 80}, 0);   // Right after `inside`, before `other`: no overlap.
+  aliased.run({s + 80},
+              0);  // Right after `inside`, before `other`: no overlap.
   aliased.run({s + 216}, 0);  // Right after `other`.
   // Nothing was written by the failing calls.
   CHECK(SameBytes(bucket, std::vector<char>(64, 'g')));
@@ -486,17 +528,19 @@ void TestCopyPlanErrors() {
 }  // namespace
 
 int main() {
-  return dockyard::testing::RunTests("refit_packer_test", {
-      {"PlanHandExample", TestPlanHandExample},
-      {"PlanExactFitAndEmpties", TestPlanExactFitAndEmpties},
-      {"PlanProperties", TestPlanProperties},
-      {"PlanErrors", TestPlanErrors},
-      {"RoundTripLayouts", TestRoundTripLayouts},
-      {"RoundTripLargeThreaded", TestRoundTripLargeThreaded},
-      {"UnorderedOffsets", TestUnorderedOffsets},
-      {"CopyErrors", TestCopyErrors},
-      {"EmptyBucket", TestEmptyBucket},
-      {"CopyPlanRoundTrip", TestCopyPlanRoundTrip},
-      {"CopyPlanErrors", TestCopyPlanErrors},
-  });
+  return dockyard::testing::RunTests(
+      "refit_packer_test",
+      {
+          {"PlanHandExample", TestPlanHandExample},
+          {"PlanExactFitAndEmpties", TestPlanExactFitAndEmpties},
+          {"PlanProperties", TestPlanProperties},
+          {"PlanErrors", TestPlanErrors},
+          {"RoundTripLayouts", TestRoundTripLayouts},
+          {"RoundTripLargeThreaded", TestRoundTripLargeThreaded},
+          {"UnorderedOffsets", TestUnorderedOffsets},
+          {"CopyErrors", TestCopyErrors},
+          {"EmptyBucket", TestEmptyBucket},
+          {"CopyPlanRoundTrip", TestCopyPlanRoundTrip},
+          {"CopyPlanErrors", TestCopyPlanErrors},
+      });
 }

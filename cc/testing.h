@@ -3,7 +3,8 @@
 // third-party test dependencies, and this is all the tests need.
 //
 //   CHECK(cond)                          cond is true.
-//   EXPECT_NEAR(actual, expected, tol)   |actual - expected| <= tol (as doubles;
+//   EXPECT_NEAR(actual, expected, tol)   |actual - expected| <= tol (as
+//   doubles;
 //                                        a NaN on either side fails).
 //   EXPECT_THROW_MSG(stmt, Exc, substr)  stmt throws Exc whose what() contains
 //                                        substr.
@@ -77,16 +78,18 @@ inline int RunTests(const char* suite, const std::vector<TestCase>& tests) {
     try {
       test.fn();
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "%s: unexpected exception: %s\n", test.name.c_str(), e.what());
+      std::fprintf(stderr, "%s: unexpected exception: %s\n", test.name.c_str(),
+                   e.what());
       ++CaseFailures();
     } catch (...) {
-      std::fprintf(stderr, "%s: unexpected exception of a non-std type\n", test.name.c_str());
+      std::fprintf(stderr, "%s: unexpected exception of a non-std type\n",
+                   test.name.c_str());
       ++CaseFailures();
     }
     const bool ok = CaseFailures() == 0;
     std::printf("[%s] %s\n", ok ? "PASS" : "FAIL", test.name.c_str());
-    // Failures go to unbuffered stderr; flushing keeps each case's line right after them
-    // when both streams go to one log.
+    // Failures go to unbuffered stderr; flushing keeps each case's line right
+    // after them when both streams go to one log.
     std::fflush(stdout);
     (ok ? passed : failed)++;
   }
@@ -125,42 +128,45 @@ inline float FromBf16(uint16_t b) {
 
 }  // namespace dockyard::testing
 
-#define ADD_FAILURE(...) ::dockyard::testing::AddFailure(__FILE__, __LINE__, __VA_ARGS__)
+#define ADD_FAILURE(...) \
+  ::dockyard::testing::AddFailure(__FILE__, __LINE__, __VA_ARGS__)
 
-#define CHECK(cond)                            \
-  do {                                         \
-    if (!(cond)) {                             \
-      ADD_FAILURE("CHECK failed: %s", #cond);  \
-    }                                          \
+#define CHECK(cond)                           \
+  do {                                        \
+    if (!(cond)) {                            \
+      ADD_FAILURE("CHECK failed: %s", #cond); \
+    }                                         \
   } while (0)
 
-#define EXPECT_NEAR(actual, expected, tol)                                          \
-  do {                                                                              \
-    const double a_ = (actual), e_ = (expected), t_ = (tol);                        \
-    if (!(std::fabs(a_ - e_) <= t_)) {                                              \
-      ADD_FAILURE("EXPECT_NEAR failed: %s = %.9g, expected %s = %.9g (tolerance %.3g)", \
-                  #actual, a_, #expected, e_, t_);                                  \
-    }                                                                               \
+#define EXPECT_NEAR(actual, expected, tol)                                \
+  do {                                                                    \
+    const double a_ = (actual), e_ = (expected), t_ = (tol);              \
+    if (!(std::fabs(a_ - e_) <= t_)) {                                    \
+      ADD_FAILURE(                                                        \
+          "EXPECT_NEAR failed: %s = %.9g, expected %s = %.9g (tolerance " \
+          "%.3g)",                                                        \
+          #actual, a_, #expected, e_, t_);                                \
+    }                                                                     \
   } while (0)
 
 // `stmt` must throw `Exc` whose message contains `substr`. Put `stmt` in
 // parentheses when it has a top-level comma (a braced list).
-#define EXPECT_THROW_MSG(stmt, Exc, substr)                                           \
-  do {                                                                                \
-    bool thrown_ = false;                                                             \
-    try {                                                                             \
-      stmt;                                                                           \
-    } catch (const Exc& exc_) {                                                       \
-      thrown_ = true;                                                                 \
-      const std::string substr_(substr);                                              \
-      if (!::dockyard::testing::Contains(exc_.what(), substr_)) {                     \
-        ADD_FAILURE("message \"%s\" does not contain \"%s\"", exc_.what(),            \
-                    substr_.c_str());                                                 \
-      }                                                                               \
-    }                                                                                 \
-    if (!thrown_) {                                                                   \
-      ADD_FAILURE("expected %s from: %s", #Exc, #stmt);                               \
-    }                                                                                 \
+#define EXPECT_THROW_MSG(stmt, Exc, substr)                                \
+  do {                                                                     \
+    bool thrown_ = false;                                                  \
+    try {                                                                  \
+      stmt;                                                                \
+    } catch (const Exc& exc_) {                                            \
+      thrown_ = true;                                                      \
+      const std::string substr_(substr);                                   \
+      if (!::dockyard::testing::Contains(exc_.what(), substr_)) {          \
+        ADD_FAILURE("message \"%s\" does not contain \"%s\"", exc_.what(), \
+                    substr_.c_str());                                      \
+      }                                                                    \
+    }                                                                      \
+    if (!thrown_) {                                                        \
+      ADD_FAILURE("expected %s from: %s", #Exc, #stmt);                    \
+    }                                                                      \
   } while (0)
 
 #define EXPECT_INVALID_ARGUMENT(stmt, substr) \

@@ -1,5 +1,3 @@
-#include "cc/cuda/advantages_cuda.h"
-
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -9,6 +7,7 @@
 #include <string>
 
 #include "cc/advantages.h"
+#include "cc/cuda/advantages_cuda.h"
 
 namespace dockyard::kernels {
 namespace {
@@ -197,9 +196,8 @@ void group_advantages_cuda(const float* d_rewards, int64_t num_groups,
     CheckCuda(cudaMemsetAsync(d_flag, 0xFF, sizeof(*d_flag), stream),
               "cudaMemsetAsync");
     GroupAdvantagesKernel<<<blocks, threads, 0, stream>>>(
-        d_rewards, num_groups, group_size,
-        baseline == Baseline::kLeaveOneOut, normalize_std,
-        static_cast<double>(epsilon), d_out, d_flag);
+        d_rewards, num_groups, group_size, baseline == Baseline::kLeaveOneOut,
+        normalize_std, static_cast<double>(epsilon), d_out, d_flag);
     CheckCuda(cudaGetLastError(), "kernel launch");
     CheckCuda(cudaMemcpyAsync(&first_bad, d_flag, sizeof(first_bad),
                               cudaMemcpyDeviceToHost, stream),

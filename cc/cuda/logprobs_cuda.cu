@@ -1,5 +1,3 @@
-#include "cc/cuda/logprobs_cuda.h"
-
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -9,6 +7,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cc/cuda/logprobs_cuda.h"
 #include "cc/logprobs.h"
 
 namespace dockyard::kernels {
@@ -191,8 +190,7 @@ struct ThreadStats {
 // then their exps, summed in float by a tree and added to the double sums.
 template <bool kEntropy, int kN>
 __device__ __forceinline__ void Accumulate(const float (&x)[kN], float k_log2,
-                                           double inv_t_log2,
-                                           ThreadStats* st) {
+                                           double inv_t_log2, ThreadStats* st) {
   float batch_max = x[0];
 #pragma unroll
   for (int j = 1; j < kN; ++j) batch_max = fmaxf(batch_max, x[j]);  // No NaN.
@@ -602,10 +600,10 @@ void ReportBadTargets(const char* fn, int* d_flag, const int64_t* d_targets,
   CheckCuda(cudaMemsetAsync(d_flag, 0, sizeof(int), stream), fn,
             "cudaMemsetAsync");
   std::vector<int64_t> targets(num_rows);
-  CheckCuda(cudaMemcpyAsync(targets.data(), d_targets,
-                            num_rows * sizeof(int64_t), cudaMemcpyDeviceToHost,
-                            stream),
-            fn, "cudaMemcpyAsync");
+  CheckCuda(
+      cudaMemcpyAsync(targets.data(), d_targets, num_rows * sizeof(int64_t),
+                      cudaMemcpyDeviceToHost, stream),
+      fn, "cudaMemcpyAsync");
   CheckCuda(cudaStreamSynchronize(stream), fn, "cudaStreamSynchronize");
   for (int64_t r = 0; r < num_rows; ++r) {
     if (targets[r] < 0 || targets[r] >= vocab_size) {
@@ -684,10 +682,9 @@ void gather_logprobs_cuda(const void* d_logits, LogitsDtype dtype,
                           double* d_row_log_sum, cudaStream_t stream,
                           bool check_targets) {
   constexpr const char* kFn = "gather_logprobs_cuda";
-  internal::validate_logprobs_args(kFn, d_logits, dtype, num_rows, vocab_size,
-                                   row_stride, d_targets, temperature, false,
-                                   d_logprobs, nullptr, nullptr, nullptr,
-                                   nullptr);
+  internal::validate_logprobs_args(
+      kFn, d_logits, dtype, num_rows, vocab_size, row_stride, d_targets,
+      temperature, false, d_logprobs, nullptr, nullptr, nullptr, nullptr);
   if (num_rows == 0) return;
   DeviceGuard guard(DeviceOf(d_logits, kFn, "d_logits"), kFn);
   int* d_flag = check_targets ? TargetFlags::ForCurrentDevice(kFn) : nullptr;
@@ -695,13 +692,12 @@ void gather_logprobs_cuda(const void* d_logits, LogitsDtype dtype,
   const double inv_t = 1.0 / temperature;
   const auto k_log2 = static_cast<float>(inv_t * kLog2e);
   const Shape shape = ShapeFor(num_rows, vocab_size, dtype);
-  Dispatch<Forward>(dtype, d_entropy != nullptr, shape.row_threads,
-                    [&](auto kernel) {
-                      kernel<<<shape.blocks, kBlockThreads, 0, stream>>>(
-                          d_logits, num_rows, vocab_size, row_stride,
-                          d_targets, inv_t, k_log2, d_logprobs, d_entropy,
-                          d_row_max, d_row_log_sum, d_flag);
-                    });
+  Dispatch<Forward>(
+      dtype, d_entropy != nullptr, shape.row_threads, [&](auto kernel) {
+        kernel<<<shape.blocks, kBlockThreads, 0, stream>>>(
+            d_logits, num_rows, vocab_size, row_stride, d_targets, inv_t,
+            k_log2, d_logprobs, d_entropy, d_row_max, d_row_log_sum, d_flag);
+      });
   CheckCuda(cudaGetLastError(), kFn, "kernel launch");
   if (check_targets) {
     ReportBadTargets(kFn, d_flag, d_targets, num_rows, vocab_size, stream);
@@ -727,14 +723,13 @@ void gather_logprobs_backward_cuda(
   const double inv_t = 1.0 / temperature;
   const auto k_log2 = static_cast<float>(inv_t * kLog2e);
   const Shape shape = ShapeFor(num_rows, vocab_size, dtype);
-  Dispatch<Backward>(dtype, d_grad_entropy != nullptr, shape.row_threads,
-                     [&](auto kernel) {
-                       kernel<<<shape.blocks, kBlockThreads, 0, stream>>>(
-                           d_logits, num_rows, vocab_size, row_stride,
-                           d_targets, inv_t, k_log2, d_row_max, d_row_log_sum,
-                           d_entropy, d_grad_logprobs, d_grad_entropy,
-                           d_grad_logits, d_flag);
-                     });
+  Dispatch<Backward>(
+      dtype, d_grad_entropy != nullptr, shape.row_threads, [&](auto kernel) {
+        kernel<<<shape.blocks, kBlockThreads, 0, stream>>>(
+            d_logits, num_rows, vocab_size, row_stride, d_targets, inv_t,
+            k_log2, d_row_max, d_row_log_sum, d_entropy, d_grad_logprobs,
+            d_grad_entropy, d_grad_logits, d_flag);
+      });
   CheckCuda(cudaGetLastError(), kFn, "kernel launch");
   if (check_targets) {
     ReportBadTargets(kFn, d_flag, d_targets, num_rows, vocab_size, stream);

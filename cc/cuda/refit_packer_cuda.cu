@@ -1,5 +1,3 @@
-#include "cc/cuda/refit_packer_cuda.h"
-
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -11,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "cc/cuda/refit_packer_cuda.h"
 #include "cc/refit_packer.h"
 
 namespace dockyard::kernels {
@@ -38,8 +37,8 @@ constexpr int kUnroll = 4;
 // One tensor (or, for pack, one padding range) to copy. Plain data: copied to
 // the device as is.
 struct Job {
-  char* strided;        // The tensor's element 0; nullptr = write zeros.
-  int64_t offset;       // Its bytes' offset in its bucket.
+  char* strided;   // The tensor's element 0; nullptr = write zeros.
+  int64_t offset;  // Its bytes' offset in its bucket.
   int64_t nbytes;
   int64_t first_chunk;  // Index of its first chunk among all jobs' chunks.
   int32_t bucket;       // Its bucket's index in the plan.
@@ -51,7 +50,8 @@ struct Job {
 };
 
 // RunBucketCopy stages the int32 chunk table right after the jobs.
-static_assert(sizeof(Job) % alignof(int32_t) == 0 && alignof(Job) >= alignof(int32_t),
+static_assert(sizeof(Job) % alignof(int32_t) == 0 &&
+                  alignof(Job) >= alignof(int32_t),
               "the chunk table after the jobs must be aligned");
 
 // A launch's view of the buckets: passed by value as the kernel argument, so
@@ -142,11 +142,14 @@ __device__ void ZeroFill(char* dst, int64_t n) {
 template <int N>
 __device__ __forceinline__ void CopyElement(char* dst, const char* src) {
   if constexpr (N == 1) {
-    *reinterpret_cast<unsigned char*>(dst) = *reinterpret_cast<const unsigned char*>(src);
+    *reinterpret_cast<unsigned char*>(dst) =
+        *reinterpret_cast<const unsigned char*>(src);
   } else if constexpr (N == 2) {
-    *reinterpret_cast<unsigned short*>(dst) = *reinterpret_cast<const unsigned short*>(src);
+    *reinterpret_cast<unsigned short*>(dst) =
+        *reinterpret_cast<const unsigned short*>(src);
   } else if constexpr (N == 4) {
-    *reinterpret_cast<unsigned int*>(dst) = *reinterpret_cast<const unsigned int*>(src);
+    *reinterpret_cast<unsigned int*>(dst) =
+        *reinterpret_cast<const unsigned int*>(src);
   } else {
     static_assert(N == 8 || N == 16, "element sizes are 1, 2, 4, 8 or 16");
     for (int w = 0; w < N / 8; ++w) {
@@ -180,7 +183,8 @@ __device__ void CopyStrided(const Job& job, char* contiguous, int64_t begin,
 template <bool kPack>
 __device__ void CopyStridedChunk(const Job& job, char* contiguous,
                                  int64_t begin_byte, int64_t end_byte) {
-  const int64_t b = begin_byte / job.element_size, e = end_byte / job.element_size;
+  const int64_t b = begin_byte / job.element_size,
+                e = end_byte / job.element_size;
   switch (job.element_size) {
     case 1: CopyStrided<1, kPack>(job, contiguous, b, e); break;
     case 2: CopyStrided<2, kPack>(job, contiguous, b, e); break;
@@ -268,8 +272,9 @@ void CheckTensorDevices(const char* function,
 int NumBlocksCap(int device, const char* function) {
   DeviceGuard device_guard(device, function);
   int num_sms = 0;
-  CheckCuda(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
-            function, "cudaDeviceGetAttribute");
+  CheckCuda(
+      cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
+      function, "cudaDeviceGetAttribute");
   // Both directions compile to about the same registers; the pack kernel's
   // figure is used for both.
   int blocks_per_sm = 0;
@@ -294,18 +299,18 @@ int64_t ChooseChunkBytes(int64_t bucket_nbytes, int num_blocks) {
 // The device-side description of a set of copies.
 struct JobTable {
   std::vector<Job> jobs;
-  std::vector<int32_t> chunk_job;             // Per chunk: its job's index.
+  std::vector<int32_t> chunk_job;           // Per chunk: its job's index.
   std::vector<int64_t> bucket_first_chunk;  // Per bucket, plus the end.
 };
 
 // Jobs for buckets in order: per bucket its spans (`members[b]`, indices
 // into `spans`, all with bytes), then (pack only) its gaps. Jobs therefore
 // sit in first_chunk order, and a bucket range's chunks are contiguous.
-JobTable BuildJobs(const char* function,
-                   const std::vector<internal::CollapsedSpan>& spans,
-                   const std::vector<std::vector<int64_t>>& members,
-                   const std::vector<std::vector<std::pair<int64_t, int64_t>>>* gaps,
-                   int64_t chunk_bytes) {
+JobTable BuildJobs(
+    const char* function, const std::vector<internal::CollapsedSpan>& spans,
+    const std::vector<std::vector<int64_t>>& members,
+    const std::vector<std::vector<std::pair<int64_t, int64_t>>>* gaps,
+    int64_t chunk_bytes) {
   JobTable table;
   int64_t num_chunks = 0;
   auto add_job = [&](Job job) {
@@ -328,7 +333,8 @@ JobTable BuildJobs(const char* function,
         throw std::invalid_argument(
             std::string(function) + ": span " + std::to_string(i) + " has " +
             std::to_string(ndim) + " dims after merging, more than the " +
-            std::to_string(kCudaMaxDims) + " supported on CUDA; make it "
+            std::to_string(kCudaMaxDims) +
+            " supported on CUDA; make it "
             "contiguous first");
       }
       Job job{};
@@ -370,19 +376,22 @@ void Launch(const char* function, bool pack, const void* d_jobs,
             int64_t chunk_bytes, int num_blocks_cap, cudaStream_t stream) {
   if (chunk_end <= chunk_begin) return;  // Nothing to read or write.
   LaunchArgs args{};
-  for (int64_t k = 0; k < count; ++k) args.bucket_base[k] = static_cast<char*>(buckets[k]);
+  for (int64_t k = 0; k < count; ++k)
+    args.bucket_base[k] = static_cast<char*>(buckets[k]);
   args.first_bucket = first_bucket;
   args.chunk_begin = chunk_begin;
   args.chunk_end = chunk_end;
   args.chunk_bytes = chunk_bytes;
-  const int blocks =
-      static_cast<int>(std::min<int64_t>(chunk_end - chunk_begin, num_blocks_cap));
+  const int blocks = static_cast<int>(
+      std::min<int64_t>(chunk_end - chunk_begin, num_blocks_cap));
   const auto* jobs = static_cast<const Job*>(d_jobs);
   const auto* chunk_job = static_cast<const int32_t*>(d_chunk_job);
   if (pack) {
-    BucketCopyKernel<true><<<blocks, kThreads, 0, stream>>>(jobs, chunk_job, args);
+    BucketCopyKernel<true>
+        <<<blocks, kThreads, 0, stream>>>(jobs, chunk_job, args);
   } else {
-    BucketCopyKernel<false><<<blocks, kThreads, 0, stream>>>(jobs, chunk_job, args);
+    BucketCopyKernel<false>
+        <<<blocks, kThreads, 0, stream>>>(jobs, chunk_job, args);
   }
   CheckCuda(cudaGetLastError(), function, "kernel launch");
 }
@@ -393,7 +402,8 @@ class StreamBuffer {
  public:
   StreamBuffer(size_t bytes, cudaStream_t stream, const char* function)
       : stream_(stream) {
-    CheckCuda(cudaMallocAsync(&ptr_, bytes, stream), function, "cudaMallocAsync");
+    CheckCuda(cudaMallocAsync(&ptr_, bytes, stream), function,
+              "cudaMallocAsync");
   }
   ~StreamBuffer() { cudaFreeAsync(ptr_, stream_); }  // Best effort.
   StreamBuffer(const StreamBuffer&) = delete;
@@ -427,8 +437,8 @@ class DeviceAllocation {
 class UploadStream {
  public:
   explicit UploadStream(const char* function) {
-    CheckCuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), function,
-              "cudaStreamCreateWithFlags");
+    CheckCuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+              function, "cudaStreamCreateWithFlags");
   }
   ~UploadStream() { cudaStreamDestroy(stream_); }  // Best effort.
   UploadStream(const UploadStream&) = delete;
@@ -442,14 +452,16 @@ class UploadStream {
 void RunBucketCopy(const char* function, const std::vector<BucketSpan>& spans,
                    const void* d_bucket, int64_t bucket_nbytes, bool pack,
                    cudaStream_t stream) {
-  const std::vector<internal::CollapsedSpan> collapsed = internal::validate_spans(
-      function, spans, d_bucket, bucket_nbytes, /*check_self_overlap=*/!pack);
+  const std::vector<internal::CollapsedSpan> collapsed =
+      internal::validate_spans(function, spans, d_bucket, bucket_nbytes,
+                               /*check_self_overlap=*/!pack);
   std::vector<std::vector<int64_t>> members(1);
   for (size_t i = 0; i < collapsed.size(); ++i) {
     if (collapsed[i].nbytes > 0) members[0].push_back(static_cast<int64_t>(i));
   }
   std::vector<std::vector<std::pair<int64_t, int64_t>>> gaps;
-  if (pack) gaps.push_back(internal::uncovered_ranges(collapsed, bucket_nbytes));
+  if (pack)
+    gaps.push_back(internal::uncovered_ranges(collapsed, bucket_nbytes));
   if (members[0].empty() && (gaps.empty() || gaps[0].empty())) return;
 
   // There are jobs, so the bucket has bytes.
@@ -457,8 +469,8 @@ void RunBucketCopy(const char* function, const std::vector<BucketSpan>& spans,
   CheckTensorDevices(function, collapsed, device, "the bucket's GPU");
   const int num_blocks_cap = NumBlocksCap(device, function);
   const int64_t chunk_bytes = ChooseChunkBytes(bucket_nbytes, num_blocks_cap);
-  const JobTable table =
-      BuildJobs(function, collapsed, members, pack ? &gaps : nullptr, chunk_bytes);
+  const JobTable table = BuildJobs(function, collapsed, members,
+                                   pack ? &gaps : nullptr, chunk_bytes);
 
   DeviceGuard device_guard(device, function);
   // Jobs then the chunk table in one buffer (aligned: see the static_assert
@@ -484,32 +496,37 @@ void RunBucketCopy(const char* function, const std::vector<BucketSpan>& spans,
 
 void pack_bucket_cuda(const std::vector<BucketSpan>& spans, void* d_bucket,
                       int64_t bucket_nbytes, cudaStream_t stream) {
-  RunBucketCopy("pack_bucket_cuda", spans, d_bucket, bucket_nbytes, true, stream);
+  RunBucketCopy("pack_bucket_cuda", spans, d_bucket, bucket_nbytes, true,
+                stream);
 }
 
 void unpack_bucket_cuda(const void* d_bucket, int64_t bucket_nbytes,
                         const std::vector<BucketSpan>& spans,
                         cudaStream_t stream) {
-  RunBucketCopy("unpack_bucket_cuda", spans, d_bucket, bucket_nbytes, false, stream);
+  RunBucketCopy("unpack_bucket_cuda", spans, d_bucket, bucket_nbytes, false,
+                stream);
 }
 
 CudaCopyPlan::CudaCopyPlan(const char* function, CopyDirection direction,
                            const std::vector<PlanSpan>& spans,
                            std::vector<int64_t> bucket_sizes, int device)
-    : plan_(function, direction, spans, std::move(bucket_sizes)), device_(device) {
+    : plan_(function, direction, spans, std::move(bucket_sizes)),
+      device_(device) {
   CheckTensorDevices(function, plan_.spans(), device_,
                      "GPU " + std::to_string(device_));
   num_blocks_cap_ = NumBlocksCap(device_, function);
   const int64_t max_bucket =
       plan_.bucket_sizes().empty()
           ? 0
-          : *std::max_element(plan_.bucket_sizes().begin(), plan_.bucket_sizes().end());
+          : *std::max_element(plan_.bucket_sizes().begin(),
+                              plan_.bucket_sizes().end());
   // Sized for the largest bucket: a sender that packs one bucket per launch
   // (double buffering) still fills the GPU.
   chunk_bytes_ = ChooseChunkBytes(max_bucket, num_blocks_cap_);
   const bool pack = direction == CopyDirection::kPack;
-  const JobTable table = BuildJobs(function, plan_.spans(), plan_.bucket_members(),
-                                   pack ? &plan_.gaps() : nullptr, chunk_bytes_);
+  const JobTable table =
+      BuildJobs(function, plan_.spans(), plan_.bucket_members(),
+                pack ? &plan_.gaps() : nullptr, chunk_bytes_);
   bucket_first_chunk_ = table.bucket_first_chunk;
   num_chunks_ = table.bucket_first_chunk.back();
 
@@ -526,10 +543,12 @@ CudaCopyPlan::CudaCopyPlan(const char* function, CopyDirection direction,
     CheckCuda(cudaMemcpyAsync(jobs.get(), table.jobs.data(), jobs_bytes,
                               cudaMemcpyHostToDevice, upload.get()),
               function, "cudaMemcpyAsync");
-    CheckCuda(cudaMemcpyAsync(chunk_job.get(), table.chunk_job.data(), table_bytes,
-                              cudaMemcpyHostToDevice, upload.get()),
-              function, "cudaMemcpyAsync");
-    CheckCuda(cudaStreamSynchronize(upload.get()), function, "cudaStreamSynchronize");
+    CheckCuda(
+        cudaMemcpyAsync(chunk_job.get(), table.chunk_job.data(), table_bytes,
+                        cudaMemcpyHostToDevice, upload.get()),
+        function, "cudaMemcpyAsync");
+    CheckCuda(cudaStreamSynchronize(upload.get()), function,
+              "cudaStreamSynchronize");
   }
   d_jobs_ = jobs.release();
   d_chunk_job_ = chunk_job.release();
@@ -540,7 +559,8 @@ CudaCopyPlan::~CudaCopyPlan() {
   // run on any stream, so wait for the GPU before freeing them.
   int previous = 0;
   const bool switched = cudaGetDevice(&previous) == cudaSuccess &&
-                        previous != device_ && cudaSetDevice(device_) == cudaSuccess;
+                        previous != device_ &&
+                        cudaSetDevice(device_) == cudaSuccess;
   cudaDeviceSynchronize();
   if (d_jobs_ != nullptr) cudaFree(d_jobs_);
   if (d_chunk_job_ != nullptr) cudaFree(d_chunk_job_);
@@ -557,8 +577,9 @@ void CudaCopyPlan::run(const std::vector<void*>& buckets, int64_t first_bucket,
     if (plan_.bucket_sizes()[b] == 0) continue;
     const std::string name = "bucket " + std::to_string(b);
     if (DeviceOf(buckets[k], kFn, name) != device_) {
-      throw std::invalid_argument(std::string(kFn) + ": " + name + " is not on GPU " +
-                                  std::to_string(device_) + " (the plan's)");
+      throw std::invalid_argument(std::string(kFn) + ": " + name +
+                                  " is not on GPU " + std::to_string(device_) +
+                                  " (the plan's)");
     }
   }
   const int64_t begin_chunk = bucket_first_chunk_[first_bucket];

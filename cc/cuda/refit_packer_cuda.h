@@ -18,13 +18,13 @@
 // job; each job is cut into chunks of bucket bytes (a power of two between
 // 8 KiB and 64 KiB, smaller for small buckets so that they still spread over
 // every SM) and a grid of as many blocks as the GPU holds resident strides
-// over the chunks; a per-chunk table names each chunk's job. A dense job (the tensor's dims
-// collapse to one with unit element stride) is copied with 16-byte vector
-// loads and stores, four in flight per thread, when both addresses are
-// 16-byte aligned (bucket offsets always are; tensors usually are), else with
-// the widest word both addresses allow. A strided job (transposes, stepped
-// slices) computes each element's address from its row-major index; at most
-// kCudaMaxDims dims may remain after collapsing.
+// over the chunks; a per-chunk table names each chunk's job. A dense job (the
+// tensor's dims collapse to one with unit element stride) is copied with
+// 16-byte vector loads and stores, four in flight per thread, when both
+// addresses are 16-byte aligned (bucket offsets always are; tensors usually
+// are), else with the widest word both addresses allow. A strided job
+// (transposes, stepped slices) computes each element's address from its
+// row-major index; at most kCudaMaxDims dims may remain after collapsing.
 //
 // This header is plain C++: a .cc compiled by g++ can include it without the
 // CUDA headers. cudaStream_t is declared here exactly as cuda_runtime.h

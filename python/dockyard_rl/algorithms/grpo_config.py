@@ -11,7 +11,7 @@ of the package that owns it, so its defaults and per-key checks live there and n
 | `loss_fn`       | ClippedPGLossConfig (loss_functions.py)                                   |
 | `async_grpo`    | AsyncGRPOConfig (async_utils/replay_buffer.py); read in async mode only   |
 | `data`          | DataConfig (data/config.py)                                               |
-| `synthesis`     | TaskSynthesisConfig (data/task_synthesis.py); null = off                  |
+| `synthesis`     | TaskSynthesisConfig (data/synthesis/task_synthesis.py); null = off        |
 | `env`           | EnvConfig (here): `env.swe` SweEnvironmentConfig (environments/config.py) |
 | `rewards`       | RewardShapingConfig (rewards/shaping.py)                                  |
 | `executor`      | ExecutorConfig (sandbox/config.py); null = use a running executor         |
@@ -70,7 +70,7 @@ from dockyard_rl.algorithms.loss_functions import ClippedPGLossConfig
 from dockyard_rl.algorithms.warm_start import WarmStartConfig
 from dockyard_rl.cluster.config import ClusterConfig
 from dockyard_rl.data.config import DataConfig
-from dockyard_rl.data.task_synthesis import TaskSynthesisConfig
+from dockyard_rl.data.synthesis.task_synthesis import TaskSynthesisConfig
 from dockyard_rl.data_plane.config import DataPlaneConfig
 from dockyard_rl.environments.config import SweEnvironmentConfig
 from dockyard_rl.models import zoo
@@ -136,7 +136,7 @@ class GRPOConfig:
     run_name: str | None = None
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for key, minimum, hint in (
                 ("num_prompts_per_step", 1, ""),
                 ("num_generations_per_prompt", 2,
@@ -206,7 +206,7 @@ class MasterConfig:
     logger: LoggerConfig = dataclasses.field(default_factory=LoggerConfig)
     warm_start: WarmStartConfig | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         grpo, policy, generation, loss_fn = self.grpo, self.policy, self.generation, self.loss_fn
         if grpo.mode == "async":
             require(loss_fn.use_importance_sampling_correction,
@@ -305,7 +305,7 @@ class MasterConfig:
             require(dataset == "jsonl", f"{section}.dataset",
                     f"must be jsonl when the {name} section is set (it writes "
                     f"{SYNTHESIZED_TASKS_FILE}), got {dataset!r}")
-            require(pathlib.PurePath(train_path).name == SYNTHESIZED_TASKS_FILE,
+            require(pathlib.PurePath(train_path or "").name == SYNTHESIZED_TASKS_FILE,
                     f"{section}.train_path", f"({train_path}) must be <folder>/"
                     f"{SYNTHESIZED_TASKS_FILE} when the {name} section is set: the synthesizer "
                     "writes that file into the folder")
@@ -412,12 +412,13 @@ def master_config_from_dict(raw: Mapping[str, Any] | None, source: str = "<confi
         if unknown:
             raise ValueError(f"unknown section(s) {', '.join(map(repr, unknown))}; valid "
                              f"sections: {', '.join(sections)}")
-        built = {}
+        built: dict[str, Any] = {}
         for name, hint in sections.items():
             value, cls = raw.get(name), optional_dataclass(hint)
             if value is None and cls is not hint:  # an optional section left off
                 built[name] = None
                 continue
+            assert cls is not None, f"section {name} is not a dataclass"
             _check_types(cls, value, name)
             try:
                 built[name] = from_dict(cls, value, name)
@@ -439,7 +440,7 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str],
         ConfigError: a malformed override, or a path that is not a key (the message lists the
             valid keys at the level where it went wrong).
     """
-    result = _deep_copy(raw)
+    result: dict[str, Any] = _deep_copy(raw)
     for item in overrides:
         key, sep, text = item.partition("=")
         parts = key.strip().split(".")
@@ -487,7 +488,7 @@ def _deep_copy(value: Any) -> Any:
     return value
 
 
-def workspace_root(config_path: str | os.PathLike | None = None) -> pathlib.Path:
+def workspace_root(config_path: str | os.PathLike[str] | None = None) -> pathlib.Path:
     """What relative paths in a recipe are relative to (module docstring)."""
     from_bazel = os.environ.get("BUILD_WORKSPACE_DIRECTORY")
     if from_bazel:
@@ -515,8 +516,8 @@ def _resolve_paths(raw: dict[str, Any], base_dir: pathlib.Path) -> None:
         node[leaf] = resolve(node[leaf])
 
 
-def load_config(path: str | os.PathLike, overrides: Sequence[str] = (), *,
-                base_dir: str | os.PathLike | None = None) -> MasterConfig:
+def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
+                base_dir: str | os.PathLike[str] | None = None) -> MasterConfig:
     """Reads the recipe at `path`, applies `overrides` (`a.b.c=value`), resolves relative paths
     against `base_dir` (default: `workspace_root(path)`) and validates everything.
 
@@ -590,6 +591,7 @@ def describe_config() -> str:
     master_defaults = {f.name: f for f in dataclasses.fields(MasterConfig)}
     for name, hint in _section_fields().items():
         cls = optional_dataclass(hint)
+        assert cls is not None, f"section {name} is not a dataclass"
         header = f"{name}:  ({cls.__name__}, {cls.__module__})"
         if master_defaults[name].default is None:
             header += "  null by default; a mapping turns it on"
@@ -616,8 +618,10 @@ def _describe_fields(cls: type, instance: Any, key_path: str) -> list[str]:
             lines += _describe_fields(f.default_factory, None, key)
             continue
         else:
-            default = f.default_factory()
-            computed = not isinstance(f.default_factory, type)
+            factory = f.default_factory
+            assert callable(factory), f"{key} has neither a default nor a default factory"
+            default = factory()
+            computed = not isinstance(factory, type)
         if dataclasses.is_dataclass(default) and not isinstance(default, type):
             lines += _describe_fields(type(default), default, key)
             continue

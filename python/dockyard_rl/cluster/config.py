@@ -77,7 +77,7 @@ class NodeConfig:
     memory: int | str | None = None
     resources: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.ip_address is not None:
             try:
                 ipaddress.ip_address(self.ip_address)
@@ -113,7 +113,7 @@ class NcclEnvConfig:
     debug: str | None = None                # NCCL_DEBUG
     extra: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for key in ("socket_ifname", "ib_hca"):
             value = getattr(self, key)
             require(value is None or (isinstance(value, str) and value.strip() != ""), key,
@@ -165,7 +165,7 @@ class FleetConfig:
     max_worker_restarts: int = 2
     nccl_env: NcclEnvConfig = dataclasses.field(default_factory=NcclEnvConfig)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.strategy in STRATEGIES, "strategy",
                 f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         require(is_int(self.max_worker_restarts) and self.max_worker_restarts >= 0,
@@ -188,7 +188,8 @@ class FleetsConfig:
         """The config of fleet `role`; ValueError for a role without a fleet."""
         if role not in FLEET_ROLES:
             raise ValueError(f"{role!r} is not a fleet; fleets: {', '.join(FLEET_ROLES)}")
-        return getattr(self, role)
+        fleet: FleetConfig = getattr(self, role)
+        return fleet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +199,7 @@ class ClusterConfig:
     node: NodeConfig = dataclasses.field(default_factory=NodeConfig)
     fleets: FleetsConfig = dataclasses.field(default_factory=FleetsConfig)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.address is not None:
             parse_address(self.address, "address")
         require(is_number(self.placement_timeout_s) and self.placement_timeout_s > 0,

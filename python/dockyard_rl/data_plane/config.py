@@ -60,7 +60,7 @@ class DataPlaneConfig:
     receive_timeout_s: float = 600.0
     max_metadata_bytes: int = 65536
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.transport in TRANSPORTS, "transport",
                 f"unknown transport {self.transport!r}; valid: {', '.join(TRANSPORTS)} (or set "
                 f"data_plane: null for the in-memory path)")

@@ -10,7 +10,7 @@ the implementation; it is imported only when chosen (ray_direct imports Ray).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from dockyard_rl.data_plane.config import TRANSPORTS, DataPlaneConfig, parse_data_plane_config
@@ -49,4 +49,5 @@ def create_data_plane(config: DataPlaneConfig | Mapping[str, Any] | None,
         raise ValueError(f"data_plane.transport: unknown {config.transport!r}; valid: "
                          f"{', '.join(data_plane_names())}")
     module_name, class_name = _IMPLEMENTATIONS[config.transport]
-    return getattr(importlib.import_module(module_name), class_name)(config, name=name)
+    implementation: Callable[..., DataPlane] = getattr(importlib.import_module(module_name), class_name)
+    return implementation(config, name=name)

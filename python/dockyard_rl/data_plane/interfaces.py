@@ -114,7 +114,7 @@ class Delivery:
 
     producer_id: str
     seq: int
-    batch: BatchedDataDict
+    batch: BatchedDataDict[Any]
     metadata: dict[str, Any]
 
 
@@ -133,7 +133,7 @@ class DataPlaneSender(abc.ABC):
         """The sequence number the next successful `send` will use."""
 
     @abc.abstractmethod
-    def send(self, batch: BatchedDataDict | Mapping[str, Any],
+    def send(self, batch: BatchedDataDict[Any] | Mapping[str, Any],
              metadata: Mapping[str, Any] | None = None, *,
              timeout_s: float | None = None) -> int:
         """Delivers `batch` to the receiver; returns its sequence number once acknowledged.

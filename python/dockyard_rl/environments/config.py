@@ -23,6 +23,7 @@ values and their validation. Not covered: the executor's own settings (`executor
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 import math
 import os
 import re
@@ -37,7 +38,7 @@ __all__ = ["SweEnvironmentConfig"]
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
-def _is_finite_number(value) -> bool:
+def _is_finite_number(value: Any) -> bool:
     # Stricter than utils.config.is_number: a timeout of NaN or inf is no timeout.
     return is_number(value) and math.isfinite(value)
 
@@ -56,7 +57,7 @@ class SweEnvironmentConfig:
     task_id_prefix: str = "swe"
     auth_token_env: str = "DOCKYARD_EXECUTOR_TOKEN"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(isinstance(self.executor_url, str)
                 and self.executor_url.startswith(("http://", "https://")), "executor_url",
                 f"must be an http:// or https:// URL of the executor, e.g. "

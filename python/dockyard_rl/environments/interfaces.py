@@ -41,7 +41,7 @@ class EnvironmentResult:
     metadata: tuple[dict[str, Any], ...]
     metrics: dict[str, float]
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         num_samples = len(self.metadata)
         for name in ("rewards_B", "sample_mask_B"):
             tensor = getattr(self, name)

@@ -73,11 +73,12 @@ def is_number(value: Any) -> bool:
 
 def optional_dataclass(hint: Any) -> type | None:
     """The dataclass in the type hint `X` or `X | None`, else None."""
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return hint
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         members = [m for m in typing.get_args(hint) if m is not type(None)]
-        if len(members) == 1 and dataclasses.is_dataclass(members[0]):
+        if len(members) == 1 and isinstance(members[0], type) \
+                and dataclasses.is_dataclass(members[0]):
             return members[0]
     return None
 

@@ -41,7 +41,7 @@ class WeightSyncConfig:
     peer_timeout_s: float = 60.0
     http_host: str = "127.0.0.1"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.transport in TRANSPORTS, "transport",
                 f"must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         object.__setattr__(self, "bucket_size_bytes",

@@ -10,10 +10,16 @@ which only the operator knows about. Modules are imported lazily, by name.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 import types
+from typing import TYPE_CHECKING
 
 from dockyard_rl.weight_sync.config import WeightSyncConfig
 from dockyard_rl.weight_sync.interfaces import WeightSynchronizer
+
+if TYPE_CHECKING:  # annotations only: the synchronizers import the fleets, not this module
+    from dockyard_rl.models.generation.interfaces import GenerationInterface
+    from dockyard_rl.models.policy.interfaces import PolicyInterface
 
 # transport -> (module, synchronizer class)
 TRANSPORTS = {
@@ -41,8 +47,8 @@ def resolve_transport(config: WeightSyncConfig, sender_node_id: str | None,
     return "ipc_zmq" if same_node else "collective"
 
 
-def create_weight_synchronizer(config: WeightSyncConfig, policy, generation
-                               ) -> WeightSynchronizer:
+def create_weight_synchronizer(config: WeightSyncConfig, policy: PolicyInterface,
+                               generation: GenerationInterface) -> WeightSynchronizer:
     """The synchronizer of the configured (or, for auto, topology-chosen) transport.
 
     Raises:
@@ -55,4 +61,5 @@ def create_weight_synchronizer(config: WeightSyncConfig, policy, generation
     transport = resolve_transport(config, policy.weight_sender_node_id(),
                                   generation.engine_node_ids())
     module = transport_module(transport)
-    return getattr(module, TRANSPORTS[transport][1])(config, policy, generation)
+    synchronizer: Callable[..., WeightSynchronizer] = getattr(module, TRANSPORTS[transport][1])
+    return synchronizer(config, policy, generation)

@@ -361,7 +361,7 @@ class WeightSynchronizer(abc.ABC):
         """Runs `hook(version)` in a daemon thread and waits at most `timeout_s` for it."""
         outcome: dict[str, BaseException] = {}
 
-        def target():
+        def target() -> None:
             try:
                 hook(version)
             except BaseException as error:  # re-raised in the caller's thread

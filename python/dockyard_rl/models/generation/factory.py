@@ -9,6 +9,7 @@ Backends (imported lazily, so a driver never imports an engine it does not use):
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 from dockyard_rl.models.generation.config import BACKENDS, GenerationConfig
@@ -37,4 +38,6 @@ def create_generation(cfg: GenerationConfig, **options: Any) -> GenerationInterf
                          f"(valid names: {', '.join(BACKENDS)}; built: "
                          f"{', '.join(GENERATION_BACKENDS)}); use backend: vllm")
     module_name, class_name = GENERATION_BACKENDS[cfg.backend]
-    return getattr(importlib.import_module(module_name), class_name)(cfg, **options)
+    backend: Callable[..., GenerationInterface] = getattr(importlib.import_module(module_name),
+                                                          class_name)
+    return backend(cfg, **options)

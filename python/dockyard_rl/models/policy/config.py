@@ -20,7 +20,7 @@ class OptimizerConfig:
     beta2: float = 0.999
     eps: float = 1e-8
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.learning_rate > 0, "learning_rate", f"must be > 0, got {self.learning_rate}")
         require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
         require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1/beta2",
@@ -40,7 +40,7 @@ class SchedulerConfig:
     total_steps: int = 1000
     min_lr_ratio: float = 0.1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps",
                 f"must be an int >= 0, got {self.warmup_steps!r}")
         require(isinstance(self.total_steps, int) and self.total_steps > self.warmup_steps,
@@ -70,7 +70,7 @@ class PolicyConfig:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(self.backend in BACKENDS, "backend",
                 f"unknown backend {self.backend!r}; valid: {', '.join(BACKENDS)}")
         require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")

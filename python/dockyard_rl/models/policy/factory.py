@@ -22,6 +22,7 @@ Backends (imported lazily, so a driver using one never imports the other's frame
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 import importlib.util
 import os
 
@@ -35,8 +36,8 @@ POLICY_BACKENDS: dict[str, tuple[str, str]] = {
 }
 
 
-def create_policy(cfg: PolicyConfig, *, cache_dir: str | os.PathLike | None = None,
-                  resume_from: str | os.PathLike | None = None) -> PolicyInterface:
+def create_policy(cfg: PolicyConfig, *, cache_dir: str | os.PathLike[str] | None = None,
+                  resume_from: str | os.PathLike[str] | None = None) -> PolicyInterface:
     """Builds the backend `cfg.backend` names (see the module docstring for the arguments).
 
     Raises:
@@ -65,4 +66,5 @@ def create_policy(cfg: PolicyConfig, *, cache_dir: str | os.PathLike | None = No
     # still builds with the defaults.
     options = {key: value for key, value in (("cache_dir", cache_dir),
                                              ("resume_from", resume_from)) if value is not None}
-    return getattr(module, class_name)(cfg, **options)
+    backend: Callable[..., PolicyInterface] = getattr(module, class_name)
+    return backend(cfg, **options)

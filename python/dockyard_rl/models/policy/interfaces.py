@@ -49,7 +49,7 @@ class PolicyInterface(abc.ABC):
     """A trainable policy (plus its frozen reference policy) behind one object."""
 
     @abc.abstractmethod
-    def get_logprobs(self, batch: BatchedDataDict) -> torch.Tensor:
+    def get_logprobs(self, batch: BatchedDataDict[Any]) -> torch.Tensor:
         """Log-probs of `batch["input_ids"]` under the current policy, (B, S) float32 on CPU.
 
         No gradient, no weight change; idempotent. Raises ValueError for a malformed batch
@@ -57,11 +57,11 @@ class PolicyInterface(abc.ABC):
         """
 
     @abc.abstractmethod
-    def get_reference_policy_logprobs(self, batch: BatchedDataDict) -> torch.Tensor:
+    def get_reference_policy_logprobs(self, batch: BatchedDataDict[Any]) -> torch.Tensor:
         """As `get_logprobs`, under the frozen reference policy (the initial weights)."""
 
     @abc.abstractmethod
-    def train(self, batch: BatchedDataDict, loss_fn: LossFunction) -> dict[str, float]:
+    def train(self, batch: BatchedDataDict[Any], loss_fn: LossFunction) -> dict[str, float]:
         """One optimizer step on the global batch: microbatches with gradient accumulation,
         data-parallel sharding, gradient clipping, optimizer and LR-scheduler step.
 

@@ -1,0 +1,138 @@
+"""Repository rules that fetch the lint tools (run at fetch time, cached by Bazel).
+
+    lint_python_tools(name, lock)         -> @name//:ruff, :clang_format, :mypy (a site folder)
+    npm_buildifier(name, version, sha256) -> @name//:buildifier
+
+Both go through the machine's own package managers (pip, npm): no index or registry host is
+written into the repository. Neither tool is a runtime dependency, so they stay out of the venv
+and the images.
+"""
+
+_ENV_VARS = [
+    "DOCKYARD_PYTHON",
+    "HOME",
+    "PIP_EXTRA_INDEX_URL",
+    "PIP_FIND_LINKS",
+    "PIP_INDEX_URL",
+    "NPM_CONFIG_REGISTRY",
+]
+
+def _run(rctx, command, what):
+    result = rctx.execute(command, timeout = 1200, quiet = False)
+    if result.return_code != 0:
+        fail("{}: {} failed (exit {}): {}".format(
+            rctx.name,
+            what,
+            result.return_code,
+            result.stderr,
+        ))
+    return result.stdout
+
+def _lint_python_tools_impl(rctx):
+    python = rctx.os.environ.get("DOCKYARD_PYTHON", "python3")
+    if "/" not in python:
+        found = rctx.which(python)
+        if not found:
+            fail("No `{}` on PATH; install CPython 3.11 or set DOCKYARD_PYTHON".format(python))
+        python = str(found)
+    lock = rctx.path(rctx.attr.lock)
+    rctx.report_progress("Installing the lint tools of {}".format(rctx.attr.lock))
+    _run(rctx, [
+        python,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--require-hashes",
+        "--only-binary=:all:",
+        "--no-compile",
+        "--disable-pip-version-check",
+        "--target",
+        "site",
+        "-r",
+        lock,
+    ], "pip install")
+    rctx.file("WORKSPACE", "workspace(name = \"{}\")\n".format(rctx.name))
+    rctx.file("BUILD.bazel", """package(default_visibility = ["//visibility:public"])
+
+# ruff's wheel ships the static binary as a script; clang-format's keeps it in package data.
+exports_files([
+    "site/bin/ruff",
+    "site/clang_format/data/bin/clang-format",
+    "site/mypy/__init__.py",
+])
+
+alias(name = "ruff", actual = "site/bin/ruff")
+
+alias(name = "clang_format", actual = "site/clang_format/data/bin/clang-format")
+
+# mypy runs as `python -m mypy` with this folder on PYTHONPATH (site/mypy/__init__.py marks it).
+filegroup(
+    name = "mypy",
+    srcs = glob(["site/**"], exclude = ["site/bin/**", "site/clang_format/**", "**/*.pyc"]),
+)
+""")
+
+lint_python_tools = repository_rule(
+    implementation = _lint_python_tools_impl,
+    attrs = {
+        "lock": attr.label(
+            mandatory = True,
+            allow_single_file = True,
+            doc = "a hash-pinned tools/python/lock.py lock",
+        ),
+    },
+    environ = _ENV_VARS,
+    doc = "The lock's wheels (ruff, mypy, clang-format) installed into one folder.",
+)
+
+# The npm package carries buildifier's static binaries for every platform; we take this one's.
+_BUILDIFIER_PLATFORMS = {
+    "amd64": "linux_amd64",
+    "x86_64": "linux_amd64",
+    "aarch64": "linux_arm64",
+    "arm64": "linux_arm64",
+}
+
+def _npm_buildifier_impl(rctx):
+    npm = rctx.which("npm")
+    if not npm:
+        fail("No `npm` on PATH: buildifier comes from the npm registry's @bazel/buildifier " +
+             "package (Debian: apt-get install npm; tools/bazel installs it).")
+
+    # (repository_ctx.os.arch is Bazel >= 5; uname works on both.)
+    arch = _run(rctx, ["uname", "-m"], "uname -m").strip()
+    if rctx.os.name != "linux" or arch not in _BUILDIFIER_PLATFORMS:
+        fail("buildifier: no binary for {} {} in @bazel/buildifier".format(rctx.os.name, arch))
+    package = "@bazel/buildifier@" + rctx.attr.version
+    rctx.report_progress("Fetching {} through npm".format(package))
+    tarball = _run(rctx, [npm, "pack", "--silent", package], "npm pack " + package).strip()
+    tarball = tarball.splitlines()[-1]
+    digest = _run(rctx, ["sha256sum", tarball], "sha256sum").split(" ")[0]
+    if digest != rctx.attr.sha256:
+        fail("{} has sha256 {}, the pin says {}: refusing it".format(
+            tarball,
+            digest,
+            rctx.attr.sha256,
+        ))
+    rctx.extract(tarball, stripPrefix = "package")
+    rctx.delete(tarball)
+    binary = "buildifier-" + _BUILDIFIER_PLATFORMS[arch]
+    rctx.file("WORKSPACE", "workspace(name = \"{}\")\n".format(rctx.name))
+    rctx.file("BUILD.bazel", """package(default_visibility = ["//visibility:public"])
+
+alias(name = "buildifier", actual = "{}")
+
+exports_files(["{}"])
+""".format(binary, binary))
+
+npm_buildifier = repository_rule(
+    implementation = _npm_buildifier_impl,
+    attrs = {
+        "version": attr.string(mandatory = True),
+        "sha256": attr.string(mandatory = True, doc = "of the npm package tarball"),
+    },
+    environ = _ENV_VARS,
+    doc = "buildifier's static binary from the npm package @bazel/buildifier, pinned by sha256.",
+)
