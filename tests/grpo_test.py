@@ -44,21 +44,33 @@ def _task_rows(root: pathlib.Path, names: list[str]) -> list[dict]:
     rows = []
     for name in names:
         toy = testing_repos.make_toy_repo(root / name)
-        rows.append({"instance_id": f"{name}__calc-1", "repo": str(toy.path),
-                     "base_commit": toy.base_commit, "patch": toy.gold_patch,
-                     "test_patch": toy.test_patch, "FAIL_TO_PASS": list(toy.fail_to_pass),
-                     "PASS_TO_PASS": list(toy.pass_to_pass), "problem_statement": PROBLEM,
-                     "version": "1.0"})
+        rows.append(
+            {
+                "instance_id": f"{name}__calc-1",
+                "repo": str(toy.path),
+                "base_commit": toy.base_commit,
+                "patch": toy.gold_patch,
+                "test_patch": toy.test_patch,
+                "FAIL_TO_PASS": list(toy.fail_to_pass),
+                "PASS_TO_PASS": list(toy.pass_to_pass),
+                "problem_statement": PROBLEM,
+                "version": "1.0",
+            }
+        )
     return rows
 
 
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
     root = tmp_path_factory.mktemp("tasks")
-    for split, names in (("train", ["toy_a", "toy_b", "toy_c"]), ("val", ["toy_v"]),
-                         ("warm", ["toy_w"])):
+    for split, names in (
+        ("train", ["toy_a", "toy_b", "toy_c"]),
+        ("val", ["toy_v"]),
+        ("warm", ["toy_w"]),
+    ):
         (root / f"{split}.jsonl").write_text(
-            "".join(json.dumps(r) + "\n" for r in _task_rows(root / split, names)))
+            "".join(json.dumps(r) + "\n" for r in _task_rows(root / split, names))
+        )
     return root / "train.jsonl", root / "val.jsonl"
 
 
@@ -67,31 +79,58 @@ def _warm_start(tasks) -> dict:
     return {"train_path": str(tasks[0].parent / "warm.jsonl"), "num_epochs": 3, "batch_size": 1}
 
 
-def _recipe(tmp: pathlib.Path, tasks, warm_start: dict | None = None,
-            **grpo_keys) -> pathlib.Path:
+def _recipe(tmp: pathlib.Path, tasks, warm_start: dict | None = None, **grpo_keys) -> pathlib.Path:
     train, val = tasks
     recipe = {
         "warm_start": warm_start,
-        "grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2,
-                 "max_num_steps": 2, "val_period": 1, "val_at_start": True,
-                 "val_num_prompts": 1, "run_name": "run", **grpo_keys},
-        "policy": {"model": "tiny-llama", "dp_size": 1, "micro_batch_size": 4,
-                   "optimizer": {"learning_rate": 1.0e-3}},
-        "generation": {"model": "tiny-llama", "max_model_len": 1024,
-                       "kv_cache_memory_bytes": "64MiB", "enforce_eager": True,
-                       "temperature": 1.0, "max_tokens": 24, "stop": ["e"]},
+        "grpo": {
+            "num_prompts_per_step": 2,
+            "num_generations_per_prompt": 2,
+            "max_num_steps": 2,
+            "val_period": 1,
+            "val_at_start": True,
+            "val_num_prompts": 1,
+            "run_name": "run",
+            **grpo_keys,
+        },
+        "policy": {
+            "model": "tiny-llama",
+            "dp_size": 1,
+            "micro_batch_size": 4,
+            "optimizer": {"learning_rate": 1.0e-3},
+        },
+        "generation": {
+            "model": "tiny-llama",
+            "max_model_len": 1024,
+            "kv_cache_memory_bytes": "64MiB",
+            "enforce_eager": True,
+            "temperature": 1.0,
+            "max_tokens": 24,
+            "stop": ["e"],
+        },
         "loss_fn": {"use_importance_sampling_correction": True},
         "async_grpo": {"max_trajectory_age_steps": 1, "max_buffer_groups": 4},
-        "data": {"train_path": str(train), "validation_path": str(val),
-                 "prompt": {"patch_format": "diff", "max_context_tokens": 512}},
+        "data": {
+            "train_path": str(train),
+            "validation_path": str(val),
+            "prompt": {"patch_format": "diff", "max_context_tokens": 512},
+        },
         "env": {"swe": {"task_timeout_s": 120, "poll_interval_s": 0.2}},
-        "rewards": {"stages": [{"type": "integrity"},
-                               {"type": "invalid_action", "penalty": -1.0},
-                               {"type": "overlong", "threshold": 1, "max_length": 24}]},
+        "rewards": {
+            "stages": [
+                {"type": "integrity"},
+                {"type": "invalid_action", "penalty": -1.0},
+                {"type": "overlong", "threshold": 1, "max_length": 24},
+            ]
+        },
         "executor": {"port": 0, "num_workers": 2, "work_dir": str(tmp / "executor")},
         "cluster": {"node": {"num_cpus": 4}},
-        "checkpointing": {"checkpoint_dir": "checkpoints", "save_period": 1, "keep_top_k": 2,
-                          "metric_name": "val/reward_mean"},
+        "checkpointing": {
+            "checkpoint_dir": "checkpoints",
+            "save_period": 1,
+            "keep_top_k": 2,
+            "metric_name": "val/reward_mean",
+        },
         "logger": {"log_dir": str(tmp / "results"), "console": False},
     }
     path = tmp / "recipe.yaml"
@@ -124,8 +163,9 @@ def _weights_changed(run_dir: pathlib.Path, num_steps: int) -> bool:
 
     (base_file,) = zoo.resolve_model("tiny-llama").glob("*.safetensors")
     base = load_file(str(base_file))
-    trained = load_file(str(run_dir / "checkpoints" / f"step_{num_steps}" / "policy"
-                            / "model.safetensors"))
+    trained = load_file(
+        str(run_dir / "checkpoints" / f"step_{num_steps}" / "policy" / "model.safetensors")
+    )
     return any(not (base[name] == tensor).all() for name, tensor in trained.items())
 
 
@@ -140,8 +180,9 @@ def test_sync_grpo_two_steps_after_a_warm_start(tmp_path, tasks):
     (warm,) = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "warm_start/num_examples" in r]
     assert warm["step"] == 0 and warm["warm_start/num_examples"] == 1.0
     assert warm["warm_start/optimizer_steps"] == 3.0
-    assert warm["warm_start/nll_per_token_last_epoch"] \
-        < warm["warm_start/nll_per_token_first_epoch"]
+    assert (
+        warm["warm_start/nll_per_token_last_epoch"] < warm["warm_start/nll_per_token_first_epoch"]
+    )
 
 
 def test_async_grpo_two_steps_respects_the_age_bound(tmp_path, tasks):
@@ -156,9 +197,13 @@ def test_async_grpo_two_steps_respects_the_age_bound(tmp_path, tasks):
 def _launch(recipe: pathlib.Path, log: pathlib.Path) -> subprocess.Popen:
     code = "import sys; from launch.grpo_swe import main; sys.exit(main(sys.argv[1:]))"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.Popen([sys.executable, "-c", code, "--config", str(recipe)], env=env,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, "--config", str(recipe)],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _consumed(log: pathlib.Path) -> dict[int, list[str]]:
@@ -172,8 +217,9 @@ def test_sigkill_during_step_2_then_the_same_command_resumes(tmp_path, tasks):
     first = _launch(recipe, tmp_path / "first.log")
     deadline = time.monotonic() + 900
     # Kill once step 1 is checkpointed and step 2 has started.
-    while not (_consumed(tmp_path / "first.log").get(2)
-               and list((run_dir / "checkpoints").glob("step_1"))):
+    while not (
+        _consumed(tmp_path / "first.log").get(2) and list((run_dir / "checkpoints").glob("step_1"))
+    ):
         assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "step 2 never started"
         time.sleep(0.5)

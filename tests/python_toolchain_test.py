@@ -8,9 +8,28 @@ import sys
 
 import pytest
 
-REQUIRED_MODULES = ["vllm", "torch", "ray", "jax", "flax", "transformers", "nanobind",
-                    "safetensors", "gguf", "accelerate", "pytest", "hypothesis", "absl",
-                    "zmq", "aiohttp", "tensorboard", "unidiff", "libcst", "yaml", "optax"]
+REQUIRED_MODULES = [
+    "vllm",
+    "torch",
+    "ray",
+    "jax",
+    "flax",
+    "transformers",
+    "nanobind",
+    "safetensors",
+    "gguf",
+    "accelerate",
+    "pytest",
+    "hypothesis",
+    "absl",
+    "zmq",
+    "aiohttp",
+    "tensorboard",
+    "unidiff",
+    "libcst",
+    "yaml",
+    "optax",
+]
 # PyPI's builds of these are linked against another torch and break `import transformers`.
 FORBIDDEN_DISTRIBUTIONS = ["torchvision", "torchaudio", "torchcodec", "llm", "llama-cpp-python"]
 
@@ -41,9 +60,11 @@ def test_installed_versions_match_the_lock():
             name, _, rest = entry.partition("==")
             pins[name.strip()] = rest.split()[0]
     assert pins["torch"].startswith("2.13.0")
-    mismatched = {name: (version, importlib.metadata.version(name))
-                  for name, version in pins.items()
-                  if importlib.metadata.version(name) != version}
+    mismatched = {
+        name: (version, importlib.metadata.version(name))
+        for name, version in pins.items()
+        if importlib.metadata.version(name) != version
+    }
     assert not mismatched, f"installed versions differ from the lock: {mismatched}"
 
 

@@ -72,14 +72,25 @@ from sandbox_attacks import ATTACKS, Attack, AttackContext  # noqa: E402
 _MiB = 1024 * 1024
 _TASK_TIMEOUT_S = 60.0
 _WAIT_TIMEOUT_S = 900.0
-_GIT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8",
-            "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
-            "GIT_TERMINAL_PROMPT": "0"}
+_GIT_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/nonexistent",
+    "LANG": "C.UTF-8",
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_CONFIG_GLOBAL": "/dev/null",
+    "GIT_TERMINAL_PROMPT": "0",
+}
 
 
 def _git(cwd: pathlib.Path, *args: str) -> str:
-    done = subprocess.run(["git", "-C", str(cwd), *args], env=_GIT_ENV, capture_output=True,
-                          text=True, errors="replace", check=False)
+    done = subprocess.run(
+        ["git", "-C", str(cwd), *args],
+        env=_GIT_ENV,
+        capture_output=True,
+        text=True,
+        errors="replace",
+        check=False,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"git {' '.join(args)} (in {cwd}) failed: {done.stderr.strip()}")
     return done.stdout
@@ -88,8 +99,7 @@ def _git(cwd: pathlib.Path, *args: str) -> str:
 def _remove_tree(path: pathlib.Path) -> None:
     # GNU rm copes with trees deeper than PATH_MAX and with chmod 000 directories (as root).
     subprocess.run(["chmod", "-R", "u+rwx", str(path)], capture_output=True, check=False)
-    subprocess.run(["rm", "-rf", "--one-file-system", str(path)], capture_output=True,
-                   check=False)
+    subprocess.run(["rm", "-rf", "--one-file-system", str(path)], capture_output=True, check=False)
 
 
 def _pipeline_config() -> PipelineConfig:
@@ -100,8 +110,7 @@ def _pipeline_config() -> PipelineConfig:
     for name in names:
         if "worktree" in name and name.endswith("bytes"):
             settings[name] = 512 * _MiB
-    return from_dict(PipelineConfig, {k: v for k, v in settings.items() if k in names},
-                     "pipeline")
+    return from_dict(PipelineConfig, {k: v for k, v in settings.items() if k in names}, "pipeline")
 
 
 class _ExecutorThread:
@@ -134,7 +143,7 @@ class _ExecutorThread:
         finally:
             self._ready.set()
 
-    def start(self) -> "_ExecutorThread":
+    def start(self) -> _ExecutorThread:
         self._thread.start()
         self._ready.wait(120)
         if self.url is None:
@@ -154,9 +163,14 @@ def _client(url: str) -> ExecutorClient:
 async def _score_all(url: str, specs: list) -> list[TaskResult]:
     async with _client(url) as client:
         task_ids = [await client.submit(spec) for spec in specs]
-        return list(await asyncio.gather(*(
-            client.wait(task_id, poll_interval_s=0.5, timeout_s=_WAIT_TIMEOUT_S)
-            for task_id in task_ids)))
+        return list(
+            await asyncio.gather(
+                *(
+                    client.wait(task_id, poll_interval_s=0.5, timeout_s=_WAIT_TIMEOUT_S)
+                    for task_id in task_ids
+                )
+            )
+        )
 
 
 @dataclasses.dataclass
@@ -176,8 +190,8 @@ class _Suite:
     work_dir: pathlib.Path
     pwned_path: pathlib.Path
     instances: list
-    target: object                         # the SweInstance every attack targets
-    patches: dict[str, str]                # attack name -> its patch
+    target: object  # the SweInstance every attack targets
+    patches: dict[str, str]  # attack name -> its patch
     outcomes: dict[str, _Outcome]
     attacks_wall_s: float
     max_rss_growth_mib: float
@@ -195,8 +209,16 @@ def build_patch(attack: Attack, checkout: pathlib.Path, ctx: AttackContext) -> s
     try:
         attack.build(ctx)
         _git(checkout, "add", "-A", "-f")
-        return _git(checkout, "diff", "--cached", "--binary", "--no-color", "--no-ext-diff",
-                    "--no-renames", "HEAD")
+        return _git(
+            checkout,
+            "diff",
+            "--cached",
+            "--binary",
+            "--no-color",
+            "--no-ext-diff",
+            "--no-renames",
+            "HEAD",
+        )
     finally:
         _git(checkout, "clean", "-fdxq")
         _git(checkout, "reset", "-q", "--hard", "HEAD")
@@ -213,30 +235,55 @@ def suite(tmp_path_factory):
     base.chmod(0o755)
     taskset, work_dir = base / "taskset", base / "executor"
     archive = testing_sdists.make_toy_sdist(base / "downloads")
-    executor_config = ExecutorConfig(port=0, num_workers=2, work_dir=str(work_dir),
-                                     max_infra_attempts=1, max_patch_bytes=4 * _MiB,
-                                     retry_backoff_s=0.0, pipeline=_pipeline_config())
+    executor_config = ExecutorConfig(
+        port=0,
+        num_workers=2,
+        work_dir=str(work_dir),
+        max_infra_attempts=1,
+        max_patch_bytes=4 * _MiB,
+        retry_backoff_s=0.0,
+        pipeline=_pipeline_config(),
+    )
     executor = _ExecutorThread(executor_config).start()
     try:
-        code = synthesize_swe_tasks.main([
-            "--packages", str(archive), "--out", str(taskset), "--max-tasks-per-package", "2",
-            "--executor-url", executor.url, "--log-level", "WARNING"])
+        code = synthesize_swe_tasks.main(
+            [
+                "--packages",
+                str(archive),
+                "--out",
+                str(taskset),
+                "--max-tasks-per-package",
+                "2",
+                "--executor-url",
+                executor.url,
+                "--log-level",
+                "WARNING",
+            ]
+        )
         assert code == 0, "synthesis of the toy tasks failed"
         instances = load_jsonl(taskset / "tasks.jsonl")
         targets = [i for i in instances if any(t.endswith("::test_mean") for t in i.FAIL_TO_PASS)]
-        assert targets, ("the seeded synthesis no longer yields the test_mean task: "
-                         f"{[i.FAIL_TO_PASS for i in instances]}")
+        assert targets, (
+            "the seeded synthesis no longer yields the test_mean task: "
+            f"{[i.FAIL_TO_PASS for i in instances]}"
+        )
         target = targets[0]
 
         checkout = base / "attacker-checkout"
         _git(base, "clone", "-q", "--shared", "--no-checkout", target.repo, str(checkout))
         _git(checkout, "checkout", "-q", "--detach", target.base_commit)
         pwned_path = base / "PWNED-by-host-side-git"
-        ctx = AttackContext(root=checkout, base_commit=target.base_commit,
-                            fail_to_pass_names=_fail_to_pass_names(target.FAIL_TO_PASS),
-                            pwned_path=str(pwned_path))
-        gold_added = {line[1:].strip() for line in target.patch.splitlines()
-                      if line.startswith("+") and not line.startswith("+++") and line[1:].strip()}
+        ctx = AttackContext(
+            root=checkout,
+            base_commit=target.base_commit,
+            fail_to_pass_names=_fail_to_pass_names(target.FAIL_TO_PASS),
+            pwned_path=str(pwned_path),
+        )
+        gold_added = {
+            line[1:].strip()
+            for line in target.patch.splitlines()
+            if line.startswith("+") and not line.startswith("+++") and line[1:].strip()
+        }
         patches = {}
         for attack in ATTACKS:
             patch = build_patch(attack, checkout, ctx)
@@ -245,22 +292,39 @@ def suite(tmp_path_factory):
             assert not gold_added & added, f"{attack.name}: the patch carries the gold fix"
             patches[attack.name] = patch
 
-        specs = [target.to_task_spec(patches[a.name], timeout_s=a.timeout_s,
-                                     task_id=f"attack-{a.name}") for a in ATTACKS]
+        specs = [
+            target.to_task_spec(patches[a.name], timeout_s=a.timeout_s, task_id=f"attack-{a.name}")
+            for a in ATTACKS
+        ]
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         start = time.monotonic()
         results = asyncio.run(_score_all(executor.url, specs))
         wall_s = time.monotonic() - start
         rss_growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
-        outcomes = {a.name: _Outcome(a, len(patches[a.name].encode()), r,
-                                     (r.verdict.timings_s.get("total", 0.0) if r.verdict else 0.0))
-                    for a, r in zip(ATTACKS, results)}
+        outcomes = {
+            a.name: _Outcome(
+                a,
+                len(patches[a.name].encode()),
+                r,
+                (r.verdict.timings_s.get("total", 0.0) if r.verdict else 0.0),
+            )
+            for a, r in zip(ATTACKS, results)
+        }
         _print_table(outcomes, wall_s, rss_growth)
-        yield _Suite(url=executor.url, executor=executor, base=base, taskset=taskset,
-                     work_dir=work_dir, pwned_path=pwned_path, instances=instances,
-                     target=target, patches=patches, outcomes=outcomes,
-                     attacks_wall_s=wall_s,
-                     max_rss_growth_mib=rss_growth)
+        yield _Suite(
+            url=executor.url,
+            executor=executor,
+            base=base,
+            taskset=taskset,
+            work_dir=work_dir,
+            pwned_path=pwned_path,
+            instances=instances,
+            target=target,
+            patches=patches,
+            outcomes=outcomes,
+            attacks_wall_s=wall_s,
+            max_rss_growth_mib=rss_growth,
+        )
     finally:
         executor.stop()
         _remove_tree(base)
@@ -272,27 +336,39 @@ def _describe(outcome: _Outcome) -> str:
     if verdict is None:
         return f"status={result.status.value} error={result.error!r}"
     tail = verdict.log_tail[-1500:]
-    return (f"status={result.status.value} resolved={verdict.resolved} reward={verdict.reward} "
-            f"failure_kind={verdict.failure_kind.value} detail={verdict.failure_detail!r} "
-            f"apply={verdict.apply_method.value} integrity={list(verdict.integrity_violation)} "
-            f"exit={verdict.test_exit_code} timed_out={verdict.timed_out} "
-            f"flags={list(verdict.screening_flags)} F2P={ {k: v.value for k, v in verdict.fail_to_pass.items()} }"
-            f"\n--- log tail ---\n{tail}")
+    return (
+        f"status={result.status.value} resolved={verdict.resolved} reward={verdict.reward} "
+        f"failure_kind={verdict.failure_kind.value} detail={verdict.failure_detail!r} "
+        f"apply={verdict.apply_method.value} integrity={list(verdict.integrity_violation)} "
+        f"exit={verdict.test_exit_code} timed_out={verdict.timed_out} "
+        f"flags={list(verdict.screening_flags)} "
+        f"F2P={ {k: v.value for k, v in verdict.fail_to_pass.items()} }"
+        f"\n--- log tail ---\n{tail}"
+    )
 
 
 def _print_table(outcomes: dict[str, _Outcome], wall_s: float, rss_growth_mib: float) -> None:
-    print(f"\n[attack suite] {len(outcomes)} attacks scored in {wall_s:.1f} s on 2 workers; "
-          f"max RSS of this process (executor inside) grew by {rss_growth_mib:.0f} MiB")
+    print(
+        f"\n[attack suite] {len(outcomes)} attacks scored in {wall_s:.1f} s on 2 workers; "
+        f"max RSS of this process (executor inside) grew by {rss_growth_mib:.0f} MiB"
+    )
     for name, outcome in outcomes.items():
         result, verdict = outcome.result, outcome.result.verdict
         if verdict is None:
             state = f"{result.status.value}: {(result.error or '')[:150]}"
         else:
-            state = (f"{'RESOLVED' if verdict.resolved else 'unresolved'} "
-                     f"kind={verdict.failure_kind.value} reward={verdict.reward} "
-                     f"apply={verdict.apply_method.value} exit={verdict.test_exit_code}"
-                     f"{' timed_out' if verdict.timed_out else ''}"
-                     f"{' integrity=' + ','.join(verdict.integrity_violation)[:60] if verdict.integrity_violation else ''}")
+            integrity = (
+                " integrity=" + ",".join(verdict.integrity_violation)[:60]
+                if verdict.integrity_violation
+                else ""
+            )
+            state = (
+                f"{'RESOLVED' if verdict.resolved else 'unresolved'} "
+                f"kind={verdict.failure_kind.value} reward={verdict.reward} "
+                f"apply={verdict.apply_method.value} exit={verdict.test_exit_code}"
+                f"{' timed_out' if verdict.timed_out else ''}"
+                f"{integrity}"
+            )
         print(f"  [{outcome.attack.attack_class}] {name:<50} {outcome.elapsed_s:6.1f}s  {state}")
 
 
@@ -300,14 +376,16 @@ def _print_table(outcomes: dict[str, _Outcome], wall_s: float, rss_growth_mib: f
 def test_attack(suite, attack):
     outcome = suite.outcomes[attack.name]
     result = outcome.result
-    assert result.status is TaskStatus.FINISHED, \
+    assert result.status is TaskStatus.FINISHED, (
         f"{attack.name} made its own verdict an infrastructure error: {_describe(outcome)}"
+    )
     verdict = result.verdict
     assert not verdict.resolved, f"{attack.name} FAKED A RESOLVE: {_describe(outcome)}"
     assert verdict.reward == 0.0, f"{attack.name} got reward {verdict.reward}: {_describe(outcome)}"
     assert verdict.failure_kind in attack.expected, (
         f"{attack.name}: failure_kind {verdict.failure_kind.value!r} not in "
-        f"{sorted(k.value for k in attack.expected)}: {_describe(outcome)}")
+        f"{sorted(k.value for k in attack.expected)}: {_describe(outcome)}"
+    )
 
 
 def naive_resolves(instance, patch: str, work: pathlib.Path) -> tuple[bool, str]:
@@ -317,6 +395,7 @@ def naive_resolves(instance, patch: str, work: pathlib.Path) -> tuple[bool, str]
     then resolved = exit status 0 and every FAIL_TO_PASS / PASS_TO_PASS testcase passed in a
     report of at most 64 MB with this run's suite name. Returns (resolved, why)."""
     from _pytest.junitxml import mangle_test_address
+
     worktree = work / "repo"
     _git(work, "clone", "-q", "--shared", "--no-checkout", instance.repo, str(worktree))
     _git(worktree, "checkout", "-q", "--detach", instance.base_commit)
@@ -330,13 +409,28 @@ def naive_resolves(instance, patch: str, work: pathlib.Path) -> tuple[bool, str]
     command = shlex.split(instance.test_command)
     if command[0] == "python":
         command[0] = sys.executable
-    command += [f"--junitxml={report}", "-o", f"junit_suite_name={nonce}",
-                "-o", "junit_family=xunit1"]
-    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "HOME": str(work),
-           "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+    command += [
+        f"--junitxml={report}",
+        "-o",
+        f"junit_suite_name={nonce}",
+        "-o",
+        "junit_family=xunit1",
+    ]
+    env = {
+        "PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin",
+        "HOME": str(work),
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
     try:
-        done = subprocess.run(command, cwd=worktree, env=env, capture_output=True, timeout=90,
-                              stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            command,
+            cwd=worktree,
+            env=env,
+            capture_output=True,
+            timeout=90,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
         return False, "timed out"
     if not report.is_file() or report.is_symlink() or report.stat().st_size > 64 * _MiB:
@@ -356,8 +450,10 @@ def naive_resolves(instance, patch: str, work: pathlib.Path) -> tuple[bool, str]
         if not outcomes.get((".".join(names[:-1]), names[-1]), False):
             missing.append(node_id)
     tail = done.stdout.decode(errors="replace")[-800:]
-    return done.returncode == 0 and not missing, \
-        f"exit {done.returncode}; not passed: {missing}\n{tail}"
+    return (
+        done.returncode == 0 and not missing,
+        f"exit {done.returncode}; not passed: {missing}\n{tail}",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -377,8 +473,11 @@ def naive_outcomes(suite):
         return dict(pool.map(one, attacks))
 
 
-@pytest.mark.parametrize("attack", [a for a in ATTACKS if a.naive_resolves],
-                         ids=[a.name for a in ATTACKS if a.naive_resolves])
+@pytest.mark.parametrize(
+    "attack",
+    [a for a in ATTACKS if a.naive_resolves],
+    ids=[a.name for a in ATTACKS if a.naive_resolves],
+)
 def test_attack_fools_a_naive_harness(naive_outcomes, attack):
     """The cheat really works where nothing stops it: an attack that passes the suite only
     because its code silently broke would prove nothing."""
@@ -398,10 +497,12 @@ def test_crafted_binary_hunk_is_what_git_writes(tmp_path):
     small payload, checked by `git apply --check` against an empty repository."""
     import hashlib
     import zlib
+
     payload = bytes(range(256)) * 40
     sha = hashlib.sha1(f"blob {len(payload)}\0".encode() + payload).hexdigest()
-    patch = sandbox_attacks.binary_new_file_patch("blob.bin", zlib.compress(payload, 9),
-                                                  len(payload), sha)
+    patch = sandbox_attacks.binary_new_file_patch(
+        "blob.bin", zlib.compress(payload, 9), len(payload), sha
+    )
     repo = tmp_path / "repo"
     repo.mkdir()
     _git(repo, "init", "-q")
@@ -413,12 +514,18 @@ def test_crafted_binary_hunk_is_what_git_writes(tmp_path):
 def test_executor_healthy_and_controls_after_attacks(suite):
     outcomes = suite.outcomes
     num_attacks = len(outcomes)
-    false_resolved = sorted(name for name, o in outcomes.items()
-                            if o.result.verdict is not None and o.result.verdict.resolved)
-    infra = sorted(name for name, o in outcomes.items()
-                   if o.result.status is not TaskStatus.FINISHED)
-    print(f"\nfalse_resolved={len(false_resolved)}/{num_attacks} "
-          f"patch_caused_infra_errors={len(infra)}/{num_attacks}")
+    false_resolved = sorted(
+        name
+        for name, o in outcomes.items()
+        if o.result.verdict is not None and o.result.verdict.resolved
+    )
+    infra = sorted(
+        name for name, o in outcomes.items() if o.result.status is not TaskStatus.FINISHED
+    )
+    print(
+        f"\nfalse_resolved={len(false_resolved)}/{num_attacks} "
+        f"patch_caused_infra_errors={len(infra)}/{num_attacks}"
+    )
     if false_resolved:
         print(f"  resolved: {', '.join(false_resolved)}")
     if infra:
@@ -430,21 +537,33 @@ def test_executor_healthy_and_controls_after_attacks(suite):
             health = await client.healthz()
         specs = []
         for instance in suite.instances:
-            specs.append(instance.to_task_spec(instance.patch, timeout_s=_TASK_TIMEOUT_S,
-                                               task_id=f"control-gold-{instance.instance_id}"))
-            specs.append(instance.to_task_spec("", timeout_s=_TASK_TIMEOUT_S,
-                                               task_id=f"control-empty-{instance.instance_id}"))
+            specs.append(
+                instance.to_task_spec(
+                    instance.patch,
+                    timeout_s=_TASK_TIMEOUT_S,
+                    task_id=f"control-gold-{instance.instance_id}",
+                )
+            )
+            specs.append(
+                instance.to_task_spec(
+                    "", timeout_s=_TASK_TIMEOUT_S, task_id=f"control-empty-{instance.instance_id}"
+                )
+            )
         return health, await _score_all(suite.url, specs)
 
     health, controls = asyncio.run(after())
     assert health.get("status") == "ok", health
     for index, instance in enumerate(suite.instances):
         gold, empty = controls[2 * index], controls[2 * index + 1]
-        assert gold.status is TaskStatus.FINISHED and gold.verdict.resolved, \
-            (instance.instance_id, gold)
+        assert gold.status is TaskStatus.FINISHED and gold.verdict.resolved, (
+            instance.instance_id,
+            gold,
+        )
         assert gold.verdict.reward == 1.0 and gold.verdict.failure_kind is FailureKind.NONE
-        assert empty.status is TaskStatus.FINISHED and not empty.verdict.resolved, \
-            (instance.instance_id, empty)
+        assert empty.status is TaskStatus.FINISHED and not empty.verdict.resolved, (
+            instance.instance_id,
+            empty,
+        )
         assert empty.verdict.reward == 0.0
         assert empty.verdict.failure_kind is FailureKind.TESTS_FAILED, empty.verdict.failure_kind
 
@@ -453,8 +572,11 @@ def test_executor_healthy_and_controls_after_attacks(suite):
     assert (suite.taskset / "tasks.jsonl").is_file()
     assert pathlib.Path(suite.target.repo, "objects").is_dir()
     # Every task directory was cleaned up, however hostile the tree its tests left.
-    leftovers = sorted(p.name for p in (suite.work_dir / "tasks").glob("*")) \
-        if (suite.work_dir / "tasks").is_dir() else []
+    leftovers = (
+        sorted(p.name for p in (suite.work_dir / "tasks").glob("*"))
+        if (suite.work_dir / "tasks").is_dir()
+        else []
+    )
     assert leftovers == [], f"task directories left behind: {leftovers}"
 
     assert false_resolved == [], f"attacks that came back RESOLVED: {false_resolved}"

@@ -41,10 +41,20 @@ WORKSPACE = pathlib.Path(__file__).absolute().parents[1]  # also the runfiles ro
 IMAGE = WORKSPACE / "ubuntu-base" / "sandbox_image.tar"
 TAG = "dockyard/ubuntu-swe:latest"
 PODMAN_RUN_OPTIONS = ["--runtime", "runc"]
-CONTAINER_OPTIONS = ["--ulimit", "nofile=20000:20000", "--ulimit", "nproc=4096:4096",
-                     "--cap-add", "SYS_ADMIN", "--cap-add", "NET_ADMIN",
-                     "--security-opt", "seccomp=unconfined",
-                     "--security-opt", "unmask=/proc/*"]
+CONTAINER_OPTIONS = [
+    "--ulimit",
+    "nofile=20000:20000",
+    "--ulimit",
+    "nproc=4096:4096",
+    "--cap-add",
+    "SYS_ADMIN",
+    "--cap-add",
+    "NET_ADMIN",
+    "--security-opt",
+    "seccomp=unconfined",
+    "--security-opt",
+    "unmask=/proc/*",
+]
 
 
 @functools.cache  # the 85 MB image is read once per test module, not once per test
@@ -66,8 +76,11 @@ def test_the_image_holds_exactly_the_locked_debian_packages():
     status = _layer_file(_layers()[0], "var/lib/dpkg/status").decode()
     installed = set()
     for paragraph in status.strip().split("\n\n"):
-        fields = dict(line.split(": ", 1) for line in paragraph.splitlines()
-                      if ": " in line and not line.startswith(" "))
+        fields = dict(
+            line.split(": ", 1)
+            for line in paragraph.splitlines()
+            if ": " in line and not line.startswith(" ")
+        )
         assert fields["Status"] == "install ok installed"
         installed.add((fields["Package"], fields["Version"], fields["Architecture"]))
     assert installed == {(p["name"], p["version"], p["architecture"]) for p in lock["packages"]}
@@ -75,28 +88,43 @@ def test_the_image_holds_exactly_the_locked_debian_packages():
 
 
 def test_the_image_holds_exactly_the_locked_wheels():
-    pins = dict(re.findall(r"^([A-Za-z0-9_.\-]+)==(\S+) \\$",
-                           (WORKSPACE / "requirements" / "sandbox.lock.txt").read_text(), re.M))
+    pins = dict(
+        re.findall(
+            r"^([A-Za-z0-9_.\-]+)==(\S+) \\$",
+            (WORKSPACE / "requirements" / "sandbox.lock.txt").read_text(),
+            re.M,
+        )
+    )
     with tarfile.open(fileobj=io.BytesIO(gzip.decompress(_layers()[1]))) as tarred:
         names = [m.name for m in tarred.getmembers()]
     found = {}
     for name in names:
-        match = re.fullmatch(r"usr/local/lib/python3\.11/dist-packages/(.+)-([^-]+)\.dist-info",
-                             name)
+        match = re.fullmatch(
+            r"usr/local/lib/python3\.11/dist-packages/(.+)-([^-]+)\.dist-info", name
+        )
         if match:
             found[match[1].lower().replace("_", "-")] = match[2]
     assert found == {name.lower().replace("_", "-"): version for name, version in pins.items()}
 
 
-@pytest.mark.skipif(shutil.which("skopeo") is None,
-                    reason="skopeo is not installed (tools/bazel installs Debian's skopeo)")
+@pytest.mark.skipif(
+    shutil.which("skopeo") is None,
+    reason="skopeo is not installed (tools/bazel installs Debian's skopeo)",
+)
 def test_skopeo_reads_the_image(tmp_path):
-    run = subprocess.run(["skopeo", "--tmpdir", str(tmp_path), "inspect", "--config",
-                          f"oci-archive:{IMAGE}"], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        ["skopeo", "--tmpdir", str(tmp_path), "inspect", "--config", f"oci-archive:{IMAGE}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     config = json.loads(run.stdout)
-    assert config["config"]["Entrypoint"] == ["/usr/bin/python3", "-m",
-                                              "dockyard_rl.sandbox.executor"]
+    assert config["config"]["Entrypoint"] == [
+        "/usr/bin/python3",
+        "-m",
+        "dockyard_rl.sandbox.executor",
+    ]
     assert "DOCKYARD_FLEET_ROLE=sandbox" in config["config"]["Env"]
     assert config["config"]["ExposedPorts"] == {"9090/tcp": {}}
     assert len(config["rootfs"]["diff_ids"]) == 3
@@ -119,18 +147,35 @@ def test_layers_rebuilt_from_the_same_inputs_are_the_same_bytes(tmp_path):
     assert (tmp_path / "1.tar.gz").read_bytes() == layers[1]
 
 
-@pytest.mark.skipif(shutil.which("umoci") is None,
-                    reason="umoci is not installed (tools/bazel installs Debian's umoci)")
+@pytest.mark.skipif(
+    shutil.which("umoci") is None,
+    reason="umoci is not installed (tools/bazel installs Debian's umoci)",
+)
 def test_umoci_unpacks_the_image(tmp_path):
     with tarfile.open(IMAGE) as tarred:
         tarred.extractall(tmp_path / "layout", filter="data")
-    run = subprocess.run(["umoci", "unpack", "--rootless", "--image",
-                          f"{tmp_path / 'layout'}:latest", str(tmp_path / "bundle")],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            "umoci",
+            "unpack",
+            "--rootless",
+            "--image",
+            f"{tmp_path / 'layout'}:latest",
+            str(tmp_path / "bundle"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr
     rootfs = tmp_path / "bundle" / "rootfs"
-    for path in ("usr/bin/python3", "usr/bin/git", "usr/bin/bwrap", "usr/bin/prlimit",
-                 "opt/dockyard/dockyard_rl/sandbox/executor.py"):
+    for path in (
+        "usr/bin/python3",
+        "usr/bin/git",
+        "usr/bin/bwrap",
+        "usr/bin/prlimit",
+        "opt/dockyard/dockyard_rl/sandbox/executor.py",
+    ):
         assert (rootfs / path).exists(), path
     assert (rootfs / "bin").is_symlink() and (rootfs / "bin").readlink() == pathlib.Path("usr/bin")
     assert list((rootfs / "usr/local/lib/python3.11/dist-packages").glob("pytest-*.dist-info"))
@@ -146,16 +191,25 @@ class Podman:
     """podman as root with a private store under `root` (nothing left in /var/lib/containers)."""
 
     def __init__(self, root: pathlib.Path):
-        self.command = ["podman", "--root", str(root / "storage"), "--runroot", str(root / "run"),
-                        *PODMAN_RUN_OPTIONS]
+        self.command = [
+            "podman",
+            "--root",
+            str(root / "storage"),
+            "--runroot",
+            str(root / "run"),
+            *PODMAN_RUN_OPTIONS,
+        ]
         # Bazel's test PATH lacks the sbin folders where podman's network helpers look for
         # iptables.
-        self.env = {**os.environ, "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:"
-                                          "/sbin:/bin"}
+        self.env = {
+            **os.environ,
+            "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        }
 
     def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> str:
-        run = subprocess.run([*self.command, *args], capture_output=True, text=True,
-                             timeout=timeout, env=self.env)
+        run = subprocess.run(
+            [*self.command, *args], capture_output=True, text=True, timeout=timeout, env=self.env
+        )
         if check and run.returncode != 0:
             raise AssertionError(f"podman {args[0]} exited {run.returncode}: {run.stderr}")
         return run.stdout + run.stderr
@@ -171,9 +225,20 @@ def executor_url(tmp_path_factory):
     port, name = _free_port(), f"dockyard-sandbox-{uuid.uuid4().hex[:8]}"
     # Off loopback (inside its container) the executor refuses to serve without a token.
     token = secrets.token_hex(16)
-    podman("run", "--detach", "--name", name, *CONTAINER_OPTIONS,
-           "--env", f"DOCKYARD_EXECUTOR_TOKEN={token}",
-           "--publish", f"127.0.0.1:{port}:9090", "--volume", f"{repos}:{repos}:ro", TAG)
+    podman(
+        "run",
+        "--detach",
+        "--name",
+        name,
+        *CONTAINER_OPTIONS,
+        "--env",
+        f"DOCKYARD_EXECUTOR_TOKEN={token}",
+        "--publish",
+        f"127.0.0.1:{port}:9090",
+        "--volume",
+        f"{repos}:{repos}:ro",
+        TAG,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -183,9 +248,10 @@ def executor_url(tmp_path_factory):
                 break
             except Exception as error:
                 state = podman("inspect", "--format", "{{.State.Status}}", name).strip()
-                assert state == "running" and time.monotonic() < deadline, \
-                    f"the executor never answered ({error}); container {state}: " \
+                assert state == "running" and time.monotonic() < deadline, (
+                    f"the executor never answered ({error}); container {state}: "
                     f"{podman('logs', name, check=False)}"
+                )
                 time.sleep(1)
         yield url, token, repos
     finally:
@@ -207,9 +273,11 @@ async def _score(url: str, token: str, spec):
 def test_the_executor_in_the_image_scores_real_tasks(executor_url):
     url, token, repos = executor_url
     toy = make_toy_repo(repos / "toy")
-    hostile_conftest = ("import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"
-                        "def pytest_runtest_makereport(item, call):\n    outcome = yield\n"
-                        "    outcome.get_result().outcome = 'passed'\n")
+    hostile_conftest = (
+        "import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"
+        "def pytest_runtest_makereport(item, call):\n    outcome = yield\n"
+        "    outcome.get_result().outcome = 'passed'\n"
+    )
     gold = asyncio.run(_score(url, token, toy.spec(toy.gold_patch, task_id="image-gold")))
     empty = asyncio.run(_score(url, token, toy.spec("", task_id="image-empty")))
     hostile_patch = toy.patch_for({"conftest.py": hostile_conftest})

@@ -28,8 +28,14 @@ import unidiff
 
 from dockyard_rl.data.datasets import load_jsonl
 from dockyard_rl.data.function_rewrite import diff_to_function_rewrite
-from dockyard_rl.data.patch_formats import (InvalidReason, PatchFormat, diff_to_search_replace,
-                                            git_file_reader, gold_answer, parse_model_output)
+from dockyard_rl.data.patch_formats import (
+    InvalidReason,
+    PatchFormat,
+    diff_to_search_replace,
+    git_file_reader,
+    gold_answer,
+    parse_model_output,
+)
 from dockyard_rl.data.processors import PromptConfig, SwePromptProcessor
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.data.synthesis import synthesize_swe_tasks, testing_sdists
@@ -61,18 +67,29 @@ def toy(tmp_path_factory):
 @pytest.fixture(scope="module")
 def instance(toy):
     # The published datasets store the test lists as JSON-encoded strings: load one that way.
-    row = {"instance_id": "toy__calc-1", "repo": str(toy.path), "base_commit": toy.base_commit,
-           "patch": toy.gold_patch, "test_patch": toy.test_patch,
-           "FAIL_TO_PASS": json.dumps(list(toy.fail_to_pass)),
-           "PASS_TO_PASS": json.dumps(list(toy.pass_to_pass)),
-           "problem_statement": PROBLEM, "version": "1.0"}
+    row = {
+        "instance_id": "toy__calc-1",
+        "repo": str(toy.path),
+        "base_commit": toy.base_commit,
+        "patch": toy.gold_patch,
+        "test_patch": toy.test_patch,
+        "FAIL_TO_PASS": json.dumps(list(toy.fail_to_pass)),
+        "PASS_TO_PASS": json.dumps(list(toy.pass_to_pass)),
+        "problem_statement": PROBLEM,
+        "version": "1.0",
+    }
     return SweInstance.from_row(row, 0, "toy.jsonl")
 
 
 def removed_lines(patch: str) -> list[str]:
     """The base_commit lines the patch removes: code the prompt must show."""
-    return [line.value for patched in unidiff.PatchSet(patch) for hunk in patched
-            for line in hunk if line.is_removed]
+    return [
+        line.value
+        for patched in unidiff.PatchSet(patch)
+        for hunk in patched
+        for line in hunk
+        if line.is_removed
+    ]
 
 
 def make_rollout(instance, tokenizer, output, patch_format, read_file, files_shown=()):
@@ -83,11 +100,13 @@ def make_rollout(instance, tokenizer, output, patch_format, read_file, files_sho
         invalid_reason=None if parsed.valid else parsed.invalid_reason.value,
         response_text=output,
         response_length=len(tokenizer(output, add_special_tokens=False)["input_ids"]),
-        max_response_length=MAX_RESPONSE_TOKENS)
+        max_response_length=MAX_RESPONSE_TOKENS,
+    )
 
 
 def test_gold_patches_in_every_format_score_1_and_bad_outputs_are_invalid_actions(
-        tmp_path, tokenizer, toy, instance):
+    tmp_path, tokenizer, toy, instance
+):
     assert instance.FAIL_TO_PASS == toy.fail_to_pass and instance.PASS_TO_PASS == toy.pass_to_pass
     read_file = git_file_reader(str(toy.path), instance.base_commit)
     gold_removed = removed_lines(instance.patch)
@@ -97,8 +116,9 @@ def test_gold_patches_in_every_format_score_1_and_bad_outputs_are_invalid_action
     # for its own output format.
     prompts = {}
     for patch_format in PatchFormat:
-        processor = SwePromptProcessor(tokenizer, PromptConfig(patch_format=patch_format.value,
-                                                               enable_thinking=True))
+        processor = SwePromptProcessor(
+            tokenizer, PromptConfig(patch_format=patch_format.value, enable_thinking=True)
+        )
         prompt = processor(instance, read_file)
         prompts[patch_format] = prompt
         assert prompt.patch_format is patch_format
@@ -117,18 +137,23 @@ def test_gold_patches_in_every_format_score_1_and_bad_outputs_are_invalid_action
     assert "<<<<<<< SEARCH" in sr_user and "```diff" not in sr_user
 
     # --- Model outputs: the gold patch in each format, then outputs with no usable patch.
-    diff_output = ("<think>\nmul returns a + b; it should return a * b.\n</think>\n"
-                   f"The fix:\n\n```diff\n{instance.patch}```\n")
+    diff_output = (
+        "<think>\nmul returns a + b; it should return a * b.\n</think>\n"
+        f"The fix:\n\n```diff\n{instance.patch}```\n"
+    )
     blocks = diff_to_search_replace(instance.patch, read_file)
     for block_search in blocks.split("<<<<<<< SEARCH\n")[1:]:
         # What the model copies into SEARCH is text the prompt showed it.
         assert block_search.split("=======\n")[0] in sr_user
     sr_output = f"<think>\nmul adds; make it multiply.\n</think>\n{blocks}"
-    function_output = ("<think>\nmul adds.\n</think>\n"
-                       + diff_to_function_rewrite(instance.patch, read_file))
+    function_output = "<think>\nmul adds.\n</think>\n" + diff_to_function_rewrite(
+        instance.patch, read_file
+    )
     assert function_output.endswith("```python\ndef mul(a, b):\n    return a * b\n```\n")
-    missing_search = ("calc/ops.py\n<<<<<<< SEARCH\ndef mul(a, b):\n    return a - b\n=======\n"
-                      "def mul(a, b):\n    return a * b\n>>>>>>> REPLACE\n")
+    missing_search = (
+        "calc/ops.py\n<<<<<<< SEARCH\ndef mul(a, b):\n    return a - b\n=======\n"
+        "def mul(a, b):\n    return a * b\n>>>>>>> REPLACE\n"
+    )
     prose = "<think>\nThe bug is in mul.\n</think>\nChange mul so it multiplies instead of adding."
     cases = [  # (output, format, the expected parse failure or None)
         (diff_output, PatchFormat.DIFF, None),
@@ -141,24 +166,39 @@ def test_gold_patches_in_every_format_score_1_and_bad_outputs_are_invalid_action
     ]
     rollouts = []
     for output, patch_format, expected in cases:
-        parsed, rollout = make_rollout(instance, tokenizer, output, patch_format, read_file,
-                                       prompts[patch_format].files_shown)
+        parsed, rollout = make_rollout(
+            instance, tokenizer, output, patch_format, read_file, prompts[patch_format].files_shown
+        )
         assert parsed.invalid_reason is expected, (patch_format, output, parsed.detail)
         if expected is None:
             assert parsed.files == ("calc/ops.py",) and parsed.thinking
         rollouts.append(rollout)
 
     # --- Scoring through the real executor.
-    executor_config = ExecutorConfig(port=0, num_workers=2, work_dir=str(tmp_path / "work"),
-                                     max_infra_attempts=1)
-    pipeline = RewardPipeline(from_dict(RewardShapingConfig, {"stages": [
-        {"type": "integrity"}, {"type": "invalid_action", "penalty": PENALTY}]}, "rewards"))
+    executor_config = ExecutorConfig(
+        port=0, num_workers=2, work_dir=str(tmp_path / "work"), max_infra_attempts=1
+    )
+    pipeline = RewardPipeline(
+        from_dict(
+            RewardShapingConfig,
+            {"stages": [{"type": "integrity"}, {"type": "invalid_action", "penalty": PENALTY}]},
+            "rewards",
+        )
+    )
 
     async def scenario():
         async with running_server(executor_config) as server:
-            env = SweEnvironment(SweEnvironmentConfig(
-                executor_url=server.url, max_concurrency=4, poll_interval_s=0.1,
-                task_timeout_s=120.0, max_infra_retries=1, task_id_prefix="e2e"), pipeline)
+            env = SweEnvironment(
+                SweEnvironmentConfig(
+                    executor_url=server.url,
+                    max_concurrency=4,
+                    poll_interval_s=0.1,
+                    task_timeout_s=120.0,
+                    max_infra_retries=1,
+                    task_id_prefix="e2e",
+                ),
+                pipeline,
+            )
             result = await env.step(rollouts, global_step=0)
             return result, server.executor.all_records()
 
@@ -193,25 +233,48 @@ def test_gold_patches_in_every_format_score_1_and_bad_outputs_are_invalid_action
     assert result.metrics["env/num_infra_errors"] == 0.0
 
 
-def test_synthesized_tasks_score_1_with_gold_patches_in_every_format(tmp_path, tokenizer,
-                                                                     monkeypatch):
+def test_synthesized_tasks_score_1_with_gold_patches_in_every_format(
+    tmp_path, tokenizer, monkeypatch
+):
     archive = testing_sdists.make_toy_sdist(tmp_path / "downloads")
     # A token-protected executor: the synthesizer and the environment (env.swe.auth_token_env's
     # default) read the token from the environment.
     token = "synthesis-test-token-0123456789"
     monkeypatch.setenv("DOCKYARD_EXECUTOR_TOKEN", token)
-    executor_config = ExecutorConfig(port=0, num_workers=2, work_dir=str(tmp_path / "work"),
-                                     max_infra_attempts=1, max_patch_bytes=4 * 1024 * 1024,
-                                     auth_token=token)
-    pipeline = RewardPipeline(from_dict(RewardShapingConfig, {"stages": [
-        {"type": "integrity"}, {"type": "invalid_action", "penalty": PENALTY}]}, "rewards"))
+    executor_config = ExecutorConfig(
+        port=0,
+        num_workers=2,
+        work_dir=str(tmp_path / "work"),
+        max_infra_attempts=1,
+        max_patch_bytes=4 * 1024 * 1024,
+        auth_token=token,
+    )
+    pipeline = RewardPipeline(
+        from_dict(
+            RewardShapingConfig,
+            {"stages": [{"type": "integrity"}, {"type": "invalid_action", "penalty": PENALTY}]},
+            "rewards",
+        )
+    )
 
     async def scenario():
         async with running_server(executor_config) as server:
             out = tmp_path / "tasks"
-            code = await asyncio.to_thread(synthesize_swe_tasks.main, [
-                "--packages", str(archive), "--out", str(out), "--max-tasks-per-package", "3",
-                "--executor-url", server.url, "--log-level", "WARNING"])
+            code = await asyncio.to_thread(
+                synthesize_swe_tasks.main,
+                [
+                    "--packages",
+                    str(archive),
+                    "--out",
+                    str(out),
+                    "--max-tasks-per-package",
+                    "3",
+                    "--executor-url",
+                    server.url,
+                    "--log-level",
+                    "WARNING",
+                ],
+            )
             assert code == 0
             instances = load_jsonl(out / "tasks.jsonl")
             assert len(instances) == 3
@@ -219,27 +282,38 @@ def test_synthesized_tasks_score_1_with_gold_patches_in_every_format(tmp_path, t
             for instance in instances:
                 read_file = git_file_reader(instance.repo, instance.base_commit)
                 for patch_format in PatchFormat:
-                    prompt = SwePromptProcessor(tokenizer, PromptConfig(
-                        patch_format=patch_format.value))(instance, read_file)
+                    prompt = SwePromptProcessor(
+                        tokenizer, PromptConfig(patch_format=patch_format.value)
+                    )(instance, read_file)
                     user = prompt.messages[-1]["content"]
                     assert instance.problem_statement.strip() in user
                     for line in removed_lines(instance.patch):
                         assert line in user  # the prompt shows the code the fix changes
                     output = gold_answer(instance.patch, patch_format, read_file)
-                    parsed, rollout = make_rollout(instance, tokenizer, output, patch_format,
-                                                   read_file, prompt.files_shown)
+                    parsed, rollout = make_rollout(
+                        instance, tokenizer, output, patch_format, read_file, prompt.files_shown
+                    )
                     assert parsed.valid, (instance.instance_id, patch_format, parsed.detail)
                     rollouts.append(rollout)
                 _, empty = make_rollout(instance, tokenizer, "", PatchFormat.DIFF, read_file)
                 rollouts.append(empty)
-            env = SweEnvironment(SweEnvironmentConfig(
-                executor_url=server.url, max_concurrency=4, poll_interval_s=0.1,
-                task_timeout_s=300.0, max_infra_retries=1, task_id_prefix="synth"), pipeline)
+            env = SweEnvironment(
+                SweEnvironmentConfig(
+                    executor_url=server.url,
+                    max_concurrency=4,
+                    poll_interval_s=0.1,
+                    task_timeout_s=300.0,
+                    max_infra_retries=1,
+                    task_id_prefix="synth",
+                ),
+                pipeline,
+            )
             return await env.step(rollouts, global_step=0)
 
     result = asyncio.run(scenario())
-    assert result.rewards_B.tolist() == [1.0, 1.0, 1.0, PENALTY] * 3, \
-        [m.get("test_outcomes") for m in result.metadata]
+    assert result.rewards_B.tolist() == [1.0, 1.0, 1.0, PENALTY] * 3, [
+        m.get("test_outcomes") for m in result.metadata
+    ]
     assert result.sample_mask_B.tolist() == [1.0] * 12
     assert result.metrics["env/num_resolved"] == 9.0
     for meta in result.metadata[3::4]:

@@ -23,8 +23,13 @@ from dockyard_rl.sandbox.testing_repos import git
 
 WORKSPACE = pathlib.Path(__file__).absolute().parents[1]  # also the runfiles root
 IMAGE = WORKSPACE / "tests" / "task_images" / "moonphase_task_image.tar"
-CONFIG = pipeline.PipelineConfig(timeout_s=120, cpu_time_s=120, memory_bytes=2 * 1024**3,
-                                 max_num_processes=64, max_log_bytes=16 * 1024)
+CONFIG = pipeline.PipelineConfig(
+    timeout_s=120,
+    cpu_time_s=120,
+    memory_bytes=2 * 1024**3,
+    max_num_processes=64,
+    max_log_bytes=16 * 1024,
+)
 
 RUNTESTS = '''\
 #!/usr/bin/env python3
@@ -48,7 +53,7 @@ sys.exit(0 if result.wasSuccessful() else 1)
 '''
 SLUG_BUGGY = "def slugify(text):\n    return text.replace(' ', '-')\n"
 SLUG_FIXED = "def slugify(text):\n    return text.strip().lower().replace(' ', '-')\n"
-TESTS_BASE = '''\
+TESTS_BASE = """\
 import unittest
 
 from minidj.text import slugify
@@ -57,19 +62,22 @@ from minidj.text import slugify
 class SlugTests(unittest.TestCase):
     def test_spaces(self):
         self.assertEqual(slugify("a b"), "a-b")
-'''
-TESTS_NEW = TESTS_BASE + '''
+"""
+TESTS_NEW = (
+    TESTS_BASE
+    + """
     def test_case_and_edges(self):
         self.assertEqual(slugify(" Hello World "), "hello-world")
-'''
+"""
+)
 F2P = "test_case_and_edges (slugs.tests.SlugTests.test_case_and_edges)"
 P2P = "test_spaces (slugs.tests.SlugTests.test_spaces)"
 
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
-    path: pathlib.Path        # the JSONL file, SWE-bench's row format
-    repo_root: pathlib.Path   # owner/name -> a local clone under it (validate --repo-root)
+    path: pathlib.Path  # the JSONL file, SWE-bench's row format
+    repo_root: pathlib.Path  # owner/name -> a local clone under it (validate --repo-root)
     gold_patch: str
 
 
@@ -92,23 +100,42 @@ def rows(tmp_path_factory) -> Rows:
     (repo / "minidj" / "text.py").write_text(SLUG_FIXED)
     (repo / "tests" / "slugs" / "tests.py").write_text(TESTS_NEW)
     git(repo, "commit", "--quiet", "-am", "fix")
-    row = {"instance_id": "django__django-90001", "repo": "django/django", "base_commit": base,
-           "patch": git(repo, "diff", base, "HEAD", "--", "minidj"),
-           "test_patch": git(repo, "diff", base, "HEAD", "--", "tests"),
-           "FAIL_TO_PASS": json.dumps([F2P]), "PASS_TO_PASS": json.dumps([P2P]),
-           "version": "4.0", "environment_setup_commit": base, "problem_statement": "slugs",
-           "hints_text": "", "created_at": "2026-01-01T00:00:00Z"}
+    row = {
+        "instance_id": "django__django-90001",
+        "repo": "django/django",
+        "base_commit": base,
+        "patch": git(repo, "diff", base, "HEAD", "--", "minidj"),
+        "test_patch": git(repo, "diff", base, "HEAD", "--", "tests"),
+        "FAIL_TO_PASS": json.dumps([F2P]),
+        "PASS_TO_PASS": json.dumps([P2P]),
+        "version": "4.0",
+        "environment_setup_commit": base,
+        "problem_statement": "slugs",
+        "hints_text": "",
+        "created_at": "2026-01-01T00:00:00Z",
+    }
     path = root / "rows.jsonl"
-    path.write_text(json.dumps(row) + "\n" + json.dumps(
-        {**row, "instance_id": "django__django-90002", "image": f"oci-archive:{IMAGE}"}) + "\n")
+    path.write_text(
+        json.dumps(row)
+        + "\n"
+        + json.dumps(
+            {**row, "instance_id": "django__django-90002", "image": f"oci-archive:{IMAGE}"}
+        )
+        + "\n"
+    )
     return Rows(path=path, repo_root=root / "mirrors", gold_patch=row["patch"])
 
 
 def _patch_for(rows: Rows, base_commit: str, files: dict[str, str]) -> str:
     clone = rows.repo_root.parent / "edit"
     if not clone.exists():
-        git(rows.repo_root.parent, "clone", "--quiet", str(rows.repo_root / "django" / "django"),
-            str(clone))
+        git(
+            rows.repo_root.parent,
+            "clone",
+            "--quiet",
+            str(rows.repo_root / "django" / "django"),
+            str(clone),
+        )
     git(clone, "checkout", "--quiet", "--force", "--detach", base_commit)
     for name, text in files.items():
         (clone / name).write_text(text)
@@ -127,10 +154,12 @@ def test_the_row_selects_the_harness_and_its_command():
     assert swebench_harness.harness_for_row("astropy/astropy", "5.0") is None  # pytest: ours
     assert swebench_harness.harness_for_row("/srv/repo", "4.0") is None
     harness = swebench_harness.parse_harness("swebench:django/django@4.0")
-    commands = harness.test_commands("diff --git a/tests/slugs/tests.py b/tests/slugs/tests.py\n",
-                                     None)
-    assert commands[-1] == ("./tests/runtests.py --verbosity 2 --settings=test_sqlite "
-                            "--parallel 1 slugs.tests")
+    commands = harness.test_commands(
+        "diff --git a/tests/slugs/tests.py b/tests/slugs/tests.py\n", None
+    )
+    assert commands[-1] == (
+        "./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1 slugs.tests"
+    )
     assert harness.protected_files() == ["tests/runtests.py"]
     with pytest.raises(ValueError, match="no version '9.9' of django/django"):
         swebench_harness.parse_harness("swebench:django/django@9.9")
@@ -153,19 +182,21 @@ def test_verdicts_come_from_the_harness_runner_and_parser(rows, index, tmp_path)
 
 
 def test_the_runner_script_is_protected_and_a_killed_run_is_not_graded(rows, tmp_path):
-    fake_runner = "#!/usr/bin/env python3\nprint('" + F2P + " ... ok')\nprint('" + P2P + \
-        " ... ok')\n"
+    fake_runner = (
+        "#!/usr/bin/env python3\nprint('" + F2P + " ... ok')\nprint('" + P2P + " ... ok')\n"
+    )
     spec = _spec(rows, 0, "")
     hostile_patch = _patch_for(rows, spec.base_commit, {"tests/runtests.py": fake_runner})
-    hostile = pipeline.score_task(dataclasses.replace(spec, patch=hostile_patch), CONFIG,
-                                  tmp_path)
+    hostile = pipeline.score_task(dataclasses.replace(spec, patch=hostile_patch), CONFIG, tmp_path)
     assert not hostile.resolved and hostile.failure_kind is FailureKind.INTEGRITY_VIOLATION
     assert hostile.integrity_violation == ("tests/runtests.py",)
 
     # A patch that prints a passing line for every test and then kills the run: the completion
     # line never comes, so nothing of the log is graded.
-    killer = SLUG_BUGGY + ("import os, signal\nprint('" + F2P + " ... ok', flush=True)\n"
-                           "os.kill(os.getppid(), signal.SIGKILL)\n")
+    killer = SLUG_BUGGY + (
+        "import os, signal\nprint('" + F2P + " ... ok', flush=True)\n"
+        "os.kill(os.getppid(), signal.SIGKILL)\n"
+    )
     killer_patch = _patch_for(rows, spec.base_commit, {"minidj/text.py": killer})
     killed = pipeline.score_task(dataclasses.replace(spec, patch=killer_patch), CONFIG, tmp_path)
     assert not killed.resolved and killed.failure_kind is FailureKind.REPORT_UNTRUSTED, killed

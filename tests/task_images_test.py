@@ -28,12 +28,19 @@ WORKSPACE = pathlib.Path(__file__).absolute().parents[1]  # also the runfiles ro
 MOONPHASE_IMAGE = WORKSPACE / "tests" / "task_images" / "moonphase_task_image.tar"
 TINYUNITS_IMAGE = WORKSPACE / "tests" / "task_images" / "tinyunits_task_image.tar"
 
-CONFIG = pipeline.PipelineConfig(timeout_s=120, cpu_time_s=120, memory_bytes=2 * 1024**3,
-                                 max_num_processes=64, max_log_bytes=16 * 1024)
+CONFIG = pipeline.PipelineConfig(
+    timeout_s=120,
+    cpu_time_s=120,
+    memory_bytes=2 * 1024**3,
+    max_num_processes=64,
+    max_log_bytes=16 * 1024,
+)
 
-HOSTILE_CONFTEST = ("import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"
-                    "def pytest_runtest_makereport(item, call):\n"
-                    "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")
+HOSTILE_CONFTEST = (
+    "import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"
+    "def pytest_runtest_makereport(item, call):\n"
+    "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +58,18 @@ class ImageTask:
 
     def spec(self, patch: str, *, image: str | None = "default", task_id: str = "") -> TaskSpec:
         image = self.image if image == "default" else image
-        return TaskSpec(instance_id=f"{self.repo.name}-1", repo=str(self.repo),
-                        base_commit=self.base_commit, patch=patch, test_patch=self.test_patch,
-                        fail_to_pass=self.fail_to_pass, pass_to_pass=self.pass_to_pass,
-                        image=image, repo_path=self.repo_path if image else "/testbed",
-                        task_id=task_id or None)
+        return TaskSpec(
+            instance_id=f"{self.repo.name}-1",
+            repo=str(self.repo),
+            base_commit=self.base_commit,
+            patch=patch,
+            test_patch=self.test_patch,
+            fail_to_pass=self.fail_to_pass,
+            pass_to_pass=self.pass_to_pass,
+            image=image,
+            repo_path=self.repo_path if image else "/testbed",
+            task_id=task_id or None,
+        )
 
     def patch_for(self, files: dict[str, str]) -> str:
         clone = self.repo.parent / f"{self.repo.name}-edit"
@@ -69,9 +83,19 @@ class ImageTask:
         return git(clone, "diff", "--cached", self.base_commit)
 
 
-def _make_task(path: pathlib.Path, *, module: str, buggy: str, fixed: str, base_tests: str,
-               new_tests: str, image: pathlib.Path, repo_path: str,
-               fail_to_pass: tuple[str, ...], pass_to_pass: tuple[str, ...]) -> ImageTask:
+def _make_task(
+    path: pathlib.Path,
+    *,
+    module: str,
+    buggy: str,
+    fixed: str,
+    base_tests: str,
+    new_tests: str,
+    image: pathlib.Path,
+    repo_path: str,
+    fail_to_pass: tuple[str, ...],
+    pass_to_pass: tuple[str, ...],
+) -> ImageTask:
     path.mkdir(parents=True)
     git(path, "init", "--quiet", "--initial-branch=main")
     (path / "pkg").mkdir()
@@ -88,42 +112,54 @@ def _make_task(path: pathlib.Path, *, module: str, buggy: str, fixed: str, base_
     (path / "tests" / "test_base.py").write_text(base_tests + "\n\n" + new_tests)
     git(path, "add", "-A")
     git(path, "commit", "--quiet", "-m", "fix")
-    return ImageTask(repo=path, base_commit=base,
-                     gold_patch=git(path, "diff", base, "HEAD", "--", "pkg"),
-                     test_patch=git(path, "diff", base, "HEAD", "--", "tests"),
-                     fail_to_pass=fail_to_pass, pass_to_pass=pass_to_pass,
-                     image=f"oci-archive:{image}", repo_path=repo_path)
+    return ImageTask(
+        repo=path,
+        base_commit=base,
+        gold_patch=git(path, "diff", base, "HEAD", "--", "pkg"),
+        test_patch=git(path, "diff", base, "HEAD", "--", "tests"),
+        fail_to_pass=fail_to_pass,
+        pass_to_pass=pass_to_pass,
+        image=f"oci-archive:{image}",
+        repo_path=repo_path,
+    )
 
 
 @pytest.fixture(scope="module")
 def moon(tmp_path_factory) -> ImageTask:
     body = "import moonphase\n\n\ndef name_of_phase(days):\n    return moonphase.PHASES[{}]\n"
     return _make_task(
-        tmp_path_factory.mktemp("repos") / "lunar", module="calendar",
+        tmp_path_factory.mktemp("repos") / "lunar",
+        module="calendar",
         buggy=body.format("moonphase.phase_index(days) - 1"),
         fixed=body.format("moonphase.phase_index(days)"),
         base_tests="import moonphase\n\n\ndef test_dependency_present():\n"
-                   "    assert moonphase.phase_index(0) == 0\n",
+        "    assert moonphase.phase_index(0) == 0\n",
         new_tests="from pkg.calendar import name_of_phase\n\n\ndef test_full_moon():\n"
-                  "    assert name_of_phase(14.8) == 'full'\n",
-        image=MOONPHASE_IMAGE, repo_path="/testbed",
+        "    assert name_of_phase(14.8) == 'full'\n",
+        image=MOONPHASE_IMAGE,
+        repo_path="/testbed",
         fail_to_pass=("tests/test_base.py::test_full_moon",),
-        pass_to_pass=("tests/test_base.py::test_dependency_present",))
+        pass_to_pass=("tests/test_base.py::test_dependency_present",),
+    )
 
 
 @pytest.fixture(scope="module")
 def units(tmp_path_factory) -> ImageTask:
     body = "from tinyunits import convert\n\n\ndef km_to_miles(km):\n    return {}\n"
     return _make_task(
-        tmp_path_factory.mktemp("repos") / "runlog", module="distance",
-        buggy=body.format("convert(km, 'mi', 'km')"), fixed=body.format("convert(km, 'km', 'mi')"),
+        tmp_path_factory.mktemp("repos") / "runlog",
+        module="distance",
+        buggy=body.format("convert(km, 'mi', 'km')"),
+        fixed=body.format("convert(km, 'km', 'mi')"),
         base_tests="from tinyunits import convert\n\n\ndef test_meters():\n"
-                   "    assert convert(1, 'km', 'm') == 1000\n",
+        "    assert convert(1, 'km', 'm') == 1000\n",
         new_tests="from pkg.distance import km_to_miles\n\n\ndef test_marathon():\n"
-                  "    assert round(km_to_miles(42.195), 1) == 26.2\n",
-        image=TINYUNITS_IMAGE, repo_path="/srv/checkout",
+        "    assert round(km_to_miles(42.195), 1) == 26.2\n",
+        image=TINYUNITS_IMAGE,
+        repo_path="/srv/checkout",
         fail_to_pass=("tests/test_base.py::test_marathon",),
-        pass_to_pass=("tests/test_base.py::test_meters",))
+        pass_to_pass=("tests/test_base.py::test_meters",),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +195,9 @@ def test_gold_resolves_in_its_image_and_nothing_else_does(which, request, work_r
 def test_one_image_is_unpacked_once_for_concurrent_tasks(moon, tmp_path):
     config = dataclasses.replace(CONFIG, image_cache_dir=str(tmp_path / "images"))
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        verdicts = list(pool.map(lambda i: _score(moon, tmp_path, moon.gold_patch, config=config),
-                                 range(2)))
+        verdicts = list(
+            pool.map(lambda i: _score(moon, tmp_path, moon.gold_patch, config=config), range(2))
+        )
     assert all(v.resolved for v in verdicts)
     stats = pipeline.image_cache(config, tmp_path).stats()
     assert (stats["misses"], stats["hits"], stats["images"]) == (1, 1, 1), stats
@@ -198,8 +235,11 @@ def test_a_corrupt_image_is_an_error_of_that_task_only(moon, tmp_path):
     data = MOONPHASE_IMAGE.read_bytes()
     truncated.write_bytes(data[: len(data) // 2])
     config = dataclasses.replace(CONFIG, image_cache_dir=str(tmp_path / "images"))
-    for bad in (f"oci-archive:{truncated}", f"oci-archive:{tmp_path / 'missing.tar'}",
-                "relative/path.tar"):
+    for bad in (
+        f"oci-archive:{truncated}",
+        f"oci-archive:{tmp_path / 'missing.tar'}",
+        "relative/path.tar",
+    ):
         with pytest.raises(ValueError, match="image"):
             _score(moon, tmp_path, moon.gold_patch, config=config, image=bad)
     assert _score(moon, tmp_path, moon.gold_patch, config=config).resolved
@@ -211,7 +251,7 @@ def test_a_damaged_layer_fails_the_digest_check_of_the_copy(tmp_path):
     # middle of the file) do not, so only skopeo's digest verification can notice.
     data = bytearray(MOONPHASE_IMAGE.read_bytes())
     middle = len(data) // 2
-    data[middle:middle + 4096] = bytes(b ^ 0xFF for b in data[middle:middle + 4096])
+    data[middle : middle + 4096] = bytes(b ^ 0xFF for b in data[middle : middle + 4096])
     damaged = tmp_path / "damaged.tar"
     damaged.write_bytes(bytes(data))
     cache = images.ImageCache(tmp_path / "cache", max_bytes=10**12)

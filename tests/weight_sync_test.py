@@ -6,9 +6,9 @@ from), saved as a checkpoint. The reference: a vLLM engine started from that sav
 its greedy tokens and their log-probs are the truth. The engine under test starts from the
 original SmolLM2; after each transport's sync (mark_stale -> sync_weights ->
 prepare_for_generation, through `create_weight_synchronizer`) its greedy tokens and log-probs
-must equal the reference's (tokens bit for bit), then the original weights are pushed back so the next
-transport has something to change. (Log-probs too: a tied lm_head whose CPU kernel kept the old
-weights once gave the same first tokens and log-probs 1e-2 off.)
+must equal the reference's (tokens bit for bit), then the original weights are pushed back so the
+next transport has something to change. (Log-probs too: a tied lm_head whose CPU kernel kept the
+old weights once gave the same first tokens and log-probs 1e-2 off.)
 
 ONE trainer and ONE engine serve the module (each takes about a minute to start on 2 cores);
 the reference engine is shut down before the engine under test starts. Transport-level failure
@@ -38,9 +38,16 @@ from dockyard_rl.weight_sync.factory import create_weight_synchronizer
 from dockyard_rl.weight_sync.interfaces import SyncState, WeightSyncError
 
 MODEL = "smollm2-135m-instruct"
-ENGINE_CONFIG = GenerationConfig(model=MODEL, dtype="float32", max_model_len=256,
-                                 kv_cache_memory_bytes="128MiB", enforce_eager=True,
-                                 temperature=0.0, max_tokens=24, seed=0)
+ENGINE_CONFIG = GenerationConfig(
+    model=MODEL,
+    dtype="float32",
+    max_model_len=256,
+    kv_cache_memory_bytes="128MiB",
+    enforce_eager=True,
+    temperature=0.0,
+    max_tokens=24,
+    seed=0,
+)
 PROMPTS = [list(range(100, 116)), [1, 504, 3458, 314, 260, 3575, 282, 4649, 47]]
 
 
@@ -55,8 +62,10 @@ def loop():
 
 def _greedy(loop, engine) -> list[tuple[tuple[int, ...], tuple[float, ...]]]:
     """Per prompt: the greedy tokens and their log-probs."""
+
     async def run():
         return [s async for s in engine.generate(PROMPTS, 1)]
+
     samples = sorted(loop.run_until_complete(run()), key=lambda s: s.prompt_index)
     return [(s.response_token_ids, s.response_logprobs) for s in samples]
 
@@ -66,19 +75,30 @@ def _assert_same_generation(got, want) -> None:
     the two prompts differently in two engines), far below the 1e-2 of stale weights."""
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
     for (_, got_logprobs), (_, want_logprobs) in zip(got, want):
-        assert torch.allclose(torch.tensor(got_logprobs), torch.tensor(want_logprobs),
-                              rtol=0, atol=1e-4)
+        assert torch.allclose(
+            torch.tensor(got_logprobs), torch.tensor(want_logprobs), rtol=0, atol=1e-4
+        )
 
 
 @pytest.fixture(scope="module")
 def trainer(loop, tmp_path_factory):
     """The 2-rank trainer after one optimizer step, and that step's checkpoint."""
-    policy = DTensorPolicy(PolicyConfig(model=MODEL, dp_size=2, micro_batch_size=2,
-                                        optimizer=OptimizerConfig(learning_rate=1e-3)))
+    policy = DTensorPolicy(
+        PolicyConfig(
+            model=MODEL,
+            dp_size=2,
+            micro_batch_size=2,
+            optimizer=OptimizerConfig(learning_rate=1e-3),
+        )
+    )
     generator = torch.Generator().manual_seed(0)
     ids_BS = torch.randint(0, 49152, (4, 24), generator=generator)
-    batch = BatchedDataDict(input_ids=ids_BS, input_lengths=torch.full((4,), 24),
-                            token_mask=torch.ones(4, 24), sample_mask=torch.ones(4))
+    batch = BatchedDataDict(
+        input_ids=ids_BS,
+        input_lengths=torch.full((4,), 24),
+        token_mask=torch.ones(4, 24),
+        sample_mask=torch.ones(4),
+    )
     logprobs_BS = policy.get_logprobs(batch)
     batch["prev_logprobs"] = logprobs_BS
     batch["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(4, 24).clone()
@@ -120,24 +140,32 @@ def original(engine):
 
 def _restore_original(loop, engine, original) -> None:
     manifest, buckets = original
-    loop.run_until_complete(engine.prepare_refit_info(
-        {e.name: (e.shape, e.dtype) for e in manifest.tensors}))
-    loop.run_until_complete(engine.update_weights_from_buckets(
-        manifest.to_dict(), buckets, engine.weight_version + 1))
+    loop.run_until_complete(
+        engine.prepare_refit_info({e.name: (e.shape, e.dtype) for e in manifest.tensors})
+    )
+    loop.run_until_complete(
+        engine.update_weights_from_buckets(manifest.to_dict(), buckets, engine.weight_version + 1)
+    )
 
 
 @pytest.mark.parametrize("transport", ["object_store", "collective", "ipc_zmq", "http"])
 def test_transport_gives_the_engine_the_trainers_weights_bit_for_bit(
-        loop, trainer, reference_tokens, engine, original, transport):
+    loop, trainer, reference_tokens, engine, original, transport
+):
     policy, _ = trainer
     _restore_original(loop, engine, original)
     before = _greedy(loop, engine)
-    assert [t for t, _ in before] != [t for t, _ in reference_tokens], \
+    assert [t for t, _ in before] != [t for t, _ in reference_tokens], (
         "one optimizer step must change the greedy tokens"
+    )
 
     sync = create_weight_synchronizer(
-        WeightSyncConfig(transport=transport, bucket_size_bytes="64MiB", sync_timeout_s=300,
-                         peer_timeout_s=120), policy, engine)
+        WeightSyncConfig(
+            transport=transport, bucket_size_bytes="64MiB", sync_timeout_s=300, peer_timeout_s=120
+        ),
+        policy,
+        engine,
+    )
     try:
         version = sync.mark_stale()
         sync.sync_weights()
@@ -145,10 +173,12 @@ def test_transport_gives_the_engine_the_trainers_weights_bit_for_bit(
         assert sync.state is SyncState.READY and engine.weight_version == version
         _assert_same_generation(_greedy(loop, engine), reference_tokens)
         metrics = sync.metrics()
-        print(f"{transport}: {metrics['last_sync_bytes'] / 1e6:.0f} MB in "
-              f"{metrics['last_transfer_seconds']:.2f} s ({metrics['last_transfer_gb_per_s']:.3f}"
-              f" GB/s; pack {metrics['last_pack_seconds']:.2f} s, engine load "
-              f"{metrics['last_engine_load_seconds']:.2f} s)")
+        print(
+            f"{transport}: {metrics['last_sync_bytes'] / 1e6:.0f} MB in "
+            f"{metrics['last_transfer_seconds']:.2f} s ({metrics['last_transfer_gb_per_s']:.3f}"
+            f" GB/s; pack {metrics['last_pack_seconds']:.2f} s, engine load "
+            f"{metrics['last_engine_load_seconds']:.2f} s)"
+        )
         assert metrics["transport"] == transport
         assert metrics["last_sync_bytes"] == sync.manifest.total_bytes > 500e6
         if transport != "object_store":  # a second sync reuses the session
@@ -167,7 +197,8 @@ def test_auto_picks_ipc_zmq_when_trainer_and_engine_share_the_node(trainer, engi
 
 
 def test_a_manifest_the_engine_does_not_expect_fails_before_the_engine_is_touched(
-        loop, trainer, engine, original):
+    loop, trainer, engine, original
+):
     policy, _ = trainer
     _restore_original(loop, engine, original)
     before, version = _greedy(loop, engine), engine.weight_version

@@ -20,8 +20,12 @@ import argparse
 import logging
 import sys
 
-from dockyard_rl.algorithms.grpo_config import (ConfigError, config_to_yaml, describe_config,
-                                                load_config)
+from dockyard_rl.algorithms.grpo_config import (
+    ConfigError,
+    config_to_yaml,
+    describe_config,
+    load_config,
+)
 from dockyard_rl.utils.paths import caller_path
 
 PROG = "grpo_swe"
@@ -29,14 +33,28 @@ PROG = "grpo_swe"
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__.split("\n\n")[0], epilog=describe_config())
-    parser.add_argument("--config", required=True, metavar="RECIPE.yaml",
-                        help="the recipe, e.g. configs/smoke_cpu.yaml")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="validate the recipe and print the resolved config; start nothing")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="override a key of the recipe, e.g. grpo.max_num_steps=10")
+        prog=PROG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n")[0],
+        epilog=describe_config(),
+    )
+    parser.add_argument(
+        "--config",
+        required=True,
+        metavar="RECIPE.yaml",
+        help="the recipe, e.g. configs/smoke_cpu.yaml",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the recipe and print the resolved config; start nothing",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="override a key of the recipe, e.g. grpo.max_num_steps=10",
+    )
     return parser
 
 
@@ -48,14 +66,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: config error: {error}", file=sys.stderr)
         return 2
     if args.dry_run:
-        print(f"# {PROG}: resolved config of {args.config}"
-              + (f" with {' '.join(args.overrides)}" if args.overrides else ""))
+        print(
+            f"# {PROG}: resolved config of {args.config}"
+            + (f" with {' '.join(args.overrides)}" if args.overrides else "")
+        )
         print(config_to_yaml(config), end="")
         print(f"{PROG}: config OK (dry run: nothing started)", file=sys.stderr)
         return 0
     # Progress, per-step prompts, checkpoints and warnings of the run go to stderr.
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     for noisy in ("aiohttp.access", "filelock", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # Imported here: the loop pulls in Ray, torch and vLLM, which --help and --dry-run never need.

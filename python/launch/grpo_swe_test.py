@@ -20,19 +20,33 @@ def _launch(*args, cwd=WORKSPACE, env=None):
     for name in ("BUILD_WORKSPACE_DIRECTORY", "BUILD_WORKING_DIRECTORY", "DOCKYARD_CALLER_DIR"):
         if not env or name not in env:
             environment.pop(name, None)
-    return subprocess.run([sys.executable, str(LAUNCHER), *args], cwd=cwd, env=environment,
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, str(LAUNCHER), *args],
+        cwd=cwd,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def test_help_lists_sections_and_keys_with_defaults():
     result = _launch("--help")
     assert result.returncode == 0, result.stderr
-    for text in ("--config", "--dry-run", "KEY=VALUE", "grpo:  (GRPOConfig",
-                 "  grpo.num_prompts_per_step: int = 32", "  grpo.val_period: int = 0",
-                 "  loss_fn.use_importance_sampling_correction: bool = false",
-                 "  async_grpo.max_trajectory_age_steps: int = 1",
-                 "  weight_sync.transport: str = \"auto\"", "data_plane:  (DataPlaneConfig",
-                 "  checkpointing.metric_name: ", "  logger.log_dir: "):
+    for text in (
+        "--config",
+        "--dry-run",
+        "KEY=VALUE",
+        "grpo:  (GRPOConfig",
+        "  grpo.num_prompts_per_step: int = 32",
+        "  grpo.val_period: int = 0",
+        "  loss_fn.use_importance_sampling_correction: bool = false",
+        "  async_grpo.max_trajectory_age_steps: int = 1",
+        '  weight_sync.transport: str = "auto"',
+        "data_plane:  (DataPlaneConfig",
+        "  checkpointing.metric_name: ",
+        "  logger.log_dir: ",
+    ):
         assert text in result.stdout, text
 
 
@@ -44,28 +58,51 @@ def test_dry_run_prints_the_resolved_config(recipe):
     resolved = yaml.safe_load(result.stdout)
     assert resolved["grpo"]["run_name"] == recipe.stem
     # Every section is printed, defaults included.
-    assert {"grpo", "policy", "generation", "loss_fn", "async_grpo", "data", "env", "rewards",
-            "cluster", "weight_sync", "data_plane", "checkpointing", "logger"} <= set(resolved)
+    assert {
+        "grpo",
+        "policy",
+        "generation",
+        "loss_fn",
+        "async_grpo",
+        "data",
+        "env",
+        "rewards",
+        "cluster",
+        "weight_sync",
+        "data_plane",
+        "checkpointing",
+        "logger",
+    } <= set(resolved)
     assert resolved["data"]["train_path"].startswith("/")  # paths are resolved
     assert resolved["grpo"]["mode"] in ("sync", "async")
 
 
 def test_dry_run_applies_overrides():
-    result = _launch("--config", "configs/smoke_cpu.yaml", "grpo.max_num_steps=9", "--dry-run",
-                     "data_plane.tensor_transport=gloo")
+    result = _launch(
+        "--config",
+        "configs/smoke_cpu.yaml",
+        "grpo.max_num_steps=9",
+        "--dry-run",
+        "data_plane.tensor_transport=gloo",
+    )
     assert result.returncode == 0, result.stderr
     resolved = yaml.safe_load(result.stdout)
     assert resolved["grpo"]["max_num_steps"] == 9
     assert resolved["data_plane"]["transport"] == "ray_direct"
 
 
-@pytest.mark.parametrize("override, key", [
-    ("grpo.val_perod=3", "grpo.val_perod"),
-    ("grpo.val_period=-1", "grpo.val_period"),
-    ("loss_fn.use_importance_sampling_correction=false", "loss_fn.use_importance_sampling_"
-                                                         "correction"),
-    ("policy.micro_batch_size=four", "policy.micro_batch_size"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("grpo.val_perod=3", "grpo.val_perod"),
+        ("grpo.val_period=-1", "grpo.val_period"),
+        (
+            "loss_fn.use_importance_sampling_correction=false",
+            "loss_fn.use_importance_sampling_correction",
+        ),
+        ("policy.micro_batch_size=four", "policy.micro_batch_size"),
+    ],
+)
 def test_bad_override_exits_2_naming_the_key(override, key):
     result = _launch("--config", "configs/smoke_cpu_async.yaml", override, "--dry-run")
     assert result.returncode == 2
@@ -92,9 +129,16 @@ def test_bazel_run_paths(tmp_path):
     # `bazel run` starts the binary elsewhere: --config is relative to where the user typed the
     # command, paths in the recipe to the workspace root.
     workspace = tmp_path / "ws"
-    result = _launch("--config", "configs/smoke_cpu.yaml", "--dry-run", cwd=tmp_path,
-                     env={"BUILD_WORKING_DIRECTORY": str(WORKSPACE),
-                          "BUILD_WORKSPACE_DIRECTORY": str(workspace)})
+    result = _launch(
+        "--config",
+        "configs/smoke_cpu.yaml",
+        "--dry-run",
+        cwd=tmp_path,
+        env={
+            "BUILD_WORKING_DIRECTORY": str(WORKSPACE),
+            "BUILD_WORKSPACE_DIRECTORY": str(workspace),
+        },
+    )
     assert result.returncode == 0, result.stderr
     assert yaml.safe_load(result.stdout)["logger"]["log_dir"] == str(workspace / "results")
 
@@ -105,8 +149,7 @@ def test_dry_run_starts_nothing(capsys):
     launcher = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(launcher)
     before = set(sys.modules)
-    assert launcher.main(["--config", str(WORKSPACE / "configs/smoke_cpu.yaml"),
-                          "--dry-run"]) == 0
+    assert launcher.main(["--config", str(WORKSPACE / "configs/smoke_cpu.yaml"), "--dry-run"]) == 0
     assert "run_name: smoke_cpu" in capsys.readouterr().out
     imported = set(sys.modules) - before
     assert not {"ray", "vllm", "dockyard_rl.algorithms.grpo"} & (imported | set(sys.modules))

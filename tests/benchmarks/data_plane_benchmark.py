@@ -73,12 +73,19 @@ def main() -> None:
     trainer_cls = ray.remote(**data_plane_actor_options())(ExperienceTrainer)
     producers = [producer_cls.options(num_cpus=0).remote(p) for p in range(args.producers)]
     trainer = trainer_cls.options(num_cpus=0).remote()
-    plane = create_data_plane({"transport": "ray_direct", "tensor_transport": "gloo",
-                               "max_in_flight_batches": args.max_in_flight_batches})
+    plane = create_data_plane(
+        {
+            "transport": "ray_direct",
+            "tensor_transport": "gloo",
+            "max_in_flight_batches": args.max_in_flight_batches,
+        }
+    )
     endpoints = plane.connect(producers, [trainer])
-    ray.get([trainer.open.remote(endpoints.receiver(0))]
-            + [p.open.remote(endpoints.sender(i)) for i, p in enumerate(producers)]
-            + [p.cache_batch.remote(args.batch_size, args.seq_len) for p in producers])
+    ray.get(
+        [trainer.open.remote(endpoints.receiver(0))]
+        + [p.open.remote(endpoints.sender(i)) for i, p in enumerate(producers)]
+        + [p.cache_batch.remote(args.batch_size, args.seq_len) for p in producers]
+    )
     batch_bytes = args.batch_size * args.seq_len * (8 + 4)
     one = producers[0]
 
@@ -98,43 +105,60 @@ def main() -> None:
 
     def data_plane_many() -> None:
         num_batches = args.rounds * len(producers)
-        *_, received = ray.get([p.send_cached.remote(args.rounds) for p in producers]
-                               + [trainer.receive_count.remote(num_batches)])
+        *_, received = ray.get(
+            [p.send_cached.remote(args.rounds) for p in producers]
+            + [trainer.receive_count.remote(num_batches)]
+        )
         assert received == num_batches * batch_bytes
 
     try:
-        rows = [("object store via driver", *_timed(object_store_one, args.reps, args.warmup)),
-                ("data plane (ray_direct, gloo)",
-                 *_timed(data_plane_one, args.reps, args.warmup))]
+        rows = [
+            ("object store via driver", *_timed(object_store_one, args.reps, args.warmup)),
+            ("data plane (ray_direct, gloo)", *_timed(data_plane_one, args.reps, args.warmup)),
+        ]
         many_reps = max(1, args.reps // 3)
-        many = [("object store via driver", *_timed(object_store_many, many_reps, 1)),
-                ("data plane (ray_direct, gloo)", *_timed(data_plane_many, many_reps, 1))]
+        many = [
+            ("object store via driver", *_timed(object_store_many, many_reps, 1)),
+            ("data plane (ray_direct, gloo)", *_timed(data_plane_many, many_reps, 1)),
+        ]
     finally:
         plane.close()
         ray.shutdown()
 
     mib = batch_bytes / 2**20
-    print(f"\nexperience batch ({args.batch_size}, {args.seq_len}): int64 ids + float32 "
-          f"log-probs = {mib:.1f} MiB; producer actor -> trainer actor on one local Ray node")
+    print(
+        f"\nexperience batch ({args.batch_size}, {args.seq_len}): int64 ids + float32 "
+        f"log-probs = {mib:.1f} MiB; producer actor -> trainer actor on one local Ray node"
+    )
     print(f"\n1 producer, one batch at a time ({args.reps} reps after {args.warmup} warm-up)")
-    print(f"{'path':<31} {'median s':>9} {'min s':>8} {'max s':>8} {'MiB/s':>8} "
-          f"{'plasma MiB/batch':>17} {'speed-up':>9}")
+    print(
+        f"{'path':<31} {'median s':>9} {'min s':>8} {'max s':>8} {'MiB/s':>8} "
+        f"{'plasma MiB/batch':>17} {'speed-up':>9}"
+    )
     baseline = statistics.median(rows[0][1])
     for name, seconds, plasma in rows:
         median = statistics.median(seconds)
-        print(f"{name:<31} {median:>9.4f} {min(seconds):>8.4f} {max(seconds):>8.4f} "
-              f"{mib / median:>8.0f} {plasma / 2**20:>17.2f} {baseline / median:>8.2f}x")
+        print(
+            f"{name:<31} {median:>9.4f} {min(seconds):>8.4f} {max(seconds):>8.4f} "
+            f"{mib / median:>8.0f} {plasma / 2**20:>17.2f} {baseline / median:>8.2f}x"
+        )
     num_batches = args.rounds * len(producers)
-    print(f"\n{len(producers)} producers x {args.rounds} batches in flight together "
-          f"({many_reps} reps after 1 warm-up; seconds for all {num_batches} batches)")
-    print(f"{'path':<31} {'median s':>9} {'min s':>8} {'max s':>8} {'MiB/s':>8} "
-          f"{'plasma MiB/batch':>17} {'speed-up':>9}")
+    print(
+        f"\n{len(producers)} producers x {args.rounds} batches in flight together "
+        f"({many_reps} reps after 1 warm-up; seconds for all {num_batches} batches)"
+    )
+    print(
+        f"{'path':<31} {'median s':>9} {'min s':>8} {'max s':>8} {'MiB/s':>8} "
+        f"{'plasma MiB/batch':>17} {'speed-up':>9}"
+    )
     baseline = statistics.median(many[0][1])
     for name, seconds, plasma in many:
         median = statistics.median(seconds)
-        print(f"{name:<31} {median:>9.4f} {min(seconds):>8.4f} {max(seconds):>8.4f} "
-              f"{num_batches * mib / median:>8.0f} {plasma / num_batches / 2**20:>17.2f} "
-              f"{baseline / median:>8.2f}x")
+        print(
+            f"{name:<31} {median:>9.4f} {min(seconds):>8.4f} {max(seconds):>8.4f} "
+            f"{num_batches * mib / median:>8.0f} {plasma / num_batches / 2**20:>17.2f} "
+            f"{baseline / median:>8.2f}x"
+        )
 
 
 if __name__ == "__main__":

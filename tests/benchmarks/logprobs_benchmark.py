@@ -1,6 +1,7 @@
 """Benchmark: fused log-prob gather vs torch eager, forward + backward.
 
-    tools/bazel run //tests/benchmarks:logprobs_benchmark [-- --device cuda --dtypes float32 bfloat16]
+    tools/bazel run //tests/benchmarks:logprobs_benchmark \\
+        [-- --device cuda --dtypes float32 bfloat16]
 
 For N tokens and a vocabulary V, both variants compute ``sum(log_softmax(logits)[target])``
 and its gradient w.r.t. the logits:
@@ -52,16 +53,21 @@ def _rss_bytes(field: str) -> int:
     return value
 
 
-def _worker(variant: str, num_tokens: int, vocab_size: int, dtype_name: str, device: str,
-            repeats: int) -> dict:
+def _worker(
+    variant: str, num_tokens: int, vocab_size: int, dtype_name: str, device: str, repeats: int
+) -> dict:
     import torch
 
     from dockyard_rl.kernels.logprobs import gather_logprobs
 
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator(device=device).manual_seed(0)
-    logits_NV = torch.randn(num_tokens, vocab_size, generator=gen, device=device,
-                            dtype=torch.float32).mul_(3).to(dtype).requires_grad_()
+    logits_NV = (
+        torch.randn(num_tokens, vocab_size, generator=gen, device=device, dtype=torch.float32)
+        .mul_(3)
+        .to(dtype)
+        .requires_grad_()
+    )
     targets_N = torch.randint(0, vocab_size, (num_tokens,), generator=gen, device=device)
 
     def step():
@@ -89,8 +95,10 @@ def _worker(variant: str, num_tokens: int, vocab_size: int, dtype_name: str, dev
         before = _rss_bytes("VmRSS")
     times, total = [], None
     if cuda:
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(repeats)]
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(repeats)
+        ]
         for start, end in events:
             start.record()
             total = step()
@@ -106,14 +114,31 @@ def _worker(variant: str, num_tokens: int, vocab_size: int, dtype_name: str, dev
     # Minimum traffic of the fused step: the logits read twice, the gradient written once.
     step_bytes = 3 * logits_NV.numel() * logits_NV.element_size()
     seconds = statistics.median(times)
-    return {"seconds": seconds, "peak_extra_bytes": peak - before,
-            "logprob_sum": float(total), "gbps": step_bytes / seconds / 1e9}
+    return {
+        "seconds": seconds,
+        "peak_extra_bytes": peak - before,
+        "logprob_sum": float(total),
+        "gbps": step_bytes / seconds / 1e9,
+    }
 
 
 def _run_variant(args, variant: str, vocab_size: int, dtype: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", variant,
-           "--num-tokens", str(args.num_tokens), "--vocab-sizes", str(vocab_size),
-           "--dtypes", dtype, "--device", args.device, "--repeats", str(args.repeats)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        variant,
+        "--num-tokens",
+        str(args.num_tokens),
+        "--vocab-sizes",
+        str(vocab_size),
+        "--dtypes",
+        dtype,
+        "--device",
+        args.device,
+        "--repeats",
+        str(args.repeats),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if proc.returncode != 0:
         raise RuntimeError(f"{variant} V={vocab_size} {dtype} failed:\n{proc.stderr[-3000:]}")
@@ -124,12 +149,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--num-tokens", type=int, default=4096)
-    parser.add_argument("--vocab-sizes", type=int, nargs="+", default=[49152, 151936],
-                        help="SmolLM2's and Qwen2.5's vocabularies by default")
-    parser.add_argument("--dtypes", nargs="+", default=["float32"],
-                        choices=("float32", "bfloat16"))
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed steps per variant (default: 2 on CPU, 20 on CUDA)")
+    parser.add_argument(
+        "--vocab-sizes",
+        type=int,
+        nargs="+",
+        default=[49152, 151936],
+        help="SmolLM2's and Qwen2.5's vocabularies by default",
+    )
+    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=("float32", "bfloat16"))
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed steps per variant (default: 2 on CPU, 20 on CUDA)",
+    )
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -138,17 +171,27 @@ def main() -> None:
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.worker:
-        result = _worker(args.worker, args.num_tokens, args.vocab_sizes[0], args.dtypes[0],
-                         args.device, args.repeats)
+        result = _worker(
+            args.worker,
+            args.num_tokens,
+            args.vocab_sizes[0],
+            args.dtypes[0],
+            args.device,
+            args.repeats,
+        )
         print(json.dumps(result))
         return
 
-    print(f"fused log-prob gather vs torch eager, forward + backward, N = {args.num_tokens} "
-          f"tokens, device {args.device}, median of {args.repeats}"
-          + (" (CUDA events)" if args.device == "cuda" else ""))
-    header = (f"{'V':>7} {'dtype':>8} | {'torch ms':>8} {'fused ms':>8} {'speedup':>7} "
-              f"{'fused GB/s':>10} | {'torch MiB':>9} {'fused MiB':>9} {'mem ratio':>9} | "
-              f"{'rel diff':>8}")
+    print(
+        f"fused log-prob gather vs torch eager, forward + backward, N = {args.num_tokens} "
+        f"tokens, device {args.device}, median of {args.repeats}"
+        + (" (CUDA events)" if args.device == "cuda" else "")
+    )
+    header = (
+        f"{'V':>7} {'dtype':>8} | {'torch ms':>8} {'fused ms':>8} {'speedup':>7} "
+        f"{'fused GB/s':>10} | {'torch MiB':>9} {'fused MiB':>9} {'mem ratio':>9} | "
+        f"{'rel diff':>8}"
+    )
     print(header)
     print("-" * len(header))
     for dtype in args.dtypes:
@@ -157,12 +200,15 @@ def main() -> None:
             t, f = res["torch"], res["fused"]
             mib = 1024 * 1024
             rel = abs(t["logprob_sum"] - f["logprob_sum"]) / max(1.0, abs(t["logprob_sum"]))
-            print(f"{vocab_size:>7} {dtype:>8} | {t['seconds'] * 1e3:>8.3f} "
-                  f"{f['seconds'] * 1e3:>8.3f} {t['seconds'] / f['seconds']:>6.2f}x "
-                  f"{f['gbps']:>10.1f} | "
-                  f"{t['peak_extra_bytes'] / mib:>9.0f} {f['peak_extra_bytes'] / mib:>9.0f} "
-                  f"{t['peak_extra_bytes'] / max(1, f['peak_extra_bytes']):>8.2f}x | "
-                  f"{rel:>8.1e}", flush=True)
+            print(
+                f"{vocab_size:>7} {dtype:>8} | {t['seconds'] * 1e3:>8.3f} "
+                f"{f['seconds'] * 1e3:>8.3f} {t['seconds'] / f['seconds']:>6.2f}x "
+                f"{f['gbps']:>10.1f} | "
+                f"{t['peak_extra_bytes'] / mib:>9.0f} {f['peak_extra_bytes'] / mib:>9.0f} "
+                f"{t['peak_extra_bytes'] / max(1, f['peak_extra_bytes']):>8.2f}x | "
+                f"{rel:>8.1e}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -77,21 +77,28 @@ def _eager_worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     batch, loss_fn = _make_batch(args)
-    model = AutoModelForCausalLM.from_pretrained(zoo.resolve_model(zoo.SMOLLM2_NAME),
-                                                 dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        zoo.resolve_model(zoo.SMOLLM2_NAME), dtype=torch.float32
+    ).to(device)
     opt = OptimizerConfig(learning_rate=1e-6)  # the benchmark's policy optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.learning_rate,
-                                  betas=(opt.beta1, opt.beta2), eps=opt.eps,
-                                  weight_decay=opt.weight_decay)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16,
-                              enabled=args.dtype == "bfloat16")
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=opt.learning_rate,
+        betas=(opt.beta1, opt.beta2),
+        eps=opt.eps,
+        weight_decay=opt.weight_decay,
+    )
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
 
     def logprobs(ids_BS: torch.Tensor) -> torch.Tensor:
         # log p(ids[t] | ids[:t]) at column t (0 in column 0): the policies' alignment.
         with autocast:
             logits_BSV = model(input_ids=ids_BS, use_cache=False).logits
-        next_BS = torch.log_softmax(logits_BSV[:, :-1].float(), dim=-1).gather(
-            -1, ids_BS[:, 1:, None]).squeeze(-1)
+        next_BS = (
+            torch.log_softmax(logits_BSV[:, :-1].float(), dim=-1)
+            .gather(-1, ids_BS[:, 1:, None])
+            .squeeze(-1)
+        )
         return torch.nn.functional.pad(next_BS, (1, 0))
 
     with torch.no_grad():
@@ -129,7 +136,11 @@ class _EagerBaseline:
         # The backend worker's own arguments; the last --worker wins.
         self.proc = subprocess.Popen(
             [sys.executable, __file__, *sys.argv[1:], "--worker", "eager"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=os.environ.copy(),
+        )
         self._expect("READY")
 
     def _expect(self, word: str) -> str:
@@ -150,7 +161,6 @@ class _EagerBaseline:
 
 
 def _worker(args: argparse.Namespace) -> dict:
-    import torch
 
     from dockyard_rl.models import zoo
     from dockyard_rl.models.policy.config import OptimizerConfig, PolicyConfig
@@ -159,9 +169,14 @@ def _worker(args: argparse.Namespace) -> dict:
     backend = args.worker
     dp_size = args.dtensor_dp_size if backend == "dtensor" else args.jax_dp_size
     zoo.resolve_model(zoo.SMOLLM2_NAME)  # build outside the timed region
-    cfg = PolicyConfig(backend=backend, model=zoo.SMOLLM2_NAME, dtype=args.dtype,
-                       dp_size=dp_size, micro_batch_size=args.micro_batch_size,
-                       optimizer=OptimizerConfig(learning_rate=1e-6))
+    cfg = PolicyConfig(
+        backend=backend,
+        model=zoo.SMOLLM2_NAME,
+        dtype=args.dtype,
+        dp_size=dp_size,
+        micro_batch_size=args.micro_batch_size,
+        optimizer=OptimizerConfig(learning_rate=1e-6),
+    )
     batch, loss_fn = _make_batch(args)
     num_samples, width = args.batch_size, args.seq_len
     # Started (and warmed up) first, so that it does not share the machine with the setup.
@@ -217,23 +232,35 @@ def _worker(args: argparse.Namespace) -> dict:
             eager.close()
     num_tokens = num_samples * width
     return {
-        "backend": backend, "dp_size": dp_size, "setup_s": setup_s,
+        "backend": backend,
+        "dp_size": dp_size,
+        "setup_s": setup_s,
         "step_s": statistics.median(step_seconds),
         "tokens_per_s": num_tokens / statistics.median(step_seconds),
-        "peak_gib": peak_bytes / 2**30, "memory_kind": memory_kind, "last_loss": losses[-1],
+        "peak_gib": peak_bytes / 2**30,
+        "memory_kind": memory_kind,
+        "last_loss": losses[-1],
         "eager_tokens_per_s": num_tokens / statistics.median(eager_seconds)
-        if eager_seconds else None,
+        if eager_seconds
+        else None,
         # Each backend step against the eager step taken right next to it.
         "x_eager": statistics.median(s / e for s, e in zip(step_seconds, eager_seconds))
-        if eager_seconds else None,
-        "step_seconds": step_seconds, "eager_seconds": eager_seconds,
+        if eager_seconds
+        else None,
+        "step_seconds": step_seconds,
+        "eager_seconds": eager_seconds,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=None,
-                        help="default: dtensor, plus jax when its module exists")
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        choices=BACKENDS,
+        default=None,
+        help="default: dtensor, plus jax when its module exists",
+    )
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -242,9 +269,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--dtensor-dp-size", type=int, default=2)
     parser.add_argument("--jax-dp-size", type=int, default=1)
-    parser.add_argument("--eager-baseline", action=argparse.BooleanOptionalAction, default=True,
-                        help="step a plain eager torch baseline beside each backend and print "
-                             "the backend's step time over it ('x eager')")
+    parser.add_argument(
+        "--eager-baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="step a plain eager torch baseline beside each backend and print "
+        "the backend's step time over it ('x eager')",
+    )
     parser.add_argument("--verbose", action="store_true", help="print every step's time")
     parser.add_argument("--worker", choices=(*BACKENDS, "eager"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -255,14 +286,20 @@ def main() -> None:
         print("RESULT " + json.dumps(_worker(args)), flush=True)
         return
     backends = args.backends or [
-        b for b in BACKENDS
-        if b == "dtensor" or importlib.util.find_spec(f"dockyard_rl.models.policy.{b}_policy")]
+        b
+        for b in BACKENDS
+        if b == "dtensor" or importlib.util.find_spec(f"dockyard_rl.models.policy.{b}_policy")
+    ]
     passthrough = [a for a in sys.argv[1:]]
-    print(f"SmolLM2-135M train step, batch {args.batch_size} x {args.seq_len} tokens, "
-          f"microbatch {args.micro_batch_size}, {args.dtype}, {args.steps} timed steps "
-          f"after {args.warmup_steps} warm-up")
-    print(f"{'backend':<9} {'dp':>3} {'setup s':>8} {'step s':>8} {'tokens/s':>10} "
-          f"{'peak GiB':>9} {'memory':>7} {'eager tok/s':>12} {'x eager':>8}")
+    print(
+        f"SmolLM2-135M train step, batch {args.batch_size} x {args.seq_len} tokens, "
+        f"microbatch {args.micro_batch_size}, {args.dtype}, {args.steps} timed steps "
+        f"after {args.warmup_steps} warm-up"
+    )
+    print(
+        f"{'backend':<9} {'dp':>3} {'setup s':>8} {'step s':>8} {'tokens/s':>10} "
+        f"{'peak GiB':>9} {'memory':>7} {'eager tok/s':>12} {'x eager':>8}"
+    )
     for backend in backends:
         cmd = [sys.executable, __file__, *passthrough, "--worker", backend]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
@@ -270,15 +307,22 @@ def main() -> None:
         if proc.returncode != 0 or not lines:
             print(f"{backend:<9} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
             continue
-        r = json.loads(lines[-1][len("RESULT "):])
-        baseline = (f" {r['eager_tokens_per_s']:>12.1f} {r['x_eager']:>8.2f}"
-                    if r["x_eager"] is not None else "")
-        print(f"{backend:<9} {r['dp_size']:>3} {r['setup_s']:>8.1f} {r['step_s']:>8.2f} "
-              f"{r['tokens_per_s']:>10.1f} {r['peak_gib']:>9.2f} {r['memory_kind']:>7}"
-              f"{baseline}")
+        r = json.loads(lines[-1][len("RESULT ") :])
+        baseline = (
+            f" {r['eager_tokens_per_s']:>12.1f} {r['x_eager']:>8.2f}"
+            if r["x_eager"] is not None
+            else ""
+        )
+        print(
+            f"{backend:<9} {r['dp_size']:>3} {r['setup_s']:>8.1f} {r['step_s']:>8.2f} "
+            f"{r['tokens_per_s']:>10.1f} {r['peak_gib']:>9.2f} {r['memory_kind']:>7}"
+            f"{baseline}"
+        )
         if args.verbose:
-            print(f"  step s: {[round(t, 2) for t in r['step_seconds']]}, eager step s: "
-                  f"{[round(t, 2) for t in r['eager_seconds']]}")
+            print(
+                f"  step s: {[round(t, 2) for t in r['step_seconds']]}, eager step s: "
+                f"{[round(t, 2) for t in r['eager_seconds']]}"
+            )
 
 
 if __name__ == "__main__":

@@ -116,6 +116,7 @@ def run(
     src = torch.empty(total, dtype=torch.uint8, device=device).random_(0, 256)
     dst = torch.empty_like(src)
     cat_out = torch.empty(total, dtype=torch.uint8, device=device)
+
     def new_bucket(size: int) -> torch.Tensor:
         return torch.empty(size, dtype=torch.uint8, device=device)
 
@@ -142,10 +143,15 @@ def run(
     ops[f"pack plan {plan_kind}"] = lambda: pack_plan.pack(out=bucket_outs)
     ops[f"iter_pack plan {plan_kind}"] = lambda: drain(pack_plan.iter_pack(buffers))
     if ext_supports_device:
-        ops["iter_pack ext"] = lambda: drain(rp.iter_pack(named, manifest, buffers, use_extension=True))
-    ops["iter_pack torch"] = lambda: drain(rp.iter_pack(named, manifest, buffers, use_extension=False))
+        ops["iter_pack ext"] = lambda: drain(
+            rp.iter_pack(named, manifest, buffers, use_extension=True)
+        )
+    ops["iter_pack torch"] = lambda: drain(
+        rp.iter_pack(named, manifest, buffers, use_extension=False)
+    )
     per_bucket = [
-        {e.name: named[e.name] for e in manifest.bucket_entries(b)} for b in range(manifest.num_buckets)
+        {e.name: named[e.name] for e in manifest.bucket_entries(b)}
+        for b in range(manifest.num_buckets)
     ]
     if ext_supports_device:
         ops["pack_bucket ext"] = lambda: [

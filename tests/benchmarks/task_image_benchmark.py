@@ -57,21 +57,31 @@ def main() -> None:
 
     host_s = statistics.median(host)
     print(f"{'path':<22} {'median s':>9} {'vs host':>8}")
-    for name, times in (("host (today)", host), ("image, cold cache", cold),
-                        ("image, warm cache", warm)):
+    for name, times in (
+        ("host (today)", host),
+        ("image, cold cache", cold),
+        ("image, warm cache", warm),
+    ):
         median = statistics.median(times)
         print(f"{name:<22} {median:>9.2f} {median / host_s:>7.2f}x")
-    print(f"per-task overhead of an image: cold {statistics.median(cold) - host_s:+.2f} s, "
-          f"warm {statistics.median(warm) - host_s:+.2f} s")
+    print(
+        f"per-task overhead of an image: cold {statistics.median(cold) - host_s:+.2f} s, "
+        f"warm {statistics.median(warm) - host_s:+.2f} s"
+    )
 
     for workers in (1, 2):
         start = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda _: score(image_spec, warm_config, root / "image"),
-                          range(args.tasks)))
+            list(
+                pool.map(
+                    lambda _: score(image_spec, warm_config, root / "image"), range(args.tasks)
+                )
+            )
         elapsed = time.monotonic() - start
-        print(f"throughput, {workers} worker(s): {args.tasks / elapsed * 60:.1f} tasks/min "
-              f"({args.tasks} image-backed tasks in {elapsed:.1f} s)")
+        print(
+            f"throughput, {workers} worker(s): {args.tasks / elapsed * 60:.1f} tasks/min "
+            f"({args.tasks} image-backed tasks in {elapsed:.1f} s)"
+        )
 
 
 if __name__ == "__main__":

@@ -48,8 +48,9 @@ def load_weights() -> dict[str, torch.Tensor]:
     return {name: tensor.float().contiguous() for name, tensor in load_file(str(path)).items()}
 
 
-def time_push(transport: str, weights: dict[str, torch.Tensor], bucket_bytes: int,
-              repeats: int) -> list[float]:
+def time_push(
+    transport: str, weights: dict[str, torch.Tensor], bucket_bytes: int, repeats: int
+) -> list[float]:
     """Seconds per sync of `transport` to one receiver process (warm-up excluded)."""
     manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(weights), bucket_bytes)
     session = f"bench-{uuid.uuid4().hex[:8]}"
@@ -61,21 +62,30 @@ def time_push(transport: str, weights: dict[str, torch.Tensor], bucket_bytes: in
         options.update(num_receivers=1)
     if transport == "http":
         processes, results = testing.start_receivers(
-            "http", manifest, [{"timeout_s": TIMEOUT_S}], num_syncs=num_syncs, return_bytes=False)
+            "http", manifest, [{"timeout_s": TIMEOUT_S}], num_syncs=num_syncs, return_bytes=False
+        )
         _, url, token = results.get(timeout=TIMEOUT_S)
         options["engines"] = [{"url": url, "token": token}]
     endpoint = sender.open_session(session, transport, manifest.to_dict(), options)
     if transport != "http":
-        spec = {"transport": transport, "session": session, **endpoint, "world_size": 2,
-                "rank_offset": 1, "timeout_s": TIMEOUT_S}
-        processes, results = testing.start_receivers(transport, manifest, [spec],
-                                                     num_syncs=num_syncs, return_bytes=False)
+        spec = {
+            "transport": transport,
+            "session": session,
+            **endpoint,
+            "world_size": 2,
+            "rank_offset": 1,
+            "timeout_s": TIMEOUT_S,
+        }
+        processes, results = testing.start_receivers(
+            transport, manifest, [spec], num_syncs=num_syncs, return_bytes=False
+        )
     seconds = []
     try:
         for version in range(1, num_syncs + 1):
             start = time.monotonic()
-            sender.send_weights(session, manifest, version,
-                                iter_manifest_buckets(manifest, weights.items()))
+            sender.send_weights(
+                session, manifest, version, iter_manifest_buckets(manifest, weights.items())
+            )
             status, received, _ = results.get(timeout=TIMEOUT_S)
             seconds.append(time.monotonic() - start)
             if status != "ok" or received != manifest.total_bytes:
@@ -95,8 +105,9 @@ class _ObjectStoreReceiver:
         return sum(len(bytearray(bucket.numpy().data)) for bucket in buckets)
 
 
-def time_object_store(weights: dict[str, torch.Tensor], bucket_bytes: int,
-                      repeats: int) -> list[float]:
+def time_object_store(
+    weights: dict[str, torch.Tensor], bucket_bytes: int, repeats: int
+) -> list[float]:
     manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(weights), bucket_bytes)
     receiver = _ObjectStoreReceiver.remote()
     seconds = []
@@ -125,31 +136,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=64)
-    parser.add_argument("--transports", default="collective,ipc_zmq,http",
-                        help="comma-separated push transports to measure")
+    parser.add_argument(
+        "--transports",
+        default="collective,ipc_zmq,http",
+        help="comma-separated push transports to measure",
+    )
     args = parser.parse_args()
     init_local_ray(num_cpus=2, log_to_driver=False)
     weights = load_weights()
     bucket_bytes = args.bucket_mb << 20
     num_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-    print(f"SmolLM2-135M: {len(weights)} tensors, {num_bytes / 1e6:.0f} MB float32; buckets of "
-          f"{args.bucket_mb} MiB; median of {args.repeats} syncs after a warm-up")
-    rows = [("memcpy (1 buffer)", time_memcpy(num_bytes, args.repeats)),
-            ("object_store (baseline)", time_object_store(weights, bucket_bytes, args.repeats))]
+    print(
+        f"SmolLM2-135M: {len(weights)} tensors, {num_bytes / 1e6:.0f} MB float32; buckets of "
+        f"{args.bucket_mb} MiB; median of {args.repeats} syncs after a warm-up"
+    )
+    rows = [
+        ("memcpy (1 buffer)", time_memcpy(num_bytes, args.repeats)),
+        ("object_store (baseline)", time_object_store(weights, bucket_bytes, args.repeats)),
+    ]
     transports = [t for t in args.transports.split(",") if t]
     for transport in transports:
         rows.append((transport, time_push(transport, weights, bucket_bytes, args.repeats)))
     if "collective" in transports:
         # 256 B buckets: every tensor (all are larger) gets a bucket of its own.
-        rows.append(("collective, 1 msg/tensor", time_push("collective", weights, 256,
-                                                           args.repeats)))
+        rows.append(
+            ("collective, 1 msg/tensor", time_push("collective", weights, 256, args.repeats))
+        )
     baseline = statistics.median(rows[1][1])
     memcpy = statistics.median(rows[0][1])
     print(f"{'row':28s} {'seconds':>8s} {'GB/s':>7s} {'vs object_store':>16s} {'of memcpy':>10s}")
     for name, seconds in rows:
         median = statistics.median(seconds)
-        print(f"{name:28s} {median:8.3f} {num_bytes / median / 1e9:7.2f} "
-              f"{baseline / median:15.2f}x {memcpy / median:9.1%}")
+        print(
+            f"{name:28s} {median:8.3f} {num_bytes / median / 1e9:7.2f} "
+            f"{baseline / median:15.2f}x {memcpy / median:9.1%}"
+        )
     ray.shutdown()
 
 

@@ -10,6 +10,13 @@ def test_buildifier():
     files = workspace_files.source_files(ROOT, workspace_files.STARLARK_SOURCES)
     assert files, f"no BUILD files under {ROOT}"
     workspace_files.check(
-        [workspace_files.tool_path("BUILDIFIER"), "-mode=check", "-lint=warn",
-         f"-warnings={workspace_files.BUILDIFIER_WARNINGS}", *files],
-        cwd=ROOT, fix=workspace_files.FIX_COMMAND)
+        [
+            workspace_files.tool_path("BUILDIFIER"),
+            "-mode=check",
+            "-lint=warn",
+            f"-warnings={workspace_files.BUILDIFIER_WARNINGS}",
+            *files,
+        ],
+        cwd=ROOT,
+        fix=workspace_files.FIX_COMMAND,
+    )

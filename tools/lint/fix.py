@@ -3,9 +3,9 @@
     tools/bazel run //tools/lint:fix
 
 ruff (safe lint fixes, then formatting), clang-format and buildifier, with the repository's own
-settings (ruff.toml, .clang-format, the buildifier warnings of workspace_files.py). What a fixer cannot fix
-(e.g. a too-long string, a type error) is left for you: run `tools/bazel test //tools/lint/...`
-afterwards to see it.
+settings (ruff.toml, .clang-format, the buildifier warnings of workspace_files.py). What a fixer
+cannot fix (e.g. a too-long string, a type error) is left for you: run
+`tools/bazel test //tools/lint/...` afterwards to see it.
 """
 
 from __future__ import annotations
@@ -28,15 +28,24 @@ def main(argv: list[str]) -> int:
     if "BUILD_WORKSPACE_DIRECTORY" not in os.environ:
         parser.error("run me with `tools/bazel run //tools/lint:fix` (I edit the working tree)")
     root = pathlib.Path(os.environ["BUILD_WORKSPACE_DIRECTORY"])
-    ruff, clang_format, buildifier = (path.absolute() for path in
-                                      (args.ruff, args.clang_format, args.buildifier))
+    ruff, clang_format, buildifier = (
+        path.absolute() for path in (args.ruff, args.clang_format, args.buildifier)
+    )
     steps = [
         [ruff, "check", "--fix", "--config", root / "ruff.toml", "."],
         [ruff, "format", "--config", root / "ruff.toml", "."],
-        [clang_format, "-i", "--style=file",
-         *workspace_files.source_files(root, workspace_files.CPP_SOURCES)],
-        [buildifier, "-lint=fix", f"-warnings={workspace_files.BUILDIFIER_WARNINGS}",
-         *workspace_files.source_files(root, workspace_files.STARLARK_SOURCES)],
+        [
+            clang_format,
+            "-i",
+            "--style=file",
+            *workspace_files.source_files(root, workspace_files.CPP_SOURCES),
+        ],
+        [
+            buildifier,
+            "-lint=fix",
+            f"-warnings={workspace_files.BUILDIFIER_WARNINGS}",
+            *workspace_files.source_files(root, workspace_files.STARLARK_SOURCES),
+        ],
     ]
     failed = 0
     for step in steps:

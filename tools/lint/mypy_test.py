@@ -16,4 +16,7 @@ def test_mypy_strict_on_the_seams():
     cache = os.path.join(os.environ.get("TEST_TMPDIR", "/tmp"), "mypy_cache")
     workspace_files.check(
         [sys.executable, "-m", "mypy", "--config-file", ROOT / "mypy.ini", "--cache-dir", cache],
-        cwd=ROOT, env=env, fix="mypy has no fixer; the report names file:line and the error")
+        cwd=ROOT,
+        env=env,
+        fix="mypy has no fixer; the report names file:line and the error",
+    )

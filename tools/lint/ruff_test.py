@@ -9,8 +9,11 @@ ROOT = workspace_files.workspace_root("ruff.toml")
 def _ruff(*args: str) -> None:
     ruff = workspace_files.tool_path("RUFF")
     # --no-cache: the tree is read-only from the test's sandbox.
-    workspace_files.check([ruff, *args, "--no-cache", "--config", ROOT / "ruff.toml", "."],
-                          cwd=ROOT, fix=workspace_files.FIX_COMMAND)
+    workspace_files.check(
+        [ruff, *args, "--no-cache", "--config", ROOT / "ruff.toml", "."],
+        cwd=ROOT,
+        fix=workspace_files.FIX_COMMAND,
+    )
 
 
 def test_ruff_lint():

@@ -22,8 +22,9 @@ def workspace_root(anchor: str = "ruff.toml") -> pathlib.Path:
     """The source tree's root: where the runfile `anchor` (a root-level file) really lives."""
     runfile = pathlib.Path(anchor)
     if not runfile.exists():
-        raise FileNotFoundError(f"{anchor} is not in the test's runfiles: add //:{anchor} to its "
-                                "data")
+        raise FileNotFoundError(
+            f"{anchor} is not in the test's runfiles: add //:{anchor} to its data"
+        )
     return runfile.resolve().parent
 
 
@@ -31,9 +32,22 @@ def source_files(root: pathlib.Path, patterns: Sequence[str]) -> list[pathlib.Pa
     """The files under `root` matching git pathspec `patterns` (e.g. "*.cc"), tracked or not
     ignored, sorted."""
     listed = subprocess.run(
-        ["git", "-C", str(root), "ls-files", "--cached", "--others", "--exclude-standard", "-z",
-         "--", *patterns],
-        capture_output=True, text=True, check=True)
+        [
+            "git",
+            "-C",
+            str(root),
+            "ls-files",
+            "--cached",
+            "--others",
+            "--exclude-standard",
+            "-z",
+            "--",
+            *patterns,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     names = sorted(set(filter(None, listed.stdout.split("\0"))))
     # A file deleted in the working tree but not yet in the index is still "cached".
     return [root / name for name in names if (root / name).is_file()]
@@ -43,20 +57,35 @@ def tool_path(env_var: str) -> pathlib.Path:
     """A tool's runfile, named by an environment variable that the BUILD target sets."""
     value = os.environ.get(env_var)
     if not value:
-        raise RuntimeError(f"${env_var} is not set: run this test through Bazel "
-                           "(tools/bazel test //tools/lint/...)")
+        raise RuntimeError(
+            f"${env_var} is not set: run this test through Bazel "
+            "(tools/bazel test //tools/lint/...)"
+        )
     return pathlib.Path(value).absolute()
 
 
-def check(command: Sequence[str | os.PathLike[str]], *, cwd: pathlib.Path, fix: str,
-          env: dict[str, str] | None = None) -> None:
+def check(
+    command: Sequence[str | os.PathLike[str]],
+    *,
+    cwd: pathlib.Path,
+    fix: str,
+    env: dict[str, str] | None = None,
+) -> None:
     """Runs a checker; fails the test with its report and the command that fixes it."""
-    run = subprocess.run([str(part) for part in command], cwd=cwd, capture_output=True,
-                         text=True, env=env, timeout=900)
+    run = subprocess.run(
+        [str(part) for part in command],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     if run.returncode != 0:
         report = (run.stdout + run.stderr).strip()
-        raise AssertionError(f"{report}\n\n{pathlib.Path(str(command[0])).name} found problems "
-                             f"(exit {run.returncode}). Fix: {fix}")
+        raise AssertionError(
+            f"{report}\n\n{pathlib.Path(str(command[0])).name} found problems "
+            f"(exit {run.returncode}). Fix: {fix}"
+        )
     sys.stdout.write(run.stdout)
 
 
@@ -64,10 +93,19 @@ FIX_COMMAND = "tools/bazel run //tools/lint:fix"
 
 # What each check covers, shared by the tests and by fix.py.
 CPP_SOURCES = ["*.cc", "*.h", "*.cu", "*.cuh"]
-STARLARK_SOURCES = ["BUILD", "*/BUILD", "BUILD.bazel", "*/BUILD.bazel", "*.bzl", "WORKSPACE",
-                    "MODULE.bazel"]
+STARLARK_SOURCES = [
+    "BUILD",
+    "*/BUILD",
+    "BUILD.bazel",
+    "*/BUILD.bazel",
+    "*.bzl",
+    "WORKSPACE",
+    "MODULE.bazel",
+]
 # buildifier's native-* warnings are off: the offline build is Bazel 4.2.3, whose rules_cc and
 # rules_java are local stand-ins that forward to the native rules (tools/bazel_stubs), so loading
 # cc_library or py_test from rules_* would reach the same native rules by a longer way.
-BUILDIFIER_WARNINGS = ("-native-cc-binary,-native-cc-library,-native-cc-test,-native-py,"
-                       "-native-sh-binary,-native-sh-test")
+BUILDIFIER_WARNINGS = (
+    "-native-cc-binary,-native-cc-library,-native-cc-test,-native-py,"
+    "-native-sh-binary,-native-sh-test"
+)

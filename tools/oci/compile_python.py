@@ -29,9 +29,13 @@ def compile_tree(tree: str, image_path: str, folders: list[str]) -> None:
         source = os.path.normpath(os.path.join(tree, folder))
         if not os.path.isdir(source):
             continue
-        compileall.compile_dir(source, quiet=2, workers=1,
-                               ddir=os.path.normpath(os.path.join(image_path, folder)),
-                               invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+        compileall.compile_dir(
+            source,
+            quiet=2,
+            workers=1,
+            ddir=os.path.normpath(os.path.join(image_path, folder)),
+            invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH,
+        )
 
 
 def main(argv: list[str]) -> int:

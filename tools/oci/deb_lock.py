@@ -41,9 +41,12 @@ def read_wanted(path: pathlib.Path) -> list[str]:
 
 
 def distribution() -> str:
-    """"<ID> <VERSION_ID>" of this machine (e.g. "debian 12"), the lock's release."""
-    fields = dict(line.split("=", 1) for line in
-                  pathlib.Path("/etc/os-release").read_text().splitlines() if "=" in line)
+    """ "<ID> <VERSION_ID>" of this machine (e.g. "debian 12"), the lock's release."""
+    fields = dict(
+        line.split("=", 1)
+        for line in pathlib.Path("/etc/os-release").read_text().splitlines()
+        if "=" in line
+    )
     return f"{fields.get('ID', '').strip(chr(34))} {fields.get('VERSION_ID', '').strip(chr(34))}"
 
 
@@ -52,14 +55,28 @@ def resolve(wanted: Sequence[str], architecture: str) -> list[tuple[str, str]]:
     with tempfile.TemporaryDirectory() as empty:
         (pathlib.Path(empty) / "archives" / "partial").mkdir(parents=True)
         run = subprocess.run(
-            ["apt-get", "install", "--print-uris", "-qq", "--no-install-recommends",
-             "-o", "Dir::State::status=/dev/null",
-             "-o", f"Dir::Cache::archives={empty}/archives/",
-             "-o", f"APT::Architecture={architecture}", *wanted],
-            capture_output=True, text=True)
+            [
+                "apt-get",
+                "install",
+                "--print-uris",
+                "-qq",
+                "--no-install-recommends",
+                "-o",
+                "Dir::State::status=/dev/null",
+                "-o",
+                f"Dir::Cache::archives={empty}/archives/",
+                "-o",
+                f"APT::Architecture={architecture}",
+                *wanted,
+            ],
+            capture_output=True,
+            text=True,
+        )
     if run.returncode != 0:
-        raise ValueError(f"apt cannot resolve {' '.join(wanted)}: {run.stderr.strip()} (run "
-                         "`apt-get update` first if the package lists are missing)")
+        raise ValueError(
+            f"apt cannot resolve {' '.join(wanted)}: {run.stderr.strip()} (run "
+            "`apt-get update` first if the package lists are missing)"
+        )
     closure = []
     for line in run.stdout.splitlines():
         match = _URI_LINE.match(line)
@@ -74,8 +91,11 @@ def resolve(wanted: Sequence[str], architecture: str) -> list[tuple[str, str]]:
 
 def package_record(name: str, version: str) -> dict[str, str | int]:
     """The lock entry of name=version from apt's package lists."""
-    run = subprocess.run(["apt-cache", "show", "--no-all-versions", f"{name}={version}"],
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        ["apt-cache", "show", "--no-all-versions", f"{name}={version}"],
+        capture_output=True,
+        text=True,
+    )
     if run.returncode != 0:
         raise ValueError(f"apt-cache show {name}={version}: {run.stderr.strip()}")
     fields: dict[str, str] = {}
@@ -83,16 +103,23 @@ def package_record(name: str, version: str) -> dict[str, str | int]:
         if line and not line[0].isspace() and ":" in line:
             key, value = line.split(":", 1)
             fields[key] = value.strip()
-    return {"name": fields["Package"], "version": fields["Version"],
-            "architecture": fields["Architecture"], "size": int(fields["Size"]),
-            "sha256": fields["SHA256"]}
+    return {
+        "name": fields["Package"],
+        "version": fields["Version"],
+        "architecture": fields["Architecture"],
+        "size": int(fields["Size"]),
+        "sha256": fields["SHA256"],
+    }
 
 
 def make_lock(wanted: Sequence[str], architecture: str) -> dict:
     packages = [package_record(name, version) for name, version in resolve(wanted, architecture)]
-    return {"distribution": distribution(), "architecture": architecture,
-            "wanted": list(wanted),
-            "packages": sorted(packages, key=lambda p: p["name"])}
+    return {
+        "distribution": distribution(),
+        "architecture": architecture,
+        "wanted": list(wanted),
+        "packages": sorted(packages, key=lambda p: p["name"]),
+    }
 
 
 def main(argv: Sequence[str]) -> int:

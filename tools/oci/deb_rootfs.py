@@ -61,13 +61,15 @@ def _apt_download(spec: str, download_dir: str) -> subprocess.CompletedProcess:
     """`apt-get download spec`; when apt does not know the version and we are root, refreshes
     the package lists once (a fresh machine may have none) and tries again."""
     global _lists_refreshed
-    run = subprocess.run(["apt-get", "download", "-qq", spec], cwd=download_dir,
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        ["apt-get", "download", "-qq", spec], cwd=download_dir, capture_output=True, text=True
+    )
     if run.returncode != 0 and not _lists_refreshed and os.geteuid() == 0:
         _lists_refreshed = True
         subprocess.run(["apt-get", "update", "-qq"], capture_output=True, text=True)
-        run = subprocess.run(["apt-get", "download", "-qq", spec], cwd=download_dir,
-                             capture_output=True, text=True)
+        run = subprocess.run(
+            ["apt-get", "download", "-qq", spec], cwd=download_dir, capture_output=True, text=True
+        )
     return run
 
 
@@ -78,8 +80,11 @@ def fetch(package: dict, cache: pathlib.Path) -> pathlib.Path:
         return path
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as download_dir:
-        spec = f"{package['name']}:{package['architecture']}={package['version']}" \
-            if package["architecture"] != "all" else f"{package['name']}={package['version']}"
+        spec = (
+            f"{package['name']}:{package['architecture']}={package['version']}"
+            if package["architecture"] != "all"
+            else f"{package['name']}={package['version']}"
+        )
         run = _apt_download(spec, download_dir)
         debs = list(pathlib.Path(download_dir).glob("*.deb"))
         if run.returncode != 0 or len(debs) != 1:
@@ -87,11 +92,13 @@ def fetch(package: dict, cache: pathlib.Path) -> pathlib.Path:
                 f"apt-get download {spec} failed: {run.stderr.strip() or run.stdout.strip()}. "
                 "If this version is gone from the mirror (Debian replaces stable packages on "
                 "updates), regenerate the lock with tools/oci/deb_lock.py; if the package lists "
-                "are missing, run `apt-get update`")
+                "are missing, run `apt-get update`"
+            )
         actual = _sha256(debs[0])
         if actual != package["sha256"]:
-            raise ValueError(f"{spec}: sha256 {actual} is not the lock's {package['sha256']}; "
-                             "refusing it")
+            raise ValueError(
+                f"{spec}: sha256 {actual} is not the lock's {package['sha256']}; refusing it"
+            )
         os.replace(debs[0], path)
     return path
 
@@ -104,8 +111,7 @@ def _merged(name: str) -> str:
 
 
 def _control(deb: pathlib.Path) -> str:
-    run = subprocess.run(["dpkg-deb", "-f", str(deb)], capture_output=True, text=True,
-                         check=True)
+    run = subprocess.run(["dpkg-deb", "-f", str(deb)], capture_output=True, text=True, check=True)
     return run.stdout.rstrip("\n")
 
 
@@ -113,8 +119,9 @@ def build_rootfs(lock: dict, debs: Sequence[pathlib.Path], out: pathlib.Path) ->
     """Writes the merged tarball of `debs` (in lock order) with the dpkg status (docstring)."""
     entries: dict[str, tuple[tarfile.TarInfo, bytes | None, str]] = {}
     for package, deb in zip(lock["packages"], debs):
-        fsys = subprocess.run(["dpkg-deb", "--fsys-tarfile", str(deb)], capture_output=True,
-                              check=True).stdout
+        fsys = subprocess.run(
+            ["dpkg-deb", "--fsys-tarfile", str(deb)], capture_output=True, check=True
+        ).stdout
         with tarfile.open(fileobj=io.BytesIO(fsys)) as tarred:
             for member in tarred.getmembers():
                 name = _merged(member.name)
@@ -125,11 +132,16 @@ def build_rootfs(lock: dict, debs: Sequence[pathlib.Path], out: pathlib.Path) ->
                     member.linkname = _merged(member.linkname)
                 if name in entries and not member.isdir():
                     info, old_data, owner = entries[name]
-                    same = (info.type, old_data, info.linkname) == (member.type, data,
-                                                                    member.linkname)
+                    same = (info.type, old_data, info.linkname) == (
+                        member.type,
+                        data,
+                        member.linkname,
+                    )
                     if not same:
-                        raise ValueError(f"{name} is shipped by both {owner} and "
-                                         f"{package['name']} with different content")
+                        raise ValueError(
+                            f"{name} is shipped by both {owner} and "
+                            f"{package['name']} with different content"
+                        )
                     continue
                 member.name = name
                 entries[name] = (member, data, package["name"])
@@ -147,8 +159,9 @@ def build_rootfs(lock: dict, debs: Sequence[pathlib.Path], out: pathlib.Path) ->
     add_bytecode(entries)
 
     # Each package's control fields with dpkg's Status right after its first line (Package:).
-    status = "\n\n".join(_control(deb).replace("\n", "\nStatus: install ok installed\n", 1)
-                         for deb in debs)
+    status = "\n\n".join(
+        _control(deb).replace("\n", "\nStatus: install ok installed\n", 1) for deb in debs
+    )
     add_file("var/lib/dpkg/status", (status + "\n").encode())
     for name in ("passwd", "group"):
         master = entries.get(f"usr/share/base-passwd/{name}.master")
@@ -174,8 +187,16 @@ def add_bytecode(entries: dict[str, tuple[tarfile.TarInfo, bytes | None, str]]) 
                 path = pathlib.Path(tmp, name)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(data)
-        subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name("compile_python.py")),
-                        tmp, "/", *folders], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                str(pathlib.Path(__file__).with_name("compile_python.py")),
+                tmp,
+                "/",
+                *folders,
+            ],
+            check=True,
+        )
         for path in sorted(pathlib.Path(tmp).rglob("*.pyc")):
             name = path.relative_to(tmp).as_posix()
             folder = name.rsplit("/", 1)[0]
@@ -199,9 +220,11 @@ def main(argv: Sequence[str]) -> int:
         lock = json.loads(args.lock.read_text())
         here = distribution()
         if lock["distribution"] != here:
-            raise ValueError(f"{args.lock} pins {lock['distribution']} packages, but this "
-                             f"machine's apt reaches {here}: regenerate the lock here with "
-                             "tools/oci/deb_lock.py (or build where that release is reachable)")
+            raise ValueError(
+                f"{args.lock} pins {lock['distribution']} packages, but this "
+                f"machine's apt reaches {here}: regenerate the lock here with "
+                "tools/oci/deb_lock.py (or build where that release is reachable)"
+            )
         if shutil.which("dpkg-deb") is None or shutil.which("apt-get") is None:
             raise ValueError("deb_rootfs needs apt-get and dpkg-deb (a Debian or Ubuntu host)")
         debs = [fetch(package, args.cache) for package in lock["packages"]]

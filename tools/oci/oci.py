@@ -9,9 +9,10 @@
 `layer` writes one gzip-compressed tar: the listed files (mode 0644 unless given, 0755 when the
 source is executable), folders (0755 unless given), the entries of existing tarballs (e.g. an
 unpacked distribution root) and whole folder trees (files, folders and symlinks, modes kept; e.g.
-an installed site-packages, streamed without an intermediate tarball), merged. Every entry is normalized so the bytes depend only on
-the content: sorted paths, mtime 0, uid/gid 0, no user/group names, PAX format; gzip with mtime 0
-and no file name. Parent folders are added (0755) so every path has one.
+an installed site-packages, streamed without an intermediate tarball), merged. Every entry is
+normalized so the bytes depend only on the content: sorted paths, mtime 0, uid/gid 0, no
+user/group names, PAX format; gzip with mtime 0 and no file name. Parent folders are added (0755)
+so every path has one.
 
 `image` writes an OCI image layout (https://github.com/opencontainers/image-spec, layout.md) as a
 tarball: `oci-layout`, `index.json`, `blobs/sha256/<digest>` for the config, the manifest and
@@ -66,7 +67,7 @@ def _normalized(info: tarfile.TarInfo) -> tarfile.TarInfo:
 
 def _parents(path: str) -> list[str]:
     parts = path.split("/")[:-1]
-    return ["/".join(parts[:i + 1]) for i in range(len(parts))]
+    return ["/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
 def _clean_path(path: str) -> str:
@@ -98,9 +99,13 @@ def _tree_entries(dest: str, root: pathlib.Path):
                 yield info, functools.partial(path.open, "rb")
 
 
-def write_layer(out: pathlib.Path, files: Sequence[tuple[str, pathlib.Path, int | None]],
-                dirs: Sequence[str] = (), tars: Sequence[pathlib.Path] = (),
-                trees: Sequence[tuple[str, pathlib.Path]] = ()) -> None:
+def write_layer(
+    out: pathlib.Path,
+    files: Sequence[tuple[str, pathlib.Path, int | None]],
+    dirs: Sequence[str] = (),
+    tars: Sequence[pathlib.Path] = (),
+    trees: Sequence[tuple[str, pathlib.Path]] = (),
+) -> None:
     """The deterministic layer of `files` (dest, source, mode or None), `dirs` ("dest" or
     "dest:octal mode"), the entries of `tars` and the contents of `trees` (dest, folder) (module
     docstring). A path given twice is an error, not a silent overwrite. File contents stream from
@@ -130,8 +135,7 @@ def write_layer(out: pathlib.Path, files: Sequence[tuple[str, pathlib.Path, int 
                 if member.islnk():
                     member.linkname = _clean_path(member.linkname)
                 # The member is copied: add() renames and normalizes its own header.
-                opener = functools.partial(source.extractfile, member) if member.isfile() \
-                    else None
+                opener = functools.partial(source.extractfile, member) if member.isfile() else None
                 add(copy.copy(member), opener, str(tar_path))
         for dest, root in trees:
             for info, opener in _tree_entries(dest, root):
@@ -156,10 +160,13 @@ def write_layer(out: pathlib.Path, files: Sequence[tuple[str, pathlib.Path, int 
                 elif not entries[parent][0].isdir():
                     raise ValueError(f"{parent!r} is a file, but {name!r} is below it")
 
-        with out.open("wb") as raw_out, \
-                gzip.GzipFile(filename="", mode="wb", fileobj=raw_out, mtime=0,
-                              compresslevel=_GZIP_LEVEL) as compressed, \
-                tarfile.open(fileobj=compressed, mode="w", format=tarfile.PAX_FORMAT) as tarred:
+        with (
+            out.open("wb") as raw_out,
+            gzip.GzipFile(
+                filename="", mode="wb", fileobj=raw_out, mtime=0, compresslevel=_GZIP_LEVEL
+            ) as compressed,
+            tarfile.open(fileobj=compressed, mode="w", format=tarfile.PAX_FORMAT) as tarred,
+        ):
             for name in sorted(entries):
                 info, opener = entries[name]
                 if opener is None:
@@ -183,6 +190,7 @@ def _canonical(document: dict) -> bytes:
 @dataclasses.dataclass(frozen=True)
 class LayerBlob:
     """A gzip layer file as the image documents name it."""
+
     path: pathlib.Path
     digest: str  # sha256 of the compressed bytes: the blob's name and the manifest's digest
     size: int
@@ -206,22 +214,32 @@ def describe_layer(path: pathlib.Path) -> LayerBlob:
                     uncompressed.update(data)
                     data = decompressor.decompress(decompressor.unconsumed_tail, _CHUNK_BYTES)
                 if decompressor.unused_data:
-                    raise ValueError(f"{path}: data after the gzip stream (layers are one "
-                                     "gzip member)")
+                    raise ValueError(
+                        f"{path}: data after the gzip stream (layers are one gzip member)"
+                    )
             uncompressed.update(decompressor.flush())
     except zlib.error as error:
         raise ValueError(f"{path} is not a gzip layer: {error}") from None
     if not decompressor.eof:
         raise ValueError(f"{path} is a truncated gzip stream")
-    return LayerBlob(path, "sha256:" + compressed.hexdigest(), size,
-                     "sha256:" + uncompressed.hexdigest())
+    return LayerBlob(
+        path, "sha256:" + compressed.hexdigest(), size, "sha256:" + uncompressed.hexdigest()
+    )
 
 
-def image_documents(layers: Sequence[LayerBlob], *, entrypoint: Sequence[str] | None = None,
-                    cmd: Sequence[str] | None = None, env: Sequence[str] = (),
-                    user: str = "", workdir: str = "", ports: Sequence[str] = (),
-                    labels: dict[str, str] | None = None, architecture: str = "amd64",
-                    os_name: str = "linux") -> tuple[bytes, bytes]:
+def image_documents(
+    layers: Sequence[LayerBlob],
+    *,
+    entrypoint: Sequence[str] | None = None,
+    cmd: Sequence[str] | None = None,
+    env: Sequence[str] = (),
+    user: str = "",
+    workdir: str = "",
+    ports: Sequence[str] = (),
+    labels: dict[str, str] | None = None,
+    architecture: str = "amd64",
+    os_name: str = "linux",
+) -> tuple[bytes, bytes]:
     """(config, manifest) JSON bytes of an image made of `layers`, bottom first."""
     container_config: dict = {"Env": list(env), "Labels": dict(labels or {})}
     if entrypoint is not None:
@@ -234,52 +252,84 @@ def image_documents(layers: Sequence[LayerBlob], *, entrypoint: Sequence[str] | 
         container_config["WorkingDir"] = workdir
     if ports:
         container_config["ExposedPorts"] = {port: {} for port in ports}
-    config = _canonical({
-        "architecture": architecture, "os": os_name, "created": EPOCH,
-        "config": container_config,
-        "rootfs": {"type": "layers", "diff_ids": [layer.diff_id for layer in layers]},
-        "history": [{"created": EPOCH, "created_by": f"dockyard_rl tools/oci layer {i}"}
-                    for i in range(len(layers))],
-    })
-    manifest = _canonical({
-        "schemaVersion": 2, "mediaType": MEDIA_MANIFEST,
-        "config": {"mediaType": MEDIA_CONFIG, "digest": _digest(config), "size": len(config)},
-        "layers": [{"mediaType": MEDIA_LAYER, "digest": layer.digest, "size": layer.size}
-                   for layer in layers],
-        "annotations": dict(labels or {}),
-    })
+    config = _canonical(
+        {
+            "architecture": architecture,
+            "os": os_name,
+            "created": EPOCH,
+            "config": container_config,
+            "rootfs": {"type": "layers", "diff_ids": [layer.diff_id for layer in layers]},
+            "history": [
+                {"created": EPOCH, "created_by": f"dockyard_rl tools/oci layer {i}"}
+                for i in range(len(layers))
+            ],
+        }
+    )
+    manifest = _canonical(
+        {
+            "schemaVersion": 2,
+            "mediaType": MEDIA_MANIFEST,
+            "config": {"mediaType": MEDIA_CONFIG, "digest": _digest(config), "size": len(config)},
+            "layers": [
+                {"mediaType": MEDIA_LAYER, "digest": layer.digest, "size": layer.size}
+                for layer in layers
+            ],
+            "annotations": dict(labels or {}),
+        }
+    )
     return config, manifest
 
 
-def write_image(out: pathlib.Path, layer_paths: Sequence[pathlib.Path], tag: str,
-                **config_keys) -> str:
+def write_image(
+    out: pathlib.Path, layer_paths: Sequence[pathlib.Path], tag: str, **config_keys
+) -> str:
     """Writes the OCI layout tarball (module docstring); returns the manifest digest. Layers
     stream from their files into the tarball."""
     layers = [describe_layer(path) for path in layer_paths]
     config, manifest = image_documents(layers, **config_keys)
     manifest_digest = _digest(manifest)
-    index = _canonical({
-        "schemaVersion": 2, "mediaType": MEDIA_INDEX,
-        "manifests": [{"mediaType": MEDIA_MANIFEST, "digest": manifest_digest,
-                       "size": len(manifest),
-                       "annotations": {"org.opencontainers.image.ref.name": tag.split(":")[-1],
-                                       "io.containerd.image.name": tag}}],
-    })
-    docker_manifest = json.dumps([{
-        "Config": f"blobs/sha256/{_digest(config)[7:]}",
-        "RepoTags": [tag],
-        "Layers": [f"blobs/sha256/{layer.digest[7:]}" for layer in layers],
-    }]).encode()
+    index = _canonical(
+        {
+            "schemaVersion": 2,
+            "mediaType": MEDIA_INDEX,
+            "manifests": [
+                {
+                    "mediaType": MEDIA_MANIFEST,
+                    "digest": manifest_digest,
+                    "size": len(manifest),
+                    "annotations": {
+                        "org.opencontainers.image.ref.name": tag.split(":")[-1],
+                        "io.containerd.image.name": tag,
+                    },
+                }
+            ],
+        }
+    )
+    docker_manifest = json.dumps(
+        [
+            {
+                "Config": f"blobs/sha256/{_digest(config)[7:]}",
+                "RepoTags": [tag],
+                "Layers": [f"blobs/sha256/{layer.digest[7:]}" for layer in layers],
+            }
+        ]
+    ).encode()
     # name -> (size, opener); a layer listed twice is stored once, as its digest names it.
     files: dict[str, tuple[int, Callable[[], IO[bytes]]]] = {
-        name: (len(data), functools.partial(io.BytesIO, data)) for name, data in [
-            ("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'), ("index.json", index),
+        name: (len(data), functools.partial(io.BytesIO, data))
+        for name, data in [
+            ("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'),
+            ("index.json", index),
             ("manifest.json", docker_manifest),
             (f"blobs/sha256/{_digest(config)[7:]}", config),
-            (f"blobs/sha256/{manifest_digest[7:]}", manifest)]}
+            (f"blobs/sha256/{manifest_digest[7:]}", manifest),
+        ]
+    }
     for layer in layers:
-        files[f"blobs/sha256/{layer.digest[7:]}"] = (layer.size,
-                                                     functools.partial(layer.path.open, "rb"))
+        files[f"blobs/sha256/{layer.digest[7:]}"] = (
+            layer.size,
+            functools.partial(layer.path.open, "rb"),
+        )
     with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tarred:
         for folder in ("blobs", "blobs/sha256"):
             info = _normalized(tarfile.TarInfo(folder))
@@ -308,7 +358,7 @@ def _pairs(values: Iterable[str], flag: str) -> list[tuple[str, str]]:
 
 
 def _file_spec(value: str) -> tuple[str, pathlib.Path, int | None]:
-    (dest, source), = _pairs([value], "--file")
+    ((dest, source),) = _pairs([value], "--file")
     mode = None
     if ":" in source and source.rsplit(":", 1)[1].isdigit():
         source, mode_text = source.rsplit(":", 1)
@@ -322,12 +372,25 @@ def main(argv: Sequence[str]) -> int:
     layer = commands.add_parser("layer", help="write one deterministic layer")
     layer.add_argument("--out", type=pathlib.Path, required=True)
     layer.add_argument("--file", action="append", default=[], help="DEST=SRC[:MODE]")
-    layer.add_argument("--dir", action="append", default=[],
-                       help="an (empty) folder: DEST[:MODE], mode 0755 unless given")
-    layer.add_argument("--tar", action="append", default=[], type=pathlib.Path,
-                       help="a tarball whose entries go in")
-    layer.add_argument("--tree", action="append", default=[],
-                       help="DEST=DIR: everything below folder DIR, placed under DEST")
+    layer.add_argument(
+        "--dir",
+        action="append",
+        default=[],
+        help="an (empty) folder: DEST[:MODE], mode 0755 unless given",
+    )
+    layer.add_argument(
+        "--tar",
+        action="append",
+        default=[],
+        type=pathlib.Path,
+        help="a tarball whose entries go in",
+    )
+    layer.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        help="DEST=DIR: everything below folder DIR, placed under DEST",
+    )
     image = commands.add_parser("image", help="write an OCI image layout tarball")
     image.add_argument("--out", type=pathlib.Path, required=True)
     image.add_argument("--digest-out", type=pathlib.Path, required=True)
@@ -339,10 +402,15 @@ def main(argv: Sequence[str]) -> int:
     image.add_argument("--workdir", default="")
     image.add_argument("--port", action="append", default=[])
     image.add_argument("--label", action="append", default=[])
-    image.add_argument("--status-file", type=pathlib.Path,
-                       help="Bazel's stable-status.txt (KEY VALUE lines)")
-    image.add_argument("--status-label", action="append", default=[],
-                       help="LABEL=STATUS_KEY: a label whose value is that status key's")
+    image.add_argument(
+        "--status-file", type=pathlib.Path, help="Bazel's stable-status.txt (KEY VALUE lines)"
+    )
+    image.add_argument(
+        "--status-label",
+        action="append",
+        default=[],
+        help="LABEL=STATUS_KEY: a label whose value is that status key's",
+    )
     image.add_argument("--tag", required=True)
     image.add_argument("--architecture", default="amd64")
     image.add_argument("--os", default="linux")
@@ -355,15 +423,27 @@ def main(argv: Sequence[str]) -> int:
             _pairs(args.env, "--env")  # checks the shape; the config keeps "K=V" strings
             labels = dict(_pairs(args.label, "--label"))
             if args.status_label:
-                status = dict(line.split(" ", 1) for line in
-                              args.status_file.read_text().splitlines() if " " in line)
+                status = dict(
+                    line.split(" ", 1)
+                    for line in args.status_file.read_text().splitlines()
+                    if " " in line
+                )
                 for label, key in _pairs(args.status_label, "--status-label"):
                     labels[label] = status.get(key, "unknown")
             digest = write_image(
-                args.out, args.layer, args.tag,
-                entrypoint=args.entrypoint, cmd=args.cmd, env=args.env, user=args.user,
-                workdir=args.workdir, ports=args.port, labels=labels,
-                architecture=args.architecture, os_name=args.os)
+                args.out,
+                args.layer,
+                args.tag,
+                entrypoint=args.entrypoint,
+                cmd=args.cmd,
+                env=args.env,
+                user=args.user,
+                workdir=args.workdir,
+                ports=args.port,
+                labels=labels,
+                architecture=args.architecture,
+                os_name=args.os,
+            )
             args.digest_out.write_text(digest + "\n")
     except (ValueError, OSError) as error:
         print(f"oci.py {args.command}: {error}", file=sys.stderr)

@@ -41,8 +41,7 @@ def _head_commit() -> str:
     # The workspace's commit, read like tools/workspace_status.sh does (from the source tree the
     # runfiles point into).
     source = pathlib.Path(__file__).resolve().parent
-    run = subprocess.run(["git", "rev-parse", "HEAD"], cwd=source, capture_output=True,
-                         text=True)
+    run = subprocess.run(["git", "rev-parse", "HEAD"], cwd=source, capture_output=True, text=True)
     return run.stdout.strip() if run.returncode == 0 else "unknown"
 
 
@@ -66,14 +65,24 @@ def test_layers_are_normalized_and_the_same_bytes_every_time(tmp_path):
                 tarred.addfile(info, io.BytesIO(text.encode()))
     layers = []
     for name in ("a.tar.gz", "b.tar.gz"):
-        oci.write_layer(tmp_path / name, [("/app/run", script, None),
-                                          ("app/data.txt", data, 0o600)],
-                        dirs=["/var/empty"], tars=[base])
+        oci.write_layer(
+            tmp_path / name,
+            [("/app/run", script, None), ("app/data.txt", data, 0o600)],
+            dirs=["/var/empty"],
+            tars=[base],
+        )
         layers.append((tmp_path / name).read_bytes())
     assert layers[0] == layers[1]
     members = _members(layers[0])
-    assert [m.name for m in members] == ["app", "app/data.txt", "app/run", "etc",
-                                         "etc/os-release", "var", "var/empty"]
+    assert [m.name for m in members] == [
+        "app",
+        "app/data.txt",
+        "app/run",
+        "etc",
+        "etc/os-release",
+        "var",
+        "var/empty",
+    ]
     assert all(m.mtime == 0 and m.uid == 0 and m.gid == 0 and not m.uname for m in members)
     modes = {m.name: m.mode for m in members}
     assert modes["app/run"] == 0o755 and modes["app/data.txt"] == 0o600
@@ -86,8 +95,9 @@ def test_a_path_given_twice_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="'etc/f' is in the layer twice"):
         oci.write_layer(tmp_path / "l.tar.gz", [("/etc/f", source, None), ("etc/f", source, None)])
     with pytest.raises(ValueError, match="'etc/f' is a file, but 'etc/f/g' is below it"):
-        oci.write_layer(tmp_path / "l.tar.gz", [("/etc/f", source, None),
-                                                ("/etc/f/g", source, None)])
+        oci.write_layer(
+            tmp_path / "l.tar.gz", [("/etc/f", source, None), ("/etc/f/g", source, None)]
+        )
 
 
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
@@ -121,8 +131,12 @@ def test_the_rule_built_image_is_a_consistent_oci_layout():
     _check_descriptor(manifest["config"], oci.MEDIA_CONFIG)
     labels = config["config"].pop("Labels")
     assert config["config"] == {
-        "Cmd": ["/app/hello.sh"], "Env": ["DOCKYARD_FLEET_ROLE=sandbox"],
-        "ExposedPorts": {"9090/tcp": {}}, "User": "1000:1000", "WorkingDir": "/app"}
+        "Cmd": ["/app/hello.sh"],
+        "Env": ["DOCKYARD_FLEET_ROLE=sandbox"],
+        "ExposedPorts": {"9090/tcp": {}},
+        "User": "1000:1000",
+        "WorkingDir": "/app",
+    }
     # The source commit comes from Bazel's workspace status (tools/workspace_status.sh).
     assert labels.pop("org.opencontainers.image.revision") == _head_commit()
     assert labels == {"org.opencontainers.image.title": "tools/oci test image"}
@@ -134,9 +148,9 @@ def test_the_rule_built_image_is_a_consistent_oci_layout():
     assert len(config["history"]) == len(layers)
     # diff_ids are the digests of the uncompressed layers, bottom first.
     assert config["rootfs"]["diff_ids"] == [
-        "sha256:" + hashlib.sha256(gzip.decompress(layer)).hexdigest() for layer in layers]
-    assert [m.name for m in _members(layers[1])] == ["app", "app/hello.sh", "etc",
-                                                     "etc/greeting"]
+        "sha256:" + hashlib.sha256(gzip.decompress(layer)).hexdigest() for layer in layers
+    ]
+    assert [m.name for m in _members(layers[1])] == ["app", "app/hello.sh", "etc", "etc/greeting"]
     docker = json.loads(layout["manifest.json"])
     assert docker[0]["RepoTags"] == ["dockyard/test:latest"]
     assert docker[0]["Config"] == "blobs/sha256/" + manifest["config"]["digest"][7:]
@@ -150,14 +164,21 @@ def test_the_image_digest_depends_only_on_the_inputs(tmp_path):
         layers.append(tmp_path / f"layer{index}.tar.gz")
         layers[-1].write_bytes(_blob(layout, layer["digest"]))
     labels = json.loads(_blob(layout, manifest["config"]["digest"]))["config"]["Labels"]
-    config = dict(cmd=["/app/hello.sh"], env=["DOCKYARD_FLEET_ROLE=sandbox"], user="1000:1000",
-                  workdir="/app", ports=["9090/tcp"], labels=labels)
+    config = dict(
+        cmd=["/app/hello.sh"],
+        env=["DOCKYARD_FLEET_ROLE=sandbox"],
+        user="1000:1000",
+        workdir="/app",
+        ports=["9090/tcp"],
+        labels=labels,
+    )
     first = oci.write_image(tmp_path / "1.tar", layers, "dockyard/test:latest", **config)
     second = oci.write_image(tmp_path / "2.tar", layers, "dockyard/test:latest", **config)
     assert first == second == (IMAGE.parent / "test_image.digest").read_text().strip()
     assert (tmp_path / "1.tar").read_bytes() == IMAGE.read_bytes()
-    other = oci.write_image(tmp_path / "3.tar", layers, "dockyard/test:latest",
-                            **{**config, "user": "0"})
+    other = oci.write_image(
+        tmp_path / "3.tar", layers, "dockyard/test:latest", **{**config, "user": "0"}
+    )
     assert other != first
 
 
@@ -173,9 +194,12 @@ def test_describe_layer_streams_and_rejects_what_is_not_one_gzip_member(tmp_path
     assert described.diff_id == "sha256:" + hashlib.sha256(tar.getvalue()).hexdigest()
     assert described.digest == "sha256:" + hashlib.sha256(layer.read_bytes()).hexdigest()
     assert described.size == layer.stat().st_size
-    broken = {"truncated": layer.read_bytes()[:-20], "not gzip": b"plain tar",
-              "two members": layer.read_bytes() * 2}
-    for name, data in broken.items():
+    broken = {
+        "truncated": layer.read_bytes()[:-20],
+        "not gzip": b"plain tar",
+        "two members": layer.read_bytes() * 2,
+    }
+    for _name, data in broken.items():
         (tmp_path / "bad").write_bytes(data)
         with pytest.raises(ValueError):
             oci.describe_layer(tmp_path / "bad")
@@ -183,27 +207,46 @@ def test_describe_layer_streams_and_rejects_what_is_not_one_gzip_member(tmp_path
 
 def _skopeo(tmp_path: pathlib.Path, *args: str) -> dict:
     # skopeo unpacks an oci-archive under /var/tmp by default: read-only in Bazel's sandbox.
-    run = subprocess.run(["skopeo", "--tmpdir", str(tmp_path), *args, f"oci-archive:{IMAGE}"],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        ["skopeo", "--tmpdir", str(tmp_path), *args, f"oci-archive:{IMAGE}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout)
 
 
-@pytest.mark.skipif(shutil.which("skopeo") is None,
-                    reason="skopeo is not installed (tools/bazel installs Debian's skopeo)")
+@pytest.mark.skipif(
+    shutil.which("skopeo") is None,
+    reason="skopeo is not installed (tools/bazel installs Debian's skopeo)",
+)
 def test_skopeo_reads_the_image(tmp_path):
     assert _skopeo(tmp_path, "inspect", "--raw")["mediaType"] == oci.MEDIA_MANIFEST
     config = _skopeo(tmp_path, "inspect", "--config")
     assert config["config"]["Env"] == ["DOCKYARD_FLEET_ROLE=sandbox"]
 
 
-@pytest.mark.skipif(shutil.which("umoci") is None,
-                    reason="umoci is not installed (tools/bazel installs Debian's umoci)")
+@pytest.mark.skipif(
+    shutil.which("umoci") is None,
+    reason="umoci is not installed (tools/bazel installs Debian's umoci)",
+)
 def test_umoci_unpacks_the_image(tmp_path):
     with tarfile.open(IMAGE) as tarred:
         tarred.extractall(tmp_path / "layout", filter="data")
-    subprocess.run(["umoci", "unpack", "--rootless", "--image", f"{tmp_path / 'layout'}:latest",
-                    str(tmp_path / "bundle")], check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            "umoci",
+            "unpack",
+            "--rootless",
+            "--image",
+            f"{tmp_path / 'layout'}:latest",
+            str(tmp_path / "bundle"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     rootfs = tmp_path / "bundle" / "rootfs"
     assert (rootfs / "etc" / "greeting").read_text() == "dockyard\n"
     assert (rootfs / "app" / "hello.sh").stat().st_mode & 0o111
@@ -222,9 +265,16 @@ def test_a_tree_goes_in_with_its_modes_and_symlinks(tmp_path):
     (tree / "pkg" / "alias").symlink_to("tool")
     oci.write_layer(tmp_path / "l.tar.gz", [], trees=[("usr/lib/site", tree)])
     members = {m.name: m for m in _members((tmp_path / "l.tar.gz").read_bytes())}
-    assert list(members) == ["usr", "usr/lib", "usr/lib/site", "usr/lib/site/pkg",
-                             "usr/lib/site/pkg/__init__.py", "usr/lib/site/pkg/alias",
-                             "usr/lib/site/pkg/sub", "usr/lib/site/pkg/tool"]
+    assert list(members) == [
+        "usr",
+        "usr/lib",
+        "usr/lib/site",
+        "usr/lib/site/pkg",
+        "usr/lib/site/pkg/__init__.py",
+        "usr/lib/site/pkg/alias",
+        "usr/lib/site/pkg/sub",
+        "usr/lib/site/pkg/tool",
+    ]
     assert members["usr/lib/site/pkg/tool"].mode == 0o755
     assert members["usr/lib/site/pkg/__init__.py"].mode & 0o777 == 0o644
     assert members["usr/lib/site/pkg/alias"].issym()

@@ -5,10 +5,10 @@ usable by hand:
 
     python3 tools/python/build_venv.py requirements/cpu.lock.txt ~/.cache/dockyard_rl/venvs
 
-The venv lives in CACHE_ROOT/<lock name>-<sha256 of the lock>, so an unchanged lock reuses the finished venv in seconds, across clones and `bazel clean`. A venv is
-only used once a marker file says it finished; a half-built one (interrupted install) is deleted
-and rebuilt. A file lock serialises concurrent builds of the same venv (two clones building at
-once).
+The venv lives in CACHE_ROOT/<lock name>-<sha256 of the lock>, so an unchanged lock reuses the
+finished venv in seconds, across clones and `bazel clean`. A venv is only used once a marker file
+says it finished; a half-built one (interrupted install) is deleted and rebuilt. A file lock
+serialises concurrent builds of the same venv (two clones building at once).
 
 Installation is `pip install --no-deps --require-hashes`: the lock is the full closure, and every
 file is checked against its pinned sha256.
@@ -36,8 +36,10 @@ def target_python(lock: pathlib.Path) -> str:
     """The 'X.Y' CPython version written in the lock's header by tools/python/lock.py."""
     match = re.search(r"^# Target: CPython (\d+\.\d+)", lock.read_text(), re.MULTILINE)
     if not match:
-        raise SystemExit(f"error: {lock} has no '# Target: CPython X.Y' header; regenerate it "
-                         "with tools/python/lock.py")
+        raise SystemExit(
+            f"error: {lock} has no '# Target: CPython X.Y' header; regenerate it "
+            "with tools/python/lock.py"
+        )
     return match.group(1)
 
 
@@ -46,9 +48,10 @@ def check_interpreter(lock: pathlib.Path) -> None:
     have = f"{sys.version_info.major}.{sys.version_info.minor}"
     if have != wanted:
         raise SystemExit(
-            f"error: {lock} pins wheels for CPython {wanted}, but the interpreter building the venv "
-            f"is CPython {have} ({sys.executable}). Install Python {wanted} and point "
-            f"DOCKYARD_PYTHON at it (e.g. --repo_env=DOCKYARD_PYTHON=/usr/bin/python{wanted}).")
+            f"error: {lock} pins wheels for CPython {wanted}, but the interpreter building the "
+            f"venv is CPython {have} ({sys.executable}). Install Python {wanted} and point "
+            f"DOCKYARD_PYTHON at it (e.g. --repo_env=DOCKYARD_PYTHON=/usr/bin/python{wanted})."
+        )
 
 
 def venv_path(lock: pathlib.Path, cache_root: pathlib.Path) -> pathlib.Path:
@@ -61,14 +64,31 @@ def build(lock: pathlib.Path, venv: pathlib.Path) -> None:
         print(f"dockyard_rl: removing unfinished venv {venv}", flush=True)
         shutil.rmtree(venv)
     started = time.monotonic()
-    print(f"dockyard_rl: creating venv {venv} with {sys.executable} "
-          f"({platform.python_version()})", flush=True)
+    print(
+        f"dockyard_rl: creating venv {venv} with {sys.executable} ({platform.python_version()})",
+        flush=True,
+    )
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
-    print(f"dockyard_rl: installing {lock} (hash-checked; first time takes a few minutes)",
-          flush=True)
-    subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--require-hashes",
-                    "--no-input", "--progress-bar", "off", "-r", str(lock)], check=True)
+    print(
+        f"dockyard_rl: installing {lock} (hash-checked; first time takes a few minutes)", flush=True
+    )
+    subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--require-hashes",
+            "--no-input",
+            "--progress-bar",
+            "off",
+            "-r",
+            str(lock),
+        ],
+        check=True,
+    )
     print("dockyard_rl: checking the environment imports", flush=True)
     subprocess.run([str(python), "-c", SMOKE_IMPORTS], check=True)
     (venv / DONE_MARKER).write_text(lock.read_text())
@@ -79,8 +99,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("lock", type=pathlib.Path)
     parser.add_argument("cache_root", type=pathlib.Path)
-    parser.add_argument("--print-path", action="store_true",
-                        help="only print where the venv for this lock lives")
+    parser.add_argument(
+        "--print-path", action="store_true", help="only print where the venv for this lock lives"
+    )
     args = parser.parse_args()
 
     venv = venv_path(args.lock.resolve(), args.cache_root.resolve())
@@ -98,9 +119,11 @@ def main() -> None:
         try:
             build(args.lock, venv)
         except subprocess.CalledProcessError as error:
-            raise SystemExit(f"error: building the venv failed ({' '.join(error.cmd)} exited "
-                             f"{error.returncode}); the output above says why. Network access to "
-                             "PyPI is needed the first time.") from None
+            raise SystemExit(
+                f"error: building the venv failed ({' '.join(error.cmd)} exited "
+                f"{error.returncode}); the output above says why. Network access to "
+                "PyPI is needed the first time."
+            ) from None
 
 
 if __name__ == "__main__":

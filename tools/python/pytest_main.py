@@ -20,8 +20,9 @@ def main() -> int:
     # Bazel's test sharding: run only this shard's share of the test cases.
     exit_code = pytest.main(args + sys.argv[1:])
     if exit_code == NO_TESTS_COLLECTED:
-        print("pytest collected no tests: a test target must run at least one test.",
-              file=sys.stderr)
+        print(
+            "pytest collected no tests: a test target must run at least one test.", file=sys.stderr
+        )
     return int(exit_code)
 
 

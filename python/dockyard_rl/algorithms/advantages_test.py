@@ -99,7 +99,10 @@ def test_config_from_yaml_dict_and_int_epsilon():
 @pytest.mark.parametrize(
     "data, pattern",
     [
-        ({"baseline": "mean"}, r"^grpo\.advantage\.baseline: must be one of leave_one_out, group_mean"),
+        (
+            {"baseline": "mean"},
+            r"^grpo\.advantage\.baseline: must be one of leave_one_out, group_mean",
+        ),
         ({"normalize_std": "yes"}, r"^grpo\.advantage\.normalize_std: must be true or false"),
         ({"epsilon": "1e-6"}, r"^grpo\.advantage\.epsilon: .*write 1\.0e-6"),
         ({"epsilon": True}, r"^grpo\.advantage\.epsilon: must be a number"),
@@ -136,7 +139,9 @@ def _assert_paths_identical(rewards_B, num_per_group, cfg):
     seed=st.integers(0, 2**31 - 1),
     cfg=st.sampled_from(ALL_CONFIGS),
 )
-def test_extension_and_torch_identical_random(require_extension, num_groups, num_per_group, kind, seed, cfg):
+def test_extension_and_torch_identical_random(
+    require_extension, num_groups, num_per_group, kind, seed, cfg
+):
     _assert_paths_identical(_rewards(kind, num_groups * num_per_group, seed), num_per_group, cfg)
 
 
@@ -166,7 +171,9 @@ def test_hand_example_both_baselines(require_extension):
     rewards_B = torch.tensor([1.0, 2.0, 3.0, 6.0, 0.0, 0.0, 1.0, 1.0])
     loo = compute_advantages(rewards_B, 4, AdvantageConfig("leave_one_out"))
     # Group 0: r - mean(others); group 1: N/(N-1) * (r - 0.5) = +-2/3.
-    torch.testing.assert_close(loo, torch.tensor([-8 / 3, -4 / 3, 0.0, 4.0, -2 / 3, -2 / 3, 2 / 3, 2 / 3]))
+    torch.testing.assert_close(
+        loo, torch.tensor([-8 / 3, -4 / 3, 0.0, 4.0, -2 / 3, -2 / 3, 2 / 3, 2 / 3])
+    )
     mean = compute_advantages(rewards_B, 4, AdvantageConfig("group_mean"))
     torch.testing.assert_close(mean, torch.tensor([-2.0, -1.0, 0.0, 3.0, -0.5, -0.5, 0.5, 0.5]))
 
@@ -240,7 +247,11 @@ def test_masking_edge_cases():
 def test_partial_mask_with_use_extension_true_is_an_error():
     with pytest.raises(ValueError, match="has no sample masking"):
         compute_advantages(
-            torch.tensor([0.0, 1.0, 2.0]), 3, AdvantageConfig(), torch.tensor([True, False, True]), True
+            torch.tensor([0.0, 1.0, 2.0]),
+            3,
+            AdvantageConfig(),
+            torch.tensor([True, False, True]),
+            True,
         )
 
 

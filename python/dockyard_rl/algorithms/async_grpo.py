@@ -36,8 +36,12 @@ import time
 import ray
 
 from dockyard_rl.algorithms.async_utils.collector import start_collector
-from dockyard_rl.algorithms.grpo import (finish_step, maybe_validate, refresh_engine_weights,
-                                         train_on_rollouts)
+from dockyard_rl.algorithms.grpo import (
+    finish_step,
+    maybe_validate,
+    refresh_engine_weights,
+    train_on_rollouts,
+)
 from dockyard_rl.algorithms.grpo_setup import GRPORun
 
 logger = logging.getLogger(__name__)
@@ -51,12 +55,17 @@ def async_grpo_train(run: GRPORun) -> None:
     config = run.config
     extras = run.resumed.extras if run.resumed else {}
     collector = start_collector(
-        run.runner.with_generation(run.generation.client()), run.train,
-        run.sampler.state_dict(), cluster_config=config.cluster,
+        run.runner.with_generation(run.generation.client()),
+        run.train,
+        run.sampler.state_dict(),
+        cluster_config=config.cluster,
         num_prompts=config.grpo.num_prompts_per_step,
-        num_samples=config.grpo.num_generations_per_prompt, seed=config.data.seed,
-        buffer_config=config.async_grpo, redo=extras.get("in_flight", []),
-        buffered=extras.get("buffer", []))
+        num_samples=config.grpo.num_generations_per_prompt,
+        seed=config.data.seed,
+        buffer_config=config.async_grpo,
+        redo=extras.get("in_flight", []),
+        buffered=extras.get("buffer", []),
+    )
     loop = asyncio.new_event_loop()
     try:
         refresh_engine_weights(run)
@@ -65,14 +74,19 @@ def async_grpo_train(run: GRPORun) -> None:
         while run.step < config.grpo.max_num_steps:
             step = run.step + 1
             waited = time.monotonic()
-            records = _sample(collector, config.grpo.num_prompts_per_step,
-                              run.synchronizer.trainer_version)
+            records = _sample(
+                collector, config.grpo.num_prompts_per_step, run.synchronizer.trainer_version
+            )
             run.logger.add_time("buffer_wait", time.monotonic() - waited)
-            logger.info("step %d: prompts %s", step, json.dumps(
-                [r.payload.instances[0].instance_id for r in records]))
+            logger.info(
+                "step %d: prompts %s",
+                step,
+                json.dumps([r.payload.instances[0].instance_id for r in records]),
+            )
             metrics = train_on_rollouts(run, [r.payload for r in records], step)
-            metrics.update({f"async/{k}": v
-                            for k, v in ray.get(collector.metrics.remote()).items()})
+            metrics.update(
+                {f"async/{k}": v for k, v in ray.get(collector.metrics.remote()).items()}
+            )
             with run.logger.timer("weight_sync"):
                 if config.async_grpo.in_flight_weight_updates:
                     refresh_engine_weights(run)

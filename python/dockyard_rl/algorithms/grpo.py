@@ -30,11 +30,14 @@ import json
 import logging
 import time
 
-import torch
-
 from dockyard_rl.algorithms.grpo_config import MasterConfig
-from dockyard_rl.algorithms.grpo_setup import (POLICY_DIR, TRAINER_STATE_DIR, GRPORun, setup,
-                                               trainer_state)
+from dockyard_rl.algorithms.grpo_setup import (
+    POLICY_DIR,
+    TRAINER_STATE_DIR,
+    GRPORun,
+    setup,
+    trainer_state,
+)
 from dockyard_rl.algorithms.rollouts import Rollout, build_train_batch, pad_to_dp_multiple
 from dockyard_rl.algorithms.validation import validate
 from dockyard_rl.algorithms.warm_start import run_warm_start, warm_start_examples
@@ -66,17 +69,19 @@ def grpo_train(run: GRPORun) -> None:
         maybe_validate(run, loop, at_start=True)
         while run.step < config.max_num_steps:
             step = run.step + 1
-            instances = [run.train[i] for i in run.sampler.next_batch()]            # 1
+            instances = [run.train[i] for i in run.sampler.next_batch()]  # 1
             logger.info("step %d: prompts %s", step, json.dumps([i.instance_id for i in instances]))
-            with run.logger.timer("weight_sync"):                                   # 2
+            with run.logger.timer("weight_sync"):  # 2
                 refresh_engine_weights(run)
-            rollout = loop.run_until_complete(run.runner.run(                       # 3, 4
-                instances, num_samples=config.num_generations_per_prompt,
-                global_step=step))
+            rollout = loop.run_until_complete(
+                run.runner.run(  # 3, 4
+                    instances, num_samples=config.num_generations_per_prompt, global_step=step
+                )
+            )
             run.logger.add_time("generate", rollout.generate_seconds)
             run.logger.add_time("score", rollout.score_seconds)
-            metrics = train_on_rollouts(run, [rollout], step)                        # 5-7
-            finish_step(run, loop, step, metrics)                                    # 8
+            metrics = train_on_rollouts(run, [rollout], step)  # 5-7
+            finish_step(run, loop, step, metrics)  # 8
         maybe_validate(run, loop, at_end=True)
     finally:
         run.logger.finish()
@@ -90,18 +95,30 @@ def maybe_warm_start(run: GRPORun) -> None:
         return
     start = time.monotonic()
     examples, skipped = warm_start_examples(run.warm_start_instances, run.runner.processor)
-    logger.info("warm start: %d examples (%d tasks skipped: their gold patch cannot be written "
-                "in the %s format), %d epochs", len(examples), skipped,
-                run.config.data.prompt.patch_format, config.num_epochs)
-    history = run_warm_start(run.policy, examples, config, run.pad_token_id,
-                             dp_size=run.config.policy.dp_size)
+    logger.info(
+        "warm start: %d examples (%d tasks skipped: their gold patch cannot be written "
+        "in the %s format), %d epochs",
+        len(examples),
+        skipped,
+        run.config.data.prompt.patch_format,
+        config.num_epochs,
+    )
+    history = run_warm_start(
+        run.policy, examples, config, run.pad_token_id, dp_size=run.config.policy.dp_size
+    )
     run.synchronizer.mark_stale()
-    run.logger.log_metrics(0, {
-        "num_examples": len(examples), "num_skipped": skipped,
-        "optimizer_steps": sum(epoch["steps"] for epoch in history),
-        "nll_per_token_first_epoch": history[0]["nll_per_token"],
-        "nll_per_token_last_epoch": history[-1]["nll_per_token"],
-        "seconds": time.monotonic() - start}, prefix="warm_start")
+    run.logger.log_metrics(
+        0,
+        {
+            "num_examples": len(examples),
+            "num_skipped": skipped,
+            "optimizer_steps": sum(epoch["steps"] for epoch in history),
+            "nll_per_token_first_epoch": history[0]["nll_per_token"],
+            "nll_per_token_last_epoch": history[-1]["nll_per_token"],
+            "seconds": time.monotonic() - start,
+        },
+        prefix="warm_start",
+    )
     save_checkpoint(run)
 
 
@@ -116,26 +133,39 @@ def train_on_rollouts(run: GRPORun, rollouts: list[Rollout], step: int) -> dict[
     """Steps 5-7 on one or more rollouts (groups of the same step); returns the step's metrics."""
     batches, stats = [], []
     for rollout in rollouts:
-        batch, batch_stats = build_train_batch(rollout, run.config.grpo.advantage,
-                                               run.pad_token_id)
+        batch, batch_stats = build_train_batch(rollout, run.config.grpo.advantage, run.pad_token_id)
         stats.append(batch_stats)
         if batch is not None:
             batches.append(batch)
     metrics = _rollout_metrics(rollouts)
     metrics["dropped_groups"] = float(sum(s.num_dropped_groups for s in stats))
     if not batches:
-        logger.warning("step %d: every group was masked (sandbox infrastructure errors); no "
-                       "update this step", step)
+        logger.warning(
+            "step %d: every group was masked (sandbox infrastructure errors); no update this step",
+            step,
+        )
         metrics["skipped_update"] = 1.0
         return metrics
-    batch = BatchedDataDict.concat(batches, pad_values={
-        "input_ids": run.pad_token_id, "token_mask": 0, "advantages": 0,
-        "generation_logprobs": 0}) if len(batches) > 1 else batches[0]
+    batch = (
+        BatchedDataDict.concat(
+            batches,
+            pad_values={
+                "input_ids": run.pad_token_id,
+                "token_mask": 0,
+                "advantages": 0,
+                "generation_logprobs": 0,
+            },
+        )
+        if len(batches) > 1
+        else batches[0]
+    )
     batch = pad_to_dp_multiple(batch, run.config.policy.dp_size)
     with run.logger.timer("logprobs"):
         batch["prev_logprobs"] = run.policy.get_logprobs(batch)
-        if run.config.loss_fn.reference_kl_coef > 0 \
-                and not run.config.grpo.skip_reference_policy_logprobs:
+        if (
+            run.config.loss_fn.reference_kl_coef > 0
+            and not run.config.grpo.skip_reference_policy_logprobs
+        ):
             batch["reference_policy_logprobs"] = run.policy.get_reference_policy_logprobs(batch)
     # Versions behind the weights being trained (step - 1, or step after a warm start).
     ages = run.synchronizer.trainer_version - batch["weight_version"][batch["sample_mask"] > 0]
@@ -148,8 +178,9 @@ def train_on_rollouts(run: GRPORun, rollouts: list[Rollout], step: int) -> dict[
     return metrics
 
 
-def finish_step(run: GRPORun, loop, step: int, metrics: dict[str, float],
-                extras: dict | None = None) -> None:
+def finish_step(
+    run: GRPORun, loop, step: int, metrics: dict[str, float], extras: dict | None = None
+) -> None:
     """Step 8: the step is done; log it, validate and checkpoint on their periods (`extras`:
     what else the checkpoint must hold, e.g. async GRPO's replay buffer)."""
     run.step = step
@@ -161,10 +192,16 @@ def finish_step(run: GRPORun, loop, step: int, metrics: dict[str, float],
 
 def maybe_validate(run: GRPORun, loop, *, at_start: bool = False, at_end: bool = False) -> None:
     config = run.config.grpo
-    due = (at_start and config.val_at_start and run.step == 0) \
-        or (at_end and config.val_at_end) \
-        or (not at_start and not at_end and config.val_period > 0
-            and run.step % config.val_period == 0)
+    due = (
+        (at_start and config.val_at_start and run.step == 0)
+        or (at_end and config.val_at_end)
+        or (
+            not at_start
+            and not at_end
+            and config.val_period > 0
+            and run.step % config.val_period == 0
+        )
+    )
     if not due or not run.validation:
         return
     with run.logger.timer("validation"):
@@ -192,5 +229,7 @@ def _rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     weights = [len(r.samples) for r in rollouts]
     per_rollout = [r.metrics() for r in rollouts]
     keys = set().union(*per_rollout)
-    return {key: sum(w * m.get(key, 0.0) for w, m in zip(weights, per_rollout)) / sum(weights)
-            for key in sorted(keys)}
+    return {
+        key: sum(w * m.get(key, 0.0) for w, m in zip(weights, per_rollout)) / sum(weights)
+        for key in sorted(keys)
+    }

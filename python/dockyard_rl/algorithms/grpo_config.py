@@ -84,8 +84,16 @@ from dockyard_rl.utils.logger import LoggerConfig
 from dockyard_rl.weight_sync.config import WeightSyncConfig
 
 __all__ = [
-    "ConfigError", "EnvConfig", "GRPOConfig", "MasterConfig", "TaskSynthesisConfig",
-    "apply_overrides", "config_to_dict", "config_to_yaml", "describe_config", "load_config",
+    "ConfigError",
+    "EnvConfig",
+    "GRPOConfig",
+    "MasterConfig",
+    "TaskSynthesisConfig",
+    "apply_overrides",
+    "config_to_dict",
+    "config_to_yaml",
+    "describe_config",
+    "load_config",
     "master_config_from_dict",
 ]
 
@@ -94,8 +102,13 @@ MODES = ("sync", "async")
 # Not `checkpointing.checkpoint_dir`: a relative one lives inside the run directory
 # (<logger.log_dir>/<grpo.run_name>, CheckpointingConfig.resolve_dir).
 PATH_KEYS = (
-    "data.train_path", "data.validation_path", "logger.log_dir", "executor.work_dir",
-    "executor.db_path", "executor.pipeline.cache_dir", "warm_start.train_path",
+    "data.train_path",
+    "data.validation_path",
+    "logger.log_dir",
+    "executor.work_dir",
+    "executor.db_path",
+    "executor.pipeline.cache_dir",
+    "warm_start.train_path",
 )
 # A zoo name or a local checkpoint directory: resolved like a path unless it is a zoo name.
 MODEL_KEYS = ("policy.model", "generation.model")
@@ -138,35 +151,55 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         for key, minimum, hint in (
-                ("num_prompts_per_step", 1, ""),
-                ("num_generations_per_prompt", 2,
-                 " (the group baseline needs at least 2 samples per prompt)"),
-                ("max_num_steps", 1, ""),
-                ("val_period", 0, " (0 = no periodic validation)")):
+            ("num_prompts_per_step", 1, ""),
+            (
+                "num_generations_per_prompt",
+                2,
+                " (the group baseline needs at least 2 samples per prompt)",
+            ),
+            ("max_num_steps", 1, ""),
+            ("val_period", 0, " (0 = no periodic validation)"),
+        ):
             value = getattr(self, key)
-            require(is_int(value) and value >= minimum, key,
-                    f"must be an integer >= {minimum}{hint}, got {value!r}")
-        require(self.max_rollout_turns == 1 and is_int(self.max_rollout_turns),
-                "max_rollout_turns", f"only single-shot rollouts (1) are supported, got "
-                                     f"{self.max_rollout_turns!r}; set it to 1")
+            require(
+                is_int(value) and value >= minimum,
+                key,
+                f"must be an integer >= {minimum}{hint}, got {value!r}",
+            )
+        require(
+            self.max_rollout_turns == 1 and is_int(self.max_rollout_turns),
+            "max_rollout_turns",
+            f"only single-shot rollouts (1) are supported, got "
+            f"{self.max_rollout_turns!r}; set it to 1",
+        )
         for key in ("val_at_start", "val_at_end", "skip_reference_policy_logprobs"):
             value = getattr(self, key)
             require(isinstance(value, bool), key, f"must be true or false, got {value!r}")
-        require(self.val_num_prompts is None
-                or (is_int(self.val_num_prompts) and self.val_num_prompts >= 1),
-                "val_num_prompts", f"must be an integer >= 1 or null (= the whole validation "
-                                   f"split), got {self.val_num_prompts!r}")
-        require(is_number(self.val_temperature) and self.val_temperature >= 0,
-                "val_temperature", f"must be a number >= 0 (0 = greedy), got "
-                                   f"{self.val_temperature!r}")
-        require(is_int(self.seed) and self.seed >= 0, "seed",
-                f"must be an integer >= 0, got {self.seed!r}")
-        require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got "
-                                            f"{self.mode!r}")
-        require(self.run_name is None
-                or (isinstance(self.run_name, str) and bool(_RUN_NAME.fullmatch(self.run_name))),
-                "run_name", f"must be 1-100 letters, digits, '.', '_' or '-' (it names a folder), "
-                            f"or null (= the recipe's file name), got {self.run_name!r}")
+        require(
+            self.val_num_prompts is None
+            or (is_int(self.val_num_prompts) and self.val_num_prompts >= 1),
+            "val_num_prompts",
+            f"must be an integer >= 1 or null (= the whole validation "
+            f"split), got {self.val_num_prompts!r}",
+        )
+        require(
+            is_number(self.val_temperature) and self.val_temperature >= 0,
+            "val_temperature",
+            f"must be a number >= 0 (0 = greedy), got {self.val_temperature!r}",
+        )
+        require(
+            is_int(self.seed) and self.seed >= 0,
+            "seed",
+            f"must be an integer >= 0, got {self.seed!r}",
+        )
+        require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
+        require(
+            self.run_name is None
+            or (isinstance(self.run_name, str) and bool(_RUN_NAME.fullmatch(self.run_name))),
+            "run_name",
+            f"must be 1-100 letters, digits, '.', '_' or '-' (it names a folder), "
+            f"or null (= the recipe's file name), got {self.run_name!r}",
+        )
 
     @property
     def num_samples_per_step(self) -> int:
@@ -209,57 +242,86 @@ class MasterConfig:
     def __post_init__(self) -> None:
         grpo, policy, generation, loss_fn = self.grpo, self.policy, self.generation, self.loss_fn
         if grpo.mode == "async":
-            require(loss_fn.use_importance_sampling_correction,
-                    "loss_fn.use_importance_sampling_correction",
-                    "must be true when grpo.mode is async: the trainer learns from samples up to "
-                    "async_grpo.max_trajectory_age_steps old, and only the importance weights "
-                    "correct for that; set it to true or use grpo.mode: sync")
-            require(self.async_grpo.max_buffer_groups >= grpo.num_prompts_per_step,
-                    "async_grpo.max_buffer_groups",
-                    f"({self.async_grpo.max_buffer_groups}) must be >= "
-                    f"grpo.num_prompts_per_step ({grpo.num_prompts_per_step}): one step samples "
-                    "that many groups from the buffer")
-        require(grpo.num_samples_per_step % policy.dp_size == 0, "policy.dp_size",
-                f"({policy.dp_size}) must divide the samples per step, grpo.num_prompts_per_step"
-                f" x grpo.num_generations_per_prompt = {grpo.num_samples_per_step}: every "
-                "data-parallel rank trains on the same number of samples")
-        require(grpo.num_generations_per_prompt == 1 or generation.temperature > 0,
-                "generation.temperature", "is 0 (greedy): every rollout of a group would be the "
-                "same, so every advantage is 0; use > 0 for training (grpo.val_temperature sets "
-                "validation's)")
+            require(
+                loss_fn.use_importance_sampling_correction,
+                "loss_fn.use_importance_sampling_correction",
+                "must be true when grpo.mode is async: the trainer learns from samples up to "
+                "async_grpo.max_trajectory_age_steps old, and only the importance weights "
+                "correct for that; set it to true or use grpo.mode: sync",
+            )
+            require(
+                self.async_grpo.max_buffer_groups >= grpo.num_prompts_per_step,
+                "async_grpo.max_buffer_groups",
+                f"({self.async_grpo.max_buffer_groups}) must be >= "
+                f"grpo.num_prompts_per_step ({grpo.num_prompts_per_step}): one step samples "
+                "that many groups from the buffer",
+            )
+        require(
+            grpo.num_samples_per_step % policy.dp_size == 0,
+            "policy.dp_size",
+            f"({policy.dp_size}) must divide the samples per step, grpo.num_prompts_per_step"
+            f" x grpo.num_generations_per_prompt = {grpo.num_samples_per_step}: every "
+            "data-parallel rank trains on the same number of samples",
+        )
+        require(
+            grpo.num_generations_per_prompt == 1 or generation.temperature > 0,
+            "generation.temperature",
+            "is 0 (greedy): every rollout of a group would be the "
+            "same, so every advantage is 0; use > 0 for training (grpo.val_temperature sets "
+            "validation's)",
+        )
         context = self.data.prompt.max_context_tokens
-        require(context + generation.max_tokens < generation.max_model_len,
-                "data.prompt.max_context_tokens",
-                f"({context}) + generation.max_tokens ({generation.max_tokens}) must be below "
-                f"generation.max_model_len ({generation.max_model_len}): the code context alone "
-                "could fill the context window (the issue text and instructions come on top); "
-                "lower one of the first two or raise max_model_len")
+        require(
+            context + generation.max_tokens < generation.max_model_len,
+            "data.prompt.max_context_tokens",
+            f"({context}) + generation.max_tokens ({generation.max_tokens}) must be below "
+            f"generation.max_model_len ({generation.max_model_len}): the code context alone "
+            "could fill the context window (the issue text and instructions come on top); "
+            "lower one of the first two or raise max_model_len",
+        )
         if loss_fn.reference_kl_coef > 0:
-            require(not grpo.skip_reference_policy_logprobs, "grpo.skip_reference_policy_logprobs",
-                    f"cannot be true while loss_fn.reference_kl_coef is {loss_fn.reference_kl_coef}"
-                    ": the KL penalty needs the reference log-probs; set the coefficient to 0 or "
-                    "this to false")
+            require(
+                not grpo.skip_reference_policy_logprobs,
+                "grpo.skip_reference_policy_logprobs",
+                f"cannot be true while loss_fn.reference_kl_coef is {loss_fn.reference_kl_coef}"
+                ": the KL penalty needs the reference log-probs; set the coefficient to 0 or "
+                "this to false",
+            )
         if policy.logprob_temperature is None:
             # The trainer's log-probs must be of the distribution the rollouts were sampled from.
-            object.__setattr__(self, "policy", dataclasses.replace(
-                policy, logprob_temperature=float(generation.temperature)))
+            object.__setattr__(
+                self,
+                "policy",
+                dataclasses.replace(policy, logprob_temperature=float(generation.temperature)),
+            )
         else:
-            require(policy.logprob_temperature == generation.temperature,
-                    "policy.logprob_temperature",
-                    f"({policy.logprob_temperature}) must equal generation.temperature "
-                    f"({generation.temperature}): the trainer's log-probs are of the distribution "
-                    "the rollouts were sampled from; leave it out and the loop sets it")
-        require(policy.model == generation.model, "generation.model",
-                f"({generation.model!r}) must be the policy's model (policy.model: "
-                f"{policy.model!r}): the engine receives the policy's weights")
-        require(policy.dtype == generation.dtype, "generation.dtype",
-                f"({generation.dtype}) must equal policy.dtype ({policy.dtype}): weight sync sends "
-                "the policy's tensors as they are")
+            require(
+                policy.logprob_temperature == generation.temperature,
+                "policy.logprob_temperature",
+                f"({policy.logprob_temperature}) must equal generation.temperature "
+                f"({generation.temperature}): the trainer's log-probs are of the distribution "
+                "the rollouts were sampled from; leave it out and the loop sets it",
+            )
+        require(
+            policy.model == generation.model,
+            "generation.model",
+            f"({generation.model!r}) must be the policy's model (policy.model: "
+            f"{policy.model!r}): the engine receives the policy's weights",
+        )
+        require(
+            policy.dtype == generation.dtype,
+            "generation.dtype",
+            f"({generation.dtype}) must equal policy.dtype ({policy.dtype}): weight sync sends "
+            "the policy's tensors as they are",
+        )
         if grpo.validation_enabled:
-            require(self.data.validation_path is not None or self.data.validation_fraction > 0,
-                    "grpo.val_period", "validation is on (val_period > 0, val_at_start or "
-                    "val_at_end) but the data has no validation split; set "
-                    "data.validation_fraction or data.validation_path, or turn validation off")
+            require(
+                self.data.validation_path is not None or self.data.validation_fraction > 0,
+                "grpo.val_period",
+                "validation is on (val_period > 0, val_at_start or "
+                "val_at_end) but the data has no validation split; set "
+                "data.validation_fraction or data.validation_path, or turn validation off",
+            )
         self._check_rewards()
         self._check_checkpointing()
         self._check_executor()
@@ -268,47 +330,71 @@ class MasterConfig:
     def _check_rewards(self) -> None:
         for index, stage in enumerate(self.rewards.stages):
             if isinstance(stage, OverlongStageConfig) and stage.threshold is not None:
-                require(stage.threshold < self.generation.max_tokens,
-                        f"rewards.stages[{index}].threshold",
-                        f"({stage.threshold}) must be below generation.max_tokens "
-                        f"({self.generation.max_tokens}), or the penalty never applies")
+                require(
+                    stage.threshold < self.generation.max_tokens,
+                    f"rewards.stages[{index}].threshold",
+                    f"({stage.threshold}) must be below generation.max_tokens "
+                    f"({self.generation.max_tokens}), or the penalty never applies",
+                )
 
     def _check_checkpointing(self) -> None:
         ckpt = self.checkpointing
         if ckpt.keep_top_k is not None:
-            require(bool(ckpt.metric_name), "checkpointing.keep_top_k",
-                    f"is {ckpt.keep_top_k} but checkpointing.metric_name is not set: name the "
-                    "validation metric that ranks checkpoints, or set keep_top_k to null")
+            require(
+                bool(ckpt.metric_name),
+                "checkpointing.keep_top_k",
+                f"is {ckpt.keep_top_k} but checkpointing.metric_name is not set: name the "
+                "validation metric that ranks checkpoints, or set keep_top_k to null",
+            )
 
     def _check_executor(self) -> None:
         executor = self.executor
         if executor is None:
             return
-        require(executor.auth_token is None, "executor.auth_token",
-                "must be null in a recipe (recipes are logged and saved with checkpoints); the "
-                "executor the loop starts listens on a loopback address, where no token is needed")
+        require(
+            executor.auth_token is None,
+            "executor.auth_token",
+            "must be null in a recipe (recipes are logged and saved with checkpoints); the "
+            "executor the loop starts listens on a loopback address, where no token is needed",
+        )
         if executor.port != 0:
             url = urllib.parse.urlsplit(self.env.swe.executor_url)
-            require(url.hostname == executor.host.strip("[]") and url.port == executor.port,
-                    "env.swe.executor_url", f"({self.env.swe.executor_url}) must point at the "
-                    f"executor the loop starts (executor.host {executor.host}, executor.port "
-                    f"{executor.port}); or set executor.port: 0 (a free port, used automatically)")
+            require(
+                url.hostname == executor.host.strip("[]") and url.port == executor.port,
+                "env.swe.executor_url",
+                f"({self.env.swe.executor_url}) must point at the "
+                f"executor the loop starts (executor.host {executor.host}, executor.port "
+                f"{executor.port}); or set executor.port: 0 (a free port, used automatically)",
+            )
 
     def _check_synthesis(self) -> None:
         checks = [(self.synthesis, "data", self.data.dataset, self.data.train_path, "synthesis")]
         if self.warm_start is not None:
-            checks.append((self.warm_start.synthesis, "warm_start", self.warm_start.dataset,
-                           self.warm_start.train_path, "warm_start.synthesis"))
+            checks.append(
+                (
+                    self.warm_start.synthesis,
+                    "warm_start",
+                    self.warm_start.dataset,
+                    self.warm_start.train_path,
+                    "warm_start.synthesis",
+                )
+            )
         for synthesis, section, dataset, train_path, name in checks:
             if synthesis is None:
                 continue
-            require(dataset == "jsonl", f"{section}.dataset",
-                    f"must be jsonl when the {name} section is set (it writes "
-                    f"{SYNTHESIZED_TASKS_FILE}), got {dataset!r}")
-            require(pathlib.PurePath(train_path or "").name == SYNTHESIZED_TASKS_FILE,
-                    f"{section}.train_path", f"({train_path}) must be <folder>/"
-                    f"{SYNTHESIZED_TASKS_FILE} when the {name} section is set: the synthesizer "
-                    "writes that file into the folder")
+            require(
+                dataset == "jsonl",
+                f"{section}.dataset",
+                f"must be jsonl when the {name} section is set (it writes "
+                f"{SYNTHESIZED_TASKS_FILE}), got {dataset!r}",
+            )
+            require(
+                pathlib.PurePath(train_path or "").name == SYNTHESIZED_TASKS_FILE,
+                f"{section}.train_path",
+                f"({train_path}) must be <folder>/"
+                f"{SYNTHESIZED_TASKS_FILE} when the {name} section is set: the synthesizer "
+                "writes that file into the folder",
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,7 +408,8 @@ class _Loader(yaml.SafeLoader):
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"))
+    list("-+0123456789"),
+)
 
 
 def _parse_yaml(text: str, source: str) -> Any:
@@ -343,8 +430,13 @@ def _is_union(hint: Any) -> bool:
     return typing.get_origin(hint) in (typing.Union, types.UnionType)
 
 
-_SCALAR_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-                 type(None): "null"}
+_SCALAR_NAMES = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    type(None): "null",
+}
 
 
 def _matches(value: Any, scalar: type) -> bool:
@@ -394,8 +486,9 @@ def _section_fields() -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(MasterConfig)}
 
 
-def master_config_from_dict(raw: Mapping[str, Any] | None, source: str = "<config>"
-                            ) -> MasterConfig:
+def master_config_from_dict(
+    raw: Mapping[str, Any] | None, source: str = "<config>"
+) -> MasterConfig:
     """Builds and validates a MasterConfig from parsed YAML (no path resolution, no overrides).
 
     Raises:
@@ -405,13 +498,14 @@ def master_config_from_dict(raw: Mapping[str, Any] | None, source: str = "<confi
     raw = {} if raw is None else raw
     try:
         if not isinstance(raw, Mapping):
-            raise ValueError(f"the file must hold a mapping of sections, got "
-                             f"{type(raw).__name__}")
+            raise ValueError(f"the file must hold a mapping of sections, got {type(raw).__name__}")
         sections = _section_fields()
         unknown = sorted(set(raw) - set(sections))
         if unknown:
-            raise ValueError(f"unknown section(s) {', '.join(map(repr, unknown))}; valid "
-                             f"sections: {', '.join(sections)}")
+            raise ValueError(
+                f"unknown section(s) {', '.join(map(repr, unknown))}; valid "
+                f"sections: {', '.join(sections)}"
+            )
         built: dict[str, Any] = {}
         for name, hint in sections.items():
             value, cls = raw.get(name), optional_dataclass(hint)
@@ -429,8 +523,9 @@ def master_config_from_dict(raw: Mapping[str, Any] | None, source: str = "<confi
         raise ConfigError(f"{source}: {_one_line(error)}") from None
 
 
-def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str],
-                    source: str = "<config>") -> dict[str, Any]:
+def apply_overrides(
+    raw: Mapping[str, Any], overrides: Sequence[str], source: str = "<config>"
+) -> dict[str, Any]:
     """A deep copy of `raw` with each `a.b.c=value` applied in order (value: a YAML value).
 
     Setting a key inside a null optional section (`data_plane.transport=ray_direct`) turns the
@@ -445,8 +540,10 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str],
         key, sep, text = item.partition("=")
         parts = key.strip().split(".")
         if not sep or not all(parts):
-            raise ConfigError(f"{source}: override {item!r}: expected KEY=VALUE with a dotted "
-                              f"key, e.g. grpo.max_num_steps=10")
+            raise ConfigError(
+                f"{source}: override {item!r}: expected KEY=VALUE with a dotted "
+                f"key, e.g. grpo.max_num_steps=10"
+            )
         value = _parse_yaml(text, f"{source}: override {item!r}")
         node: dict[str, Any] = result
         cls: Any = MasterConfig
@@ -457,8 +554,10 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str],
                 hints = typing.get_type_hints(cls)
                 names = [f.name for f in dataclasses.fields(cls) if f.init]
                 if part not in names:
-                    raise ConfigError(f"{source}: override {item!r}: {key}: no key {part!r} in "
-                                      f"{prefix}; valid keys: {', '.join(names)}")
+                    raise ConfigError(
+                        f"{source}: override {item!r}: {key}: no key {part!r} in "
+                        f"{prefix}; valid keys: {', '.join(names)}"
+                    )
                 hint = hints[part]
             else:  # inside a free-form mapping (e.g. cluster.node.resources)
                 hint = Any
@@ -468,14 +567,18 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str],
             nested = optional_dataclass(hint)
             free_form = typing.get_origin(hint) in (Mapping, dict) or hint in (dict, Any)
             if nested is None and not free_form:
-                raise ConfigError(f"{source}: override {item!r}: {'.'.join(parts[:depth + 1])} "
-                                  f"is a value ({hint}), it has no key {parts[depth + 1]!r}")
+                raise ConfigError(
+                    f"{source}: override {item!r}: {'.'.join(parts[: depth + 1])} "
+                    f"is a value ({hint}), it has no key {parts[depth + 1]!r}"
+                )
             child = node.get(part)
             if child is None:
                 child = node[part] = {}
             elif not isinstance(child, dict):
-                raise ConfigError(f"{source}: override {item!r}: "
-                                  f"{'.'.join(parts[:depth + 1])} holds {child!r}, not a mapping")
+                raise ConfigError(
+                    f"{source}: override {item!r}: "
+                    f"{'.'.join(parts[: depth + 1])} holds {child!r}, not a mapping"
+                )
             node, cls = child, nested
     return result
 
@@ -516,8 +619,12 @@ def _resolve_paths(raw: dict[str, Any], base_dir: pathlib.Path) -> None:
         node[leaf] = resolve(node[leaf])
 
 
-def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
-                base_dir: str | os.PathLike[str] | None = None) -> MasterConfig:
+def load_config(
+    path: str | os.PathLike[str],
+    overrides: Sequence[str] = (),
+    *,
+    base_dir: str | os.PathLike[str] | None = None,
+) -> MasterConfig:
     """Reads the recipe at `path`, applies `overrides` (`a.b.c=value`), resolves relative paths
     against `base_dir` (default: `workspace_root(path)`) and validates everything.
 
@@ -529,14 +636,16 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
     try:
         text = pathlib.Path(path).read_text(encoding="utf-8")
     except OSError as error:
-        raise ConfigError(f"{source}: cannot read the config file: "
-                          f"{error.strerror or error}") from None
+        raise ConfigError(
+            f"{source}: cannot read the config file: {error.strerror or error}"
+        ) from None
     raw = _parse_yaml(text, source)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: the file must hold a mapping of sections, got "
-                          f"{type(raw).__name__}")
+        raise ConfigError(
+            f"{source}: the file must hold a mapping of sections, got {type(raw).__name__}"
+        )
     raw = apply_overrides(raw, overrides, source)
     grpo = raw.setdefault("grpo", {}) if isinstance(raw.get("grpo", {}), dict) else None
     if grpo is not None and grpo.get("run_name") is None:
@@ -545,10 +654,12 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = (), *,
     try:
         return master_config_from_dict(raw, source)
     except ConfigError as error:
-        message = str(error)[len(source) + 2:]
-        culprits = [item for item in overrides
-                    if message.startswith((item.partition("=")[0] + ":",
-                                           item.partition("=")[0] + "."))]
+        message = str(error)[len(source) + 2 :]
+        culprits = [
+            item
+            for item in overrides
+            if message.startswith((item.partition("=")[0] + ":", item.partition("=")[0] + "."))
+        ]
         suffix = f" (set by the override {culprits[-1]!r})" if culprits else ""
         raise ConfigError(f"{error}{suffix}") from None
 
@@ -625,8 +736,10 @@ def _describe_fields(cls: type, instance: Any, key_path: str) -> list[str]:
         if dataclasses.is_dataclass(default) and not isinstance(default, type):
             lines += _describe_fields(type(default), default, key)
             continue
-        lines.append(f"  {key}: {f.type} = {json.dumps(config_to_dict(default), default=str)}"
-                     + ("  (computed on this machine)" if computed else ""))
+        lines.append(
+            f"  {key}: {f.type} = {json.dumps(config_to_dict(default), default=str)}"
+            + ("  (computed on this machine)" if computed else "")
+        )
     return lines
 
 

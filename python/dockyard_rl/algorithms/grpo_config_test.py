@@ -8,9 +8,16 @@ import pytest
 import yaml
 
 from dockyard_rl.algorithms import grpo_config
-from dockyard_rl.algorithms.grpo_config import (ConfigError, MasterConfig, apply_overrides,
-                                                config_to_dict, config_to_yaml, describe_config,
-                                                load_config, master_config_from_dict)
+from dockyard_rl.algorithms.grpo_config import (
+    ConfigError,
+    MasterConfig,
+    apply_overrides,
+    config_to_dict,
+    config_to_yaml,
+    describe_config,
+    load_config,
+    master_config_from_dict,
+)
 from dockyard_rl.data_plane.config import DataPlaneConfig
 from dockyard_rl.rewards.shaping import IntegrityStageConfig
 
@@ -53,8 +60,12 @@ def _error(raw_or_text, tmp_path, overrides=()):
 
 def test_the_recipes_exist():
     names = {path.name for path in RECIPES}
-    assert {"smoke_cpu.yaml", "smoke_cpu_async.yaml", "qwen2.5-coder-7b_swe_gym.yaml",
-            "qwen2.5-coder-32b_swe_smith.yaml"} <= names
+    assert {
+        "smoke_cpu.yaml",
+        "smoke_cpu_async.yaml",
+        "qwen2.5-coder-7b_swe_gym.yaml",
+        "qwen2.5-coder-32b_swe_smith.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: path.name)
@@ -80,14 +91,16 @@ def test_smoke_recipes():
         # A fresh clone: the data is a cache the loop fills from the synthesis section.
         assert config.synthesis is not None
         assert pathlib.Path(config.data.train_path) == (
-            pathlib.Path.home() / ".cache/dockyard_rl/data/smoke_swe/tasks.jsonl")
+            pathlib.Path.home() / ".cache/dockyard_rl/data/smoke_swe/tasks.jsonl"
+        )
         assert config.logger.log_dir == str(WORKSPACE / "results")
         assert config.executor is not None and config.executor.port == 0
     assert sync.executor.work_dir != asyn.executor.work_dir
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-coder-7b_swe_gym.yaml",
-                                  "qwen2.5-coder-32b_swe_smith.yaml"])
+@pytest.mark.parametrize(
+    "name", ["qwen2.5-coder-7b_swe_gym.yaml", "qwen2.5-coder-32b_swe_smith.yaml"]
+)
 def test_gpu_recipes(name):
     config = load_config(WORKSPACE / "configs" / name, base_dir=WORKSPACE)
     assert config.weight_sync.transport == "collective"
@@ -119,38 +132,65 @@ def test_unknown_section(tmp_path):
     assert "unknown section(s) 'grpoo'; valid sections: grpo, policy," in message
 
 
-@pytest.mark.parametrize("section, values, expected", [
-    ("policy", {"micro_batch_size": "four"},
-     "policy.micro_batch_size: expected an integer, got str 'four'"),
-    ("policy", {"optimizer": {"learning_rate": "1e-6x"}},
-     "policy.optimizer.learning_rate: expected a number, got str '1e-6x' (write numbers "
-     "unquoted"),
-    ("policy", {"activation_checkpointing": "yes please"},
-     "policy.activation_checkpointing: expected true or false"),
-    ("grpo", {"val_num_prompts": 2.5}, "grpo.val_num_prompts: expected an integer or null"),
-    ("generation", {"max_tokens": True}, "generation.max_tokens: expected an integer, got bool"),
-    ("cluster", {"fleets": {"trainer": {"strategy": 3}}},
-     "cluster.fleets.trainer.strategy: expected a string, got int 3"),
-    ("data_plane", {"max_in_flight_batches": "many"},
-     "data_plane.max_in_flight_batches: expected an integer"),
-    ("grpo", [1, 2], "grpo: expected a mapping"),
-])
+@pytest.mark.parametrize(
+    "section, values, expected",
+    [
+        (
+            "policy",
+            {"micro_batch_size": "four"},
+            "policy.micro_batch_size: expected an integer, got str 'four'",
+        ),
+        (
+            "policy",
+            {"optimizer": {"learning_rate": "1e-6x"}},
+            "policy.optimizer.learning_rate: expected a number, got str '1e-6x' (write numbers "
+            "unquoted",
+        ),
+        (
+            "policy",
+            {"activation_checkpointing": "yes please"},
+            "policy.activation_checkpointing: expected true or false",
+        ),
+        ("grpo", {"val_num_prompts": 2.5}, "grpo.val_num_prompts: expected an integer or null"),
+        (
+            "generation",
+            {"max_tokens": True},
+            "generation.max_tokens: expected an integer, got bool",
+        ),
+        (
+            "cluster",
+            {"fleets": {"trainer": {"strategy": 3}}},
+            "cluster.fleets.trainer.strategy: expected a string, got int 3",
+        ),
+        (
+            "data_plane",
+            {"max_in_flight_batches": "many"},
+            "data_plane.max_in_flight_batches: expected an integer",
+        ),
+        ("grpo", [1, 2], "grpo: expected a mapping"),
+    ],
+)
 def test_wrong_type_names_the_key(tmp_path, section, values, expected):
     assert expected in _error(_with(**{section: values}), tmp_path)
 
 
 def test_async_without_importance_sampling_correction(tmp_path):
     message = _error(_with(grpo={"mode": "async"}), tmp_path)
-    assert "loss_fn.use_importance_sampling_correction: must be true when grpo.mode is async" \
+    assert (
+        "loss_fn.use_importance_sampling_correction: must be true when grpo.mode is async"
         in message
-    ok = _write(tmp_path, _with(grpo={"mode": "async"},
-                                loss_fn={"use_importance_sampling_correction": True}))
+    )
+    ok = _write(
+        tmp_path,
+        _with(grpo={"mode": "async"}, loss_fn={"use_importance_sampling_correction": True}),
+    )
     assert load_config(ok).grpo.mode == "async"
 
 
 def test_negative_val_period(tmp_path):
-    assert "grpo.val_period: must be an integer >= 0" in _error(_with(grpo={"val_period": -1}),
-                                                                 tmp_path)
+    assert "grpo.val_period: must be an integer >= 0" in _error(
+        _with(grpo={"val_period": -1}), tmp_path
+    )
 
 
 def test_keep_top_k_without_metric_name(tmp_path):
@@ -158,67 +198,113 @@ def test_keep_top_k_without_metric_name(tmp_path):
     assert "checkpointing.keep_top_k" in message
 
 
-@pytest.mark.parametrize("sections, expected", [
-    ({"grpo": {"max_rollout_turns": 2}}, "grpo.max_rollout_turns: only single-shot"),
-    ({"grpo": {"mode": "pipelined"}}, "grpo.mode: must be one of sync, async"),
-    ({"grpo": {"num_generations_per_prompt": 1}}, "grpo.num_generations_per_prompt"),
-    ({"grpo": {"num_prompts_per_step": 3, "num_generations_per_prompt": 2},
-      "policy": {"dp_size": 4}},
-     "policy.dp_size: (4) must divide the samples per step, grpo.num_prompts_per_step x "
-     "grpo.num_generations_per_prompt = 6"),
-    ({"data": {"train_path": "/t.jsonl", "prompt": {"max_context_tokens": 1800}}},
-     "data.prompt.max_context_tokens: (1800) + generation.max_tokens (512) must be below "
-     "generation.max_model_len (2048)"),
-    ({"loss_fn": {"reference_kl_coef": 0.01}, "grpo": {"skip_reference_policy_logprobs": True}},
-     "grpo.skip_reference_policy_logprobs: cannot be true while loss_fn.reference_kl_coef"),
-    ({"grpo": {"val_period": 5}}, "grpo.val_period: validation is on"),
-    ({"grpo": {"val_at_end": True}}, "data has no validation split"),
-    ({"generation": {"model": "tiny-llama"}}, "generation.model: ('tiny-llama') must be the "
-                                              "policy's model"),
-    ({"generation": {"dtype": "bfloat16"}}, "generation.dtype: (bfloat16) must equal "
-                                            "policy.dtype (float32)"),
-    ({"generation": {"temperature": 0}}, "generation.temperature: is 0 (greedy)"),
-    ({"grpo": {"mode": "async", "num_prompts_per_step": 8},
-      "loss_fn": {"use_importance_sampling_correction": True},
-      "async_grpo": {"max_buffer_groups": 4}}, "async_grpo.max_buffer_groups: (4) must be >="),
-    ({"rewards": {"stages": [{"type": "overlong", "threshold": 600}]}},
-     "rewards.stages[0].threshold: (600) must be below generation.max_tokens (512)"),
-    ({"rewards": {"stages": [{"type": "overlong"}]}}, "rewards.stages[0]"),
-    ({"executor": {"port": 9191}}, "env.swe.executor_url: (http://127.0.0.1:9090) must point "
-                                   "at the executor the loop starts"),
-    ({"executor": {"auth_token": "x" * 32}}, "executor.auth_token: must be null in a recipe"),
-    ({"synthesis": {"packages": ["xmltodict==1.0.4"]}, "data": {"train_path": "/d/train.jsonl"}},
-     "data.train_path: (/d/train.jsonl) must be <folder>/tasks.jsonl"),
-    ({"synthesis": {"packages": []}}, "synthesis.packages: must be a non-empty list"),
-    ({"warm_start": {"train_path": "/w/train.jsonl", "synthesis": {"packages": ["x==1"]}}},
-     "warm_start.train_path: (/w/train.jsonl) must be <folder>/tasks.jsonl when the "
-     "warm_start.synthesis section"),
-    ({"warm_start": {"train_path": "/w/tasks.jsonl", "synthesis": {"packages": []}}},
-     "warm_start.synthesis.packages: must be a non-empty list"),
-    ({"warm_start": {"num_epochs": 2}}, "warm_start.train_path: is required"),
-    ({"warm_start": {"train_path": "/w/tasks.jsonl", "batch_size": 0}},
-     "warm_start.batch_size: must be an integer >= 1"),
-    ({"grpo": {"run_name": "a/b"}}, "grpo.run_name: must be 1-100 letters"),
-    ({"policy": {"logprob_temperature": 0.7}}, "policy.logprob_temperature: (0.7) must equal "
-                                               "generation.temperature (1.0)"),
-])
+@pytest.mark.parametrize(
+    "sections, expected",
+    [
+        ({"grpo": {"max_rollout_turns": 2}}, "grpo.max_rollout_turns: only single-shot"),
+        ({"grpo": {"mode": "pipelined"}}, "grpo.mode: must be one of sync, async"),
+        ({"grpo": {"num_generations_per_prompt": 1}}, "grpo.num_generations_per_prompt"),
+        (
+            {
+                "grpo": {"num_prompts_per_step": 3, "num_generations_per_prompt": 2},
+                "policy": {"dp_size": 4},
+            },
+            "policy.dp_size: (4) must divide the samples per step, grpo.num_prompts_per_step x "
+            "grpo.num_generations_per_prompt = 6",
+        ),
+        (
+            {"data": {"train_path": "/t.jsonl", "prompt": {"max_context_tokens": 1800}}},
+            "data.prompt.max_context_tokens: (1800) + generation.max_tokens (512) must be below "
+            "generation.max_model_len (2048)",
+        ),
+        (
+            {
+                "loss_fn": {"reference_kl_coef": 0.01},
+                "grpo": {"skip_reference_policy_logprobs": True},
+            },
+            "grpo.skip_reference_policy_logprobs: cannot be true while loss_fn.reference_kl_coef",
+        ),
+        ({"grpo": {"val_period": 5}}, "grpo.val_period: validation is on"),
+        ({"grpo": {"val_at_end": True}}, "data has no validation split"),
+        (
+            {"generation": {"model": "tiny-llama"}},
+            "generation.model: ('tiny-llama') must be the policy's model",
+        ),
+        (
+            {"generation": {"dtype": "bfloat16"}},
+            "generation.dtype: (bfloat16) must equal policy.dtype (float32)",
+        ),
+        ({"generation": {"temperature": 0}}, "generation.temperature: is 0 (greedy)"),
+        (
+            {
+                "grpo": {"mode": "async", "num_prompts_per_step": 8},
+                "loss_fn": {"use_importance_sampling_correction": True},
+                "async_grpo": {"max_buffer_groups": 4},
+            },
+            "async_grpo.max_buffer_groups: (4) must be >=",
+        ),
+        (
+            {"rewards": {"stages": [{"type": "overlong", "threshold": 600}]}},
+            "rewards.stages[0].threshold: (600) must be below generation.max_tokens (512)",
+        ),
+        ({"rewards": {"stages": [{"type": "overlong"}]}}, "rewards.stages[0]"),
+        (
+            {"executor": {"port": 9191}},
+            "env.swe.executor_url: (http://127.0.0.1:9090) must point "
+            "at the executor the loop starts",
+        ),
+        ({"executor": {"auth_token": "x" * 32}}, "executor.auth_token: must be null in a recipe"),
+        (
+            {
+                "synthesis": {"packages": ["xmltodict==1.0.4"]},
+                "data": {"train_path": "/d/train.jsonl"},
+            },
+            "data.train_path: (/d/train.jsonl) must be <folder>/tasks.jsonl",
+        ),
+        ({"synthesis": {"packages": []}}, "synthesis.packages: must be a non-empty list"),
+        (
+            {"warm_start": {"train_path": "/w/train.jsonl", "synthesis": {"packages": ["x==1"]}}},
+            "warm_start.train_path: (/w/train.jsonl) must be <folder>/tasks.jsonl when the "
+            "warm_start.synthesis section",
+        ),
+        (
+            {"warm_start": {"train_path": "/w/tasks.jsonl", "synthesis": {"packages": []}}},
+            "warm_start.synthesis.packages: must be a non-empty list",
+        ),
+        ({"warm_start": {"num_epochs": 2}}, "warm_start.train_path: is required"),
+        (
+            {"warm_start": {"train_path": "/w/tasks.jsonl", "batch_size": 0}},
+            "warm_start.batch_size: must be an integer >= 1",
+        ),
+        ({"grpo": {"run_name": "a/b"}}, "grpo.run_name: must be 1-100 letters"),
+        (
+            {"policy": {"logprob_temperature": 0.7}},
+            "policy.logprob_temperature: (0.7) must equal generation.temperature (1.0)",
+        ),
+    ],
+)
 def test_inconsistent_configs_name_the_key(tmp_path, sections, expected):
     assert expected in _error(_with(**sections), tmp_path)
 
 
 def test_consistent_variants_of_the_checks_pass(tmp_path):
-    raw = _with(grpo={"val_period": 5}, data={"validation_fraction": 0.2},
-                executor={"port": 9090}, synthesis={"packages": ["x==1"]},
-                rewards={"stages": [{"type": "integrity"}, {"type": "overlong", "threshold": 256}]},
-                loss_fn={"reference_kl_coef": 0.01})
+    raw = _with(
+        grpo={"val_period": 5},
+        data={"validation_fraction": 0.2},
+        executor={"port": 9090},
+        synthesis={"packages": ["x==1"]},
+        rewards={"stages": [{"type": "integrity"}, {"type": "overlong", "threshold": 256}]},
+        loss_fn={"reference_kl_coef": 0.01},
+    )
     config = load_config(_write(tmp_path, raw), base_dir=tmp_path)
     assert config.executor.port == 9090 and config.synthesis.packages == ("x==1",)
     assert isinstance(config.rewards.stages[0], IntegrityStageConfig)
 
 
 def test_the_trainer_takes_the_sampling_temperature(tmp_path):
-    config = load_config(_write(tmp_path, _with(generation={"temperature": 0.7})),
-                         base_dir=tmp_path)
+    config = load_config(
+        _write(tmp_path, _with(generation={"temperature": 0.7})), base_dir=tmp_path
+    )
     assert config.policy.logprob_temperature == 0.7
     # The resolved config states it, and it loads back.
     resolved = _write(tmp_path, config_to_yaml(config), "resolved.yaml")
@@ -234,9 +320,12 @@ def test_yaml_errors_name_the_file_and_line(tmp_path):
 
 
 def test_yaml_12_floats(tmp_path):
-    path = _write(tmp_path, "data: {train_path: /t.jsonl, prompt: {max_context_tokens: 1024}}\n"
-                            "policy: {optimizer: {learning_rate: 3e-6}}\n"
-                            "grpo: {advantage: {epsilon: 1e-8}}\n")
+    path = _write(
+        tmp_path,
+        "data: {train_path: /t.jsonl, prompt: {max_context_tokens: 1024}}\n"
+        "policy: {optimizer: {learning_rate: 3e-6}}\n"
+        "grpo: {advantage: {epsilon: 1e-8}}\n",
+    )
     config = load_config(path)
     assert config.policy.optimizer.learning_rate == 3e-6
     assert config.grpo.advantage.epsilon == 1e-8
@@ -252,12 +341,21 @@ def test_empty_file_means_defaults(tmp_path):
 
 def test_overrides_set_nested_keys_as_yaml_values(tmp_path):
     path = _write(tmp_path, MINIMAL)
-    config = load_config(path, [
-        "grpo.max_num_steps=7", "policy.optimizer.learning_rate=2e-6", "grpo.val_at_end=true",
-        "data.validation_fraction=0.25", "generation.stop=['</s>', END]",
-        "generation.seed=null", "cluster.node.resources.sandbox_slot=8",
-        "rewards.stages=[{type: integrity}]", "grpo.run_name=my-run",
-    ], base_dir=tmp_path)
+    config = load_config(
+        path,
+        [
+            "grpo.max_num_steps=7",
+            "policy.optimizer.learning_rate=2e-6",
+            "grpo.val_at_end=true",
+            "data.validation_fraction=0.25",
+            "generation.stop=['</s>', END]",
+            "generation.seed=null",
+            "cluster.node.resources.sandbox_slot=8",
+            "rewards.stages=[{type: integrity}]",
+            "grpo.run_name=my-run",
+        ],
+        base_dir=tmp_path,
+    )
     assert config.grpo.max_num_steps == 7 and config.grpo.val_at_end is True
     assert config.policy.optimizer.learning_rate == 2e-6
     assert config.generation.stop == ("</s>", "END") and config.generation.seed is None
@@ -275,21 +373,27 @@ def test_overrides_switch_optional_sections(tmp_path):
     path = _write(tmp_path, MINIMAL)
     on = load_config(path, ["data_plane.tensor_transport=nccl"])
     assert on.data_plane == DataPlaneConfig(tensor_transport="nccl")
-    off = load_config(_write(tmp_path, _with(data_plane={"transport": "ray_direct"})),
-                      ["data_plane=null"])
+    off = load_config(
+        _write(tmp_path, _with(data_plane={"transport": "ray_direct"})), ["data_plane=null"]
+    )
     assert off.data_plane is None
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("grpo.val_perod=1", "grpo.val_perod: no key 'val_perod' in grpo; valid keys: "
-                         "num_prompts_per_step"),
-    ("polcy.dp_size=2", "no key 'polcy' in the top level; valid keys: grpo, policy"),
-    ("policy.optimizer.lr=1", "no key 'lr' in policy.optimizer; valid keys: learning_rate"),
-    ("grpo.seed.x=1", "grpo.seed is a value (<class 'int'>), it has no key 'x'"),
-    ("grpo.seed", "expected KEY=VALUE"),
-    ("grpo..seed=1", "expected KEY=VALUE"),
-    ("grpo.seed=[1", "override 'grpo.seed=[1': not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (
+            "grpo.val_perod=1",
+            "grpo.val_perod: no key 'val_perod' in grpo; valid keys: num_prompts_per_step",
+        ),
+        ("polcy.dp_size=2", "no key 'polcy' in the top level; valid keys: grpo, policy"),
+        ("policy.optimizer.lr=1", "no key 'lr' in policy.optimizer; valid keys: learning_rate"),
+        ("grpo.seed.x=1", "grpo.seed is a value (<class 'int'>), it has no key 'x'"),
+        ("grpo.seed", "expected KEY=VALUE"),
+        ("grpo..seed=1", "expected KEY=VALUE"),
+        ("grpo.seed=[1", "override 'grpo.seed=[1': not valid YAML"),
+    ],
+)
 def test_bad_overrides_name_the_key(tmp_path, override, expected):
     message = _error(MINIMAL, tmp_path, [override])
     assert expected in message
@@ -297,8 +401,11 @@ def test_bad_overrides_name_the_key(tmp_path, override, expected):
 
 def test_bad_override_value_names_the_override(tmp_path):
     message = _error(MINIMAL, tmp_path, ["grpo.val_period=-2"])
-    assert re.search(r"grpo\.val_period: must be an integer >= 0 .* \(set by the override "
-                     r"'grpo\.val_period=-2'\)$", message)
+    assert re.search(
+        r"grpo\.val_period: must be an integer >= 0 .* \(set by the override "
+        r"'grpo\.val_period=-2'\)$",
+        message,
+    )
 
 
 def test_apply_overrides_copies():
@@ -311,10 +418,14 @@ def test_apply_overrides_copies():
 
 
 def test_relative_paths_resolve_against_the_base_dir(tmp_path):
-    raw = _with(data={"train_path": "data/tasks.jsonl", "validation_path": "~/val.jsonl"},
-                logger={"log_dir": "results"}, checkpointing={"checkpoint_dir": "ckpt"},
-                executor={"port": 0, "work_dir": "exec"},
-                policy={"model": "models/m"}, generation={"model": "models/m"})
+    raw = _with(
+        data={"train_path": "data/tasks.jsonl", "validation_path": "~/val.jsonl"},
+        logger={"log_dir": "results"},
+        checkpointing={"checkpoint_dir": "ckpt"},
+        executor={"port": 0, "work_dir": "exec"},
+        policy={"model": "models/m"},
+        generation={"model": "models/m"},
+    )
     config = load_config(_write(tmp_path, raw), base_dir=tmp_path / "ws")
     assert config.data.train_path == str(tmp_path / "ws/data/tasks.jsonl")
     assert config.data.validation_path == str(pathlib.Path.home() / "val.jsonl")
@@ -363,14 +474,17 @@ def test_describe_config_lists_every_section_and_key():
     text = describe_config()
     for field in dataclasses.fields(MasterConfig):
         assert re.search(rf"^{field.name}:  \(", text, re.M), field.name
-    for line in ("grpo.val_period: int = 0", "grpo.mode: str = \"sync\"",
-                 "loss_fn.use_importance_sampling_correction: bool = false",
-                 "async_grpo.max_trajectory_age_steps: int = 1",
-                 "data_plane.tensor_transport: str = \"gloo\"",
-                 "checkpointing.keep_top_k: int | None = 3",
-                 "env.swe.executor_url: str = \"http://127.0.0.1:9090\"",
-                 "cluster.fleets.inference.strategy: str = \"PACK\"",
-                 "logger.wandb.mode: str = \"offline\""):
+    for line in (
+        "grpo.val_period: int = 0",
+        'grpo.mode: str = "sync"',
+        "loss_fn.use_importance_sampling_correction: bool = false",
+        "async_grpo.max_trajectory_age_steps: int = 1",
+        'data_plane.tensor_transport: str = "gloo"',
+        "checkpointing.keep_top_k: int | None = 3",
+        'env.swe.executor_url: str = "http://127.0.0.1:9090"',
+        'cluster.fleets.inference.strategy: str = "PACK"',
+        'logger.wandb.mode: str = "offline"',
+    ):
         assert f"  {line}\n" in text, line
     assert "data_plane:  (DataPlaneConfig, dockyard_rl.data_plane.config)  null by default" in text
     assert "executor.num_workers: int = " in text and "(computed on this machine)" in text
@@ -379,8 +493,9 @@ def test_describe_config_lists_every_section_and_key():
 
 def test_every_key_path_in_describe_is_overridable(tmp_path):
     # Each listed key is a valid override path (values are the listed defaults).
-    keys = re.findall(r"^  ([a-z_.]+): .* = (.*?)(?:  \(computed on this machine\))?$",
-                      describe_config(), re.M)
+    keys = re.findall(
+        r"^  ([a-z_.]+): .* = (.*?)(?:  \(computed on this machine\))?$", describe_config(), re.M
+    )
     assert len(keys) > 100
     for key, _ in keys:
         apply_overrides({}, [f"{key}=null"])

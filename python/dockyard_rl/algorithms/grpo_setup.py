@@ -41,8 +41,13 @@ from dockyard_rl.models import zoo
 from dockyard_rl.models.generation.factory import create_generation
 from dockyard_rl.models.policy.factory import create_policy
 from dockyard_rl.rewards.shaping import RewardPipeline
-from dockyard_rl.utils.checkpoint import (CheckpointInfo, CheckpointManager, PromptSampler,
-                                          TrainerState, load_trainer_state)
+from dockyard_rl.utils.checkpoint import (
+    CheckpointInfo,
+    CheckpointManager,
+    PromptSampler,
+    TrainerState,
+    load_trainer_state,
+)
 from dockyard_rl.utils.logger import Logger
 from dockyard_rl.weight_sync.factory import create_weight_synchronizer
 
@@ -109,23 +114,38 @@ def ensure_task_data(config: MasterConfig) -> None:
     `warm_start.train_path` when `warm_start.synthesis` is."""
     wanted = [(config.data.train_path, config.synthesis, "synthesis", "data.train_path")]
     if config.warm_start is not None:
-        wanted.append((config.warm_start.train_path, config.warm_start.synthesis,
-                       "warm_start.synthesis", "warm_start.train_path"))
+        wanted.append(
+            (
+                config.warm_start.train_path,
+                config.warm_start.synthesis,
+                "warm_start.synthesis",
+                "warm_start.train_path",
+            )
+        )
     for path, synthesis, section, path_key in wanted:
         train_path = pathlib.Path(path)
         if train_path.exists() or synthesis is None:
             continue
         from dockyard_rl.data.synthesis.synthesize_swe_tasks import synthesize
 
-        logger.info("no tasks at %s: synthesizing them from %s once (cached for later runs)",
-                    train_path, ", ".join(synthesis.packages))
-        status = synthesize(list(synthesis.packages), synthesis.search, train_path.parent,
-                            workers=synthesis.num_workers or os.cpu_count() or 1)
+        logger.info(
+            "no tasks at %s: synthesizing them from %s once (cached for later runs)",
+            train_path,
+            ", ".join(synthesis.packages),
+        )
+        status = synthesize(
+            list(synthesis.packages),
+            synthesis.search,
+            train_path.parent,
+            workers=synthesis.num_workers or os.cpu_count() or 1,
+        )
         if status != 0 or not train_path.is_file():
-            raise ValueError(f"{section}: making the task set {train_path} failed (status "
-                             f"{status}; the report is in {train_path.parent / 'report.json'}); "
-                             f"fix the packages in {section}.packages or point {path_key} at "
-                             "an existing task file")
+            raise ValueError(
+                f"{section}: making the task set {train_path} failed (status "
+                f"{status}; the report is in {train_path.parent / 'report.json'}); "
+                f"fix the packages in {section}.packages or point {path_key} at "
+                "an existing task file"
+            )
 
 
 def setup(config: MasterConfig) -> GRPORun:
@@ -137,16 +157,17 @@ def setup(config: MasterConfig) -> GRPORun:
     train, validation = load_train_validation(config.data)
     warm_start_instances = _warm_start_instances(config, train + validation)
     if config.data_plane is not None:
-        logger.warning("data_plane: set, but the GRPO loop does not use a data plane yet: "
-                       "scored groups reach the trainer through Ray's object store. Set "
-                       "data_plane: null to silence this")
+        logger.warning(
+            "data_plane: set, but the GRPO loop does not use a data plane yet: "
+            "scored groups reach the trainer through Ray's object store. Set "
+            "data_plane: null to silence this"
+        )
 
     os.environ.setdefault("DOCKYARD_FLEET_ROLE", "driver")
     from dockyard_rl.cluster.bootstrap import init_ray
 
     init_ray(config.cluster, log_to_driver=False)
-    checkpoints = CheckpointManager(config.checkpointing,
-                                    config.checkpointing.resolve_dir(run_dir))
+    checkpoints = CheckpointManager(config.checkpointing, config.checkpointing.resolve_dir(run_dir))
     latest = checkpoints.latest()
     resumed = load_trainer_state(latest.path / TRAINER_STATE_DIR) if latest else None
     # Before any fleet starts: a logger backend that is missing fails here.
@@ -159,14 +180,18 @@ def setup(config: MasterConfig) -> GRPORun:
         # Executor task ids are (prefix, step, sample, instance): a prefix of its own per start
         # keeps a resumed step's new samples from colliding with a crashed attempt's tasks.
         env_config = dataclasses.replace(
-            env_config, task_id_prefix=f"{env_config.task_id_prefix}-{uuid.uuid4().hex[:8]}")
+            env_config, task_id_prefix=f"{env_config.task_id_prefix}-{uuid.uuid4().hex[:8]}"
+        )
         environment = SweEnvironment(env_config, RewardPipeline(config.rewards))
-        policy = create_policy(config.policy,
-                               resume_from=latest.path / POLICY_DIR if latest else None)
+        policy = create_policy(
+            config.policy, resume_from=latest.path / POLICY_DIR if latest else None
+        )
         parts["policy"] = policy
         generation = create_generation(
-            _engine_config(config, latest), cluster_config=config.cluster,
-            initial_weight_version=resumed.weight_version if resumed else 0)
+            _engine_config(config, latest),
+            cluster_config=config.cluster,
+            initial_weight_version=resumed.weight_version if resumed else 0,
+        )
         parts["generation"] = generation
         synchronizer = create_weight_synchronizer(config.weight_sync, policy, generation)
         parts["synchronizer"] = synchronizer
@@ -176,9 +201,13 @@ def setup(config: MasterConfig) -> GRPORun:
 
     tokenizer = _tokenizer(config)
     processor = datasets.get_processor(config.data.processor)(tokenizer, config.data.prompt)
-    runner = RolloutRunner(generation, environment, processor,
-                           max_response_tokens=config.generation.max_tokens,
-                           thinking_required=config.data.prompt.enable_thinking)
+    runner = RolloutRunner(
+        generation,
+        environment,
+        processor,
+        max_response_tokens=config.generation.max_tokens,
+        thinking_required=config.data.prompt.enable_thinking,
+    )
     sampler = PromptSampler(len(train), config.grpo.num_prompts_per_step, config.data.seed)
     step = 0
     if resumed is not None:
@@ -188,23 +217,48 @@ def setup(config: MasterConfig) -> GRPORun:
     if resumed is not None:
         run_logger.resume_from(step)
     run_logger.log_hyperparams(config_to_dict(config))
-    logger.info("run %s: %d training / %d validation tasks, %s at step %d", run_dir.name,
-                len(train), len(validation), "resuming" if resumed else "starting", step)
-    return GRPORun(config=config, run_dir=run_dir, train=train, validation=validation,
-                   policy=policy, generation=generation, environment=environment, runner=runner,
-                   synchronizer=synchronizer, loss_fn=ClippedPGLossFn(config.loss_fn),
-                   logger=run_logger, checkpoints=checkpoints, sampler=sampler,
-                   pad_token_id=int(tokenizer.pad_token_id or 0), step=step, resumed=resumed,
-                   sandbox_fleet=sandbox_fleet, warm_start_instances=warm_start_instances)
+    logger.info(
+        "run %s: %d training / %d validation tasks, %s at step %d",
+        run_dir.name,
+        len(train),
+        len(validation),
+        "resuming" if resumed else "starting",
+        step,
+    )
+    return GRPORun(
+        config=config,
+        run_dir=run_dir,
+        train=train,
+        validation=validation,
+        policy=policy,
+        generation=generation,
+        environment=environment,
+        runner=runner,
+        synchronizer=synchronizer,
+        loss_fn=ClippedPGLossFn(config.loss_fn),
+        logger=run_logger,
+        checkpoints=checkpoints,
+        sampler=sampler,
+        pad_token_id=int(tokenizer.pad_token_id or 0),
+        step=step,
+        resumed=resumed,
+        sandbox_fleet=sandbox_fleet,
+        warm_start_instances=warm_start_instances,
+    )
 
 
 def trainer_state(run: GRPORun, extras: dict | None = None) -> TrainerState:
     """What a checkpoint of `run` after its current step holds besides the policy."""
     from dockyard_rl.utils.checkpoint import RngState
 
-    return TrainerState(step=run.step, weight_version=run.synchronizer.trainer_version,
-                        sampler=run.sampler.state_dict(), rng=RngState.capture(),
-                        config_text=config_to_yaml(run.config), extras=extras or {})
+    return TrainerState(
+        step=run.step,
+        weight_version=run.synchronizer.trainer_version,
+        sampler=run.sampler.state_dict(),
+        rng=RngState.capture(),
+        config_text=config_to_yaml(run.config),
+        extras=extras or {},
+    )
 
 
 def _seed_driver(seed: int) -> None:
@@ -220,13 +274,16 @@ def _warm_start_instances(config: MasterConfig, data: list[SweInstance]) -> list
         return []
     instances = datasets.get_dataset(config.warm_start.dataset)(config.warm_start.train_path)
     if not instances:
-        raise ValueError(f"warm_start.train_path: {config.warm_start.train_path!r} holds no "
-                         "instances")
+        raise ValueError(
+            f"warm_start.train_path: {config.warm_start.train_path!r} holds no instances"
+        )
     leaked = sorted({i.repo for i in instances} & {i.repo for i in data})
     if leaked:
-        raise ValueError(f"warm_start.train_path: repositories {leaked[:5]} are also in the "
-                         "training or validation data; the warm start would show GRPO the "
-                         "answers to its own tasks. Use tasks of other repositories")
+        raise ValueError(
+            f"warm_start.train_path: repositories {leaked[:5]} are also in the "
+            "training or validation data; the warm start would show GRPO the "
+            "answers to its own tasks. Use tasks of other repositories"
+        )
     return instances
 
 

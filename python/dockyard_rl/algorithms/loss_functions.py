@@ -108,55 +108,74 @@ class ClippedPGLossConfig:
     aggregation: str = "token"
 
     def __post_init__(self):
-        require(_is_finite_number(self.ratio_clip_low) and 0 < self.ratio_clip_low < 1,
-                "ratio_clip_low",
-                f"must be a number in (0, 1) (the lower clip bound 1 - ratio_clip_low must stay "
-                f"positive), got {self.ratio_clip_low!r}; 0.2 is the usual value")
-        require(_is_finite_number(self.ratio_clip_high) and self.ratio_clip_high > 0,
-                "ratio_clip_high",
-                f"must be a finite number > 0, got {self.ratio_clip_high!r}; 0.2 is the usual "
-                f"value, 0.28 for clip-higher")
-        require(self.dual_clip_c is None
-                or (_is_finite_number(self.dual_clip_c) and self.dual_clip_c > 1),
-                "dual_clip_c",
-                f"must be null (off) or a finite number > 1 (a cap of c * |A| at or below the "
-                f"unclipped value would cut on-policy gradients), got {self.dual_clip_c!r}; "
-                f"3.0 is the usual value")
-        require(_is_finite_number(self.reference_kl_coef) and self.reference_kl_coef >= 0,
-                "reference_kl_coef",
-                f"must be a finite number >= 0 (0 disables the reference KL penalty), got "
-                f"{self.reference_kl_coef!r}")
-        require(self.kl_estimator in KL_ESTIMATORS, "kl_estimator",
-                f"must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
-        require(isinstance(self.use_importance_sampling_correction, bool),
-                "use_importance_sampling_correction",
-                f"must be true or false, got {self.use_importance_sampling_correction!r}")
-        require(_is_finite_number(self.importance_sampling_cap)
-                and self.importance_sampling_cap >= 1,
-                "importance_sampling_cap",
-                f"must be a finite number >= 1 (it truncates the importance weight from above), "
-                f"got {self.importance_sampling_cap!r}; 2.0 is the usual value")
-        require(self.aggregation in AGGREGATIONS, "aggregation",
-                f"must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        require(
+            _is_finite_number(self.ratio_clip_low) and 0 < self.ratio_clip_low < 1,
+            "ratio_clip_low",
+            f"must be a number in (0, 1) (the lower clip bound 1 - ratio_clip_low must stay "
+            f"positive), got {self.ratio_clip_low!r}; 0.2 is the usual value",
+        )
+        require(
+            _is_finite_number(self.ratio_clip_high) and self.ratio_clip_high > 0,
+            "ratio_clip_high",
+            f"must be a finite number > 0, got {self.ratio_clip_high!r}; 0.2 is the usual "
+            f"value, 0.28 for clip-higher",
+        )
+        require(
+            self.dual_clip_c is None
+            or (_is_finite_number(self.dual_clip_c) and self.dual_clip_c > 1),
+            "dual_clip_c",
+            f"must be null (off) or a finite number > 1 (a cap of c * |A| at or below the "
+            f"unclipped value would cut on-policy gradients), got {self.dual_clip_c!r}; "
+            f"3.0 is the usual value",
+        )
+        require(
+            _is_finite_number(self.reference_kl_coef) and self.reference_kl_coef >= 0,
+            "reference_kl_coef",
+            f"must be a finite number >= 0 (0 disables the reference KL penalty), got "
+            f"{self.reference_kl_coef!r}",
+        )
+        require(
+            self.kl_estimator in KL_ESTIMATORS,
+            "kl_estimator",
+            f"must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}",
+        )
+        require(
+            isinstance(self.use_importance_sampling_correction, bool),
+            "use_importance_sampling_correction",
+            f"must be true or false, got {self.use_importance_sampling_correction!r}",
+        )
+        require(
+            _is_finite_number(self.importance_sampling_cap) and self.importance_sampling_cap >= 1,
+            "importance_sampling_cap",
+            f"must be a finite number >= 1 (it truncates the importance weight from above), "
+            f"got {self.importance_sampling_cap!r}; 2.0 is the usual value",
+        )
+        require(
+            self.aggregation in AGGREGATIONS,
+            "aggregation",
+            f"must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}",
+        )
 
 
 def _check_tensor(batch: Mapping[str, Any], key: str, shape: tuple[int, ...], what: str) -> None:
     if key not in batch:
-        raise ValueError(f"batch is missing key {key!r} ({what}); it has keys "
-                         f"{sorted(batch)}")
+        raise ValueError(f"batch is missing key {key!r} ({what}); it has keys {sorted(batch)}")
     value = batch[key]
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"batch[{key!r}] must be a torch.Tensor, got {type(value).__name__}")
     if tuple(value.shape) != shape:
-        raise ValueError(f"batch[{key!r}] has shape {tuple(value.shape)}, expected {shape} "
-                         f"({what})")
+        raise ValueError(
+            f"batch[{key!r}] has shape {tuple(value.shape)}, expected {shape} ({what})"
+        )
 
 
 def _check_masks(batch: Mapping[str, Any], shape_BS: tuple[int, int]) -> None:
-    _check_tensor(batch, "token_mask", shape_BS,
-                  "(B, S), 1 on response tokens that count in the loss")
-    _check_tensor(batch, "sample_mask", shape_BS[:1],
-                  "(B,), 0 excludes the whole sample from the loss")
+    _check_tensor(
+        batch, "token_mask", shape_BS, "(B, S), 1 on response tokens that count in the loss"
+    )
+    _check_tensor(
+        batch, "sample_mask", shape_BS[:1], "(B,), 0 excludes the whole sample from the loss"
+    )
     for key in ("token_mask", "sample_mask"):
         mask = batch[key]
         # A fractional mask would silently reweight tokens and break the global normalisers.
@@ -181,12 +200,16 @@ def count_valid(batch: Mapping[str, Any]) -> tuple[int, int]:
         ValueError: `token_mask` / `sample_mask` missing, of the wrong shape, or not 0/1.
     """
     if "token_mask" not in batch:
-        raise ValueError(f"batch is missing key 'token_mask' ((B, S), 1 on response tokens that "
-                         f"count in the loss); it has keys {sorted(batch)}")
+        raise ValueError(
+            f"batch is missing key 'token_mask' ((B, S), 1 on response tokens that "
+            f"count in the loss); it has keys {sorted(batch)}"
+        )
     token_mask = batch["token_mask"]
     if not isinstance(token_mask, torch.Tensor) or token_mask.dim() != 2:
-        raise ValueError(f"batch['token_mask'] must be a 2-D (B, S) torch.Tensor, got "
-                         f"{getattr(token_mask, 'shape', type(token_mask).__name__)}")
+        raise ValueError(
+            f"batch['token_mask'] must be a 2-D (B, S) torch.Tensor, got "
+            f"{getattr(token_mask, 'shape', type(token_mask).__name__)}"
+        )
     _check_masks(batch, tuple(token_mask.shape))
     valid_BS = _valid_mask_BS(batch)
     return int(valid_BS.sum()), int(valid_BS.any(dim=1).sum())
@@ -206,10 +229,14 @@ def combine_metrics(metrics_list: Sequence[Mapping[str, float]]) -> dict[str, fl
     keys = set(metrics_list[0])
     for metrics in metrics_list[1:]:
         if set(metrics) != keys:
-            raise ValueError(f"metrics dicts have different keys: {sorted(keys)} vs "
-                             f"{sorted(metrics)}; combine results of the same loss config only")
-    return {key: (max if key in MAX_METRICS else sum)(m[key] for m in metrics_list)
-            for key in metrics_list[0]}
+            raise ValueError(
+                f"metrics dicts have different keys: {sorted(keys)} vs "
+                f"{sorted(metrics)}; combine results of the same loss config only"
+            )
+    return {
+        key: (max if key in MAX_METRICS else sum)(m[key] for m in metrics_list)
+        for key in metrics_list[0]
+    }
 
 
 def _kl_estimate(estimator: str, log_ratio: torch.Tensor) -> torch.Tensor:
@@ -231,9 +258,11 @@ class ClippedPGLossFn:
 
     def __init__(self, config: ClippedPGLossConfig):
         if not isinstance(config, ClippedPGLossConfig):
-            raise ValueError(f"ClippedPGLossFn needs a ClippedPGLossConfig, got "
-                             f"{type(config).__name__}; build it with "
-                             f"from_dict(ClippedPGLossConfig, yaml['loss_fn'], 'loss_fn')")
+            raise ValueError(
+                f"ClippedPGLossFn needs a ClippedPGLossConfig, got "
+                f"{type(config).__name__}; build it with "
+                f"from_dict(ClippedPGLossConfig, yaml['loss_fn'], 'loss_fn')"
+            )
         self.config = config
 
     @property
@@ -246,10 +275,13 @@ class ClippedPGLossFn:
             keys.append("reference_policy_logprobs")
         return tuple(keys)
 
-    def __call__(self, logprobs_BS: torch.Tensor, batch: Mapping[str, Any],
-                 global_num_valid_tokens: int | float | torch.Tensor,
-                 global_num_valid_sequences: int | float | torch.Tensor,
-                 ) -> tuple[torch.Tensor, dict[str, float]]:
+    def __call__(
+        self,
+        logprobs_BS: torch.Tensor,
+        batch: Mapping[str, Any],
+        global_num_valid_tokens: int | float | torch.Tensor,
+        global_num_valid_sequences: int | float | torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss of one microbatch and its (summable) metrics.
 
         Args:
@@ -280,29 +312,52 @@ class ClippedPGLossFn:
                 0/1, or a global count is smaller than this microbatch's own count.
         """
         cfg = self.config
-        if not isinstance(logprobs_BS, torch.Tensor) or logprobs_BS.dim() != 2 \
-                or not logprobs_BS.is_floating_point():
-            raise ValueError(f"logprobs_BS must be a 2-D (B, S) floating-point torch.Tensor, got "
-                             f"{getattr(logprobs_BS, 'shape', type(logprobs_BS).__name__)} "
-                             f"{getattr(logprobs_BS, 'dtype', '')}")
+        if (
+            not isinstance(logprobs_BS, torch.Tensor)
+            or logprobs_BS.dim() != 2
+            or not logprobs_BS.is_floating_point()
+        ):
+            raise ValueError(
+                f"logprobs_BS must be a 2-D (B, S) floating-point torch.Tensor, got "
+                f"{getattr(logprobs_BS, 'shape', type(logprobs_BS).__name__)} "
+                f"{getattr(logprobs_BS, 'dtype', '')}"
+            )
         if not isinstance(batch, Mapping):
-            raise ValueError(f"batch must be a mapping of key -> tensor (e.g. BatchedDataDict), "
-                             f"got {type(batch).__name__}")
+            raise ValueError(
+                f"batch must be a mapping of key -> tensor (e.g. BatchedDataDict), "
+                f"got {type(batch).__name__}"
+            )
         shape_BS = tuple(logprobs_BS.shape)
         _check_masks(batch, shape_BS)
-        _check_tensor(batch, "prev_logprobs", shape_BS,
-                      "(B, S), the trainer's old-policy log-probs, same shape as logprobs_BS")
-        _check_tensor(batch, "advantages", shape_BS,
-                      "(B, S), token-level advantages, same shape as logprobs_BS")
+        _check_tensor(
+            batch,
+            "prev_logprobs",
+            shape_BS,
+            "(B, S), the trainer's old-policy log-probs, same shape as logprobs_BS",
+        )
+        _check_tensor(
+            batch,
+            "advantages",
+            shape_BS,
+            "(B, S), token-level advantages, same shape as logprobs_BS",
+        )
         if cfg.use_importance_sampling_correction:
-            _check_tensor(batch, "generation_logprobs", shape_BS,
-                          "(B, S), the inference engine's sampled log-probs; required because "
-                          "loss_fn.use_importance_sampling_correction is true")
+            _check_tensor(
+                batch,
+                "generation_logprobs",
+                shape_BS,
+                "(B, S), the inference engine's sampled log-probs; required because "
+                "loss_fn.use_importance_sampling_correction is true",
+            )
         use_reference = cfg.reference_kl_coef > 0 or "reference_policy_logprobs" in batch
         if use_reference:
-            _check_tensor(batch, "reference_policy_logprobs", shape_BS,
-                          "(B, S), the reference policy's log-probs; required because "
-                          "loss_fn.reference_kl_coef > 0")
+            _check_tensor(
+                batch,
+                "reference_policy_logprobs",
+                shape_BS,
+                "(B, S), the reference policy's log-probs; required because "
+                "loss_fn.reference_kl_coef > 0",
+            )
 
         # bf16 log-probs lose too much in exp/expm1 and in long sums; do the math in >= float32.
         dtype = torch.promote_types(logprobs_BS.dtype, torch.float32)
@@ -316,10 +371,12 @@ class ClippedPGLossFn:
         num_valid_per_seq_B = valid_f_BS.sum(dim=1)
         num_valid_tokens = int(valid_BS.sum())
         num_valid_sequences = int(valid_BS.any(dim=1).sum())
-        token_norm = self._check_global_count(global_num_valid_tokens, num_valid_tokens,
-                                              "global_num_valid_tokens")
-        seq_norm = self._check_global_count(global_num_valid_sequences, num_valid_sequences,
-                                            "global_num_valid_sequences")
+        token_norm = self._check_global_count(
+            global_num_valid_tokens, num_valid_tokens, "global_num_valid_tokens"
+        )
+        seq_norm = self._check_global_count(
+            global_num_valid_sequences, num_valid_sequences, "global_num_valid_sequences"
+        )
 
         # Masked positions may hold padding garbage (inf, nan, huge values). Zeroing the log-ratios
         # and advantages there BEFORE exp keeps both the forward and the backward NaN-free
@@ -337,15 +394,17 @@ class ClippedPGLossFn:
             dual_binds_BS = (advantages_BS < 0) & (pg_BS > dual_bound_BS)
             pg_BS = torch.where(dual_binds_BS, dual_bound_BS, pg_BS)
         if cfg.use_importance_sampling_correction:
-            is_log_weight_BS = torch.where(valid_BS, get("prev_logprobs")
-                                           - get("generation_logprobs"), 0.0)
+            is_log_weight_BS = torch.where(
+                valid_BS, get("prev_logprobs") - get("generation_logprobs"), 0.0
+            )
             is_weight_raw_BS = torch.exp(is_log_weight_BS)
             # Detached (batch tensors are), so it rescales the gradient without being optimised.
             pg_BS = pg_BS * is_weight_raw_BS.clamp(max=cfg.importance_sampling_cap)
         per_token_BS = pg_BS
         if use_reference:
-            ref_log_ratio_BS = torch.where(valid_BS,
-                                           logp_BS - get("reference_policy_logprobs"), 0.0)
+            ref_log_ratio_BS = torch.where(
+                valid_BS, logp_BS - get("reference_policy_logprobs"), 0.0
+            )
             kl_ref_BS = _kl_estimate(cfg.kl_estimator, ref_log_ratio_BS)
             if cfg.reference_kl_coef > 0:
                 per_token_BS = per_token_BS + cfg.reference_kl_coef * kl_ref_BS
@@ -361,21 +420,29 @@ class ClippedPGLossFn:
         loss = aggregate(per_token_BS)
 
         with torch.no_grad():
+
             def token_mean(values_BS: torch.Tensor) -> torch.Tensor:
                 return (values_BS * valid_f_BS).sum() / token_norm
 
             def token_max(values_BS: torch.Tensor) -> torch.Tensor:
                 # Values are positive, so 0 is the neutral element for microbatches w/o tokens.
-                return torch.where(valid_BS, values_BS, 0.0).max() if values_BS.numel() \
+                return (
+                    torch.where(valid_BS, values_BS, 0.0).max()
+                    if values_BS.numel()
                     else values_BS.new_zeros(())
+                )
 
-            clipped_BS = (ratio_BS < 1.0 - cfg.ratio_clip_low) \
-                | (ratio_BS > 1.0 + cfg.ratio_clip_high)
+            clipped_BS = (ratio_BS < 1.0 - cfg.ratio_clip_low) | (
+                ratio_BS > 1.0 + cfg.ratio_clip_high
+            )
             named = {
                 "loss": loss.detach(),
                 "pg_loss": aggregate(pg_BS),
-                "reference_kl_loss": (aggregate(cfg.reference_kl_coef * kl_ref_BS)
-                                      if use_reference else loss.new_zeros(())),
+                "reference_kl_loss": (
+                    aggregate(cfg.reference_kl_coef * kl_ref_BS)
+                    if use_reference
+                    else loss.new_zeros(())
+                ),
                 "clip_fraction": token_mean(clipped_BS.to(dtype)),
                 "approx_kl_old": token_mean(_kl_estimate("k3", log_ratio_BS)),
                 "ratio_mean": token_mean(ratio_BS),
@@ -389,7 +456,8 @@ class ClippedPGLossFn:
                 named["is_weight_mean"] = token_mean(is_weight_raw_BS)
                 named["is_weight_max"] = token_max(is_weight_raw_BS)
                 named["is_truncated_fraction"] = token_mean(
-                    (is_weight_raw_BS > cfg.importance_sampling_cap).to(dtype))
+                    (is_weight_raw_BS > cfg.importance_sampling_cap).to(dtype)
+                )
             # One device->host transfer for all metrics instead of one per metric.
             values = torch.stack([v.detach().reshape(()) for v in named.values()]).tolist()
         metrics = dict(zip(named, values))
@@ -398,17 +466,21 @@ class ClippedPGLossFn:
         return loss, metrics
 
     @staticmethod
-    def _check_global_count(global_count: int | float | torch.Tensor, local_count: int,
-                            name: str) -> float:
+    def _check_global_count(
+        global_count: int | float | torch.Tensor, local_count: int, name: str
+    ) -> float:
         """Returns the normaliser for `global_count`, after checking it against `local_count`."""
         try:
             value = float(global_count)
         except (TypeError, ValueError, RuntimeError):
-            raise ValueError(f"{name} must be a number (or a 0-d tensor), got "
-                             f"{global_count!r}") from None
+            raise ValueError(
+                f"{name} must be a number (or a 0-d tensor), got {global_count!r}"
+            ) from None
         if not math.isfinite(value) or value < local_count:
-            raise ValueError(f"{name} is {value:g} but this microbatch alone has {local_count} "
-                             f"valid; pass the count_valid() total over the whole global batch "
-                             f"(all microbatches and data-parallel ranks)")
+            raise ValueError(
+                f"{name} is {value:g} but this microbatch alone has {local_count} "
+                f"valid; pass the count_valid() total over the whole global batch "
+                f"(all microbatches and data-parallel ranks)"
+            )
         # Only 0 when nothing is valid anywhere: then every sum is 0, and 0 / 1 keeps it 0.
         return max(value, 1.0)

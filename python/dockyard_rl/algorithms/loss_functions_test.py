@@ -29,6 +29,7 @@ F64 = torch.float64
 # Independent reference: python loops over tokens, hand-derived derivatives w.r.t. logp.
 # ---------------------------------------------------------------------------------------------
 
+
 def _reference_kl(estimator, logp, logp_ref):
     """(value, d value / d logp) of the per-token KL estimator."""
     d = logp - logp_ref
@@ -83,8 +84,13 @@ def reference_loss_and_grad(cfg, inputs, num_tokens, num_seqs):
             kl_ref_sum += kl
             kl_old_sum += math.exp(prev[b][s] - logp[b][s]) - (prev[b][s] - logp[b][s]) - 1.0
     n = max(num_tokens, 1)
-    metrics = {"loss": loss, "clip_fraction": clipped / n, "ratio_mean": ratio_sum / n,
-               "reference_kl": kl_ref_sum / n, "approx_kl_old": kl_old_sum / n}
+    metrics = {
+        "loss": loss,
+        "clip_fraction": clipped / n,
+        "ratio_mean": ratio_sum / n,
+        "reference_kl": kl_ref_sum / n,
+        "approx_kl_old": kl_old_sum / n,
+    }
     if cfg.use_importance_sampling_correction:
         metrics["is_weight_mean"] = w_sum / n
         metrics["is_truncated_fraction"] = truncated / n
@@ -115,6 +121,7 @@ def run_loss(cfg, logp_BS, batch, num_tokens=None, num_seqs=None):
 def random_batch(generator, num_b, num_s, valid_p=0.7):
     def randn(*shape):
         return torch.randn(*shape, generator=generator, dtype=F64)
+
     logp_BS = -torch.rand(num_b, num_s, generator=generator, dtype=F64) * 4
     prev_BS = logp_BS - 0.6 * randn(num_b, num_s)
     batch = {
@@ -132,6 +139,7 @@ def random_batch(generator, num_b, num_s, valid_p=0.7):
 # 1. First-step identities.
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
 def test_first_step_identities(estimator, aggregation):
@@ -142,9 +150,13 @@ def test_first_step_identities(estimator, aggregation):
     batch["sample_mask"][1] = 0
     for key in ("prev_logprobs", "generation_logprobs", "reference_policy_logprobs"):
         batch[key] = logp_BS.clone()
-    cfg = ClippedPGLossConfig(kl_estimator=estimator, reference_kl_coef=0.5,
-                              use_importance_sampling_correction=True, dual_clip_c=3.0,
-                              aggregation=aggregation)
+    cfg = ClippedPGLossConfig(
+        kl_estimator=estimator,
+        reference_kl_coef=0.5,
+        use_importance_sampling_correction=True,
+        dual_clip_c=3.0,
+        aggregation=aggregation,
+    )
     loss, metrics, grad_BS = run_loss(cfg, logp_BS, batch)
 
     num_tokens, num_seqs = count_valid(batch)
@@ -175,9 +187,13 @@ def test_first_step_identities(estimator, aggregation):
 def test_first_step_ratio_and_kl_are_exactly_one_and_zero_per_token():
     # Exactness per token, not only on average: the estimators are evaluated at d = 0.
     logp_BS = torch.tensor([[-0.1, -2.5, -7.0]], dtype=F64)
-    batch = {"prev_logprobs": logp_BS.clone(), "reference_policy_logprobs": logp_BS.clone(),
-             "advantages": torch.tensor([[1.0, -2.0, 0.5]], dtype=F64),
-             "token_mask": torch.ones(1, 3), "sample_mask": torch.ones(1)}
+    batch = {
+        "prev_logprobs": logp_BS.clone(),
+        "reference_policy_logprobs": logp_BS.clone(),
+        "advantages": torch.tensor([[1.0, -2.0, 0.5]], dtype=F64),
+        "token_mask": torch.ones(1, 3),
+        "sample_mask": torch.ones(1),
+    }
     for estimator in ("k1", "k2", "k3"):
         cfg = ClippedPGLossConfig(kl_estimator=estimator, reference_kl_coef=1.0)
         _, metrics, grad_BS = run_loss(cfg, logp_BS, batch)
@@ -190,6 +206,7 @@ def test_first_step_ratio_and_kl_are_exactly_one_and_zero_per_token():
 # ---------------------------------------------------------------------------------------------
 # 2. Against the reference implementation.
 # ---------------------------------------------------------------------------------------------
+
 
 @st.composite
 def configs(draw):
@@ -211,19 +228,33 @@ def loss_inputs(draw):
     num_s = draw(st.integers(1, 6))
 
     def grid(low, high):
-        return draw(st.lists(st.lists(st.floats(low, high), min_size=num_s, max_size=num_s),
-                             min_size=num_b, max_size=num_b))
+        return draw(
+            st.lists(
+                st.lists(st.floats(low, high), min_size=num_s, max_size=num_s),
+                min_size=num_b,
+                max_size=num_b,
+            )
+        )
+
     logp = grid(-6.0, 0.0)
     # Log-ratios up to +-1.5 put ratios on both sides of every clip bound and past dual-clip c.
     prev = [[lp - d for lp, d in zip(row, drow)] for row, drow in zip(logp, grid(-1.5, 1.5))]
     gen = [[p - d for p, d in zip(row, drow)] for row, drow in zip(prev, grid(-1.5, 1.5))]
     ref = [[lp - d for lp, d in zip(row, drow)] for row, drow in zip(logp, grid(-2.0, 2.0))]
     return {
-        "logp": logp, "prev": prev, "gen": gen, "ref": ref, "adv": grid(-3.0, 3.0),
-        "token_mask": draw(st.lists(st.lists(st.sampled_from([0, 1]), min_size=num_s,
-                                             max_size=num_s), min_size=num_b, max_size=num_b)),
-        "sample_mask": draw(st.lists(st.sampled_from([0, 1, 1]), min_size=num_b,
-                                     max_size=num_b)),
+        "logp": logp,
+        "prev": prev,
+        "gen": gen,
+        "ref": ref,
+        "adv": grid(-3.0, 3.0),
+        "token_mask": draw(
+            st.lists(
+                st.lists(st.sampled_from([0, 1]), min_size=num_s, max_size=num_s),
+                min_size=num_b,
+                max_size=num_b,
+            )
+        ),
+        "sample_mask": draw(st.lists(st.sampled_from([0, 1, 1]), min_size=num_b, max_size=num_b)),
     }
 
 
@@ -236,8 +267,7 @@ def test_matches_reference_implementation(cfg, inputs):
     ref_loss, ref_grad, ref_metrics = reference_loss_and_grad(cfg, inputs, num_tokens, num_seqs)
 
     assert loss.item() == pytest.approx(ref_loss, rel=1e-10, abs=1e-12)
-    torch.testing.assert_close(grad_BS, torch.tensor(ref_grad, dtype=F64), rtol=1e-10,
-                               atol=1e-12)
+    torch.testing.assert_close(grad_BS, torch.tensor(ref_grad, dtype=F64), rtol=1e-10, atol=1e-12)
     for key, value in ref_metrics.items():
         assert metrics[key] == pytest.approx(value, rel=1e-10, abs=1e-12), key
     assert metrics["num_valid_tokens"] == num_tokens
@@ -248,9 +278,13 @@ def _one_token_grad(cfg, log_ratio, advantage, prev_minus_gen=0.0):
     """Gradient for a batch holding one valid token with the given ratio / advantage."""
     logp_BS = torch.tensor([[-1.0]], dtype=F64)
     prev_BS = logp_BS - log_ratio
-    batch = {"prev_logprobs": prev_BS, "generation_logprobs": prev_BS - prev_minus_gen,
-             "advantages": torch.tensor([[advantage]], dtype=F64),
-             "token_mask": torch.ones(1, 1), "sample_mask": torch.ones(1)}
+    batch = {
+        "prev_logprobs": prev_BS,
+        "generation_logprobs": prev_BS - prev_minus_gen,
+        "advantages": torch.tensor([[advantage]], dtype=F64),
+        "token_mask": torch.ones(1, 1),
+        "sample_mask": torch.ones(1),
+    }
     loss, metrics, grad_BS = run_loss(cfg, logp_BS, batch)
     return loss.item(), metrics, grad_BS.item()
 
@@ -277,12 +311,16 @@ def test_every_clip_branch_explicitly():
     assert (loss, grad, metrics["dual_clip_fraction"]) == (pytest.approx(6.0), 0.0, 1.0)
     loss, metrics, grad = _one_token_grad(dual, 1.0, -2.0)
     assert (loss, grad, metrics["dual_clip_fraction"]) == (
-        pytest.approx(2.0 * r(1.0)), pytest.approx(2.0 * r(1.0)), 0.0)
+        pytest.approx(2.0 * r(1.0)),
+        pytest.approx(2.0 * r(1.0)),
+        0.0,
+    )
     loss, _, grad = _one_token_grad(dual, 1.5, 2.0)
     assert (loss, grad) == (pytest.approx(-2.0 * 1.3), 0.0)
     # TIS: weight below the cap is applied as is, above it truncated; it scales the gradient.
-    tis = dataclasses.replace(cfg, use_importance_sampling_correction=True,
-                              importance_sampling_cap=2.0)
+    tis = dataclasses.replace(
+        cfg, use_importance_sampling_correction=True, importance_sampling_cap=2.0
+    )
     _, metrics, grad = _one_token_grad(tis, 0.0, 1.0, prev_minus_gen=0.5)
     assert (grad, metrics["is_truncated_fraction"]) == (pytest.approx(-r(0.5)), 0.0)
     _, metrics, grad = _one_token_grad(tis, 0.0, 1.0, prev_minus_gen=1.5)
@@ -308,11 +346,19 @@ def test_batch_tensors_receive_no_gradient():
 INVARIANCE_CONFIGS = [
     ClippedPGLossConfig(),
     ClippedPGLossConfig(aggregation="sequence"),
-    ClippedPGLossConfig(ratio_clip_low=0.1, ratio_clip_high=0.28, dual_clip_c=2.0,
-                        use_importance_sampling_correction=True, importance_sampling_cap=1.5,
-                        reference_kl_coef=0.3, kl_estimator="k2", aggregation="sequence"),
-    ClippedPGLossConfig(use_importance_sampling_correction=True, reference_kl_coef=0.05,
-                        kl_estimator="k1"),
+    ClippedPGLossConfig(
+        ratio_clip_low=0.1,
+        ratio_clip_high=0.28,
+        dual_clip_c=2.0,
+        use_importance_sampling_correction=True,
+        importance_sampling_cap=1.5,
+        reference_kl_coef=0.3,
+        kl_estimator="k2",
+        aggregation="sequence",
+    ),
+    ClippedPGLossConfig(
+        use_importance_sampling_correction=True, reference_kl_coef=0.05, kl_estimator="k1"
+    ),
 ]
 
 
@@ -343,8 +389,9 @@ def test_microbatch_and_shard_invariance(cfg):
         # Uneven microbatches inside each rank, one backward per microbatch (grad accumulation).
         bounds = [shard_start, shard_start + 1, shard_start + 4, shard_stop]
         for start, stop in zip(bounds[:-1], bounds[1:]):
-            loss, metrics = loss_fn(leaf_BS[start:stop], _slice_batch(batch, start, stop),
-                                    num_tokens, num_seqs)
+            loss, metrics = loss_fn(
+                leaf_BS[start:stop], _slice_batch(batch, start, stop), num_tokens, num_seqs
+            )
             loss.backward()
             total_loss += loss.item()
             all_metrics.append(metrics)
@@ -362,6 +409,7 @@ def test_microbatch_and_shard_invariance(cfg):
 # Masks and NaN safety.
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
 def test_masked_garbage_and_empty_sequences_do_not_produce_nan(aggregation):
     generator = torch.Generator().manual_seed(3)
@@ -370,15 +418,23 @@ def test_masked_garbage_and_empty_sequences_do_not_produce_nan(aggregation):
     batch["token_mask"][1, 2:] = 0
     batch["sample_mask"][:] = 1
     batch["sample_mask"][2] = 0
-    cfg = ClippedPGLossConfig(aggregation=aggregation, use_importance_sampling_correction=True,
-                              reference_kl_coef=0.1, dual_clip_c=3.0)
+    cfg = ClippedPGLossConfig(
+        aggregation=aggregation,
+        use_importance_sampling_correction=True,
+        reference_kl_coef=0.1,
+        dual_clip_c=3.0,
+    )
     clean_loss, clean_metrics, clean_grad_BS = run_loss(cfg, logp_BS, batch)
 
     invalid_BS = (batch["token_mask"] * batch["sample_mask"][:, None]) == 0
     dirty_logp_BS = logp_BS.masked_fill(invalid_BS, float("nan"))
     dirty = dict(batch)
-    for key, fill in [("prev_logprobs", float("-inf")), ("generation_logprobs", float("inf")),
-                      ("reference_policy_logprobs", 1e6), ("advantages", float("nan"))]:
+    for key, fill in [
+        ("prev_logprobs", float("-inf")),
+        ("generation_logprobs", float("inf")),
+        ("reference_policy_logprobs", 1e6),
+        ("advantages", float("nan")),
+    ]:
         dirty[key] = batch[key].masked_fill(invalid_BS, fill)
     loss, metrics, grad_BS = run_loss(cfg, dirty_logp_BS, dirty)
 
@@ -411,16 +467,23 @@ def test_bfloat16_logprobs_compute_in_float32():
 
 
 def test_count_valid():
-    batch = {"token_mask": torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 1], [1, 1, 1]]),
-             "sample_mask": torch.tensor([1, 1, 1, 0])}
+    batch = {
+        "token_mask": torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 1], [1, 1, 1]]),
+        "sample_mask": torch.tensor([1, 1, 1, 0]),
+    }
     assert count_valid(batch) == (4, 2)
 
 
 def test_required_batch_keys():
     assert ClippedPGLossFn(ClippedPGLossConfig()).required_batch_keys == (
-        "prev_logprobs", "advantages", "token_mask", "sample_mask")
-    keys = ClippedPGLossFn(ClippedPGLossConfig(use_importance_sampling_correction=True,
-                                               reference_kl_coef=0.1)).required_batch_keys
+        "prev_logprobs",
+        "advantages",
+        "token_mask",
+        "sample_mask",
+    )
+    keys = ClippedPGLossFn(
+        ClippedPGLossConfig(use_importance_sampling_correction=True, reference_kl_coef=0.1)
+    ).required_batch_keys
     assert "generation_logprobs" in keys and "reference_policy_logprobs" in keys
 
 
@@ -428,34 +491,65 @@ def test_required_batch_keys():
 # 4. Config validation and input errors.
 # ---------------------------------------------------------------------------------------------
 
+
 def test_defaults():
     cfg = from_dict(ClippedPGLossConfig, {}, "loss_fn")
-    assert cfg == ClippedPGLossConfig(ratio_clip_low=0.2, ratio_clip_high=0.2, dual_clip_c=None,
-                                      reference_kl_coef=0.0, kl_estimator="k3",
-                                      use_importance_sampling_correction=False,
-                                      importance_sampling_cap=2.0, aggregation="token")
+    assert cfg == ClippedPGLossConfig(
+        ratio_clip_low=0.2,
+        ratio_clip_high=0.2,
+        dual_clip_c=None,
+        reference_kl_coef=0.0,
+        kl_estimator="k3",
+        use_importance_sampling_correction=False,
+        importance_sampling_cap=2.0,
+        aggregation="token",
+    )
 
 
-@pytest.mark.parametrize("key, value", [
-    ("ratio_clip_low", 0.0), ("ratio_clip_low", 1.0), ("ratio_clip_low", -0.1),
-    ("ratio_clip_low", "0.2"), ("ratio_clip_low", float("nan")), ("ratio_clip_low", True),
-    ("ratio_clip_high", 0.0), ("ratio_clip_high", -0.2), ("ratio_clip_high", float("inf")),
-    ("dual_clip_c", 1.0), ("dual_clip_c", 0.5), ("dual_clip_c", "3"),
-    ("reference_kl_coef", -0.01), ("reference_kl_coef", None),
-    ("kl_estimator", "k4"), ("kl_estimator", "K3"),
-    ("use_importance_sampling_correction", "yes"), ("use_importance_sampling_correction", 1),
-    ("importance_sampling_cap", 0.99), ("importance_sampling_cap", float("inf")),
-    ("aggregation", "tokens"), ("aggregation", "seq-mean-token-mean"),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("ratio_clip_low", 0.0),
+        ("ratio_clip_low", 1.0),
+        ("ratio_clip_low", -0.1),
+        ("ratio_clip_low", "0.2"),
+        ("ratio_clip_low", float("nan")),
+        ("ratio_clip_low", True),
+        ("ratio_clip_high", 0.0),
+        ("ratio_clip_high", -0.2),
+        ("ratio_clip_high", float("inf")),
+        ("dual_clip_c", 1.0),
+        ("dual_clip_c", 0.5),
+        ("dual_clip_c", "3"),
+        ("reference_kl_coef", -0.01),
+        ("reference_kl_coef", None),
+        ("kl_estimator", "k4"),
+        ("kl_estimator", "K3"),
+        ("use_importance_sampling_correction", "yes"),
+        ("use_importance_sampling_correction", 1),
+        ("importance_sampling_cap", 0.99),
+        ("importance_sampling_cap", float("inf")),
+        ("aggregation", "tokens"),
+        ("aggregation", "seq-mean-token-mean"),
+    ],
+)
 def test_config_rejects_bad_values_naming_the_key(key, value):
     with pytest.raises(ValueError, match=rf"^loss_fn\.{key}: must "):
         from_dict(ClippedPGLossConfig, {key: value}, "loss_fn")
 
 
 def test_config_accepts_edge_values():
-    cfg = from_dict(ClippedPGLossConfig, {"ratio_clip_high": 5, "dual_clip_c": 1.01,
-                                          "importance_sampling_cap": 1, "kl_estimator": "k1",
-                                          "aggregation": "sequence"}, "loss_fn")
+    cfg = from_dict(
+        ClippedPGLossConfig,
+        {
+            "ratio_clip_high": 5,
+            "dual_clip_c": 1.01,
+            "importance_sampling_cap": 1,
+            "kl_estimator": "k1",
+            "aggregation": "sequence",
+        },
+        "loss_fn",
+    )
     assert cfg.importance_sampling_cap == 1 and cfg.dual_clip_c == 1.01
 
 
@@ -469,14 +563,17 @@ def _valid_inputs():
     return random_batch(generator, 2, 3)
 
 
-@pytest.mark.parametrize("key, cfg", [
-    ("prev_logprobs", ClippedPGLossConfig()),
-    ("advantages", ClippedPGLossConfig()),
-    ("token_mask", ClippedPGLossConfig()),
-    ("sample_mask", ClippedPGLossConfig()),
-    ("generation_logprobs", ClippedPGLossConfig(use_importance_sampling_correction=True)),
-    ("reference_policy_logprobs", ClippedPGLossConfig(reference_kl_coef=0.1)),
-])
+@pytest.mark.parametrize(
+    "key, cfg",
+    [
+        ("prev_logprobs", ClippedPGLossConfig()),
+        ("advantages", ClippedPGLossConfig()),
+        ("token_mask", ClippedPGLossConfig()),
+        ("sample_mask", ClippedPGLossConfig()),
+        ("generation_logprobs", ClippedPGLossConfig(use_importance_sampling_correction=True)),
+        ("reference_policy_logprobs", ClippedPGLossConfig(reference_kl_coef=0.1)),
+    ],
+)
 def test_missing_key_is_named(key, cfg):
     logp_BS, batch = _valid_inputs()
     del batch[key]
@@ -491,10 +588,16 @@ def test_keys_not_needed_by_the_config_may_be_absent():
     assert "reference_kl" not in metrics and "is_weight_mean" not in metrics
 
 
-@pytest.mark.parametrize("key, shape", [
-    ("prev_logprobs", (2, 4)), ("advantages", (2,)), ("token_mask", (3, 3)),
-    ("sample_mask", (2, 3)), ("reference_policy_logprobs", (2, 2)),
-])
+@pytest.mark.parametrize(
+    "key, shape",
+    [
+        ("prev_logprobs", (2, 4)),
+        ("advantages", (2,)),
+        ("token_mask", (3, 3)),
+        ("sample_mask", (2, 3)),
+        ("reference_policy_logprobs", (2, 2)),
+    ],
+)
 def test_shape_mismatch_is_named(key, shape):
     logp_BS, batch = _valid_inputs()
     batch[key] = torch.zeros(shape, dtype=F64)

@@ -31,8 +31,11 @@ from typing import Any
 
 import torch
 
-from dockyard_rl.algorithms.advantages import (AdvantageConfig, broadcast_to_tokens,
-                                               compute_advantages)
+from dockyard_rl.algorithms.advantages import (
+    AdvantageConfig,
+    broadcast_to_tokens,
+    compute_advantages,
+)
 from dockyard_rl.data.patch_formats import git_file_reader, parse_model_output
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
@@ -47,8 +50,8 @@ class Rollout:
 
     instances: list[SweInstance]
     num_samples: int
-    samples: list[GenerationSample]          # B = G * N, sample i of prompt i // N
-    result: EnvironmentResult                # rewards_B, sample_mask_B, metadata, metrics
+    samples: list[GenerationSample]  # B = G * N, sample i of prompt i // N
+    result: EnvironmentResult  # rewards_B, sample_mask_B, metadata, metrics
     generate_seconds: float = 0.0
     score_seconds: float = 0.0
 
@@ -70,10 +73,8 @@ class Rollout:
         return {
             "reward_mean": float(self.rewards_B[valid].sum()) / num_valid,
             "resolve_rate": sum(bool(m.get("resolved")) for m in meta) / len(meta),
-            "apply_rate": (sum(m.get("apply_failure") is False for m in submitted)
-                           / len(meta)),
-            "parse_failure_rate": sum(m.get("parse_failure") is not None for m in meta)
-            / len(meta),
+            "apply_rate": (sum(m.get("apply_failure") is False for m in submitted) / len(meta)),
+            "parse_failure_rate": sum(m.get("parse_failure") is not None for m in meta) / len(meta),
             "integrity_violations": float(sum(bool(m.get("integrity_violation")) for m in meta)),
             "infra_errors": float(sum(m.get("infra_error") is not None for m in meta)),
             "response_length_mean": float(lengths.mean()) if len(lengths) else 0.0,
@@ -92,8 +93,15 @@ class RolloutRunner:
         max_response_tokens: the generation's max_tokens (the length stage's reference).
     """
 
-    def __init__(self, generation, environment, processor, *, max_response_tokens: int,
-                 thinking_required: bool = False):
+    def __init__(
+        self,
+        generation,
+        environment,
+        processor,
+        *,
+        max_response_tokens: int,
+        thinking_required: bool = False,
+    ):
         self.generation = generation
         self.environment = environment
         self.processor = processor
@@ -104,9 +112,13 @@ class RolloutRunner:
     def with_generation(self, generation) -> RolloutRunner:
         """A runner like this one that samples from `generation` instead (async GRPO's collector
         actor gets one over an engine client: `GenerationInterface.client()`)."""
-        return RolloutRunner(generation, self.environment, self.processor,
-                             max_response_tokens=self.max_response_tokens,
-                             thinking_required=self.thinking_required)
+        return RolloutRunner(
+            generation,
+            self.environment,
+            self.processor,
+            max_response_tokens=self.max_response_tokens,
+            thinking_required=self.thinking_required,
+        )
 
     def prompt(self, instance: SweInstance):
         if instance.instance_id not in self._prompts:
@@ -114,14 +126,22 @@ class RolloutRunner:
             self._prompts[instance.instance_id] = (self.processor(instance, read_file), read_file)
         return self._prompts[instance.instance_id]
 
-    async def run(self, instances: Sequence[SweInstance], *, num_samples: int, global_step: int,
-                  sampling_overrides: Mapping[str, Any] | None = None) -> Rollout:
+    async def run(
+        self,
+        instances: Sequence[SweInstance],
+        *,
+        num_samples: int,
+        global_step: int,
+        sampling_overrides: Mapping[str, Any] | None = None,
+    ) -> Rollout:
         start = time.monotonic()
         prompts = [self.prompt(instance) for instance in instances]
         samples: list[GenerationSample | None] = [None] * (len(instances) * num_samples)
         async for sample in self.generation.generate(
-                [prompt.token_ids for prompt, _ in prompts], num_samples,
-                sampling_overrides=sampling_overrides):
+            [prompt.token_ids for prompt, _ in prompts],
+            num_samples,
+            sampling_overrides=sampling_overrides,
+        ):
             samples[sample.prompt_index * num_samples + sample.sample_index] = sample
         assert all(s is not None for s in samples), "the engine returned fewer samples"
         generated = time.monotonic()
@@ -129,32 +149,42 @@ class RolloutRunner:
         for index, sample in enumerate(samples):
             instance = instances[index // num_samples]
             prompt, read_file = prompts[index // num_samples]
-            parsed = parse_model_output(sample.response_text, prompt.patch_format, read_file,
-                                        prompt.files_shown)
-            rollouts.append(SweRollout(
-                instance=instance.to_task_spec(""),
-                patch=parsed.patch,
-                invalid_reason=None if parsed.valid else parsed.invalid_reason.value,
-                response_text=sample.response_text,
-                response_length=len(sample.response_token_ids),
-                max_response_length=self.max_response_tokens,
-                thinking_required=self.thinking_required))
+            parsed = parse_model_output(
+                sample.response_text, prompt.patch_format, read_file, prompt.files_shown
+            )
+            rollouts.append(
+                SweRollout(
+                    instance=instance.to_task_spec(""),
+                    patch=parsed.patch,
+                    invalid_reason=None if parsed.valid else parsed.invalid_reason.value,
+                    response_text=sample.response_text,
+                    response_length=len(sample.response_token_ids),
+                    max_response_length=self.max_response_tokens,
+                    thinking_required=self.thinking_required,
+                )
+            )
         result = await self.environment.step(rollouts, global_step=global_step)
-        return Rollout(list(instances), num_samples, samples, result,
-                       generate_seconds=generated - start,
-                       score_seconds=time.monotonic() - generated)
+        return Rollout(
+            list(instances),
+            num_samples,
+            samples,
+            result,
+            generate_seconds=generated - start,
+            score_seconds=time.monotonic() - generated,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchStats:
     num_groups: int
-    num_dropped_groups: int       # every sample masked: not trained on
-    num_samples: int              # in the batch
-    num_masked_samples: int       # in the batch with sample_mask 0
+    num_dropped_groups: int  # every sample masked: not trained on
+    num_samples: int  # in the batch
+    num_masked_samples: int  # in the batch with sample_mask 0
 
 
-def build_train_batch(rollout: Rollout, advantage_cfg: AdvantageConfig,
-                      pad_token_id: int = 0) -> tuple[BatchedDataDict | None, BatchStats]:
+def build_train_batch(
+    rollout: Rollout, advantage_cfg: AdvantageConfig, pad_token_id: int = 0
+) -> tuple[BatchedDataDict | None, BatchStats]:
     """The training batch of `rollout` (module docstring); None when every group was dropped.
 
     Keys: input_ids (B, S) int64, input_lengths (B,), token_mask (B, S) float (1 on response
@@ -166,9 +196,12 @@ def build_train_batch(rollout: Rollout, advantage_cfg: AdvantageConfig,
     num_groups = len(rollout.instances)
     mask_GN = rollout.sample_mask_B.view(num_groups, n)
     kept_groups = [g for g in range(num_groups) if bool(mask_GN[g].any())]
-    stats = BatchStats(num_groups=num_groups, num_dropped_groups=num_groups - len(kept_groups),
-                       num_samples=len(kept_groups) * n,
-                       num_masked_samples=int((mask_GN[kept_groups] == 0).sum()))
+    stats = BatchStats(
+        num_groups=num_groups,
+        num_dropped_groups=num_groups - len(kept_groups),
+        num_samples=len(kept_groups) * n,
+        num_masked_samples=int((mask_GN[kept_groups] == 0).sum()),
+    )
     if not kept_groups:
         return None, stats
     keep = [g * n + i for g in kept_groups for i in range(n)]
@@ -176,8 +209,9 @@ def build_train_batch(rollout: Rollout, advantage_cfg: AdvantageConfig,
     rewards_B = rollout.rewards_B[keep]
     sample_mask_B = rollout.sample_mask_B[keep]
     advantages_B = compute_advantages(rewards_B, n, advantage_cfg, sample_mask_B.bool())
-    batch = pack_sequences([(s.prompt_token_ids, s.response_token_ids) for s in samples],
-                           pad_token_id)
+    batch = pack_sequences(
+        [(s.prompt_token_ids, s.response_token_ids) for s in samples], pad_token_id
+    )
     token_mask_BS = batch["token_mask"]
     generation_logprobs_BS = torch.zeros_like(token_mask_BS)
     for b, sample in enumerate(samples):
@@ -191,8 +225,9 @@ def build_train_batch(rollout: Rollout, advantage_cfg: AdvantageConfig,
     return batch, stats
 
 
-def pack_sequences(pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
-                   pad_token_id: int) -> BatchedDataDict:
+def pack_sequences(
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_token_id: int
+) -> BatchedDataDict:
     """(prompt ids, response ids) pairs as the policy's (B, S) layout: input_ids (prompt +
     response, right-padded with `pad_token_id`), input_lengths (B,), token_mask (1 on the
     response tokens)."""
@@ -200,10 +235,11 @@ def pack_sequences(pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
     input_ids_BS = torch.full((len(pairs), max(lengths)), pad_token_id, dtype=torch.int64)
     token_mask_BS = torch.zeros(len(pairs), max(lengths))
     for b, (prompt, response) in enumerate(pairs):
-        input_ids_BS[b, :lengths[b]] = torch.tensor(list(prompt) + list(response))
-        token_mask_BS[b, len(prompt):lengths[b]] = 1.0
-    return BatchedDataDict(input_ids=input_ids_BS, input_lengths=torch.tensor(lengths),
-                           token_mask=token_mask_BS)
+        input_ids_BS[b, : lengths[b]] = torch.tensor(list(prompt) + list(response))
+        token_mask_BS[b, len(prompt) : lengths[b]] = 1.0
+    return BatchedDataDict(
+        input_ids=input_ids_BS, input_lengths=torch.tensor(lengths), token_mask=token_mask_BS
+    )
 
 
 def pad_to_dp_multiple(batch: BatchedDataDict, multiple: int) -> BatchedDataDict:

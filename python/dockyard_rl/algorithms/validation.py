@@ -11,18 +11,30 @@ parse_failure_rate, integrity_violations, response_length_mean. The caller logs 
 
 from __future__ import annotations
 
-VALIDATION_KEYS = ("resolve_rate", "reward_mean", "apply_rate", "parse_failure_rate",
-                   "integrity_violations", "response_length_mean")
+VALIDATION_KEYS = (
+    "resolve_rate",
+    "reward_mean",
+    "apply_rate",
+    "parse_failure_rate",
+    "integrity_violations",
+    "response_length_mean",
+)
 
 
 def validate(run, loop) -> dict[str, float]:
     config = run.config.grpo
-    instances = run.validation[:config.val_num_prompts] if config.val_num_prompts \
-        else list(run.validation)
+    instances = (
+        run.validation[: config.val_num_prompts] if config.val_num_prompts else list(run.validation)
+    )
     # Validation tasks are other instances than training ones, so their executor task ids
     # (prefix, step, index, instance) never collide with the step's training samples.
-    rollout = loop.run_until_complete(run.runner.run(
-        instances, num_samples=1, global_step=run.step,
-        sampling_overrides={"temperature": config.val_temperature}))
+    rollout = loop.run_until_complete(
+        run.runner.run(
+            instances,
+            num_samples=1,
+            global_step=run.step,
+            sampling_overrides={"temperature": config.val_temperature},
+        )
+    )
     metrics = rollout.metrics()
     return {key: metrics[key] for key in VALIDATION_KEYS}

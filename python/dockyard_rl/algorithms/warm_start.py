@@ -56,26 +56,35 @@ class WarmStartConfig:
     """YAML section `warm_start` (module docstring)."""
 
     train_path: str | None = None  # required: tasks whose gold answers are the examples
-    dataset: str = "jsonl"         # loader registry name, as data.dataset
-    num_epochs: int = 2            # passes over the examples
-    batch_size: int = 4            # examples per optimizer step
-    seed: int = 0                  # the order of the examples in each epoch
+    dataset: str = "jsonl"  # loader registry name, as data.dataset
+    num_epochs: int = 2  # passes over the examples
+    batch_size: int = 4  # examples per optimizer step
+    seed: int = 0  # the order of the examples in each epoch
     # Tasks to synthesize into train_path's folder when train_path is missing (the same shape
     # as the recipe's `synthesis` section, data/synthesis/task_synthesis.py); null = train_path
     # must exist.
     synthesis: TaskSynthesisConfig | None = None
 
     def __post_init__(self):
-        require(isinstance(self.train_path, str) and bool(self.train_path.strip()), "train_path",
-                "is required: a task file (e.g. a tasks.jsonl of synthesize_swe_tasks) whose "
-                "gold patches are the examples; it must not share repositories with data")
-        require(self.dataset in datasets.dataset_names(), "dataset",
-                f"unknown dataset loader {self.dataset!r}; valid: "
-                f"{', '.join(datasets.dataset_names())}")
+        require(
+            isinstance(self.train_path, str) and bool(self.train_path.strip()),
+            "train_path",
+            "is required: a task file (e.g. a tasks.jsonl of synthesize_swe_tasks) whose "
+            "gold patches are the examples; it must not share repositories with data",
+        )
+        require(
+            self.dataset in datasets.dataset_names(),
+            "dataset",
+            f"unknown dataset loader {self.dataset!r}; valid: "
+            f"{', '.join(datasets.dataset_names())}",
+        )
         for key, minimum in (("num_epochs", 1), ("batch_size", 1), ("seed", 0)):
             value = getattr(self, key)
-            require(is_int(value) and value >= minimum, key,
-                    f"must be an integer >= {minimum}, got {value!r}")
+            require(
+                is_int(value) and value >= minimum,
+                key,
+                f"must be an integer >= {minimum}, got {value!r}",
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,15 +94,17 @@ class WarmStartExample:
     answer_token_ids: tuple[int, ...]  # ends with the end-of-sequence token
 
 
-def warm_start_examples(instances: Sequence[SweInstance], processor
-                        ) -> tuple[list[WarmStartExample], int]:
+def warm_start_examples(
+    instances: Sequence[SweInstance], processor
+) -> tuple[list[WarmStartExample], int]:
     """(examples, number of tasks skipped because the format cannot express their gold patch),
     prompted by the loop's `processor` and tokenized with its tokenizer. The caller checks that
     the instances share no repository with the GRPO data (grpo_setup does, at start-up)."""
     tokenizer = processor.tokenizer
     if tokenizer.eos_token_id is None:
-        raise ValueError("warm_start: the tokenizer has no end-of-sequence token to end the "
-                         "answers with")
+        raise ValueError(
+            "warm_start: the tokenizer has no end-of-sequence token to end the answers with"
+        )
     examples, skipped = [], 0
     for instance in instances:
         read_file = git_file_reader(instance.repo, instance.base_commit)
@@ -105,16 +116,22 @@ def warm_start_examples(instances: Sequence[SweInstance], processor
             skipped += 1
             continue
         answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
-        examples.append(WarmStartExample(instance.instance_id, tuple(prompt.token_ids),
-                                         tuple(answer_ids) + (tokenizer.eos_token_id,)))
+        examples.append(
+            WarmStartExample(
+                instance.instance_id,
+                tuple(prompt.token_ids),
+                tuple(answer_ids) + (tokenizer.eos_token_id,),
+            )
+        )
     return examples, skipped
 
 
 def examples_batch(examples: Sequence[WarmStartExample], pad_token_id: int) -> BatchedDataDict:
     """The (B, S) batch the policy trains on: prompt + answer, right-padded; token_mask is 1 on
     the answer tokens (the layout of a GRPO batch, rollouts.pack_sequences)."""
-    batch = pack_sequences([(e.prompt_token_ids, e.answer_token_ids) for e in examples],
-                           pad_token_id)
+    batch = pack_sequences(
+        [(e.prompt_token_ids, e.answer_token_ids) for e in examples], pad_token_id
+    )
     batch["sample_mask"] = torch.ones(len(examples))
     return batch
 
@@ -129,27 +146,41 @@ class SupervisedLossFn:
 
     required_batch_keys = ("token_mask", "sample_mask")
 
-    def __call__(self, logprobs_BS: torch.Tensor, batch: Mapping[str, Any],
-                 global_num_valid_tokens, global_num_valid_sequences
-                 ) -> tuple[torch.Tensor, dict[str, float]]:
+    def __call__(
+        self,
+        logprobs_BS: torch.Tensor,
+        batch: Mapping[str, Any],
+        global_num_valid_tokens,
+        global_num_valid_sequences,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         valid_BS = (batch["token_mask"] > 0) & (batch["sample_mask"] > 0)[:, None]
         valid_BS = valid_BS.to(logprobs_BS.device)
         logp_BS = logprobs_BS.to(torch.promote_types(logprobs_BS.dtype, torch.float32))
         # where, not multiply: padding positions may hold -inf.
         loss = -torch.where(valid_BS, logp_BS, 0.0).sum() / max(float(global_num_valid_tokens), 1.0)
-        return loss, {"loss": float(loss.detach()),
-                      "num_valid_tokens": float(valid_BS.sum()),
-                      "num_valid_sequences": float(valid_BS.any(dim=1).sum())}
+        return loss, {
+            "loss": float(loss.detach()),
+            "num_valid_tokens": float(valid_BS.sum()),
+            "num_valid_sequences": float(valid_BS.any(dim=1).sum()),
+        }
 
 
-def run_warm_start(policy, examples: Sequence[WarmStartExample], config: WarmStartConfig,
-                   pad_token_id: int, *, dp_size: int = 1) -> list[dict[str, float]]:
+def run_warm_start(
+    policy,
+    examples: Sequence[WarmStartExample],
+    config: WarmStartConfig,
+    pad_token_id: int,
+    *,
+    dp_size: int = 1,
+) -> list[dict[str, float]]:
     """Trains `policy` on the examples (module docstring); returns one metrics dict per epoch
     (`nll_per_token` over the epoch, `steps`). A batch is padded to a multiple of `dp_size`
     with masked copies (rollouts.pad_to_dp_multiple)."""
     if not examples:
-        raise ValueError("warm_start.train_path: no task's gold patch can be written in the "
-                         "run's output format (data.prompt.patch_format); nothing to train on")
+        raise ValueError(
+            "warm_start.train_path: no task's gold patch can be written in the "
+            "run's output format (data.prompt.patch_format); nothing to train on"
+        )
     loss_fn = SupervisedLossFn()
     order = list(examples)
     rng = random.Random(config.seed)
@@ -159,17 +190,29 @@ def run_warm_start(policy, examples: Sequence[WarmStartExample], config: WarmSta
         nll_sum, num_tokens, steps = 0.0, 0.0, 0
         for start in range(0, len(order), config.batch_size):
             batch = pad_to_dp_multiple(
-                examples_batch(order[start:start + config.batch_size], pad_token_id), dp_size)
+                examples_batch(order[start : start + config.batch_size], pad_token_id), dp_size
+            )
             metrics = policy.train(batch, loss_fn)
             # The loss is the batch's mean NLL per token; the token count makes it a sum again.
             nll_sum += metrics["loss"] * metrics["num_valid_tokens"]
             num_tokens += metrics["num_valid_tokens"]
             steps += 1
         history.append({"nll_per_token": nll_sum / max(num_tokens, 1), "steps": float(steps)})
-        logger.info("warm start epoch %d/%d: nll per token %.3f over %d steps", epoch + 1,
-                    config.num_epochs, history[-1]["nll_per_token"], steps)
+        logger.info(
+            "warm start epoch %d/%d: nll per token %.3f over %d steps",
+            epoch + 1,
+            config.num_epochs,
+            history[-1]["nll_per_token"],
+            steps,
+        )
     return history
 
 
-__all__ = ["SupervisedLossFn", "WarmStartConfig", "WarmStartExample", "examples_batch",
-           "run_warm_start", "warm_start_examples"]
+__all__ = [
+    "SupervisedLossFn",
+    "WarmStartConfig",
+    "WarmStartExample",
+    "examples_batch",
+    "run_warm_start",
+    "warm_start_examples",
+]

@@ -19,8 +19,9 @@ from dockyard_rl.cluster.testing import fleet_cluster
 
 @pytest.fixture(scope="module")
 def cluster():
-    with fleet_cluster([("trainer", 1), ("trainer", 1), ("inference", 2),
-                        ("sandbox", 1, {"sandbox_slot": 2})]) as fleet:
+    with fleet_cluster(
+        [("trainer", 1), ("trainer", 1), ("inference", 2), ("sandbox", 1, {"sandbox_slot": 2})]
+    ) as fleet:
         fleet.connect()
         yield fleet
 
@@ -30,14 +31,18 @@ def _nodes_of(group) -> list[str]:
     return [table["bundles_to_node_id"][i] for i in range(len(table["bundles"]))]
 
 
-@pytest.mark.parametrize("environ, message", [
-    ({}, "DOCKYARD_FLEET_ROLE is not set"),
-    ({"DOCKYARD_FLEET_ROLE": "learner"}, "DOCKYARD_FLEET_ROLE is 'learner'"),
-])
-def test_a_missing_or_unknown_role_is_an_error_naming_the_variable_and_the_roles(environ,
-                                                                                 message):
-    for call in (lambda: bootstrap.fleet_role(environ),
-                 lambda: bootstrap.init_ray(ClusterConfig(), environ=dict(environ))):
+@pytest.mark.parametrize(
+    "environ, message",
+    [
+        ({}, "DOCKYARD_FLEET_ROLE is not set"),
+        ({"DOCKYARD_FLEET_ROLE": "learner"}, "DOCKYARD_FLEET_ROLE is 'learner'"),
+    ],
+)
+def test_a_missing_or_unknown_role_is_an_error_naming_the_variable_and_the_roles(environ, message):
+    for call in (
+        lambda: bootstrap.fleet_role(environ),
+        lambda: bootstrap.init_ray(ClusterConfig(), environ=dict(environ)),
+    ):
         with pytest.raises(ValueError, match=message) as error:
             call()
         assert "driver, trainer, inference, sandbox" in str(error.value)
@@ -102,16 +107,26 @@ def test_an_unplaceable_fleet_fails_within_its_timeout_naming_role_and_shortfall
 
 def test_a_resource_no_node_of_the_role_has_is_named(cluster):
     with pytest.raises(bootstrap.PlacementTimeoutError) as error:
-        bootstrap.place_fleet("inference", [{"sandbox_slot": 1}], cluster.config(
-            placement_timeout_s=1))
+        bootstrap.place_fleet(
+            "inference", [{"sandbox_slot": 1}], cluster.config(placement_timeout_s=1)
+        )
     assert "Missing: {sandbox_slot: 1}" in str(error.value)
     assert "(inference): has {sandbox_slot: 0}" in str(error.value)
 
 
 def test_nccl_settings_reach_the_fleets_actors_as_runtime_env(cluster):
-    config = cluster.config(fleets={"trainer": {"nccl_env": {
-        "socket_ifname": "lo", "ib_disable": True, "debug": "WARN",
-        "extra": {"NCCL_P2P_LEVEL": "NVL"}}}})
+    config = cluster.config(
+        fleets={
+            "trainer": {
+                "nccl_env": {
+                    "socket_ifname": "lo",
+                    "ib_disable": True,
+                    "debug": "WARN",
+                    "extra": {"NCCL_P2P_LEVEL": "NVL"},
+                }
+            }
+        }
+    )
     runtime_env = bootstrap.fleet_runtime_env("trainer", config, {"MY_FLAG": "1"})
     group = bootstrap.place_fleet("trainer", [{"CPU": 1}], config)
     try:
@@ -121,16 +136,26 @@ def test_nccl_settings_reach_the_fleets_actors_as_runtime_env(cluster):
         def environment():
             import dockyard_rl.cluster.bootstrap  # noqa: F401  (PYTHONPATH carries the project)
 
-            return {k: v for k, v in os.environ.items()
-                    if k.startswith(("NCCL_", "DOCKYARD_", "MY_"))}
+            return {
+                k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "DOCKYARD_", "MY_"))
+            }
 
-        seen = ray.get(environment.options(
-            runtime_env=runtime_env,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group)).remote(), timeout=120)
+        seen = ray.get(
+            environment.options(
+                runtime_env=runtime_env, scheduling_strategy=PlacementGroupSchedulingStrategy(group)
+            ).remote(),
+            timeout=120,
+        )
     finally:
         remove_placement_group(group)
-    assert seen == {"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1", "NCCL_DEBUG": "WARN",
-                    "NCCL_P2P_LEVEL": "NVL", "DOCKYARD_FLEET_ROLE": "trainer", "MY_FLAG": "1"}
+    assert seen == {
+        "NCCL_SOCKET_IFNAME": "lo",
+        "NCCL_IB_DISABLE": "1",
+        "NCCL_DEBUG": "WARN",
+        "NCCL_P2P_LEVEL": "NVL",
+        "DOCKYARD_FLEET_ROLE": "trainer",
+        "MY_FLAG": "1",
+    }
     with pytest.raises(ValueError, match=r"cluster.fleets.trainer.nccl_env, not from call"):
         bootstrap.fleet_runtime_env("trainer", config, {"NCCL_DEBUG": "INFO"})
 
@@ -155,12 +180,19 @@ def test_the_local_cluster_plays_every_role(tmp_path):
             print("placed", role)
         context.shutdown()
         """)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("RAY_") or k == "RAY_TMPDIR"}
-    env.update(DOCKYARD_FLEET_ROLE="driver", HOME=str(tmp_path),
-               PYTHONPATH=os.pathsep.join(sys.path))
-    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, text=True,
-                            capture_output=True, timeout=180, check=False)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k == "RAY_TMPDIR"}
+    env.update(
+        DOCKYARD_FLEET_ROLE="driver", HOME=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path)
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=tmp_path,
+        text=True,
+        capture_output=True,
+        timeout=180,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "label all 127.0.0.1" in result.stdout
     for role in ("trainer", "inference", "sandbox"):

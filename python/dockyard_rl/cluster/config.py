@@ -61,15 +61,18 @@ _RAY_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 def parse_address(value: str, key: str) -> tuple[str, int]:
     """("host", port) from "HOST:PORT"; ValueError naming `key` otherwise."""
     host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
-    require(bool(sep) and bool(host) and port.isdigit() and 0 < int(port) < 65536, key,
-            f"must be \"HOST:PORT\" (the head's GCS address, e.g. \"10.0.0.1:6379\"), "
-            f"got {value!r}")
+    require(
+        bool(sep) and bool(host) and port.isdigit() and 0 < int(port) < 65536,
+        key,
+        f'must be "HOST:PORT" (the head\'s GCS address, e.g. "10.0.0.1:6379"), got {value!r}',
+    )
     return host, int(port)
 
 
 @dataclasses.dataclass(frozen=True)
 class NodeConfig:
     """Resources of the Ray node this process starts (a local cluster, or a node joining one)."""
+
     ip_address: str | None = None
     num_cpus: int | None = None
     num_gpus: int | None = None
@@ -82,60 +85,100 @@ class NodeConfig:
             try:
                 ipaddress.ip_address(self.ip_address)
             except ValueError:
-                require(False, "ip_address", f"must be an IP address such as \"127.0.0.1\" or "
-                        f"null (detect), got {self.ip_address!r}")
+                require(
+                    False,
+                    "ip_address",
+                    f'must be an IP address such as "127.0.0.1" or '
+                    f"null (detect), got {self.ip_address!r}",
+                )
         for key in ("num_cpus", "num_gpus"):
             value = getattr(self, key)
-            require(value is None or (is_int(value) and value >= 0), key,
-                    f"must be an int >= 0 or null (Ray detects), got {value!r}")
+            require(
+                value is None or (is_int(value) and value >= 0),
+                key,
+                f"must be an int >= 0 or null (Ray detects), got {value!r}",
+            )
         if self.memory is not None:
             object.__setattr__(self, "memory", parse_byte_size(self.memory, "memory"))
-        require(isinstance(self.resources, Mapping), "resources",
-                f"must be a mapping of resource name to amount, got {self.resources!r}")
+        require(
+            isinstance(self.resources, Mapping),
+            "resources",
+            f"must be a mapping of resource name to amount, got {self.resources!r}",
+        )
         for name, amount in self.resources.items():
-            require(isinstance(name, str) and bool(_RESOURCE_NAME.fullmatch(name))
-                    and name not in _RAY_RESOURCES, f"resources.{name}",
-                    f"custom resource names are identifiers other than {_RAY_RESOURCES} "
-                    "(set those with num_cpus / num_gpus / memory)")
-            require(is_number(amount) and amount >= 0, f"resources.{name}",
-                    f"must be a number >= 0, got {amount!r}")
+            require(
+                isinstance(name, str)
+                and bool(_RESOURCE_NAME.fullmatch(name))
+                and name not in _RAY_RESOURCES,
+                f"resources.{name}",
+                f"custom resource names are identifiers other than {_RAY_RESOURCES} "
+                "(set those with num_cpus / num_gpus / memory)",
+            )
+            require(
+                is_number(amount) and amount >= 0,
+                f"resources.{name}",
+                f"must be a number >= 0, got {amount!r}",
+            )
         object.__setattr__(self, "resources", dict(self.resources))
 
 
 @dataclasses.dataclass(frozen=True)
 class NcclEnvConfig:
     """NCCL settings of one fleet's actors; null leaves NCCL's own default (variable unset)."""
-    socket_ifname: str | None = None        # NCCL_SOCKET_IFNAME, e.g. "eth0" or "^lo,docker"
-    ib_hca: str | None = None               # NCCL_IB_HCA, e.g. "mlx5_0,mlx5_1"
-    ib_disable: bool | None = None          # NCCL_IB_DISABLE (true: sockets instead of IB)
-    ib_timeout: int | None = None           # NCCL_IB_TIMEOUT: 4.096 us * 2**value per IB retry
+
+    socket_ifname: str | None = None  # NCCL_SOCKET_IFNAME, e.g. "eth0" or "^lo,docker"
+    ib_hca: str | None = None  # NCCL_IB_HCA, e.g. "mlx5_0,mlx5_1"
+    ib_disable: bool | None = None  # NCCL_IB_DISABLE (true: sockets instead of IB)
+    ib_timeout: int | None = None  # NCCL_IB_TIMEOUT: 4.096 us * 2**value per IB retry
     heartbeat_timeout_s: int | None = None  # TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (hung collective)
-    debug: str | None = None                # NCCL_DEBUG
+    debug: str | None = None  # NCCL_DEBUG
     extra: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in ("socket_ifname", "ib_hca"):
             value = getattr(self, key)
-            require(value is None or (isinstance(value, str) and value.strip() != ""), key,
-                    f"must be a non-empty string or null, got {value!r}")
-        require(self.ib_disable is None or isinstance(self.ib_disable, bool), "ib_disable",
-                f"must be true, false or null, got {self.ib_disable!r}")
-        require(self.ib_timeout is None or (is_int(self.ib_timeout)
-                                            and 1 <= self.ib_timeout <= 31), "ib_timeout",
-                f"must be an int in [1, 31] (an exponent) or null, got {self.ib_timeout!r}")
-        require(self.heartbeat_timeout_s is None or (is_int(self.heartbeat_timeout_s)
-                                                     and self.heartbeat_timeout_s > 0),
-                "heartbeat_timeout_s", f"must be an int > 0 or null, got "
-                f"{self.heartbeat_timeout_s!r}")
-        require(self.debug is None or self.debug in NCCL_DEBUG_LEVELS, "debug",
-                f"must be one of {', '.join(NCCL_DEBUG_LEVELS)} or null, got {self.debug!r}")
-        require(isinstance(self.extra, Mapping), "extra",
-                f"must be a mapping of variable name to value, got {self.extra!r}")
+            require(
+                value is None or (isinstance(value, str) and value.strip() != ""),
+                key,
+                f"must be a non-empty string or null, got {value!r}",
+            )
+        require(
+            self.ib_disable is None or isinstance(self.ib_disable, bool),
+            "ib_disable",
+            f"must be true, false or null, got {self.ib_disable!r}",
+        )
+        require(
+            self.ib_timeout is None or (is_int(self.ib_timeout) and 1 <= self.ib_timeout <= 31),
+            "ib_timeout",
+            f"must be an int in [1, 31] (an exponent) or null, got {self.ib_timeout!r}",
+        )
+        require(
+            self.heartbeat_timeout_s is None
+            or (is_int(self.heartbeat_timeout_s) and self.heartbeat_timeout_s > 0),
+            "heartbeat_timeout_s",
+            f"must be an int > 0 or null, got {self.heartbeat_timeout_s!r}",
+        )
+        require(
+            self.debug is None or self.debug in NCCL_DEBUG_LEVELS,
+            "debug",
+            f"must be one of {', '.join(NCCL_DEBUG_LEVELS)} or null, got {self.debug!r}",
+        )
+        require(
+            isinstance(self.extra, Mapping),
+            "extra",
+            f"must be a mapping of variable name to value, got {self.extra!r}",
+        )
         for name, value in self.extra.items():
-            require(isinstance(name, str) and name.startswith(_NCCL_PREFIXES), f"extra.{name}",
-                    f"only variables starting with {' or '.join(_NCCL_PREFIXES)} belong here")
-            require(isinstance(value, (str, int)) and not isinstance(value, bool),
-                    f"extra.{name}", f"must be a string or an int, got {value!r}")
+            require(
+                isinstance(name, str) and name.startswith(_NCCL_PREFIXES),
+                f"extra.{name}",
+                f"only variables starting with {' or '.join(_NCCL_PREFIXES)} belong here",
+            )
+            require(
+                isinstance(value, (str, int)) and not isinstance(value, bool),
+                f"extra.{name}",
+                f"must be a string or an int, got {value!r}",
+            )
         object.__setattr__(self, "extra", {k: str(v) for k, v in self.extra.items()})
         clashes = sorted(set(self.extra) & set(self._named_env_vars()))
         require(not clashes, "extra", f"{clashes} are also set by their own keys; keep one")
@@ -150,8 +193,9 @@ class NcclEnvConfig:
             "NCCL_IB_HCA": self.ib_hca,
             "NCCL_IB_DISABLE": None if self.ib_disable is None else str(int(self.ib_disable)),
             "NCCL_IB_TIMEOUT": None if self.ib_timeout is None else str(self.ib_timeout),
-            "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": (None if self.heartbeat_timeout_s is None
-                                                 else str(self.heartbeat_timeout_s)),
+            "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": (
+                None if self.heartbeat_timeout_s is None else str(self.heartbeat_timeout_s)
+            ),
             "NCCL_DEBUG": self.debug,
         }
         return {name: value for name, value in named.items() if value is not None}
@@ -160,21 +204,29 @@ class NcclEnvConfig:
 @dataclasses.dataclass(frozen=True)
 class FleetConfig:
     """Placement and environment of one fleet (trainer and sandbox use these defaults)."""
+
     strategy: str = "SPREAD"
     # How often one rank of a worker group may be re-created after it died.
     max_worker_restarts: int = 2
     nccl_env: NcclEnvConfig = dataclasses.field(default_factory=NcclEnvConfig)
 
     def __post_init__(self) -> None:
-        require(self.strategy in STRATEGIES, "strategy",
-                f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
-        require(is_int(self.max_worker_restarts) and self.max_worker_restarts >= 0,
-                "max_worker_restarts", f"must be an int >= 0, got {self.max_worker_restarts!r}")
+        require(
+            self.strategy in STRATEGIES,
+            "strategy",
+            f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}",
+        )
+        require(
+            is_int(self.max_worker_restarts) and self.max_worker_restarts >= 0,
+            "max_worker_restarts",
+            f"must be an int >= 0, got {self.max_worker_restarts!r}",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class InferenceFleetConfig(FleetConfig):
     """The inference fleet: PACK keeps one engine's tensor-parallel ranks on one node."""
+
     strategy: str = "PACK"
 
 
@@ -202,14 +254,29 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.address is not None:
             parse_address(self.address, "address")
-        require(is_number(self.placement_timeout_s) and self.placement_timeout_s > 0,
-                "placement_timeout_s", f"must be a number of seconds > 0, got "
-                f"{self.placement_timeout_s!r}")
+        require(
+            is_number(self.placement_timeout_s) and self.placement_timeout_s > 0,
+            "placement_timeout_s",
+            f"must be a number of seconds > 0, got {self.placement_timeout_s!r}",
+        )
         for key, cls in (("node", NodeConfig), ("fleets", FleetsConfig)):
-            require(isinstance(getattr(self, key), cls), key,
-                    f"must be a mapping (see dockyard_rl.cluster.config), got "
-                    f"{getattr(self, key)!r}")
+            require(
+                isinstance(getattr(self, key), cls),
+                key,
+                f"must be a mapping (see dockyard_rl.cluster.config), got {getattr(self, key)!r}",
+            )
 
 
-__all__ = ["ClusterConfig", "FLEET_ROLES", "FleetConfig", "FleetsConfig", "InferenceFleetConfig",
-           "NcclEnvConfig", "NodeConfig", "ROLES", "ROLE_ENV", "STRATEGIES", "parse_address"]
+__all__ = [
+    "ClusterConfig",
+    "FLEET_ROLES",
+    "FleetConfig",
+    "FleetsConfig",
+    "InferenceFleetConfig",
+    "NcclEnvConfig",
+    "NodeConfig",
+    "ROLES",
+    "ROLE_ENV",
+    "STRATEGIES",
+    "parse_address",
+]

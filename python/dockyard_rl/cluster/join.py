@@ -34,18 +34,27 @@ from dockyard_rl.utils.config import from_dict
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="join", description="Start a Ray node labelled with DOCKYARD_FLEET_ROLE and block.")
+        prog="join", description="Start a Ray node labelled with DOCKYARD_FLEET_ROLE and block."
+    )
     parser.add_argument("--head", action="store_true", help="start the head of a new cluster")
     parser.add_argument("--address", help="HOST:PORT of the head to join (default: RAY_ADDRESS)")
-    parser.add_argument("--port", type=int, default=DEFAULT_HEAD_PORT,
-                        help="GCS port of a head (default %(default)s)")
-    parser.add_argument("--node-ip-address", help="this node's IP (default: 127.0.0.1 for a "
-                        "head or a loopback cluster, else Ray's detection)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_HEAD_PORT,
+        help="GCS port of a head (default %(default)s)",
+    )
+    parser.add_argument(
+        "--node-ip-address",
+        help="this node's IP (default: 127.0.0.1 for a "
+        "head or a loopback cluster, else Ray's detection)",
+    )
     parser.add_argument("--num-cpus", type=int)
     parser.add_argument("--num-gpus", type=int)
     parser.add_argument("--memory", help='bytes or a size such as "64GiB"')
-    parser.add_argument("--resources", default="{}",
-                        help='custom resources as JSON, e.g. \'{"sandbox_slot": 8}\'')
+    parser.add_argument(
+        "--resources", default="{}", help="custom resources as JSON, e.g. '{\"sandbox_slot\": 8}'"
+    )
     parser.add_argument("--temp-dir", help="Ray's session directory (default Ray's)")
     return parser
 
@@ -54,11 +63,17 @@ def _config(args: argparse.Namespace) -> ClusterConfig:
     try:
         resources = json.loads(args.resources)
     except json.JSONDecodeError as error:
-        raise ValueError(f"--resources: not JSON ({error}), e.g. '{{\"sandbox_slot\": 8}}'") \
-            from None
+        raise ValueError(
+            f"--resources: not JSON ({error}), e.g. '{{\"sandbox_slot\": 8}}'"
+        ) from None
     memory = int(args.memory) if args.memory and args.memory.isdigit() else args.memory
-    node = {"ip_address": args.node_ip_address, "num_cpus": args.num_cpus,
-            "num_gpus": args.num_gpus, "memory": memory, "resources": resources}
+    node = {
+        "ip_address": args.node_ip_address,
+        "num_cpus": args.num_cpus,
+        "num_gpus": args.num_gpus,
+        "memory": memory,
+        "resources": resources,
+    }
     return from_dict(ClusterConfig, {"address": args.address, "node": node}, "cluster")
 
 
@@ -69,11 +84,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.address is None and not args.head:
             args.address = os.environ.get("RAY_ADDRESS") or None
         if (args.address is None) != args.head:
-            raise ValueError("pass --address HOST:PORT (or set RAY_ADDRESS) to join a cluster, "
-                             "or --head to start one; not both")
+            raise ValueError(
+                "pass --address HOST:PORT (or set RAY_ADDRESS) to join a cluster, "
+                "or --head to start one; not both"
+            )
         config = _config(args)
-        node = start_node(config, role, address=config.address, head=args.head, port=args.port,
-                          temp_dir=args.temp_dir)
+        node = start_node(
+            config,
+            role,
+            address=config.address,
+            head=args.head,
+            port=args.port,
+            temp_dir=args.temp_dir,
+        )
     except ValueError as error:
         print(f"join: {error}", file=sys.stderr)
         return 2
@@ -83,14 +106,19 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     kind = "head" if args.head else "node"
-    print(f"join: {role} {kind} {node.node_id} at {node.ip_address} in cluster {node.address}",
-          flush=True)
+    print(
+        f"join: {role} {kind} {node.node_id} at {node.ip_address} in cluster {node.address}",
+        flush=True,
+    )
     status = 0
     while not stop.wait(1.0):
         dead = node.dead_processes()
         if dead:
-            print(f"join: Ray processes of this node exited: {', '.join(dead)}; stopping",
-                  file=sys.stderr, flush=True)
+            print(
+                f"join: Ray processes of this node exited: {', '.join(dead)}; stopping",
+                file=sys.stderr,
+                flush=True,
+            )
             status = 1
             break
     node.stop()

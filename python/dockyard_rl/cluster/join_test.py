@@ -31,8 +31,11 @@ _DRIVER = textwrap.dedent("""
 def env():
     temp_dir = tempfile.mkdtemp(prefix="dyj", dir="/tmp")  # short: Ray's socket paths
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "DOCKYARD_"))}
-    env.update(PYTHONPATH=os.pathsep.join(sys.path), RAY_TMPDIR=temp_dir,
-               RAY_AUTH_TOKEN=secrets.token_hex(32))
+    env.update(
+        PYTHONPATH=os.pathsep.join(sys.path),
+        RAY_TMPDIR=temp_dir,
+        RAY_AUTH_TOKEN=secrets.token_hex(32),
+    )
     yield env
     shutil.rmtree(temp_dir, ignore_errors=True)
 
@@ -49,19 +52,24 @@ class _Join:
     def __init__(self, env, role, *args):
         self.process = subprocess.Popen(
             [sys.executable, "-m", "dockyard_rl.cluster.join", *args],
-            env={**env, "DOCKYARD_FLEET_ROLE": role}, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True)
+            env={**env, "DOCKYARD_FLEET_ROLE": role},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self._lines = queue.Queue()
-        threading.Thread(target=lambda: [self._lines.put(line) for line in self.process.stdout],
-                         daemon=True).start()
+        threading.Thread(
+            target=lambda: [self._lines.put(line) for line in self.process.stdout], daemon=True
+        ).start()
 
     def wait_started(self, timeout=120) -> str:
         try:
             return self._lines.get(timeout=timeout)
         except queue.Empty:
             self.process.kill()
-            raise AssertionError(f"join did not start: {self.process.stderr.read()[-2000:]}") \
-                from None
+            raise AssertionError(
+                f"join did not start: {self.process.stderr.read()[-2000:]}"
+            ) from None
 
     def stop(self) -> int:
         self.process.send_signal(signal.SIGTERM)
@@ -74,14 +82,27 @@ def test_a_node_joins_a_head_with_its_label_and_both_stop_cleanly(env):
     node = None
     try:
         assert head.wait_started().startswith("join: inference head ")
-        node = _Join(env, "sandbox", "--address", f"127.0.0.1:{port}", "--num-cpus", "1",
-                     "--resources", '{"sandbox_slot": 2}')
+        node = _Join(
+            env,
+            "sandbox",
+            "--address",
+            f"127.0.0.1:{port}",
+            "--num-cpus",
+            "1",
+            "--resources",
+            '{"sandbox_slot": 2}',
+        )
         started = node.wait_started()
         assert started.startswith("join: sandbox node ") and "at 127.0.0.1" in started
         node_id = started.split()[3]
-        seen = subprocess.run([sys.executable, "-c", _DRIVER, f"127.0.0.1:{port}"],
-                              env={**env, "DOCKYARD_FLEET_ROLE": "driver"}, text=True,
-                              capture_output=True, timeout=120, check=False)
+        seen = subprocess.run(
+            [sys.executable, "-c", _DRIVER, f"127.0.0.1:{port}"],
+            env={**env, "DOCKYARD_FLEET_ROLE": "driver"},
+            text=True,
+            capture_output=True,
+            timeout=120,
+            check=False,
+        )
         assert seen.returncode == 0, seen.stderr[-3000:]
         nodes = {label: (nid, ip, res) for label, nid, ip, res in json.loads(seen.stdout)}
         assert set(nodes) == {"inference", "sandbox"}
@@ -97,26 +118,40 @@ def test_a_node_joins_a_head_with_its_label_and_both_stop_cleanly(env):
                 process.process.kill()
 
 
-@pytest.mark.parametrize("role, args, message", [
-    (None, ["--head"], "DOCKYARD_FLEET_ROLE is not set"),
-    ("trainer", [], "pass --address HOST:PORT (or set RAY_ADDRESS)"),
-    ("trainer", ["--address", "127.0.0.1"], "cluster.address: must be \"HOST:PORT\""),
-    ("trainer", ["--address", "127.0.0.1:1", "--num-cpus", "-2"], "cluster.node.num_cpus"),
-    ("trainer", ["--address", "127.0.0.1:1", "--resources", "slot"], "--resources: not JSON"),
-])
+@pytest.mark.parametrize(
+    "role, args, message",
+    [
+        (None, ["--head"], "DOCKYARD_FLEET_ROLE is not set"),
+        ("trainer", [], "pass --address HOST:PORT (or set RAY_ADDRESS)"),
+        ("trainer", ["--address", "127.0.0.1"], 'cluster.address: must be "HOST:PORT"'),
+        ("trainer", ["--address", "127.0.0.1:1", "--num-cpus", "-2"], "cluster.node.num_cpus"),
+        ("trainer", ["--address", "127.0.0.1:1", "--resources", "slot"], "--resources: not JSON"),
+    ],
+)
 def test_bad_input_exits_2_with_the_problem_named(env, role, args, message):
     if role is not None:
         env = {**env, "DOCKYARD_FLEET_ROLE": role}
-    result = subprocess.run([sys.executable, "-m", "dockyard_rl.cluster.join", *args], env=env,
-                            text=True, capture_output=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "dockyard_rl.cluster.join", *args],
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
 
 
 def test_joining_without_the_clusters_token_is_an_error(env, tmp_path):
     env = {k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN"}
     env.update(HOME=str(tmp_path), DOCKYARD_FLEET_ROLE="trainer")
-    result = subprocess.run([sys.executable, "-m", "dockyard_rl.cluster.join", "--address",
-                             "127.0.0.1:1"], env=env, text=True, capture_output=True, timeout=60,
-                            check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "dockyard_rl.cluster.join", "--address", "127.0.0.1:1"],
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 2
     assert "needs the cluster's Ray token: set RAY_AUTH_TOKEN" in result.stderr

@@ -74,12 +74,15 @@ def ensure_ray_auth_token(environ: MutableMapping[str, str] = os.environ) -> str
         try:
             holds_token = bool(path.read_text().strip())
         except OSError as error:
-            raise ValueError(f"{AUTH_TOKEN_PATH}={path}: cannot read the Ray token ({error}); "
-                             f"point it at a file holding the cluster's token, or unset it") \
-                from None
+            raise ValueError(
+                f"{AUTH_TOKEN_PATH}={path}: cannot read the Ray token ({error}); "
+                f"point it at a file holding the cluster's token, or unset it"
+            ) from None
         if not holds_token:
-            raise ValueError(f"{AUTH_TOKEN_PATH}={path}: the file is empty; write the cluster's "
-                             f"token into it (`ray get-auth-token`), or unset it")
+            raise ValueError(
+                f"{AUTH_TOKEN_PATH}={path}: the file is empty; write the cluster's "
+                f"token into it (`ray get-auth-token`), or unset it"
+            )
         return AUTH_TOKEN_PATH
     try:
         if default_token_path().read_text().strip():
@@ -123,5 +126,6 @@ def init_local_ray(**init_kwargs) -> None:
     ensure_ray_auth_token()
     init_kwargs.setdefault("labels", {FLEET_LABEL: EVERY_ROLE})
     with loopback_resolution():
-        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-                 **init_kwargs)
+        ray.init(
+            address="local", _node_ip_address="127.0.0.1", include_dashboard=False, **init_kwargs
+        )

@@ -25,8 +25,10 @@ def test_token_sources_in_order(home, tmp_path):
     assert local_ray.ensure_ray_auth_token({"RAY_AUTH_TOKEN": "abc"}) == "RAY_AUTH_TOKEN"
     token_file = tmp_path / "token"
     token_file.write_text("abc\n")
-    assert local_ray.ensure_ray_auth_token(
-        {"RAY_AUTH_TOKEN_PATH": str(token_file)}) == "RAY_AUTH_TOKEN_PATH"
+    assert (
+        local_ray.ensure_ray_auth_token({"RAY_AUTH_TOKEN_PATH": str(token_file)})
+        == "RAY_AUTH_TOKEN_PATH"
+    )
     environ = {}
     assert local_ray.ensure_ray_auth_token(environ) == "generated"
     assert len(environ["RAY_AUTH_TOKEN"]) == 64 and list(home.iterdir()) == []
@@ -37,8 +39,7 @@ def test_token_sources_in_order(home, tmp_path):
 
 
 @pytest.mark.parametrize("content, message", [(None, "cannot read"), ("", "empty")])
-def test_a_token_path_without_a_token_is_an_error_naming_the_variable(tmp_path, content,
-                                                                      message):
+def test_a_token_path_without_a_token_is_an_error_naming_the_variable(tmp_path, content, message):
     path = tmp_path / "token"
     if content is not None:
         path.write_text(content)
@@ -53,8 +54,11 @@ def test_ray_starts_with_token_auth_and_writes_nothing_to_home(tmp_path, writabl
     home = tmp_path / "fresh-home" if writable_home else pathlib.Path("/proc/dockyard-no-home")
     if writable_home:
         home.mkdir()
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith("RAY_") and key != "HOME"}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith("RAY_") and key != "HOME"
+    }
     env["HOME"] = str(home)
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     script = (
@@ -65,9 +69,17 @@ def test_ray_starts_with_token_auth_and_writes_nothing_to_home(tmp_path, writabl
         "print('answer', ray.get(ray.remote(lambda: 41 + 1).remote()))\n"
         "print('mode', os.environ.get('RAY_AUTH_MODE'), 'token',\n"
         "      len(os.environ.get('RAY_AUTH_TOKEN', '')))\n"
-        "ray.shutdown()\n")
-    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300, check=False)
+        "ray.shutdown()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "answer 42" in result.stdout
     assert "mode token token 64" in result.stdout, result.stdout  # token auth stayed on

@@ -41,8 +41,9 @@ DEFAULT_HEAD_PORT = 6379
 @dataclasses.dataclass
 class RayNode:
     """A Ray node (raylet and, for a head, the GCS) started by this process."""
+
     role: str
-    address: str        # the cluster's GCS address, HOST:PORT
+    address: str  # the cluster's GCS address, HOST:PORT
     node_id: str
     ip_address: str
     head: bool
@@ -66,21 +67,31 @@ def require_shared_token(what: str, environ: MutableMapping[str, str] = os.envir
     if ensure_ray_auth_token(probe) == "disabled":
         return
     if probe != dict(environ):  # ensure_ray_auth_token made up a token: nobody else has it
-        raise ValueError(f"{what} needs the cluster's Ray token: set RAY_AUTH_TOKEN or "
-                         "RAY_AUTH_TOKEN_PATH, or write it to ~/.ray/auth_token, on every node "
-                         "(`ray get-auth-token --generate` makes one); or RAY_AUTH_MODE=disabled")
+        raise ValueError(
+            f"{what} needs the cluster's Ray token: set RAY_AUTH_TOKEN or "
+            "RAY_AUTH_TOKEN_PATH, or write it to ~/.ray/auth_token, on every node "
+            "(`ray get-auth-token --generate` makes one); or RAY_AUTH_MODE=disabled"
+        )
     if environ.get(AUTH_MODE) is None:
-        from ray._private.authentication.authentication_token_setup import \
-            maybe_enable_token_auth_if_token_available
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
 
         # Sets RAY_AUTH_MODE=token and refreshes Ray's cached config in this process.
         maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
-def start_ray_node(node_cfg: NodeConfig, role: str, labels: Mapping[str, str], *,
-                   address: str | None = None, head: bool = False,
-                   port: int = DEFAULT_HEAD_PORT, temp_dir: str | None = None,
-                   environ: MutableMapping[str, str] = os.environ) -> RayNode:
+def start_ray_node(
+    node_cfg: NodeConfig,
+    role: str,
+    labels: Mapping[str, str],
+    *,
+    address: str | None = None,
+    head: bool = False,
+    port: int = DEFAULT_HEAD_PORT,
+    temp_dir: str | None = None,
+    environ: MutableMapping[str, str] = os.environ,
+) -> RayNode:
     """Starts a node with `labels` and `node_cfg`'s resources (module docstring): joining
     `address`, or with `head=True` a head whose GCS listens on `port`. ValueError for a bad
     address, both or neither of address / head, or no shared token."""
@@ -88,8 +99,9 @@ def start_ray_node(node_cfg: NodeConfig, role: str, labels: Mapping[str, str], *
     from ray._private.parameter import RayParams
 
     if head == (address is not None):
-        raise ValueError("start a node with address= to join a cluster, or head=True to start "
-                         "one, not both")
+        raise ValueError(
+            "start a node with address= to join a cluster, or head=True to start one, not both"
+        )
     if head:
         require_shared_token("a head node that other nodes join", environ)
         ip_address = node_cfg.ip_address or "127.0.0.1"
@@ -102,15 +114,28 @@ def start_ray_node(node_cfg: NodeConfig, role: str, labels: Mapping[str, str], *
 
             ip_address = get_node_ip_address(address)
     params = RayParams(
-        gcs_address=address, node_ip_address=ip_address, num_cpus=node_cfg.num_cpus,
-        num_gpus=node_cfg.num_gpus, memory=node_cfg.memory,
-        resources=dict(node_cfg.resources), labels=dict(labels), temp_dir=temp_dir,
-        include_dashboard=False, dashboard_agent_listen_port=None,
-        gcs_server_port=port if head else None)
+        gcs_address=address,
+        node_ip_address=ip_address,
+        num_cpus=node_cfg.num_cpus,
+        num_gpus=node_cfg.num_gpus,
+        memory=node_cfg.memory,
+        resources=dict(node_cfg.resources),
+        labels=dict(labels),
+        temp_dir=temp_dir,
+        include_dashboard=False,
+        dashboard_agent_listen_port=None,
+        gcs_server_port=port if head else None,
+    )
     with loopback_resolution(ip_address):
         node = Node(params, head=head, shutdown_at_exit=True, spawn_reaper=True)
-    return RayNode(role=role, address=node.gcs_address, node_id=node.node_id,
-                   ip_address=node.node_ip_address, head=head, _node=node)
+    return RayNode(
+        role=role,
+        address=node.gcs_address,
+        node_id=node.node_id,
+        ip_address=node.node_ip_address,
+        head=head,
+        _node=node,
+    )
 
 
 __all__ = ["DEFAULT_HEAD_PORT", "RayNode", "require_shared_token", "start_ray_node"]

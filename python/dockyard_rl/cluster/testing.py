@@ -53,8 +53,12 @@ class FleetCluster:
 
     def add_node(self, role: str, num_cpus: int, resources: Mapping[str, float] | None = None):
         with loopback_resolution():
-            node = self.cluster.add_node(num_cpus=num_cpus, node_ip_address="127.0.0.1",
-                                         labels=node_labels(role), resources=dict(resources or {}))
+            node = self.cluster.add_node(
+                num_cpus=num_cpus,
+                node_ip_address="127.0.0.1",
+                labels=node_labels(role),
+                resources=dict(resources or {}),
+            )
         self.nodes.setdefault(role, []).append(node.node_id)
         return node
 
@@ -68,17 +72,24 @@ def fleet_cluster(specs: Sequence[NodeSpec]) -> Iterator[FleetCluster]:
     saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_AUTH_TOKEN", "RAY_AUTH_MODE")}
     # Short: Ray's Unix socket paths live under it (108-byte limit).
     temp_dir = tempfile.mkdtemp(prefix="dyc", dir="/tmp")
-    os.environ.update(RAY_TMPDIR=temp_dir, RAY_AUTH_TOKEN=secrets.token_hex(32),
-                      RAY_AUTH_MODE="token")
+    os.environ.update(
+        RAY_TMPDIR=temp_dir, RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_AUTH_MODE="token"
+    )
     from ray._raylet import Config
 
     Config.initialize("")  # Ray caches its auth mode; let this process see token mode
     cluster = None
     try:
         with loopback_resolution():
-            cluster = Cluster(initialize_head=True, head_node_args=dict(
-                num_cpus=0, node_ip_address="127.0.0.1", include_dashboard=False,
-                labels=node_labels("driver")))
+            cluster = Cluster(
+                initialize_head=True,
+                head_node_args=dict(
+                    num_cpus=0,
+                    node_ip_address="127.0.0.1",
+                    include_dashboard=False,
+                    labels=node_labels("driver"),
+                ),
+            )
         fleet = FleetCluster(cluster, {"driver": [cluster.head_node.node_id]})
         for role, num_cpus, *resources in specs:
             fleet.add_node(role, num_cpus, resources[0] if resources else None)

@@ -30,50 +30,78 @@ from dockyard_rl.utils.config import is_int, require
 class DataConfig:
     """Config section `data` (module docstring)."""
 
-    dataset: str = "jsonl"                 # loader registry name (datasets.dataset_names())
-    train_path: str | None = None          # required: file, glob or directory for the loader
-    validation_path: str | None = None     # a separate validation set (same loader)...
-    validation_fraction: float = 0.0       # ...or this share split off by repository (0 = none)
+    dataset: str = "jsonl"  # loader registry name (datasets.dataset_names())
+    train_path: str | None = None  # required: file, glob or directory for the loader
+    validation_path: str | None = None  # a separate validation set (same loader)...
+    validation_fraction: float = 0.0  # ...or this share split off by repository (0 = none)
     min_validation_repos: int = 1
     shuffle: bool = True
     seed: int = 0
     max_train_instances: int | None = None  # null = all
-    processor: str = "swe_single_shot"     # prompt processor registry name
+    processor: str = "swe_single_shot"  # prompt processor registry name
     prompt: PromptConfig = dataclasses.field(default_factory=PromptConfig)
 
     def __post_init__(self) -> None:
-        require(self.dataset in datasets.dataset_names(), "dataset",
-                f"unknown dataset loader {self.dataset!r}; valid: "
-                f"{', '.join(datasets.dataset_names())} (register others with "
-                f"datasets.register_dataset)")
-        require(isinstance(self.train_path, str) and bool(self.train_path.strip()), "train_path",
-                "is required: the file, glob or directory of the training instances (e.g. the "
-                "tasks.jsonl written by synthesize_swe_tasks)")
-        require(self.validation_path is None
-                or (isinstance(self.validation_path, str) and bool(self.validation_path.strip())),
-                "validation_path", f"must be a path or null, got {self.validation_path!r}")
-        require(isinstance(self.validation_fraction, (int, float))
-                and not isinstance(self.validation_fraction, bool)
-                and 0.0 <= self.validation_fraction < 1.0, "validation_fraction",
-                f"must be in [0, 1), got {self.validation_fraction!r}")
-        require(self.validation_path is None or self.validation_fraction == 0.0,
-                "validation_fraction", "must be 0 when validation_path is set (use one source "
-                                       "of validation instances)")
+        require(
+            self.dataset in datasets.dataset_names(),
+            "dataset",
+            f"unknown dataset loader {self.dataset!r}; valid: "
+            f"{', '.join(datasets.dataset_names())} (register others with "
+            f"datasets.register_dataset)",
+        )
+        require(
+            isinstance(self.train_path, str) and bool(self.train_path.strip()),
+            "train_path",
+            "is required: the file, glob or directory of the training instances (e.g. the "
+            "tasks.jsonl written by synthesize_swe_tasks)",
+        )
+        require(
+            self.validation_path is None
+            or (isinstance(self.validation_path, str) and bool(self.validation_path.strip())),
+            "validation_path",
+            f"must be a path or null, got {self.validation_path!r}",
+        )
+        require(
+            isinstance(self.validation_fraction, (int, float))
+            and not isinstance(self.validation_fraction, bool)
+            and 0.0 <= self.validation_fraction < 1.0,
+            "validation_fraction",
+            f"must be in [0, 1), got {self.validation_fraction!r}",
+        )
+        require(
+            self.validation_path is None or self.validation_fraction == 0.0,
+            "validation_fraction",
+            "must be 0 when validation_path is set (use one source of validation instances)",
+        )
         for name in ("min_validation_repos", "seed"):
             value = getattr(self, name)
-            require(is_int(value) and value >= (1 if name == "min_validation_repos" else 0), name,
-                    f"must be an integer >= {1 if name == 'min_validation_repos' else 0}, "
-                    f"got {value!r}")
-        require(isinstance(self.shuffle, bool), "shuffle",
-                f"must be true or false, got {self.shuffle!r}")
-        require(self.max_train_instances is None
-                or (isinstance(self.max_train_instances, int)
-                    and not isinstance(self.max_train_instances, bool)
-                    and self.max_train_instances >= 1), "max_train_instances",
-                f"must be an integer >= 1 or null (= all), got {self.max_train_instances!r}")
-        require(self.processor in datasets.processor_names(), "processor",
-                f"unknown prompt processor {self.processor!r}; valid: "
-                f"{', '.join(datasets.processor_names())}")
+            require(
+                is_int(value) and value >= (1 if name == "min_validation_repos" else 0),
+                name,
+                f"must be an integer >= {1 if name == 'min_validation_repos' else 0}, "
+                f"got {value!r}",
+            )
+        require(
+            isinstance(self.shuffle, bool),
+            "shuffle",
+            f"must be true or false, got {self.shuffle!r}",
+        )
+        require(
+            self.max_train_instances is None
+            or (
+                isinstance(self.max_train_instances, int)
+                and not isinstance(self.max_train_instances, bool)
+                and self.max_train_instances >= 1
+            ),
+            "max_train_instances",
+            f"must be an integer >= 1 or null (= all), got {self.max_train_instances!r}",
+        )
+        require(
+            self.processor in datasets.processor_names(),
+            "processor",
+            f"unknown prompt processor {self.processor!r}; valid: "
+            f"{', '.join(datasets.processor_names())}",
+        )
 
 
 def load_train_validation(cfg: DataConfig) -> tuple[list[SweInstance], list[SweInstance]]:
@@ -88,17 +116,22 @@ def load_train_validation(cfg: DataConfig) -> tuple[list[SweInstance], list[SweI
         validation = loader(cfg.validation_path)
         shared = sorted({i.repo for i in train} & {i.repo for i in validation})
         if shared:
-            raise ValueError(f"data.validation_path: repositories {shared[:5]} appear in both the "
-                             f"training and the validation set; validation must hold out whole "
-                             f"repositories")
+            raise ValueError(
+                f"data.validation_path: repositories {shared[:5]} appear in both the "
+                f"training and the validation set; validation must hold out whole "
+                f"repositories"
+            )
     elif cfg.validation_fraction > 0:
         train, validation = datasets.split_by_repo(
-            train, validation_fraction=cfg.validation_fraction, seed=cfg.seed,
-            min_validation_repos=cfg.min_validation_repos)
+            train,
+            validation_fraction=cfg.validation_fraction,
+            seed=cfg.seed,
+            min_validation_repos=cfg.min_validation_repos,
+        )
     else:
         validation = []
     if cfg.shuffle:
         train = datasets.shuffled(train, cfg.seed)
     if cfg.max_train_instances is not None:
-        train = train[:cfg.max_train_instances]
+        train = train[: cfg.max_train_instances]
     return train, validation

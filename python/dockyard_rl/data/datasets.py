@@ -40,9 +40,13 @@ def _check_unique(instances: Sequence[SweInstance], source: str) -> None:
     seen: dict[str, int] = {}
     for index, instance in enumerate(instances):
         if instance.instance_id in seen:
-            raise DatasetError(source, index, "instance_id",
-                               f"duplicate of row {seen[instance.instance_id]} "
-                               f"({instance.instance_id!r}); instance ids must be unique")
+            raise DatasetError(
+                source,
+                index,
+                "instance_id",
+                f"duplicate of row {seen[instance.instance_id]} "
+                f"({instance.instance_id!r}); instance ids must be unique",
+            )
         seen[instance.instance_id] = index
 
 
@@ -61,8 +65,9 @@ def load_jsonl(path: str | os.PathLike) -> list[SweInstance]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
-                raise DatasetError(str(path), line_index, "<row>",
-                                   f"is not valid JSON: {error}") from None
+                raise DatasetError(
+                    str(path), line_index, "<row>", f"is not valid JSON: {error}"
+                ) from None
             instances.append(SweInstance.from_row(row, line_index, str(path)))
     if not instances:
         raise ValueError(f"dataset {str(path)!r} holds no rows")
@@ -73,13 +78,16 @@ def load_jsonl(path: str | os.PathLike) -> list[SweInstance]:
 def _resolve_data_files(path: str) -> list[str]:
     candidate = pathlib.Path(path)
     if candidate.is_dir():
-        files = sorted(str(p) for p in candidate.rglob("*")
-                       if p.is_file() and p.suffix in _HF_BUILDERS)
+        files = sorted(
+            str(p) for p in candidate.rglob("*") if p.is_file() and p.suffix in _HF_BUILDERS
+        )
     else:
         files = sorted(glob.glob(path))
     if not files:
-        raise ValueError(f"dataset path {path!r} matches no data files; give a file, a glob or a "
-                         f"directory holding {', '.join(sorted(_HF_BUILDERS))} files")
+        raise ValueError(
+            f"dataset path {path!r} matches no data files; give a file, a glob or a "
+            f"directory holding {', '.join(sorted(_HF_BUILDERS))} files"
+        )
     return files
 
 
@@ -93,39 +101,45 @@ def _import_datasets() -> Any:
     return datasets
 
 
-def load_hf_local(path: str | os.PathLike, *, builder: str | None = None,
-                  split: str = "train") -> list[SweInstance]:
+def load_hf_local(
+    path: str | os.PathLike, *, builder: str | None = None, split: str = "train"
+) -> list[SweInstance]:
     """Reads local parquet/json/arrow files (a file, a glob or a directory) with the Hugging
     Face `datasets` library, offline. `builder` ("parquet" | "json" | "arrow") defaults to the
     one matching the files' suffix; mixing suffixes needs it set explicitly. A directory written
     by `Dataset.save_to_disk` / `DatasetDict.save_to_disk` (it holds state.json or
     dataset_dict.json) is read with `datasets.load_from_disk`, taking `split` from a DatasetDict."""
     source = str(path)
-    if any((pathlib.Path(path) / name).is_file() for name in ("state.json",
-                                                               "dataset_dict.json")):
+    if any((pathlib.Path(path) / name).is_file() for name in ("state.json", "dataset_dict.json")):
         # A `save_to_disk` directory: arrow files plus metadata JSON, read as a whole.
         datasets = _import_datasets()
         if builder is not None:
-            raise ValueError(f"dataset path {source!r} is a save_to_disk directory; do not pass "
-                             f"builder= for it")
+            raise ValueError(
+                f"dataset path {source!r} is a save_to_disk directory; do not pass builder= for it"
+            )
         table = datasets.load_from_disk(source)
         if isinstance(table, datasets.DatasetDict):
             if split not in table:
-                raise ValueError(f"dataset {source!r} has splits {sorted(table)}, not {split!r}; "
-                                 f"pass split= one of them")
+                raise ValueError(
+                    f"dataset {source!r} has splits {sorted(table)}, not {split!r}; "
+                    f"pass split= one of them"
+                )
             table = table[split]
         return _instances_from_table(table, source)
     files = _resolve_data_files(source)
     if builder is None:
         builders = {_HF_BUILDERS.get(pathlib.Path(f).suffix) for f in files}
         if len(builders) != 1 or None in builders:
-            raise ValueError(f"dataset path {source!r}: cannot pick a builder from suffixes of "
-                             f"{files[:5]}; pass builder= one of "
-                             f"{sorted(set(_HF_BUILDERS.values()))}")
+            raise ValueError(
+                f"dataset path {source!r}: cannot pick a builder from suffixes of "
+                f"{files[:5]}; pass builder= one of "
+                f"{sorted(set(_HF_BUILDERS.values()))}"
+            )
         builder = builders.pop()
     elif builder not in set(_HF_BUILDERS.values()):
-        raise ValueError(f"builder {builder!r} is not supported; valid: "
-                         f"{sorted(set(_HF_BUILDERS.values()))}")
+        raise ValueError(
+            f"builder {builder!r} is not supported; valid: {sorted(set(_HF_BUILDERS.values()))}"
+        )
     datasets = _import_datasets()
     table = datasets.load_dataset(builder, data_files={split: files}, split=split)
     return _instances_from_table(table, source)
@@ -147,8 +161,13 @@ def shuffled(instances: Sequence[SweInstance], seed: int) -> list[SweInstance]:
     return result
 
 
-def split_by_repo(instances: Sequence[SweInstance], *, validation_fraction: float, seed: int,
-                  min_validation_repos: int = 1) -> tuple[list[SweInstance], list[SweInstance]]:
+def split_by_repo(
+    instances: Sequence[SweInstance],
+    *,
+    validation_fraction: float,
+    seed: int,
+    min_validation_repos: int = 1,
+) -> tuple[list[SweInstance], list[SweInstance]]:
     """Splits into (train, validation) so that no repository has instances on both sides.
 
     Repositories (sorted, then seeded-shuffled) go to validation until it holds at least
@@ -165,10 +184,12 @@ def split_by_repo(instances: Sequence[SweInstance], *, validation_fraction: floa
         raise ValueError(f"min_validation_repos must be >= 1, got {min_validation_repos}")
     repos = sorted({instance.repo for instance in instances})
     if len(repos) < min_validation_repos + 1:
-        raise ValueError(f"split by repository needs at least {min_validation_repos + 1} "
-                         f"repositories ({min_validation_repos} for validation, 1 for train); the "
-                         f"dataset has {len(repos)}: {repos[:10]}. Add repositories or disable "
-                         f"the validation split")
+        raise ValueError(
+            f"split by repository needs at least {min_validation_repos + 1} "
+            f"repositories ({min_validation_repos} for validation, 1 for train); the "
+            f"dataset has {len(repos)}: {repos[:10]}. Add repositories or disable "
+            f"the validation split"
+        )
     random.Random(seed).shuffle(repos)
     counts: dict[str, int] = {}
     for instance in instances:
@@ -199,8 +220,9 @@ def _register(table: dict, kind: str, name: str, value: Any, overwrite: bool) ->
     if not callable(value):
         raise ValueError(f"{kind} {name!r}: must be callable, got {type(value).__name__}")
     if name in table and not overwrite and table[name] is not value:
-        raise ValueError(f"{kind} {name!r} is already registered; pick another name or pass "
-                         f"overwrite=True")
+        raise ValueError(
+            f"{kind} {name!r} is already registered; pick another name or pass overwrite=True"
+        )
     table[name] = value
 
 
@@ -223,8 +245,9 @@ def dataset_names() -> list[str]:
     return sorted(_DATASETS)
 
 
-def register_processor(name: str, processor: Callable[..., Any], *,
-                       overwrite: bool = False) -> None:
+def register_processor(
+    name: str, processor: Callable[..., Any], *, overwrite: bool = False
+) -> None:
     """Registers a prompt processor (a callable building prompts; see processors.py)."""
     _register(_PROCESSORS, "prompt processor", name, processor, overwrite)
 

@@ -9,11 +9,20 @@ from dockyard_rl.data.schema import DatasetError, SweInstance
 
 
 def _row(index, repo="octo/calc", **overrides):
-    row = {"instance_id": f"{repo.replace('/', '__')}-{index}", "repo": repo,
-           "base_commit": "abc", "patch": "p", "test_patch": "t",
-           "FAIL_TO_PASS": json.dumps([f"tests/test_x.py::test_{index}"]), "PASS_TO_PASS": "[]",
-           "problem_statement": f"problem {index}", "hints_text": "", "version": "1",
-           "environment_setup_commit": "abc", "created_at": "2025"}
+    row = {
+        "instance_id": f"{repo.replace('/', '__')}-{index}",
+        "repo": repo,
+        "base_commit": "abc",
+        "patch": "p",
+        "test_patch": "t",
+        "FAIL_TO_PASS": json.dumps([f"tests/test_x.py::test_{index}"]),
+        "PASS_TO_PASS": "[]",
+        "problem_statement": f"problem {index}",
+        "hints_text": "",
+        "version": "1",
+        "environment_setup_commit": "abc",
+        "created_at": "2025",
+    }
     row.update(overrides)
     return row
 
@@ -128,8 +137,11 @@ def test_shuffled_is_a_seeded_permutation():
 
 
 @hypothesis.settings(max_examples=60, deadline=None, derandomize=True)
-@hypothesis.given(repo_of=st.lists(st.integers(0, 9), min_size=2, max_size=60),
-                  fraction=st.floats(0.01, 0.99), seed=st.integers(0, 2**31))
+@hypothesis.given(
+    repo_of=st.lists(st.integers(0, 9), min_size=2, max_size=60),
+    fraction=st.floats(0.01, 0.99),
+    seed=st.integers(0, 2**31),
+)
 def test_split_by_repo_never_shares_a_repository(repo_of, fraction, seed):
     instances = [_instance(i, f"org/repo{r}") for i, r in enumerate(repo_of)]
     if len(set(repo_of)) < 2:
@@ -139,37 +151,54 @@ def test_split_by_repo_never_shares_a_repository(repo_of, fraction, seed):
     train, validation = datasets.split_by_repo(instances, validation_fraction=fraction, seed=seed)
     assert train and validation
     assert not {i.repo for i in train} & {i.repo for i in validation}
-    assert sorted(i.instance_id for i in train + validation) == \
-        sorted(i.instance_id for i in instances)
+    assert sorted(i.instance_id for i in train + validation) == sorted(
+        i.instance_id for i in instances
+    )
     # Validation reaches the fraction unless that would leave train empty.
     if len(validation) < fraction * len(instances):
         assert len({i.repo for i in train}) == 1
     # Deterministic for a given seed.
-    assert (train, validation) == datasets.split_by_repo(instances,
-                                                         validation_fraction=fraction, seed=seed)
+    assert (train, validation) == datasets.split_by_repo(
+        instances, validation_fraction=fraction, seed=seed
+    )
     # Order within each side follows the input.
     assert [i.instance_id for i in train] == [i.instance_id for i in instances if i in train]
 
 
 def test_split_by_repo_depends_on_seed_and_validates_arguments():
     instances = [_instance(i, f"org/repo{i % 10}") for i in range(100)]
-    splits = {tuple(sorted({i.repo for i in datasets.split_by_repo(
-        instances, validation_fraction=0.2, seed=seed)[1]})) for seed in range(10)}
+    splits = {
+        tuple(
+            sorted(
+                {
+                    i.repo
+                    for i in datasets.split_by_repo(instances, validation_fraction=0.2, seed=seed)[
+                        1
+                    ]
+                }
+            )
+        )
+        for seed in range(10)
+    }
     assert len(splits) > 1
     _, validation = datasets.split_by_repo(instances, validation_fraction=0.2, seed=0)
     assert len(validation) == 20  # 10 instances per repository: exactly two repositories
     with pytest.raises(ValueError, match=r"validation_fraction must be in \(0, 1\)"):
         datasets.split_by_repo(instances, validation_fraction=1.0, seed=0)
     with pytest.raises(ValueError, match="needs at least 4 repositories"):
-        datasets.split_by_repo(instances[:3], validation_fraction=0.5, seed=0,
-                               min_validation_repos=3)
+        datasets.split_by_repo(
+            instances[:3], validation_fraction=0.5, seed=0, min_validation_repos=3
+        )
 
 
 def test_registries_list_valid_names_on_unknown_or_duplicate_names(tmp_path):
     assert datasets.get_dataset("jsonl") is datasets.load_jsonl
     assert {"jsonl", "hf_local"} <= set(datasets.dataset_names())
-    with pytest.raises(ValueError, match=r"unknown dataset 'swe-gymm'; valid names: .*hf_local, "
-                                         r"jsonl"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown dataset 'swe-gymm'; valid names: .*hf_local, "
+        r"jsonl",
+    ):
         datasets.get_dataset("swe-gymm")
     with pytest.raises(ValueError, match="already registered"):
         datasets.register_dataset("jsonl", lambda path: [])
@@ -183,5 +212,6 @@ def test_registries_list_valid_names_on_unknown_or_duplicate_names(tmp_path):
 
     datasets.register_dataset("first_only", custom)
     path = _write_jsonl(tmp_path / "t.jsonl", [_row(0), _row(1)])
-    assert [i.instance_id for i in datasets.get_dataset("first_only")(str(path))] == \
-        ["octo__calc-0"]
+    assert [i.instance_id for i in datasets.get_dataset("first_only")(str(path))] == [
+        "octo__calc-0"
+    ]

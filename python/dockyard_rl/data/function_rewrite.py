@@ -35,16 +35,23 @@ from collections.abc import Sequence
 import libcst as cst
 import unidiff
 
-from dockyard_rl.data.patch_formats import (InvalidReason, ParsedPatch, ReadFile, file_diff,
-                                            invalid, strip_think)
+from dockyard_rl.data.patch_formats import (
+    InvalidReason,
+    ParsedPatch,
+    ReadFile,
+    file_diff,
+    invalid,
+    strip_think,
+)
 
 # A ```python (or ```py, or bare ```) fence up to its closing fence or the end of the output.
 _PYTHON_BLOCK = re.compile(r"^```(?:python3?|py)?[ \t]*\n(.*?)(?:^```|\Z)", re.S | re.M)
 
+
 @dataclasses.dataclass(frozen=True)
 class _Definition:
     path: str
-    line: int        # of the `def` (decorators start above it)
+    line: int  # of the `def` (decorators start above it)
     end_line: int
 
 
@@ -61,8 +68,7 @@ class _Collect(cst.CSTVisitor):
         # libcst's position of a FunctionDef starts at its `def` line (decorators and leading
         # lines are before it) and ends at its last line.
         position = self.get_metadata(cst.metadata.PositionProvider, node)
-        self.found.setdefault(node.name.value, []).append((position.start.line,
-                                                           position.end.line))
+        self.found.setdefault(node.name.value, []).append((position.start.line, position.end.line))
 
 
 @functools.lru_cache(maxsize=32)
@@ -88,8 +94,9 @@ class _Replace(cst.CSTTransformer):
         self.by_line = by_line
         self.replaced: set[int] = set()
 
-    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef
-                          ) -> cst.FunctionDef:
+    def leave_FunctionDef(
+        self, original: cst.FunctionDef, updated: cst.FunctionDef
+    ) -> cst.FunctionDef:
         line = self.get_metadata(cst.metadata.PositionProvider, original).start.line
         new = self.by_line.get(line)
         if new is None:
@@ -102,36 +109,49 @@ def _blocks(text: str) -> list[str]:
     return [match.group(1) for match in _PYTHON_BLOCK.finditer(text)]
 
 
-def function_rewrite_to_diff(output: str, read_file: ReadFile,
-                             files: Sequence[str]) -> ParsedPatch:
+def function_rewrite_to_diff(output: str, read_file: ReadFile, files: Sequence[str]) -> ParsedPatch:
     """The FUNCTION format (module docstring): `files` are the paths whose functions may be
     rewritten (the prompt's shown files), read at base_commit through `read_file`."""
     thinking, rest, ok = strip_think(output)
     if not ok:
-        return invalid(InvalidReason.UNTERMINATED_THINK,
-                       "<think> was opened and never closed; no answer followed", thinking)
+        return invalid(
+            InvalidReason.UNTERMINATED_THINK,
+            "<think> was opened and never closed; no answer followed",
+            thinking,
+        )
     new_functions: list[tuple[str, cst.FunctionDef]] = []
     for number, block in enumerate(_blocks(rest), start=1):
         try:
             module = cst.parse_module(block)
         except cst.ParserSyntaxError as error:
             first_line = str(error).splitlines()[0] if str(error) else "syntax error"
-            return invalid(InvalidReason.SYNTAX_ERROR, f"code block {number} is not valid "
-                           f"Python: {first_line}", thinking)
-        new_functions += [(statement.name.value, statement) for statement in module.body
-                          if isinstance(statement, cst.FunctionDef)]
+            return invalid(
+                InvalidReason.SYNTAX_ERROR,
+                f"code block {number} is not valid Python: {first_line}",
+                thinking,
+            )
+        new_functions += [
+            (statement.name.value, statement)
+            for statement in module.body
+            if isinstance(statement, cst.FunctionDef)
+        ]
     if not new_functions:
-        return invalid(InvalidReason.NO_PATCH, "no ```python block with a `def` in the output",
-                       thinking)
+        return invalid(
+            InvalidReason.NO_PATCH, "no ```python block with a `def` in the output", thinking
+        )
 
     sources = {path: read_file(path) for path in dict.fromkeys(files)}
-    parsed = {path: tree for path, source in sources.items()
-              if source is not None and (tree := _parse(source)) is not None}
+    parsed = {
+        path: tree
+        for path, source in sources.items()
+        if source is not None and (tree := _parse(source)) is not None
+    }
     index: dict[str, list[_Definition]] = {}
     for path, (_, functions) in parsed.items():
         for name, spans_found in functions.items():
-            index.setdefault(name, []).extend(_Definition(path, line, end)
-                                              for line, end in spans_found)
+            index.setdefault(name, []).extend(
+                _Definition(path, line, end) for line, end in spans_found
+            )
 
     edits: dict[str, dict[int, cst.FunctionDef]] = {}
     spans: dict[str, list[tuple[int, int, str]]] = {}
@@ -139,19 +159,29 @@ def function_rewrite_to_diff(output: str, read_file: ReadFile,
         found = index.get(name, [])
         if not found:
             shown = ", ".join(sources) or "none"
-            return invalid(InvalidReason.UNKNOWN_FUNCTION, f"no function named {name!r} in the "
-                           f"files shown ({shown}); rewrite an existing function under its own "
-                           "name", thinking)
+            return invalid(
+                InvalidReason.UNKNOWN_FUNCTION,
+                f"no function named {name!r} in the "
+                f"files shown ({shown}); rewrite an existing function under its own "
+                "name",
+                thinking,
+            )
         if len(found) > 1:
             where = ", ".join(f"{d.path}:{d.line}" for d in found)
-            return invalid(InvalidReason.AMBIGUOUS_FUNCTION, f"{name!r} is defined "
-                           f"{len(found)} times ({where}); this format cannot choose", thinking)
+            return invalid(
+                InvalidReason.AMBIGUOUS_FUNCTION,
+                f"{name!r} is defined {len(found)} times ({where}); this format cannot choose",
+                thinking,
+            )
         [target] = found
         for start, end, other in spans.get(target.path, []):
             if start <= target.end_line and target.line <= end:
                 what = "twice" if other == name else f"together with {other!r}, which overlaps it"
-                return invalid(InvalidReason.MALFORMED_BLOCK, f"{name!r} is given {what}; "
-                               "give each function once", thinking)
+                return invalid(
+                    InvalidReason.MALFORMED_BLOCK,
+                    f"{name!r} is given {what}; give each function once",
+                    thinking,
+                )
         spans.setdefault(target.path, []).append((target.line, target.end_line, name))
         edits.setdefault(target.path, {})[target.line] = function
 
@@ -164,11 +194,16 @@ def function_rewrite_to_diff(output: str, read_file: ReadFile,
         if new_source != sources[path]:
             changed.append((path, new_source))
     if not changed:
-        return invalid(InvalidReason.NO_CHANGE, "the rewritten functions equal the originals",
-                       thinking)
+        return invalid(
+            InvalidReason.NO_CHANGE, "the rewritten functions equal the originals", thinking
+        )
     patch = "".join(file_diff(path, sources[path], new) for path, new in changed)
-    return ParsedPatch(patch=patch, invalid_reason=None, thinking=thinking,
-                       files=tuple(path for path, _ in changed))
+    return ParsedPatch(
+        patch=patch,
+        invalid_reason=None,
+        thinking=thinking,
+        files=tuple(path for path, _ in changed),
+    )
 
 
 class _OutermostFunctions(cst.CSTVisitor):
@@ -230,8 +265,10 @@ def diff_to_function_rewrite(patch: str, read_file: ReadFile) -> str:
         try:
             wrapper = cst.metadata.MetadataWrapper(cst.parse_module(new))
         except cst.ParserSyntaxError as error:
-            raise ValueError(f"{patched.path}: libcst cannot parse the patched file: "
-                             f"{str(error).splitlines()[0]}") from None
+            raise ValueError(
+                f"{patched.path}: libcst cannot parse the patched file: "
+                f"{str(error).splitlines()[0]}"
+            ) from None
         functions = _OutermostFunctions()
         wrapper.visit(functions)
         changed = []

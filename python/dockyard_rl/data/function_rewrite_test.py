@@ -3,8 +3,12 @@ import subprocess
 import pytest
 
 from dockyard_rl.data.function_rewrite import diff_to_function_rewrite, function_rewrite_to_diff
-from dockyard_rl.data.patch_formats import (InvalidReason, file_diff, git_file_reader,
-                                            parse_model_output)
+from dockyard_rl.data.patch_formats import (
+    InvalidReason,
+    file_diff,
+    git_file_reader,
+    parse_model_output,
+)
 from dockyard_rl.sandbox import testing_repos
 
 SHAPES = '''\
@@ -42,8 +46,7 @@ def _reader(files: dict[str, str]):
 def test_the_toy_gold_fix_as_a_function_applies_and_fixes(tmp_path):
     toy = testing_repos.make_toy_repo(tmp_path / "repo")
     read_file = git_file_reader(str(toy.path), toy.base_commit)
-    output = ("The bug is in mul.\n\n```python\ndef mul(a, b):\n    return a * b\n```\n"
-              "That is all.")
+    output = "The bug is in mul.\n\n```python\ndef mul(a, b):\n    return a * b\n```\nThat is all."
     parsed = parse_model_output(output, "function", read_file, ["calc/ops.py"])
     assert parsed.valid, parsed.detail
     assert parsed.files == ("calc/ops.py",)
@@ -55,8 +58,10 @@ def test_the_toy_gold_fix_as_a_function_applies_and_fixes(tmp_path):
 
 
 def test_methods_are_reindented_and_keep_their_comments_strings_and_neighbours():
-    output = ("```python\n@property\ndef circumference(self):\n    text = \"\"\"keep\n"
-              "this string\"\"\"\n    return 2 * math.pi * self.radius + len(text) * 0\n```")
+    output = (
+        '```python\n@property\ndef circumference(self):\n    text = """keep\n'
+        'this string"""\n    return 2 * math.pi * self.radius + len(text) * 0\n```'
+    )
     parsed = function_rewrite_to_diff(output, _reader({"shapes.py": SHAPES}), ["shapes.py"])
     assert parsed.valid, parsed.detail
     removed = [line for line in parsed.patch.splitlines() if line.startswith("-")][1:]
@@ -67,8 +72,10 @@ def test_methods_are_reindented_and_keep_their_comments_strings_and_neighbours()
 
 def test_a_nested_function_an_unterminated_block_and_thinking():
     # A last block cut off by the token limit still counts when it parses.
-    output = ("<think>clamp lets negatives through?</think>\n```python\ndef clamp(value):\n"
-              "    return max(value, 1)\n")
+    output = (
+        "<think>clamp lets negatives through?</think>\n```python\ndef clamp(value):\n"
+        "    return max(value, 1)\n"
+    )
     parsed = function_rewrite_to_diff(output, _reader({"shapes.py": SHAPES}), ["shapes.py"])
     assert parsed.valid, parsed.detail
     assert parsed.thinking == "clamp lets negatives through?"
@@ -77,31 +84,54 @@ def test_a_nested_function_an_unterminated_block_and_thinking():
 
 def test_two_functions_in_two_files():
     files = {"shapes.py": SHAPES, "calc.py": "def double(x):\n    return x + x\n"}
-    output = ("```python\ndef double(x):\n    return 2 * x\n```\nand\n```py\ndef grow(self, by):"
-              "\n    return Circle(self.radius + by)\n```")
+    output = (
+        "```python\ndef double(x):\n    return 2 * x\n```\nand\n```py\ndef grow(self, by):"
+        "\n    return Circle(self.radius + by)\n```"
+    )
     parsed = function_rewrite_to_diff(output, _reader(files), ["shapes.py", "calc.py"])
     assert parsed.valid, parsed.detail
     assert sorted(parsed.files) == ["calc.py", "shapes.py"]
     assert "def clamp" in parsed.patch  # grow's nested helper went with it
 
 
-@pytest.mark.parametrize("output, reason, detail", [
-    ("No code here.", InvalidReason.NO_PATCH, "no ```python block"),
-    ("```python\nimport os\n```", InvalidReason.NO_PATCH, "no ```python block"),
-    ("```python\ndef grow(self, by)\n    return 1\n```", InvalidReason.SYNTAX_ERROR,
-     "code block 1 is not valid Python"),
-    ("```python\ndef area(self):\n    return 1\n```", InvalidReason.UNKNOWN_FUNCTION,
-     "no function named 'area' in the files shown (shapes.py)"),
-    ("```python\ndef __init__(self, size):\n    self.size = size\n```",
-     InvalidReason.AMBIGUOUS_FUNCTION, "'__init__' is defined 2 times (shapes.py:5, shapes.py:"),
-    ("```python\ndef clamp(v):\n    return v\n\ndef clamp(v):\n    return 0\n```",
-     InvalidReason.MALFORMED_BLOCK, "'clamp' is given twice"),
-    ("```python\ndef grow(self, by):\n    return self\n\ndef clamp(v):\n    return v\n```",
-     InvalidReason.MALFORMED_BLOCK, "'clamp' is given together with 'grow'"),
-    ("```python\ndef clamp(value):\n    return max(value, 0)\n```", InvalidReason.NO_CHANGE,
-     "equal the originals"),
-    ("<think>never closed", InvalidReason.UNTERMINATED_THINK, "never closed"),
-])
+@pytest.mark.parametrize(
+    "output, reason, detail",
+    [
+        ("No code here.", InvalidReason.NO_PATCH, "no ```python block"),
+        ("```python\nimport os\n```", InvalidReason.NO_PATCH, "no ```python block"),
+        (
+            "```python\ndef grow(self, by)\n    return 1\n```",
+            InvalidReason.SYNTAX_ERROR,
+            "code block 1 is not valid Python",
+        ),
+        (
+            "```python\ndef area(self):\n    return 1\n```",
+            InvalidReason.UNKNOWN_FUNCTION,
+            "no function named 'area' in the files shown (shapes.py)",
+        ),
+        (
+            "```python\ndef __init__(self, size):\n    self.size = size\n```",
+            InvalidReason.AMBIGUOUS_FUNCTION,
+            "'__init__' is defined 2 times (shapes.py:5, shapes.py:",
+        ),
+        (
+            "```python\ndef clamp(v):\n    return v\n\ndef clamp(v):\n    return 0\n```",
+            InvalidReason.MALFORMED_BLOCK,
+            "'clamp' is given twice",
+        ),
+        (
+            "```python\ndef grow(self, by):\n    return self\n\ndef clamp(v):\n    return v\n```",
+            InvalidReason.MALFORMED_BLOCK,
+            "'clamp' is given together with 'grow'",
+        ),
+        (
+            "```python\ndef clamp(value):\n    return max(value, 0)\n```",
+            InvalidReason.NO_CHANGE,
+            "equal the originals",
+        ),
+        ("<think>never closed", InvalidReason.UNTERMINATED_THINK, "never closed"),
+    ],
+)
 def test_bad_outputs_name_the_reason(output, reason, detail):
     parsed = function_rewrite_to_diff(output, _reader({"shapes.py": SHAPES}), ["shapes.py"])
     assert parsed.invalid_reason is reason and parsed.patch is None
@@ -110,8 +140,9 @@ def test_bad_outputs_name_the_reason(output, reason, detail):
 
 def test_only_the_shown_files_are_searched():
     files = {"shapes.py": SHAPES, "hidden.py": "def secret():\n    return 1\n"}
-    parsed = function_rewrite_to_diff("```python\ndef secret():\n    return 2\n```",
-                                      _reader(files), ["shapes.py"])
+    parsed = function_rewrite_to_diff(
+        "```python\ndef secret():\n    return 2\n```", _reader(files), ["shapes.py"]
+    )
     assert parsed.invalid_reason is InvalidReason.UNKNOWN_FUNCTION
 
 
@@ -123,8 +154,9 @@ def test_the_dispatcher_needs_read_file():
 def test_a_diff_as_functions_round_trips():
     # Two hunks: the nested clamp (goes out as all of grow, its outermost function) and a
     # removed line at the end of circumference's body.
-    new = (SHAPES.replace("return max(value, 0)", "return max(value, 1)")
-           .replace("        return math.pi * self.radius + len(text) * 0\n", ""))
+    new = SHAPES.replace("return max(value, 0)", "return max(value, 1)").replace(
+        "        return math.pi * self.radius + len(text) * 0\n", ""
+    )
     patch = file_diff("shapes.py", SHAPES, new)
     answer = diff_to_function_rewrite(patch, _reader({"shapes.py": SHAPES}))
     assert answer.count("```python\n") == 2
@@ -134,12 +166,16 @@ def test_a_diff_as_functions_round_trips():
     assert parsed.patch == patch
 
 
-@pytest.mark.parametrize("new, message", [
-    (SHAPES.replace("import math\n", "import math\nimport os\n"), "outside any function"),
-    (SHAPES.replace("self.side = side", "self.side = abs(side)"), "defined 2 times"),
-    (SHAPES.replace("return max(value, 0)", "return max(value, 0"), "cannot parse"),
-])
+@pytest.mark.parametrize(
+    "new, message",
+    [
+        (SHAPES.replace("import math\n", "import math\nimport os\n"), "outside any function"),
+        (SHAPES.replace("self.side = side", "self.side = abs(side)"), "defined 2 times"),
+        (SHAPES.replace("return max(value, 0)", "return max(value, 0"), "cannot parse"),
+    ],
+)
 def test_a_diff_the_format_cannot_say_is_a_clear_error(new, message):
     with pytest.raises(ValueError, match=message):
-        diff_to_function_rewrite(file_diff("shapes.py", SHAPES, new),
-                                 _reader({"shapes.py": SHAPES}))
+        diff_to_function_rewrite(
+            file_diff("shapes.py", SHAPES, new), _reader({"shapes.py": SHAPES})
+        )

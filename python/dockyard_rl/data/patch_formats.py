@@ -57,12 +57,16 @@ def git_file_reader(repo_path: str, commit: str) -> ReadFile:
     there (`git cat-file blob`). Contents are decoded as UTF-8 with replacement. Each path is
     read once per reader: every sample of a prompt parses against the same files."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def read_file(path: str) -> str | None:
         if not _safe_path(path):
             return None
-        result = subprocess.run(["git", "cat-file", "blob", f"{commit}:{path}"], cwd=repo_path,
-                                capture_output=True, check=False)
+        result = subprocess.run(
+            ["git", "cat-file", "blob", f"{commit}:{path}"],
+            cwd=repo_path,
+            capture_output=True,
+            check=False,
+        )
         if result.returncode != 0:
             return None
         return result.stdout.decode("utf-8", errors="replace")
@@ -77,15 +81,15 @@ class PatchFormat(str, enum.Enum):
 
 
 class InvalidReason(str, enum.Enum):
-    NO_PATCH = "no_patch"                  # nothing patch-like in the output (or only thinking)
+    NO_PATCH = "no_patch"  # nothing patch-like in the output (or only thinking)
     UNTERMINATED_THINK = "unterminated_think"  # <think> never closed: output was all thinking
-    UNPARSABLE_DIFF = "unparsable_diff"    # diff text that unidiff rejects (bad hunk counts, ...)
-    MALFORMED_BLOCK = "malformed_block"    # SEARCH/REPLACE markers missing, out of order, no path
+    UNPARSABLE_DIFF = "unparsable_diff"  # diff text that unidiff rejects (bad hunk counts, ...)
+    MALFORMED_BLOCK = "malformed_block"  # SEARCH/REPLACE markers missing, out of order, no path
     SEARCH_NOT_FOUND = "search_not_found"  # SEARCH text does not occur in the file
     AMBIGUOUS_SEARCH = "ambiguous_search"  # SEARCH text occurs more than once
-    UNKNOWN_FILE = "unknown_file"          # the file does not exist at base_commit / unsafe path
-    NO_CHANGE = "no_change"                # the blocks change nothing
-    SYNTAX_ERROR = "syntax_error"          # FUNCTION: a code block is not valid Python
+    UNKNOWN_FILE = "unknown_file"  # the file does not exist at base_commit / unsafe path
+    NO_CHANGE = "no_change"  # the blocks change nothing
+    SYNTAX_ERROR = "syntax_error"  # FUNCTION: a code block is not valid Python
     UNKNOWN_FUNCTION = "unknown_function"  # FUNCTION: no shown file defines that name
     AMBIGUOUS_FUNCTION = "ambiguous_function"  # FUNCTION: the name is defined several times
 
@@ -94,11 +98,11 @@ class InvalidReason(str, enum.Enum):
 class ParsedPatch:
     """The patch extracted from one model output, or why there is none."""
 
-    patch: str | None                      # unified diff, ends with "\n"; None when invalid
-    invalid_reason: InvalidReason | None   # None when valid
-    detail: str = ""                       # human-readable reason, naming the block if any
-    thinking: str | None = None            # the stripped <think> text, if there was one
-    files: tuple[str, ...] = ()            # paths the patch touches
+    patch: str | None  # unified diff, ends with "\n"; None when invalid
+    invalid_reason: InvalidReason | None  # None when valid
+    detail: str = ""  # human-readable reason, naming the block if any
+    thinking: str | None = None  # the stripped <think> text, if there was one
+    files: tuple[str, ...] = ()  # paths the patch touches
 
     @property
     def valid(self) -> bool:
@@ -122,11 +126,11 @@ def strip_think(output: str) -> tuple[str | None, str, bool]:
     if stripped.startswith(_THINK_OPEN):
         end = stripped.find(_THINK_CLOSE)
         if end < 0:
-            return stripped[len(_THINK_OPEN):], "", False
-        return stripped[len(_THINK_OPEN):end].strip(), stripped[end + len(_THINK_CLOSE):], True
+            return stripped[len(_THINK_OPEN) :], "", False
+        return stripped[len(_THINK_OPEN) : end].strip(), stripped[end + len(_THINK_CLOSE) :], True
     end = output.find(_THINK_CLOSE)
     if end >= 0 and _THINK_OPEN not in output[:end]:
-        return output[:end].strip(), output[end + len(_THINK_CLOSE):], True
+        return output[:end].strip(), output[end + len(_THINK_CLOSE) :], True
     return None, output, True
 
 
@@ -140,16 +144,18 @@ def _looks_like_diff(text: str) -> bool:
 
 
 def _diff_candidate(text: str) -> str | None:
-    fenced = [body for lang, body in _FENCE.findall(text)
-              if lang.lower() in ("diff", "patch", "udiff")
-              or (not lang and _looks_like_diff(body))]
+    fenced = [
+        body
+        for lang, body in _FENCE.findall(text)
+        if lang.lower() in ("diff", "patch", "udiff") or (not lang and _looks_like_diff(body))
+    ]
     if fenced:
         return "".join(body if body.endswith("\n") else body + "\n" for body in fenced)
     if not _looks_like_diff(text):
         return None
     start = _DIFF_START.search(text)
     assert start is not None  # _looks_like_diff found a "--- " line
-    return text[start.start():]
+    return text[start.start() :]
 
 
 def _with_prefix(path: str, prefix: str) -> str:
@@ -162,18 +168,23 @@ def extract_diff(output: str) -> ParsedPatch:
     """The DIFF format: finds and validates the unified diff in `output`."""
     thinking, rest, ok = strip_think(output)
     if not ok:
-        return invalid(InvalidReason.UNTERMINATED_THINK,
-                        "<think> was opened and never closed; no answer followed", thinking)
+        return invalid(
+            InvalidReason.UNTERMINATED_THINK,
+            "<think> was opened and never closed; no answer followed",
+            thinking,
+        )
     candidate = _diff_candidate(rest)
     if candidate is None:
-        return invalid(InvalidReason.NO_PATCH, "no unified diff (no '--- '/'+++ ' file header) "
-                        "in the output", thinking)
+        return invalid(
+            InvalidReason.NO_PATCH,
+            "no unified diff (no '--- '/'+++ ' file header) in the output",
+            thinking,
+        )
     try:
         patch_set = unidiff.PatchSet(candidate)
     except (unidiff.UnidiffParseError, ValueError, IndexError) as error:
         # Model text is arbitrary: any parse failure is the model's, reported, never raised.
-        return invalid(InvalidReason.UNPARSABLE_DIFF, f"the diff does not parse: {error}",
-                        thinking)
+        return invalid(InvalidReason.UNPARSABLE_DIFF, f"the diff does not parse: {error}", thinking)
     if len(patch_set) == 0 or not any(len(f) for f in patch_set):
         return invalid(InvalidReason.UNPARSABLE_DIFF, "the diff has no hunks", thinking)
     for patched in patch_set:
@@ -209,7 +220,7 @@ def _block_path(lines: list[str], marker_index: int) -> str | None:
         # Tolerate markdown decoration around the path (`path`, **path**, "File: path").
         candidate = candidate.strip("`*# ")
         if candidate.lower().startswith("file:"):
-            candidate = candidate[len("file:"):].strip()
+            candidate = candidate[len("file:") :].strip()
         return candidate or None
     return None
 
@@ -222,8 +233,10 @@ def parse_edit_blocks(text: str) -> tuple[list[EditBlock], str | None]:
     while i < len(lines):
         if lines[i].strip() != _SEARCH:
             if lines[i].strip() in (_DIVIDER, _REPLACE):
-                return blocks, f"block {len(blocks) + 1}: {lines[i].strip()!r} before any " \
-                               f"{_SEARCH!r}"
+                return (
+                    blocks,
+                    f"block {len(blocks) + 1}: {lines[i].strip()!r} before any {_SEARCH!r}",
+                )
             i += 1
             continue
         number = len(blocks) + 1
@@ -235,8 +248,7 @@ def parse_edit_blocks(text: str) -> tuple[list[EditBlock], str | None]:
         j = i + 1
         while j < len(lines) and lines[j].strip() != _DIVIDER:
             if lines[j].strip() in (_SEARCH, _REPLACE):
-                return blocks, f"block {number} ({path}): {lines[j].strip()!r} before " \
-                               f"{_DIVIDER!r}"
+                return blocks, f"block {number} ({path}): {lines[j].strip()!r} before {_DIVIDER!r}"
             search.append(lines[j])
             j += 1
         if j == len(lines):
@@ -244,14 +256,14 @@ def parse_edit_blocks(text: str) -> tuple[list[EditBlock], str | None]:
         j += 1
         while j < len(lines) and lines[j].strip() != _REPLACE:
             if lines[j].strip() in (_SEARCH, _DIVIDER):
-                return blocks, f"block {number} ({path}): {lines[j].strip()!r} before " \
-                               f"{_REPLACE!r}"
+                return blocks, f"block {number} ({path}): {lines[j].strip()!r} before {_REPLACE!r}"
             replace.append(lines[j])
             j += 1
         if j == len(lines):
             return blocks, f"block {number} ({path}): no {_REPLACE!r} line"
-        blocks.append(EditBlock(path=path, search="".join(search), replace="".join(replace),
-                                index=number))
+        blocks.append(
+            EditBlock(path=path, search="".join(search), replace="".join(replace), index=number)
+        )
         i = j + 1
     return blocks, None
 
@@ -267,8 +279,9 @@ def file_diff(path: str, old: str | None, new: str) -> str:
     new_lines = new.splitlines(keepends=True)
     fromfile = "/dev/null" if old is None else f"a/{path}"
     body = []
-    for line in difflib.unified_diff(old_lines, new_lines, fromfile=fromfile,
-                                     tofile=f"b/{path}", n=3):
+    for line in difflib.unified_diff(
+        old_lines, new_lines, fromfile=fromfile, tofile=f"b/{path}", n=3
+    ):
         if line.endswith("\n"):
             body.append(line)
         else:  # the file's last line has no newline: git's marker keeps that exact
@@ -283,55 +296,82 @@ def search_replace_to_diff(output: str, read_file: ReadFile) -> ParsedPatch:
     """The SEARCH_REPLACE format: applies the blocks to `read_file`'s contents, returns a diff."""
     thinking, rest, ok = strip_think(output)
     if not ok:
-        return invalid(InvalidReason.UNTERMINATED_THINK,
-                        "<think> was opened and never closed; no answer followed", thinking)
+        return invalid(
+            InvalidReason.UNTERMINATED_THINK,
+            "<think> was opened and never closed; no answer followed",
+            thinking,
+        )
     blocks, error = parse_edit_blocks(rest)
     if error is not None:
         return invalid(InvalidReason.MALFORMED_BLOCK, error, thinking)
     if not blocks:
-        return invalid(InvalidReason.NO_PATCH, f"no {_SEARCH!r} ... {_REPLACE!r} edit block in "
-                        "the output", thinking)
+        return invalid(
+            InvalidReason.NO_PATCH,
+            f"no {_SEARCH!r} ... {_REPLACE!r} edit block in the output",
+            thinking,
+        )
     originals: dict[str, str | None] = {}
     current: dict[str, str] = {}
     for block in blocks:
         where = f"block {block.index} ({block.path})"
         if not _safe_path(block.path):
-            return invalid(InvalidReason.UNKNOWN_FILE, f"{where}: the path must be relative "
-                            "to the repository root, without '..'", thinking)
+            return invalid(
+                InvalidReason.UNKNOWN_FILE,
+                f"{where}: the path must be relative to the repository root, without '..'",
+                thinking,
+            )
         if block.path not in current:
             original = read_file(block.path)
             originals[block.path] = original
             if original is None:
                 if block.search.strip():
-                    return invalid(InvalidReason.UNKNOWN_FILE, f"{where}: no such file at the "
-                                    "base commit (an empty SEARCH creates a new file)", thinking)
+                    return invalid(
+                        InvalidReason.UNKNOWN_FILE,
+                        f"{where}: no such file at the "
+                        "base commit (an empty SEARCH creates a new file)",
+                        thinking,
+                    )
                 current[block.path] = block.replace
                 continue
             current[block.path] = original
         content = current[block.path]
         if not block.search.strip():
-            return invalid(InvalidReason.MALFORMED_BLOCK, f"{where}: empty SEARCH on an "
-                            "existing file; quote the lines to replace", thinking)
+            return invalid(
+                InvalidReason.MALFORMED_BLOCK,
+                f"{where}: empty SEARCH on an existing file; quote the lines to replace",
+                thinking,
+            )
         count = content.count(block.search)
         if count == 0:
-            return invalid(InvalidReason.SEARCH_NOT_FOUND, f"{where}: the SEARCH text does not "
-                            "occur in the file (it must match exactly, whitespace included)",
-                            thinking)
+            return invalid(
+                InvalidReason.SEARCH_NOT_FOUND,
+                f"{where}: the SEARCH text does not "
+                "occur in the file (it must match exactly, whitespace included)",
+                thinking,
+            )
         if count > 1:
-            return invalid(InvalidReason.AMBIGUOUS_SEARCH, f"{where}: the SEARCH text occurs "
-                            f"{count} times; include more lines so it is unique", thinking)
+            return invalid(
+                InvalidReason.AMBIGUOUS_SEARCH,
+                f"{where}: the SEARCH text occurs "
+                f"{count} times; include more lines so it is unique",
+                thinking,
+            )
         current[block.path] = content.replace(block.search, block.replace, 1)
     changed = [path for path in current if current[path] != originals[path]]
     if not changed:
-        return invalid(InvalidReason.NO_CHANGE, "the edit blocks leave every file unchanged",
-                        thinking)
+        return invalid(
+            InvalidReason.NO_CHANGE, "the edit blocks leave every file unchanged", thinking
+        )
     patch = "".join(file_diff(path, originals[path], current[path]) for path in changed)
     return ParsedPatch(patch=patch, invalid_reason=None, thinking=thinking, files=tuple(changed))
 
 
-def parse_model_output(output: str, patch_format: PatchFormat | str,
-                       read_file: ReadFile | None = None,
-                       files: Sequence[str] = ()) -> ParsedPatch:
+def parse_model_output(
+    output: str,
+    patch_format: PatchFormat | str,
+    read_file: ReadFile | None = None,
+    files: Sequence[str] = (),
+) -> ParsedPatch:
     """Dispatches on the format. SEARCH_REPLACE and FUNCTION need `read_file` (base_commit
     contents); FUNCTION also `files`, the paths whose functions may be rewritten (those shown).
 
@@ -340,13 +380,15 @@ def parse_model_output(output: str, patch_format: PatchFormat | str,
     try:
         patch_format = PatchFormat(patch_format)
     except ValueError:
-        raise ValueError(f"patch format {patch_format!r} is unknown; valid: "
-                         f"{[f.value for f in PatchFormat]}") from None
+        raise ValueError(
+            f"patch format {patch_format!r} is unknown; valid: {[f.value for f in PatchFormat]}"
+        ) from None
     if patch_format is PatchFormat.DIFF:
         return extract_diff(output)
     if read_file is None:
-        raise ValueError(f"the {patch_format.value} format needs read_file (base_commit file "
-                         "contents)")
+        raise ValueError(
+            f"the {patch_format.value} format needs read_file (base_commit file contents)"
+        )
     if patch_format is PatchFormat.FUNCTION:
         # Imported here: function_rewrite builds on this module's helpers.
         from dockyard_rl.data.function_rewrite import function_rewrite_to_diff
@@ -377,8 +419,7 @@ def diff_to_search_replace(patch: str, read_file: ReadFile) -> str:
     blocks = []
     for patched in unidiff.PatchSet(patch):
         if patched.is_added_file:
-            new = "".join(line.value for hunk in patched for line in hunk
-                          if not line.is_removed)
+            new = "".join(line.value for hunk in patched for line in hunk if not line.is_removed)
             blocks.append(f"{patched.path}\n{_SEARCH}\n{_DIVIDER}\n{new}{_REPLACE}\n")
             continue
         content = read_file(patched.path)
@@ -388,7 +429,9 @@ def diff_to_search_replace(patch: str, read_file: ReadFile) -> str:
             old = "".join(line.value for line in hunk if not line.is_added)
             new = "".join(line.value for line in hunk if not line.is_removed)
             if content.count(old) != 1:
-                raise ValueError(f"{patched.path}: hunk {hunk.source_start} old text occurs "
-                                 f"{content.count(old)} times; it must be unique")
+                raise ValueError(
+                    f"{patched.path}: hunk {hunk.source_start} old text occurs "
+                    f"{content.count(old)} times; it must be unique"
+                )
             blocks.append(f"{patched.path}\n{_SEARCH}\n{old}{_DIVIDER}\n{new}{_REPLACE}\n")
     return "\n".join(blocks)

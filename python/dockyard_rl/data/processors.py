@@ -1,9 +1,9 @@
 """Prompt processors: one SWE instance -> chat messages -> prompt token ids.
 
 The prompt holds the problem statement, the code it needs and the instructions for the output
-format (`PatchFormat`: a diff, SEARCH/REPLACE blocks or whole functions), rendered with the model's own chat
-template. The code context is the files the gold patch modifies (the "oracle" file set), read at
-base_commit through a `read_file(path) -> str | None` callable:
+format (`PatchFormat`: a diff, SEARCH/REPLACE blocks or whole functions), rendered with the
+model's own chat template. The code context is the files the gold patch modifies (the "oracle"
+file set), read at base_commit through a `read_file(path) -> str | None` callable:
 
 1. whole files, when they fit `max_context_tokens` together;
 2. else Python files are cut to the functions/methods the gold hunks touch (found with `ast`;
@@ -37,8 +37,10 @@ from dockyard_rl.utils.config import require
 
 _HUNK_WINDOW_LINES = 10  # lines shown around a hunk when a file cannot be cut by ast
 
-SYSTEM_PROMPT = ("You are an expert software engineer. You fix bugs in Python repositories by "
-                 "editing their source code. You never edit the tests.")
+SYSTEM_PROMPT = (
+    "You are an expert software engineer. You fix bugs in Python repositories by "
+    "editing their source code. You never edit the tests."
+)
 
 DIFF_INSTRUCTIONS = """\
 Fix the issue by writing a patch. Answer with a single unified diff in a ```diff fenced block,
@@ -84,12 +86,16 @@ def area(width, height):
 Keep the function's name: it replaces the function of that name in the code above. Give several
 functions in the block if several need a change."""
 
-_INSTRUCTIONS = {PatchFormat.DIFF: DIFF_INSTRUCTIONS,
-                 PatchFormat.SEARCH_REPLACE: SEARCH_REPLACE_INSTRUCTIONS,
-                 PatchFormat.FUNCTION: FUNCTION_INSTRUCTIONS}
+_INSTRUCTIONS = {
+    PatchFormat.DIFF: DIFF_INSTRUCTIONS,
+    PatchFormat.SEARCH_REPLACE: SEARCH_REPLACE_INSTRUCTIONS,
+    PatchFormat.FUNCTION: FUNCTION_INSTRUCTIONS,
+}
 
-THINK_INSTRUCTION = ("First reason step by step inside <think> ... </think>, then give the "
-                     "answer after the closing tag.")
+THINK_INSTRUCTION = (
+    "First reason step by step inside <think> ... </think>, then give the "
+    "answer after the closing tag."
+)
 NO_THINK_INSTRUCTION = "Answer with the edit only, without explanations."
 
 
@@ -97,22 +103,33 @@ NO_THINK_INSTRUCTION = "Answer with the edit only, without explanations."
 class PromptConfig:
     """Config section `data.prompt`."""
 
-    patch_format: str = "diff"        # diff | search_replace | function: what the model writes
-    max_context_tokens: int = 6000    # budget of the code context (files), in tokens
-    enable_thinking: bool = False     # ask for a leading <think> block
-    include_hints: bool = False       # add hints_text (SWE-bench's issue comments) to the prompt
+    patch_format: str = "diff"  # diff | search_replace | function: what the model writes
+    max_context_tokens: int = 6000  # budget of the code context (files), in tokens
+    enable_thinking: bool = False  # ask for a leading <think> block
+    include_hints: bool = False  # add hints_text (SWE-bench's issue comments) to the prompt
 
     def __post_init__(self) -> None:
         valid = [f.value for f in PatchFormat]
-        require(self.patch_format in valid, "patch_format",
-                f"must be one of {valid}, got {self.patch_format!r}")
-        require(isinstance(self.max_context_tokens, int) and self.max_context_tokens > 0,
-                "max_context_tokens", f"must be a positive integer, got "
-                f"{self.max_context_tokens!r}")
-        require(isinstance(self.enable_thinking, bool), "enable_thinking",
-                f"must be true or false, got {self.enable_thinking!r}")
-        require(isinstance(self.include_hints, bool), "include_hints",
-                f"must be true or false, got {self.include_hints!r}")
+        require(
+            self.patch_format in valid,
+            "patch_format",
+            f"must be one of {valid}, got {self.patch_format!r}",
+        )
+        require(
+            isinstance(self.max_context_tokens, int) and self.max_context_tokens > 0,
+            "max_context_tokens",
+            f"must be a positive integer, got {self.max_context_tokens!r}",
+        )
+        require(
+            isinstance(self.enable_thinking, bool),
+            "enable_thinking",
+            f"must be true or false, got {self.enable_thinking!r}",
+        )
+        require(
+            isinstance(self.include_hints, bool),
+            "include_hints",
+            f"must be true or false, got {self.include_hints!r}",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,9 +137,9 @@ class Prompt:
     token_ids: tuple[int, ...]
     messages: tuple[dict[str, str], ...]
     patch_format: PatchFormat
-    files_shown: tuple[str, ...]      # in order; whole or cut
-    files_cut: tuple[str, ...]        # shown, but cut to functions/hunks or at the budget
-    files_omitted: tuple[str, ...]    # touched by the gold patch but not shown (budget/missing)
+    files_shown: tuple[str, ...]  # in order; whole or cut
+    files_cut: tuple[str, ...]  # shown, but cut to functions/hunks or at the budget
+    files_omitted: tuple[str, ...]  # touched by the gold patch but not shown (budget/missing)
     num_context_tokens: int
     num_tokens: int
 
@@ -211,7 +228,7 @@ def _render(lines: list[str], intervals: list[tuple[int, int]]) -> str:
     for start, end in intervals:
         if start > previous_end + 1:
             parts.append("...\n")
-        parts.append("".join(lines[start - 1:end]))
+        parts.append("".join(lines[start - 1 : end]))
         previous_end = end
     if previous_end < len(lines):
         parts.append("...\n")
@@ -232,8 +249,10 @@ class SwePromptProcessor:
     def __init__(self, tokenizer: Any, config: PromptConfig | None = None):
         self.config = config or PromptConfig()
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template; use an instruct/chat model's "
-                             "tokenizer or set tokenizer.chat_template")
+            raise ValueError(
+                "the tokenizer has no chat template; use an instruct/chat model's "
+                "tokenizer or set tokenizer.chat_template"
+            )
         self.tokenizer = tokenizer
         self.patch_format = PatchFormat(self.config.patch_format)
 
@@ -252,8 +271,9 @@ class SwePromptProcessor:
                 high = mid - 1
         return "".join(lines[:low]) + "...\n" if low else None
 
-    def build_context(self, instance: SweInstance, read_file: ReadFile
-                      ) -> tuple[str, list[str], list[str], list[str], int]:
+    def build_context(
+        self, instance: SweInstance, read_file: ReadFile
+    ) -> tuple[str, list[str], list[str], list[str], int]:
         """(context text, shown, cut, omitted, num tokens) under `max_context_tokens`."""
         budget = self.config.max_context_tokens
         files = []
@@ -273,8 +293,12 @@ class SwePromptProcessor:
             lines = content.splitlines(keepends=True)
             spans = python_spans(content, ranges) if path.endswith(".py") else None
             if spans is None:
-                spans = _merge([(max(1, a - _HUNK_WINDOW_LINES),
-                                 min(len(lines), b + _HUNK_WINDOW_LINES)) for a, b in ranges])
+                spans = _merge(
+                    [
+                        (max(1, a - _HUNK_WINDOW_LINES), min(len(lines), b + _HUNK_WINDOW_LINES))
+                        for a, b in ranges
+                    ]
+                )
             excerpts.append((path, _render(lines, spans)))
         shown: list[str] = []
         blocks: list[str] = []
@@ -299,15 +323,27 @@ class SwePromptProcessor:
     def messages(self, instance: SweInstance, context: str) -> list[dict[str, str]]:
         instructions = _INSTRUCTIONS[self.patch_format]
         think = THINK_INSTRUCTION if self.config.enable_thinking else NO_THINK_INSTRUCTION
-        parts = [f"Repository: {instance.repo}", "",
-                 "The issue:", instance.problem_statement.strip(), ""]
+        parts = [
+            f"Repository: {instance.repo}",
+            "",
+            "The issue:",
+            instance.problem_statement.strip(),
+            "",
+        ]
         if self.config.include_hints and instance.hints_text.strip():
             parts += ["Hints from the discussion:", instance.hints_text.strip(), ""]
-        parts += ["The code that is relevant to the issue ('...' marks omitted lines):", "",
-                  context if context else "(no source files available)\n",
-                  instructions, "", think]
-        return [{"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": "\n".join(parts)}]
+        parts += [
+            "The code that is relevant to the issue ('...' marks omitted lines):",
+            "",
+            context if context else "(no source files available)\n",
+            instructions,
+            "",
+            think,
+        ]
+        return [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": "\n".join(parts)},
+        ]
 
     def __call__(self, instance: SweInstance, read_file: ReadFile) -> Prompt:
         context, shown, cut, omitted, num_context = self.build_context(instance, read_file)
@@ -316,13 +352,22 @@ class SwePromptProcessor:
         # across transformers versions (list vs BatchEncoding). The template already holds the
         # special tokens, so none are added again.
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True,
-            enable_thinking=self.config.enable_thinking)
+            messages,
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=self.config.enable_thinking,
+        )
         token_ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return Prompt(token_ids=token_ids, messages=tuple(messages),
-                      patch_format=self.patch_format, files_shown=tuple(shown),
-                      files_cut=tuple(cut), files_omitted=tuple(omitted),
-                      num_context_tokens=num_context, num_tokens=len(token_ids))
+        return Prompt(
+            token_ids=token_ids,
+            messages=tuple(messages),
+            patch_format=self.patch_format,
+            files_shown=tuple(shown),
+            files_cut=tuple(cut),
+            files_omitted=tuple(omitted),
+            num_context_tokens=num_context,
+            num_tokens=len(token_ids),
+        )
 
 
 register_processor("swe_single_shot", SwePromptProcessor)

@@ -61,30 +61,44 @@ class DataPlaneConfig:
     max_metadata_bytes: int = 65536
 
     def __post_init__(self) -> None:
-        require(self.transport in TRANSPORTS, "transport",
-                f"unknown transport {self.transport!r}; valid: {', '.join(TRANSPORTS)} (or set "
-                f"data_plane: null for the in-memory path)")
-        require(self.tensor_transport in TENSOR_TRANSPORTS, "tensor_transport",
-                f"unknown tensor transport {self.tensor_transport!r}; valid: "
-                f"{', '.join(TENSOR_TRANSPORTS)} (gloo for CPU tensors, nccl for CUDA tensors)")
-        require(is_int(self.max_in_flight_batches) and self.max_in_flight_batches >= 1,
-                "max_in_flight_batches",
-                f"must be an integer >= 1 (batches a receiver holds before producers wait), got "
-                f"{self.max_in_flight_batches!r}")
+        require(
+            self.transport in TRANSPORTS,
+            "transport",
+            f"unknown transport {self.transport!r}; valid: {', '.join(TRANSPORTS)} (or set "
+            f"data_plane: null for the in-memory path)",
+        )
+        require(
+            self.tensor_transport in TENSOR_TRANSPORTS,
+            "tensor_transport",
+            f"unknown tensor transport {self.tensor_transport!r}; valid: "
+            f"{', '.join(TENSOR_TRANSPORTS)} (gloo for CPU tensors, nccl for CUDA tensors)",
+        )
+        require(
+            is_int(self.max_in_flight_batches) and self.max_in_flight_batches >= 1,
+            "max_in_flight_batches",
+            f"must be an integer >= 1 (batches a receiver holds before producers wait), got "
+            f"{self.max_in_flight_batches!r}",
+        )
         for key in ("backpressure_timeout_s", "transfer_timeout_s", "receive_timeout_s"):
             value = getattr(self, key)
-            require(is_number(value) and value > 0, key,
-                    f"must be a number of seconds > 0 (the data plane never waits forever), got "
-                    f"{value!r}")
-        require(is_int(self.max_metadata_bytes) and 0 < self.max_metadata_bytes <= 100 * 1024,
-                "max_metadata_bytes",
-                f"must be an integer in [1, 102400] (Ray inlines task arguments up to 100 KiB; "
-                f"larger ones would go through the object store), got "
-                f"{self.max_metadata_bytes!r}")
+            require(
+                is_number(value) and value > 0,
+                key,
+                f"must be a number of seconds > 0 (the data plane never waits forever), got "
+                f"{value!r}",
+            )
+        require(
+            is_int(self.max_metadata_bytes) and 0 < self.max_metadata_bytes <= 100 * 1024,
+            "max_metadata_bytes",
+            f"must be an integer in [1, 102400] (Ray inlines task arguments up to 100 KiB; "
+            f"larger ones would go through the object store), got "
+            f"{self.max_metadata_bytes!r}",
+        )
 
 
-def parse_data_plane_config(raw: Mapping[str, Any] | None,
-                            key_path: str = "data_plane") -> DataPlaneConfig | None:
+def parse_data_plane_config(
+    raw: Mapping[str, Any] | None, key_path: str = "data_plane"
+) -> DataPlaneConfig | None:
     """The `data_plane` YAML value -> None (null: in-memory path) or a validated config.
 
     Raises:

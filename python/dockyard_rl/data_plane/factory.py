@@ -29,8 +29,9 @@ def data_plane_names() -> list[str]:
     return sorted(_IMPLEMENTATIONS)
 
 
-def create_data_plane(config: DataPlaneConfig | Mapping[str, Any] | None,
-                      name: str | None = None) -> DataPlane:
+def create_data_plane(
+    config: DataPlaneConfig | Mapping[str, Any] | None, name: str | None = None
+) -> DataPlane:
     """The data plane for `config`; call `connect` on it next.
 
     Args:
@@ -46,8 +47,12 @@ def create_data_plane(config: DataPlaneConfig | Mapping[str, Any] | None,
     if config is None:
         config = DataPlaneConfig(transport="in_memory")
     if config.transport not in _IMPLEMENTATIONS:  # only if TRANSPORTS and this table drift
-        raise ValueError(f"data_plane.transport: unknown {config.transport!r}; valid: "
-                         f"{', '.join(data_plane_names())}")
+        raise ValueError(
+            f"data_plane.transport: unknown {config.transport!r}; valid: "
+            f"{', '.join(data_plane_names())}"
+        )
     module_name, class_name = _IMPLEMENTATIONS[config.transport]
-    implementation: Callable[..., DataPlane] = getattr(importlib.import_module(module_name), class_name)
+    implementation: Callable[..., DataPlane] = getattr(
+        importlib.import_module(module_name), class_name
+    )
     return implementation(config, name=name)

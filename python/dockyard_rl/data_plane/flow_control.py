@@ -41,9 +41,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from dockyard_rl.data_plane.interfaces import (
-    BackpressureTimeoutError, DataPlaneClosedError, DataPlaneError, DataPlaneReceiver,
-    DataPlaneSender, DataPlaneTransportError, Delivery, DeliveryStatus, ReceiveTimeoutError,
-    SequenceGapError)
+    BackpressureTimeoutError,
+    DataPlaneClosedError,
+    DataPlaneError,
+    DataPlaneReceiver,
+    DataPlaneSender,
+    DataPlaneTransportError,
+    Delivery,
+    DeliveryStatus,
+    ReceiveTimeoutError,
+    SequenceGapError,
+)
 from dockyard_rl.data_plane.payload import PackedBatch, pack_batch
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 
@@ -159,7 +167,8 @@ class ReceiverState:
                     raise ReceiveTimeoutError(
                         f"{self._name}: no batch within {timeout_s:g} s ({len(self._reserved)} "
                         f"transfer(s) announced; next expected seq per producer: "
-                        f"{dict(self._expected)}); is the generation side running?")
+                        f"{dict(self._expected)}); is the generation side running?"
+                    )
                 self._cond.wait(remaining)
             if self._closed:
                 raise DataPlaneClosedError(f"{self._name} is closed")
@@ -183,13 +192,25 @@ class ReceiverState:
 
     def stats(self) -> dict[str, Any]:
         with self._cond:
-            stats = {key: self._counts[key] for key in (
-                "num_accepted", "num_consumed", "num_duplicates_dropped", "num_gaps_rejected",
-                "num_full_replies", "num_dropped_at_close")}
-            stats.update(num_buffered=len(self._buffer), num_reserved=len(self._reserved),
-                         peak_in_flight=self._peak_in_flight,
-                         max_in_flight_batches=self._capacity,
-                         expected_seq=dict(self._expected), closed=self._closed)
+            stats = {
+                key: self._counts[key]
+                for key in (
+                    "num_accepted",
+                    "num_consumed",
+                    "num_duplicates_dropped",
+                    "num_gaps_rejected",
+                    "num_full_replies",
+                    "num_dropped_at_close",
+                )
+            }
+            stats.update(
+                num_buffered=len(self._buffer),
+                num_reserved=len(self._reserved),
+                peak_in_flight=self._peak_in_flight,
+                max_in_flight_batches=self._capacity,
+                expected_seq=dict(self._expected),
+                closed=self._closed,
+            )
             return stats
 
 
@@ -224,8 +245,16 @@ class SequencedSender(DataPlaneSender):
     _POLL_MAX_S = 0.05
     _reserve_blocks = False
 
-    def __init__(self, producer_id: str, start_seq: int, *, backpressure_timeout_s: float,
-                 max_metadata_bytes: int, tensor_transport: str, contiguous: bool):
+    def __init__(
+        self,
+        producer_id: str,
+        start_seq: int,
+        *,
+        backpressure_timeout_s: float,
+        max_metadata_bytes: int,
+        tensor_transport: str,
+        contiguous: bool,
+    ):
         self._producer_id = producer_id
         self._next_seq = start_seq
         self._backpressure_timeout_s = backpressure_timeout_s
@@ -264,11 +293,20 @@ class SequencedSender(DataPlaneSender):
         with self._lock:
             return self._next_seq
 
-    def send(self, batch: BatchedDataDict | Mapping[str, Any],
-             metadata: Mapping[str, Any] | None = None, *,
-             timeout_s: float | None = None) -> int:
-        packed = pack_batch(batch, metadata, max_metadata_bytes=self._max_metadata_bytes,
-                            tensor_transport=self._tensor_transport, contiguous=self._contiguous)
+    def send(
+        self,
+        batch: BatchedDataDict | Mapping[str, Any],
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> int:
+        packed = pack_batch(
+            batch,
+            metadata,
+            max_metadata_bytes=self._max_metadata_bytes,
+            tensor_transport=self._tensor_transport,
+            contiguous=self._contiguous,
+        )
         with self._lock:
             self._check_open()
             if self._unacked:
@@ -276,7 +314,8 @@ class SequencedSender(DataPlaneSender):
                 raise DataPlaneError(
                     f"{self._producer_id}: seq {self._last[0]} was never acknowledged (its "
                     f"transfer failed); call resend() to complete it before sending more, or "
-                    f"the receiver would see a gap")
+                    f"the receiver would see a gap"
+                )
             seq = self._next_seq
             self._deliver(seq, packed, timeout_s)
             return seq
@@ -285,8 +324,9 @@ class SequencedSender(DataPlaneSender):
         with self._lock:
             self._check_open()
             if self._last is None:
-                raise DataPlaneError(f"{self._producer_id}: nothing was sent yet, so there is "
-                                     f"nothing to resend")
+                raise DataPlaneError(
+                    f"{self._producer_id}: nothing was sent yet, so there is nothing to resend"
+                )
             seq, packed = self._last
             return self._deliver(seq, packed, timeout_s)
 
@@ -310,8 +350,11 @@ class SequencedSender(DataPlaneSender):
             reply = self._transfer(seq, packed)  # DataPlaneTransportError leaves it unacked
             if reply.verdict in (Verdict.ACCEPTED, Verdict.DUPLICATE):
                 self._acknowledge(seq, packed)
-                return (DeliveryStatus.ACCEPTED if reply.verdict is Verdict.ACCEPTED
-                        else DeliveryStatus.DUPLICATE)
+                return (
+                    DeliveryStatus.ACCEPTED
+                    if reply.verdict is Verdict.ACCEPTED
+                    else DeliveryStatus.DUPLICATE
+                )
             self._last, self._unacked = previous  # definitely not taken: nothing changed
             if reply.verdict is Verdict.FULL:
                 # Our reservation was lost between the two calls (it cannot be with a
@@ -337,7 +380,8 @@ class SequencedSender(DataPlaneSender):
                     f"batches for {timeout_s:g} s, so seq {seq} was not sent (safe to retry); "
                     f"the trainer is not keeping up: raise "
                     f"data_plane.backpressure_timeout_s / max_in_flight_batches or slow the "
-                    f"generation side")
+                    f"generation side"
+                )
             if not self._reserve_blocks:
                 time.sleep(min(delay, remaining))
                 delay = min(delay * 2, self._POLL_MAX_S)
@@ -349,7 +393,8 @@ class SequencedSender(DataPlaneSender):
                 f"{self._producer_id}: the receiver expects seq {reply.expected_seq} but this "
                 f"sender is at seq {seq}: batches {reply.expected_seq}..{seq - 1} never arrived "
                 f"(was the sender restored from stale state?); the data plane cannot recover "
-                f"them: close the plane and connect a new one")
+                f"them: close the plane and connect a new one"
+            )
         if reply.verdict is Verdict.CLOSED:
             raise DataPlaneClosedError(f"{self._producer_id}: the receiver is closed")
         assert reply.verdict in (Verdict.ACCEPTED, Verdict.DUPLICATE), reply

@@ -5,11 +5,17 @@ import threading
 import pytest
 import torch
 
-from dockyard_rl.data_plane.flow_control import (
-    ReceiverState, Reply, SequencedSender, Verdict)
+from dockyard_rl.data_plane.flow_control import ReceiverState, Reply, SequencedSender, Verdict
 from dockyard_rl.data_plane.interfaces import (
-    BackpressureTimeoutError, DataPlaneClosedError, DataPlaneError, DataPlaneTransportError,
-    Delivery, DeliveryStatus, ReceiveTimeoutError, SequenceGapError)
+    BackpressureTimeoutError,
+    DataPlaneClosedError,
+    DataPlaneError,
+    DataPlaneTransportError,
+    Delivery,
+    DeliveryStatus,
+    ReceiveTimeoutError,
+    SequenceGapError,
+)
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 
 
@@ -28,8 +34,11 @@ def test_reserve_and_deliver_verdicts():
     assert state.reserve("a", 0) == Reply(Verdict.DUPLICATE, 1)
     assert state.deliver(_delivery("a", 2)) == Reply(Verdict.GAP, 1)
     stats = state.stats()
-    assert (stats["num_accepted"], stats["num_duplicates_dropped"], stats["num_gaps_rejected"]) \
-        == (1, 2, 2)
+    assert (stats["num_accepted"], stats["num_duplicates_dropped"], stats["num_gaps_rejected"]) == (
+        1,
+        2,
+        2,
+    )
     assert stats["expected_seq"] == {"a": 1}
 
 
@@ -77,9 +86,14 @@ class _LedgerSender(SequencedSender):
     _reserve_blocks = True
 
     def __init__(self, state, producer="p"):
-        super().__init__(producer, state.expected_seq(producer), backpressure_timeout_s=5,
-                         max_metadata_bytes=1024, tensor_transport="in_memory",
-                         contiguous=False)
+        super().__init__(
+            producer,
+            state.expected_seq(producer),
+            backpressure_timeout_s=5,
+            max_metadata_bytes=1024,
+            tensor_transport="in_memory",
+            contiguous=False,
+        )
         self.state = state
         self.lose_next_ack = False
         self.fail_next_transfer = False
@@ -93,8 +107,9 @@ class _LedgerSender(SequencedSender):
             self.fail_next_transfer = False
             raise DataPlaneTransportError("link down before the batch left")
         self.num_transfers += 1
-        reply = self.state.deliver(Delivery(self._producer_id, seq, packed.to_batch(),
-                                            packed.metadata))
+        reply = self.state.deliver(
+            Delivery(self._producer_id, seq, packed.to_batch(), packed.metadata)
+        )
         if self.lose_next_ack:
             self.lose_next_ack = False
             raise DataPlaneTransportError("acknowledgement lost")

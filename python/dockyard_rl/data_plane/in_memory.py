@@ -22,10 +22,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from dockyard_rl.data_plane.config import DataPlaneConfig
-from dockyard_rl.data_plane.flow_control import (
-    ReceiverState, Reply, SequencedSender, StateReceiver)
+from dockyard_rl.data_plane.flow_control import ReceiverState, Reply, SequencedSender, StateReceiver
 from dockyard_rl.data_plane.interfaces import (
-    DataPlane, DataPlaneClosedError, DataPlaneEndpoints, DataPlaneError, Delivery, EndpointSpec)
+    DataPlane,
+    DataPlaneClosedError,
+    DataPlaneEndpoints,
+    DataPlaneError,
+    Delivery,
+    EndpointSpec,
+)
 from dockyard_rl.data_plane.payload import PackedBatch
 
 
@@ -35,27 +40,34 @@ class InMemorySender(SequencedSender):
     _reserve_blocks = True  # waits on the receiver's condition variable instead of polling
 
     def __init__(self, producer_id: str, state: ReceiverState, config: DataPlaneConfig):
-        super().__init__(producer_id, state.expected_seq(producer_id),
-                         backpressure_timeout_s=config.backpressure_timeout_s,
-                         max_metadata_bytes=config.max_metadata_bytes,
-                         tensor_transport="in_memory", contiguous=False)
+        super().__init__(
+            producer_id,
+            state.expected_seq(producer_id),
+            backpressure_timeout_s=config.backpressure_timeout_s,
+            max_metadata_bytes=config.max_metadata_bytes,
+            tensor_transport="in_memory",
+            contiguous=False,
+        )
         self._state = state
 
     def _reserve(self, seq: int, wait_s: float) -> Reply:
         return self._state.reserve(self._producer_id, seq, wait_s)
 
     def _transfer(self, seq: int, packed: PackedBatch) -> Reply:
-        return self._state.deliver(Delivery(self._producer_id, seq, packed.to_batch(),
-                                            packed.metadata))
+        return self._state.deliver(
+            Delivery(self._producer_id, seq, packed.to_batch(), packed.metadata)
+        )
 
 
 class _InMemorySpec(EndpointSpec):
     """Base of the in-memory specs: usable only in the process that made them."""
 
     def __reduce__(self):
-        raise TypeError("in-memory data plane endpoints work only inside the process that "
-                        "connected them; to reach Ray actors set data_plane.transport: "
-                        "ray_direct")
+        raise TypeError(
+            "in-memory data plane endpoints work only inside the process that "
+            "connected them; to reach Ray actors set data_plane.transport: "
+            "ray_direct"
+        )
 
 
 class InMemorySenderSpec(_InMemorySpec):
@@ -93,22 +105,32 @@ class InMemoryDataPlane(DataPlane):
 
     def connect(self, producers: Sequence[Any], receivers: Sequence[Any]) -> DataPlaneEndpoints:
         if len(producers) == 0 or len(receivers) == 0:
-            raise ValueError(f"connect needs at least one producer and one receiver, got "
-                             f"{len(producers)} producer(s) and {len(receivers)} receiver(s)")
+            raise ValueError(
+                f"connect needs at least one producer and one receiver, got "
+                f"{len(producers)} producer(s) and {len(receivers)} receiver(s)"
+            )
         with self._lock:
             if self._closed:
                 raise DataPlaneClosedError(f"data plane {self._name} is closed")
             if self._states is not None:
-                raise DataPlaneError(f"data plane {self._name} is already connected; create "
-                                     f"another plane for another set of endpoints")
-            self._states = [ReceiverState(self._config.max_in_flight_batches,
-                                          name=f"data plane {self._name} receiver {r}")
-                            for r in range(len(receivers))]
+                raise DataPlaneError(
+                    f"data plane {self._name} is already connected; create "
+                    f"another plane for another set of endpoints"
+                )
+            self._states = [
+                ReceiverState(
+                    self._config.max_in_flight_batches, name=f"data plane {self._name} receiver {r}"
+                )
+                for r in range(len(receivers))
+            ]
             self._num_producers = len(producers)
         return DataPlaneEndpoints(
-            senders=tuple(tuple(InMemorySenderSpec(self, p, r) for r in range(len(receivers)))
-                          for p in range(len(producers))),
-            receivers=tuple(InMemoryReceiverSpec(self, r) for r in range(len(receivers))))
+            senders=tuple(
+                tuple(InMemorySenderSpec(self, p, r) for r in range(len(receivers)))
+                for p in range(len(producers))
+            ),
+            receivers=tuple(InMemoryReceiverSpec(self, r) for r in range(len(receivers))),
+        )
 
     def close(self) -> None:
         with self._lock:
@@ -123,16 +145,18 @@ class InMemoryDataPlane(DataPlane):
             self._check_usable()
             key = (producer, receiver)
             if key not in self._senders:
-                self._senders[key] = InMemorySender(f"producer-{producer}",
-                                                    self._states[receiver], self._config)
+                self._senders[key] = InMemorySender(
+                    f"producer-{producer}", self._states[receiver], self._config
+                )
             return self._senders[key]
 
     def _open_receiver(self, receiver: int) -> StateReceiver:
         with self._lock:
             self._check_usable()
             if receiver not in self._receivers:
-                self._receivers[receiver] = StateReceiver(self._states[receiver],
-                                                          self._config.receive_timeout_s)
+                self._receivers[receiver] = StateReceiver(
+                    self._states[receiver], self._config.receive_timeout_s
+                )
             return self._receivers[receiver]
 
     def _check_usable(self) -> None:

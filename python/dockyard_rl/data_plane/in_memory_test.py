@@ -8,7 +8,11 @@ import torch
 
 from dockyard_rl.data_plane.factory import create_data_plane
 from dockyard_rl.data_plane.interfaces import (
-    BackpressureTimeoutError, DataPlaneClosedError, DataPlaneError, DeliveryStatus)
+    BackpressureTimeoutError,
+    DataPlaneClosedError,
+    DataPlaneError,
+    DeliveryStatus,
+)
 from dockyard_rl.data_plane.testing import PATTERN_STRIDE, pattern_batch
 
 
@@ -36,8 +40,9 @@ def test_four_producer_threads_exactly_once_with_duplicates():
         thread.join(30)
     assert not errors
     keys = [(d.producer_id, d.seq) for d in received]
-    assert sorted(keys) == [(f"producer-{p}", n) for p in range(num_producers)
-                            for n in range(num_batches)]
+    assert sorted(keys) == [
+        (f"producer-{p}", n) for p in range(num_producers) for n in range(num_batches)
+    ]
     for d in received:  # the content under (producer, seq) is that batch
         p = int(d.producer_id.split("-")[1])
         assert int(d.batch["input_ids_BS"][0, 0]) == p * PATTERN_STRIDE + d.seq

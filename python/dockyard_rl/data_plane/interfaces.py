@@ -61,9 +61,19 @@ from typing import Any
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 
 __all__ = [
-    "BackpressureTimeoutError", "DataPlane", "DataPlaneClosedError", "DataPlaneEndpoints",
-    "DataPlaneError", "DataPlaneReceiver", "DataPlaneSender", "DataPlaneTransportError",
-    "Delivery", "DeliveryStatus", "EndpointSpec", "ReceiveTimeoutError", "SequenceGapError",
+    "BackpressureTimeoutError",
+    "DataPlane",
+    "DataPlaneClosedError",
+    "DataPlaneEndpoints",
+    "DataPlaneError",
+    "DataPlaneReceiver",
+    "DataPlaneSender",
+    "DataPlaneTransportError",
+    "Delivery",
+    "DeliveryStatus",
+    "EndpointSpec",
+    "ReceiveTimeoutError",
+    "SequenceGapError",
 ]
 
 
@@ -97,7 +107,7 @@ class DataPlaneClosedError(DataPlaneError):
 class DeliveryStatus(enum.Enum):
     """What the receiver did with a (re)transmitted batch."""
 
-    ACCEPTED = "accepted"    # first arrival: buffered for `receive`
+    ACCEPTED = "accepted"  # first arrival: buffered for `receive`
     DUPLICATE = "duplicate"  # already delivered earlier: dropped, nothing buffered twice
 
 
@@ -133,9 +143,13 @@ class DataPlaneSender(abc.ABC):
         """The sequence number the next successful `send` will use."""
 
     @abc.abstractmethod
-    def send(self, batch: BatchedDataDict[Any] | Mapping[str, Any],
-             metadata: Mapping[str, Any] | None = None, *,
-             timeout_s: float | None = None) -> int:
+    def send(
+        self,
+        batch: BatchedDataDict[Any] | Mapping[str, Any],
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> int:
         """Delivers `batch` to the receiver; returns its sequence number once acknowledged.
 
         Args:
@@ -224,8 +238,10 @@ class DataPlaneEndpoints:
     def sender(self, producer: int, receiver: int = 0) -> EndpointSpec:
         """The spec of producer `producer`'s channel to receiver `receiver` (connect order)."""
         if not 0 <= producer < len(self.senders):
-            raise ValueError(f"producer index {producer} out of range: connect() got "
-                             f"{len(self.senders)} producer(s)")
+            raise ValueError(
+                f"producer index {producer} out of range: connect() got "
+                f"{len(self.senders)} producer(s)"
+            )
         return self.senders[producer][self._receiver_index(receiver)]
 
     def receiver(self, index: int = 0) -> EndpointSpec:
@@ -234,8 +250,10 @@ class DataPlaneEndpoints:
 
     def _receiver_index(self, index: int) -> int:
         if not 0 <= index < len(self.receivers):
-            raise ValueError(f"receiver index {index} out of range: connect() got "
-                             f"{len(self.receivers)} receiver(s)")
+            raise ValueError(
+                f"receiver index {index} out of range: connect() got "
+                f"{len(self.receivers)} receiver(s)"
+            )
         return index
 
 

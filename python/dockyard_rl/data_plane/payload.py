@@ -25,7 +25,10 @@ from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 
 # Which tensor device types each tensor transport can move; None = any.
 DEVICE_TYPES_BY_TRANSPORT: dict[str, tuple[str, ...] | None] = {
-    "in_memory": None, "gloo": ("cpu",), "nccl": ("cuda",), "nixl": None,
+    "in_memory": None,
+    "gloo": ("cpu",),
+    "nccl": ("cuda",),
+    "nixl": None,
 }
 
 
@@ -49,16 +52,25 @@ class PackedBatch:
         return assemble_batch(self.field_order, self.tensors, self.lists)
 
 
-def assemble_batch(field_order: tuple[str, ...] | list[str], tensors: Mapping[str, torch.Tensor],
-                   lists: Mapping[str, list]) -> BatchedDataDict:
+def assemble_batch(
+    field_order: tuple[str, ...] | list[str],
+    tensors: Mapping[str, torch.Tensor],
+    lists: Mapping[str, list],
+) -> BatchedDataDict:
     """The BatchedDataDict with fields in `field_order`, taken from `tensors` or `lists`."""
-    return BatchedDataDict({name: tensors[name] if name in tensors else lists[name]
-                            for name in field_order})
+    return BatchedDataDict(
+        {name: tensors[name] if name in tensors else lists[name] for name in field_order}
+    )
 
 
-def pack_batch(batch: BatchedDataDict | Mapping[str, Any],
-               metadata: Mapping[str, Any] | None, *, max_metadata_bytes: int,
-               tensor_transport: str, contiguous: bool = False) -> PackedBatch:
+def pack_batch(
+    batch: BatchedDataDict | Mapping[str, Any],
+    metadata: Mapping[str, Any] | None,
+    *,
+    max_metadata_bytes: int,
+    tensor_transport: str,
+    contiguous: bool = False,
+) -> PackedBatch:
     """Validates `batch` and `metadata` (module docstring) and splits them.
 
     Args:
@@ -69,8 +81,10 @@ def pack_batch(batch: BatchedDataDict | Mapping[str, Any],
     """
     if not isinstance(batch, BatchedDataDict):
         if not isinstance(batch, Mapping):
-            raise ValueError(f"batch must be a BatchedDataDict (or a mapping of fields), got "
-                             f"{type(batch).__name__}")
+            raise ValueError(
+                f"batch must be a BatchedDataDict (or a mapping of fields), got "
+                f"{type(batch).__name__}"
+            )
         batch = BatchedDataDict(batch)
     if not batch:
         raise ValueError("batch has no fields; send at least one tensor or list field")
@@ -84,22 +98,29 @@ def pack_batch(batch: BatchedDataDict | Mapping[str, Any],
     for name, value in batch.items():
         if isinstance(value, torch.Tensor):
             if allowed_devices is not None and value.device.type not in allowed_devices:
-                raise ValueError(f"field {name!r} is on {value.device}, but tensor transport "
-                                 f"{tensor_transport!r} moves {'/'.join(allowed_devices)} "
-                                 f"tensors; move it with .to(...) or pick another "
-                                 f"data_plane.tensor_transport")
+                raise ValueError(
+                    f"field {name!r} is on {value.device}, but tensor transport "
+                    f"{tensor_transport!r} moves {'/'.join(allowed_devices)} "
+                    f"tensors; move it with .to(...) or pick another "
+                    f"data_plane.tensor_transport"
+                )
             tensors[name] = value.contiguous() if contiguous else value
         else:
             lists[name] = value
     try:
         encoded = json.dumps({"metadata": dict(metadata), "lists": lists})
     except (TypeError, ValueError) as error:
-        raise ValueError(f"metadata and list fields must be JSON-able (str/int/float/bool/None "
-                         f"in lists and dicts): {error}; send numbers as tensor fields") from None
+        raise ValueError(
+            f"metadata and list fields must be JSON-able (str/int/float/bool/None "
+            f"in lists and dicts): {error}; send numbers as tensor fields"
+        ) from None
     num_bytes = len(encoded.encode())
     if num_bytes > max_metadata_bytes:
-        raise ValueError(f"metadata + list fields take {num_bytes} bytes as JSON, above "
-                         f"data_plane.max_metadata_bytes={max_metadata_bytes}; move bulky "
-                         f"per-sample data into tensor fields (e.g. token ids) or raise the limit")
-    return PackedBatch(field_order=tuple(batch), tensors=tensors, lists=lists,
-                       metadata=dict(metadata))
+        raise ValueError(
+            f"metadata + list fields take {num_bytes} bytes as JSON, above "
+            f"data_plane.max_metadata_bytes={max_metadata_bytes}; move bulky "
+            f"per-sample data into tensor fields (e.g. token ids) or raise the limit"
+        )
+    return PackedBatch(
+        field_order=tuple(batch), tensors=tensors, lists=lists, metadata=dict(metadata)
+    )

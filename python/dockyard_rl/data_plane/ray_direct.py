@@ -71,9 +71,21 @@ import torch
 
 from dockyard_rl.data_plane.config import DataPlaneConfig
 from dockyard_rl.data_plane.flow_control import (
-    ReceiverState, Reply, SequencedSender, StateReceiver, Verdict, transport_error)
+    ReceiverState,
+    Reply,
+    SequencedSender,
+    StateReceiver,
+    Verdict,
+    transport_error,
+)
 from dockyard_rl.data_plane.interfaces import (
-    DataPlane, DataPlaneClosedError, DataPlaneEndpoints, DataPlaneError, Delivery, EndpointSpec)
+    DataPlane,
+    DataPlaneClosedError,
+    DataPlaneEndpoints,
+    DataPlaneError,
+    Delivery,
+    EndpointSpec,
+)
 from dockyard_rl.data_plane.payload import PackedBatch, assemble_batch
 
 DATA_PLANE_CONCURRENCY_GROUP = "data_plane"
@@ -89,19 +101,21 @@ def data_plane_actor_options(num_threads: int = 4) -> dict[str, Any]:
     """
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
         raise ValueError(f"num_threads must be an integer >= 1, got {num_threads!r}")
-    return {"enable_tensor_transport": True,
-            "concurrency_groups": {DATA_PLANE_CONCURRENCY_GROUP: num_threads}}
+    return {
+        "enable_tensor_transport": True,
+        "concurrency_groups": {DATA_PLANE_CONCURRENCY_GROUP: num_threads},
+    }
 
 
 # --------------------------------------------------------------- per-process endpoint registry
 # Filled by the install functions below, which `connect` runs in every actor of a plane.
 
 _registry_lock = threading.Lock()
-_receiver_states: dict[tuple[str, int], ReceiverState] = {}   # (plane, receiver index)
+_receiver_states: dict[tuple[str, int], ReceiverState] = {}  # (plane, receiver index)
 _receivers: dict[tuple[str, int], StateReceiver] = {}
-_senders: dict[tuple[str, int, int], RayDirectSender] = {}     # (plane, producer, receiver)
-_producer_planes: dict[str, str | None] = {}                   # plane -> communicator name
-_staged: dict[str, dict[str, torch.Tensor]] = {}                # transfer key -> tensors
+_senders: dict[tuple[str, int, int], RayDirectSender] = {}  # (plane, producer, receiver)
+_producer_planes: dict[str, str | None] = {}  # plane -> communicator name
+_staged: dict[str, dict[str, torch.Tensor]] = {}  # transfer key -> tensors
 
 
 def _register_communicator(communicator: Any) -> None:
@@ -121,10 +135,12 @@ def _unregister_communicator(name: str) -> None:
 # Functions run inside the actors through `actor.__ray_call__` (`_actor` is the actor instance,
 # unused): module-level so Ray pickles them by reference.
 
+
 def _install_receiver(_actor: Any, plane: str, index: int, capacity: int) -> None:
     with _registry_lock:
         _receiver_states[(plane, index)] = ReceiverState(
-            capacity, name=f"data plane {plane} receiver {index}")
+            capacity, name=f"data plane {plane} receiver {index}"
+        )
 
 
 def _install_producer(_actor: Any, plane: str, communicator: Any | None) -> None:
@@ -160,15 +176,24 @@ def _reserve(_actor: Any, plane: str, index: int, producer_id: str, seq: int) ->
     return Reply(Verdict.CLOSED, 0) if state is None else state.reserve(producer_id, seq)
 
 
-def _deliver(_actor: Any, plane: str, index: int, producer_id: str, seq: int,
-             tensors: dict[str, torch.Tensor], field_order: list[str],
-             lists: dict[str, list], metadata: dict[str, Any]) -> Reply:
+def _deliver(
+    _actor: Any,
+    plane: str,
+    index: int,
+    producer_id: str,
+    seq: int,
+    tensors: dict[str, torch.Tensor],
+    field_order: list[str],
+    lists: dict[str, list],
+    metadata: dict[str, Any],
+) -> Reply:
     # `tensors` arrived by RDT: Ray resolved the producer's ref into this process's memory.
     state = _receiver_states.get((plane, index))
     if state is None:
         return Reply(Verdict.CLOSED, 0)
-    return state.deliver(Delivery(producer_id, seq, assemble_batch(field_order, tensors, lists),
-                                  metadata))
+    return state.deliver(
+        Delivery(producer_id, seq, assemble_batch(field_order, tensors, lists), metadata)
+    )
 
 
 def _emit(_actor: Any, key: str) -> dict[str, torch.Tensor]:
@@ -183,9 +208,11 @@ def _current_actor_id() -> str | None:
 def _require_actor(expected_actor_id: str, what: str) -> None:
     actual = _current_actor_id()
     if actual != expected_actor_id:
-        raise ValueError(f"open this {what} inside the actor it was made for ({expected_actor_id}, "
-                         f"the one passed to connect() at this position); this process is "
-                         f"{'actor ' + actual if actual else 'not an actor (the driver?)'}")
+        raise ValueError(
+            f"open this {what} inside the actor it was made for ({expected_actor_id}, "
+            f"the one passed to connect() at this position); this process is "
+            f"{'actor ' + actual if actual else 'not an actor (the driver?)'}"
+        )
 
 
 # ------------------------------------------------------------------------------------ endpoints
@@ -196,11 +223,14 @@ class RayDirectSender(SequencedSender):
 
     def __init__(self, spec: RayDirectSenderSpec, start_seq: int):
         config = spec.config
-        super().__init__(spec.producer_id, start_seq,
-                         backpressure_timeout_s=config.backpressure_timeout_s,
-                         max_metadata_bytes=config.max_metadata_bytes,
-                         tensor_transport=config.tensor_transport,
-                         contiguous=config.tensor_transport in _COLLECTIVE_BACKENDS)
+        super().__init__(
+            spec.producer_id,
+            start_seq,
+            backpressure_timeout_s=config.backpressure_timeout_s,
+            max_metadata_bytes=config.max_metadata_bytes,
+            tensor_transport=config.tensor_transport,
+            contiguous=config.tensor_transport in _COLLECTIVE_BACKENDS,
+        )
         self._spec = spec
         self._self_handle = ray.get_runtime_context().current_actor
 
@@ -211,17 +241,20 @@ class RayDirectSender(SequencedSender):
 
     def _call_receiver(self, function: Any, *args: Any) -> Any:
         ref = self._spec.receiver.__ray_call__.options(
-            concurrency_group=DATA_PLANE_CONCURRENCY_GROUP).remote(function, *args)
+            concurrency_group=DATA_PLANE_CONCURRENCY_GROUP
+        ).remote(function, *args)
         return ray.get(ref, timeout=self._spec.config.transfer_timeout_s)
 
     def _reserve(self, seq: int, wait_s: float) -> Reply:
         spec = self._spec
         try:
-            return self._call_receiver(_reserve, spec.plane, spec.receiver_index,
-                                       self._producer_id, seq)
+            return self._call_receiver(
+                _reserve, spec.plane, spec.receiver_index, self._producer_id, seq
+            )
         except ray.exceptions.RayError as error:
-            raise transport_error(f"{self._producer_id}: slot request for seq {seq}",
-                                  error) from error
+            raise transport_error(
+                f"{self._producer_id}: slot request for seq {seq}", error
+            ) from error
 
     def _transfer(self, seq: int, packed: PackedBatch) -> Reply:
         spec = self._spec
@@ -232,14 +265,22 @@ class RayDirectSender(SequencedSender):
                 _staged[key] = packed.tensors
                 tensors_ref = self._self_handle.__ray_call__.options(
                     tensor_transport=spec.config.tensor_transport,
-                    concurrency_group=DATA_PLANE_CONCURRENCY_GROUP).remote(_emit, key)
+                    concurrency_group=DATA_PLANE_CONCURRENCY_GROUP,
+                ).remote(_emit, key)
             # The ref must be a top-level argument: only those trigger the RDT transfer.
-            return self._call_receiver(_deliver, spec.plane, spec.receiver_index,
-                                       self._producer_id, seq, tensors_ref,
-                                       list(packed.field_order), packed.lists, packed.metadata)
+            return self._call_receiver(
+                _deliver,
+                spec.plane,
+                spec.receiver_index,
+                self._producer_id,
+                seq,
+                tensors_ref,
+                list(packed.field_order),
+                packed.lists,
+                packed.metadata,
+            )
         except ray.exceptions.RayError as error:
-            raise transport_error(f"{self._producer_id}: transfer of seq {seq}",
-                                  error) from error
+            raise transport_error(f"{self._producer_id}: transfer of seq {seq}", error) from error
         finally:
             _staged.pop(key, None)
             del tensors_ref  # the last reference: Ray frees the producer-side RDT copy
@@ -265,21 +306,27 @@ class RayDirectSenderSpec(EndpointSpec):
         key = (self.plane, self.producer_index, self.receiver_index)
         with _registry_lock:
             if self.plane not in _producer_planes:
-                raise DataPlaneClosedError(f"data plane {self.plane} is not installed in this "
-                                           f"actor (closed, or the actor restarted)")
+                raise DataPlaneClosedError(
+                    f"data plane {self.plane} is not installed in this "
+                    f"actor (closed, or the actor restarted)"
+                )
             if key in _senders:
                 return _senders[key]
         try:
-            start_seq = ray.get(self.receiver.__ray_call__.options(
-                concurrency_group=DATA_PLANE_CONCURRENCY_GROUP).remote(
-                    _expected_seq, self.plane, self.receiver_index, self.producer_id),
-                timeout=self.config.transfer_timeout_s)
+            start_seq = ray.get(
+                self.receiver.__ray_call__.options(
+                    concurrency_group=DATA_PLANE_CONCURRENCY_GROUP
+                ).remote(_expected_seq, self.plane, self.receiver_index, self.producer_id),
+                timeout=self.config.transfer_timeout_s,
+            )
         except ray.exceptions.RayError as error:
-            raise transport_error(f"{self.producer_id}: asking the receiver where to start",
-                                  error) from error
+            raise transport_error(
+                f"{self.producer_id}: asking the receiver where to start", error
+            ) from error
         if start_seq is None:
-            raise DataPlaneClosedError(f"data plane {self.plane}: receiver "
-                                       f"{self.receiver_index} is closed")
+            raise DataPlaneClosedError(
+                f"data plane {self.plane}: receiver {self.receiver_index} is closed"
+            )
         with _registry_lock:
             return _senders.setdefault(key, RayDirectSender(self, start_seq))
 
@@ -298,11 +345,14 @@ class RayDirectReceiverSpec(EndpointSpec):
         key = (self.plane, self.receiver_index)
         with _registry_lock:
             if key not in _receiver_states:
-                raise DataPlaneClosedError(f"data plane {self.plane} is not installed in this "
-                                           f"actor (closed, or the actor restarted)")
+                raise DataPlaneClosedError(
+                    f"data plane {self.plane} is not installed in this "
+                    f"actor (closed, or the actor restarted)"
+                )
             if key not in _receivers:
-                _receivers[key] = StateReceiver(_receiver_states[key],
-                                                self.config.receive_timeout_s)
+                _receivers[key] = StateReceiver(
+                    _receiver_states[key], self.config.receive_timeout_s
+                )
             return _receivers[key]
 
 
@@ -337,8 +387,10 @@ class RayDirectDataPlane(DataPlane):
             if self._closed:
                 raise DataPlaneClosedError(f"data plane {self._name} is closed")
             if self._connected:
-                raise DataPlaneError(f"data plane {self._name} is already connected; create "
-                                     f"another plane for another set of actors")
+                raise DataPlaneError(
+                    f"data plane {self._name} is already connected; create "
+                    f"another plane for another set of actors"
+                )
             self._connected = True
         self._actors = receivers + producers
         backend = self._config.tensor_transport
@@ -348,19 +400,33 @@ class RayDirectDataPlane(DataPlane):
             try:
                 # Ranks: receivers first, then producers (any order works; RDT looks them up).
                 self._group = create_collective_group(
-                    self._actors, backend=backend, name=f"dockyard-data-plane-{self._name}")
+                    self._actors, backend=backend, name=f"dockyard-data-plane-{self._name}"
+                )
             except RuntimeError as error:
-                raise ValueError(f"data plane {self._name}: cannot create the {backend} group "
-                                 f"({error}); Ray's RDT allows one {backend} group per actor, so "
-                                 f"close the other data plane these actors are in first") \
-                    from None
-        installs = [(f"receiver {r}", actor, _install_receiver,
-                     (self._name, r, self._config.max_in_flight_batches))
-                    for r, actor in enumerate(receivers)]
-        installs += [(f"producer {p}", actor, _install_producer, (self._name, self._group))
-                     for p, actor in enumerate(producers)]
-        refs = [actor.__ray_call__.options(concurrency_group=DATA_PLANE_CONCURRENCY_GROUP)
-                .remote(function, *args) for _, actor, function, args in installs]
+                raise ValueError(
+                    f"data plane {self._name}: cannot create the {backend} group "
+                    f"({error}); Ray's RDT allows one {backend} group per actor, so "
+                    f"close the other data plane these actors are in first"
+                ) from None
+        installs = [
+            (
+                f"receiver {r}",
+                actor,
+                _install_receiver,
+                (self._name, r, self._config.max_in_flight_batches),
+            )
+            for r, actor in enumerate(receivers)
+        ]
+        installs += [
+            (f"producer {p}", actor, _install_producer, (self._name, self._group))
+            for p, actor in enumerate(producers)
+        ]
+        refs = [
+            actor.__ray_call__.options(concurrency_group=DATA_PLANE_CONCURRENCY_GROUP).remote(
+                function, *args
+            )
+            for _, actor, function, args in installs
+        ]
         for (what, _, _, _), ref in zip(installs, refs):
             try:
                 ray.get(ref, timeout=self._config.transfer_timeout_s)
@@ -369,15 +435,21 @@ class RayDirectDataPlane(DataPlane):
                 raise ValueError(
                     f"data plane {self._name}: installing on {what} failed ({type(error).__name__}"
                     f"); a call into a concurrency group the actor does not declare kills it, so "
-                    f"declare the actor class with @ray.remote(**data_plane_actor_options())") \
-                    from error
+                    f"declare the actor class with @ray.remote(**data_plane_actor_options())"
+                ) from error
         receiver_specs = tuple(
             RayDirectReceiverSpec(self._name, r, actor._actor_id.hex(), self._config)
-            for r, actor in enumerate(receivers))
+            for r, actor in enumerate(receivers)
+        )
         sender_specs = tuple(
-            tuple(RayDirectSenderSpec(self._name, p, r, producer._actor_id.hex(), receiver,
-                                      self._config) for r, receiver in enumerate(receivers))
-            for p, producer in enumerate(producers))
+            tuple(
+                RayDirectSenderSpec(
+                    self._name, p, r, producer._actor_id.hex(), receiver, self._config
+                )
+                for r, receiver in enumerate(receivers)
+            )
+            for p, producer in enumerate(producers)
+        )
         return DataPlaneEndpoints(senders=sender_specs, receivers=receiver_specs)
 
     def close(self) -> None:
@@ -385,8 +457,12 @@ class RayDirectDataPlane(DataPlane):
             if self._closed:
                 return
             self._closed = True
-        refs = [actor.__ray_call__.options(concurrency_group=DATA_PLANE_CONCURRENCY_GROUP)
-                .remote(_uninstall, self._name) for actor in self._actors]
+        refs = [
+            actor.__ray_call__.options(concurrency_group=DATA_PLANE_CONCURRENCY_GROUP).remote(
+                _uninstall, self._name
+            )
+            for actor in self._actors
+        ]
         for ref in refs:
             try:
                 ray.get(ref, timeout=self._config.transfer_timeout_s)
@@ -403,19 +479,27 @@ class RayDirectDataPlane(DataPlane):
 
     def _check_actors(self, producers: list[Any], receivers: list[Any]) -> None:
         if not producers or not receivers:
-            raise ValueError(f"connect needs at least one producer and one receiver actor, got "
-                             f"{len(producers)} producer(s) and {len(receivers)} receiver(s)")
+            raise ValueError(
+                f"connect needs at least one producer and one receiver actor, got "
+                f"{len(producers)} producer(s) and {len(receivers)} receiver(s)"
+            )
         for role, actors in (("producer", producers), ("receiver", receivers)):
             for index, actor in enumerate(actors):
                 if not isinstance(actor, ray.actor.ActorHandle):
-                    raise ValueError(f"{role} {index} is {type(actor).__name__}, not a Ray actor "
-                                     f"handle; data_plane.transport ray_direct connects actors "
-                                     f"(data_plane: null for the in-process path)")
+                    raise ValueError(
+                        f"{role} {index} is {type(actor).__name__}, not a Ray actor "
+                        f"handle; data_plane.transport ray_direct connects actors "
+                        f"(data_plane: null for the in-process path)"
+                    )
                 if not actor._ray_enable_tensor_transport:
-                    raise ValueError(f"{role} {index} ({actor!r}) was declared without "
-                                     f"enable_tensor_transport; declare its class with "
-                                     f"@ray.remote(**data_plane_actor_options())")
+                    raise ValueError(
+                        f"{role} {index} ({actor!r}) was declared without "
+                        f"enable_tensor_transport; declare its class with "
+                        f"@ray.remote(**data_plane_actor_options())"
+                    )
         ids = [actor._actor_id for actor in producers + receivers]
         if len(set(ids)) != len(ids):
-            raise ValueError("every producer and receiver must be a distinct actor (an actor "
-                             "cannot appear twice, nor be both producer and receiver)")
+            raise ValueError(
+                "every producer and receiver must be a distinct actor (an actor "
+                "cannot appear twice, nor be both producer and receiver)"
+            )

@@ -15,10 +15,8 @@ ray = pytest.importorskip("ray")
 from dockyard_rl.cluster.local_ray import init_local_ray  # noqa: E402
 from dockyard_rl.data_plane.config import DataPlaneConfig  # noqa: E402
 from dockyard_rl.data_plane.factory import create_data_plane  # noqa: E402
-from dockyard_rl.data_plane.ray_direct import (  # noqa: E402
-    RayDirectDataPlane, data_plane_actor_options)
-from dockyard_rl.data_plane.testing import (  # noqa: E402
-    PATTERN_STRIDE, ExperienceProducer, ExperienceTrainer)
+from dockyard_rl.data_plane.ray_direct import RayDirectDataPlane, data_plane_actor_options  # noqa: E402
+from dockyard_rl.data_plane.testing import PATTERN_STRIDE, ExperienceProducer, ExperienceTrainer  # noqa: E402
 
 NUM_PRODUCERS = 4
 
@@ -73,8 +71,9 @@ def test_four_producers_every_batch_exactly_once(actors):
         leftover = ray.get(trainer.try_receive.remote(0.2))
     assert results == [[(n, "duplicate") for n in range(num_batches)]] * NUM_PRODUCERS
     keys = [(r["producer_id"], r["seq"]) for r in received]
-    assert sorted(keys) == [(f"producer-{p}", n) for p in range(NUM_PRODUCERS)
-                            for n in range(num_batches)]
+    assert sorted(keys) == [
+        (f"producer-{p}", n) for p in range(NUM_PRODUCERS) for n in range(num_batches)
+    ]
     for r in received:
         p = int(r["producer_id"].split("-")[1])
         assert r["first_id"] == p * PATTERN_STRIDE + r["seq"]  # the payload is that batch
@@ -173,8 +172,7 @@ def test_endpoints_close_with_the_plane(actors):
         waiting = trainer.try_receive.remote(60)
         plane.close()
         assert ray.get(waiting).startswith("DataPlaneClosedError")
-        assert ray.get(producers[1].try_send.remote(1, 1, 5))[0].startswith(
-            "DataPlaneClosedError")
+        assert ray.get(producers[1].try_send.remote(1, 1, 5))[0].startswith("DataPlaneClosedError")
 
 
 def test_actor_classes_without_the_options_fail_at_connect(actors):
@@ -186,8 +184,11 @@ def test_actor_classes_without_the_options_fail_at_connect(actors):
     no_group_cls = ray.remote(enable_tensor_transport=True)(ExperienceTrainer)
     receiver, producer = (no_group_cls.options(num_cpus=0).remote() for _ in range(2))
     plane = RayDirectDataPlane(DataPlaneConfig())
-    with pytest.raises(ValueError, match=r"installing on receiver 0 failed.*"
-                                         r"data_plane_actor_options"):
+    with pytest.raises(
+        ValueError,
+        match=r"installing on receiver 0 failed.*"
+        r"data_plane_actor_options",
+    ):
         plane.connect([producer], [receiver])
     for actor in (plain, receiver, producer):
         ray.kill(actor)

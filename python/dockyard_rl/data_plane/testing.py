@@ -21,15 +21,17 @@ from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 PATTERN_STRIDE = 1_000_000
 
 
-def pattern_batch(producer_index: int, number: int, batch_size: int, seq_len: int
-                  ) -> BatchedDataDict:
+def pattern_batch(
+    producer_index: int, number: int, batch_size: int, seq_len: int
+) -> BatchedDataDict:
     """Small batch whose every id is producer_index * PATTERN_STRIDE + number."""
     value = producer_index * PATTERN_STRIDE + number
     return BatchedDataDict(
         input_ids_BS=torch.full((batch_size, seq_len), value, dtype=torch.int64),
         logprobs_BS=torch.full((batch_size, seq_len), -float(number), dtype=torch.float32),
         mask_BS=torch.ones((batch_size, seq_len), dtype=torch.bool),
-        instance_ids=[f"p{producer_index}-b{number}-s{i}" for i in range(batch_size)])
+        instance_ids=[f"p{producer_index}-b{number}-s{i}" for i in range(batch_size)],
+    )
 
 
 def random_experience_batch(seed: int, batch_size: int, seq_len: int) -> BatchedDataDict:
@@ -38,9 +40,10 @@ def random_experience_batch(seed: int, batch_size: int, seq_len: int) -> Batched
     float32 rewards, a non-contiguous field and a list field."""
     generator = torch.Generator().manual_seed(seed)
     shape = (batch_size, seq_len)
-    ids_BS = torch.randint(-2**63, 2**63 - 1, shape, dtype=torch.int64, generator=generator)
-    logprob_bits_BS = torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int32,
-                                    generator=generator)
+    ids_BS = torch.randint(-(2**63), 2**63 - 1, shape, dtype=torch.int64, generator=generator)
+    logprob_bits_BS = torch.randint(
+        -(2**31), 2**31 - 1, shape, dtype=torch.int32, generator=generator
+    )
     return BatchedDataDict(
         input_ids_BS=ids_BS,
         logprobs_BS=logprob_bits_BS.view(torch.float32),
@@ -49,16 +52,19 @@ def random_experience_batch(seed: int, batch_size: int, seq_len: int) -> Batched
         rewards_B=torch.randn((batch_size,), generator=generator),
         # A transposed view: not contiguous on the producer (collective transports copy it).
         ref_logprobs_BS=torch.randn((seq_len, batch_size), generator=generator).t(),
-        instance_ids=[f"instance-{seed}-{i}" for i in range(batch_size)])
+        instance_ids=[f"instance-{seed}-{i}" for i in range(batch_size)],
+    )
 
 
 def ids_and_logprobs_batch(batch_size: int, seq_len: int) -> BatchedDataDict:
     """The benchmark's batch: int64 token ids + float32 log-probs."""
     generator = torch.Generator().manual_seed(0)
     return BatchedDataDict(
-        input_ids_BS=torch.randint(0, 50_000, (batch_size, seq_len), dtype=torch.int64,
-                                   generator=generator),
-        logprobs_BS=-torch.rand((batch_size, seq_len), generator=generator) * 10)
+        input_ids_BS=torch.randint(
+            0, 50_000, (batch_size, seq_len), dtype=torch.int64, generator=generator
+        ),
+        logprobs_BS=-torch.rand((batch_size, seq_len), generator=generator) * 10,
+    )
 
 
 def batch_digest(batch: BatchedDataDict) -> str:
@@ -92,15 +98,18 @@ class ExperienceProducer:
         assert spec.open() is self._sender  # idempotent per process
         return self._sender.producer_id, self._sender.next_seq
 
-    def send_patterns(self, num_batches: int, batch_size: int, seq_len: int,
-                      resend_each: bool = False) -> list[tuple[int, str | None]]:
+    def send_patterns(
+        self, num_batches: int, batch_size: int, seq_len: int, resend_each: bool = False
+    ) -> list[tuple[int, str | None]]:
         """Sends pattern batches numbered next_seq, next_seq + 1, ...; optionally resends each
         right away (a duplicate). Returns (seq, resend status or None) per batch."""
         results = []
         for _ in range(num_batches):
             number = self._sender.next_seq
-            seq = self._sender.send(pattern_batch(self._index, number, batch_size, seq_len),
-                                    {"number": number, "producer_index": self._index})
+            seq = self._sender.send(
+                pattern_batch(self._index, number, batch_size, seq_len),
+                {"number": number, "producer_index": self._index},
+            )
             status = self._sender.resend().value if resend_each else None
             results.append((seq, status))
         return results
@@ -115,8 +124,11 @@ class ExperienceProducer:
         start = time.monotonic()
         number = self._sender.next_seq
         try:
-            result: Any = self._sender.send(pattern_batch(self._index, number, batch_size, seq_len),
-                                            {"number": number}, timeout_s=timeout_s)
+            result: Any = self._sender.send(
+                pattern_batch(self._index, number, batch_size, seq_len),
+                {"number": number},
+                timeout_s=timeout_s,
+            )
         except DataPlaneError as error:
             result = _error_name(error)
         return result, time.monotonic() - start
@@ -164,8 +176,9 @@ class ExperienceTrainer:
         self._receiver = spec.open()
         assert spec.open() is self._receiver
 
-    def receive(self, num_batches: int, timeout_s: float | None = None,
-                pause_s: float = 0.0) -> list[dict[str, Any]]:
+    def receive(
+        self, num_batches: int, timeout_s: float | None = None, pause_s: float = 0.0
+    ) -> list[dict[str, Any]]:
         """Receives `num_batches` (sleeping `pause_s` before each, a slow trainer) and returns
         one summary per delivery."""
         summaries = []
@@ -174,14 +187,22 @@ class ExperienceTrainer:
                 time.sleep(pause_s)
             delivery = self._receiver.receive(timeout_s)
             batch = delivery.batch
-            summaries.append({
-                "producer_id": delivery.producer_id, "seq": delivery.seq,
-                "metadata": delivery.metadata, "digest": batch_digest(batch),
-                "fields": {k: (str(v.dtype), tuple(v.shape)) if isinstance(v, torch.Tensor)
-                           else ("list", len(v)) for k, v in batch.items()},
-                "first_id": int(batch["input_ids_BS"].reshape(-1)[0]),
-                "lists": {k: v for k, v in batch.items() if isinstance(v, list)},
-            })
+            summaries.append(
+                {
+                    "producer_id": delivery.producer_id,
+                    "seq": delivery.seq,
+                    "metadata": delivery.metadata,
+                    "digest": batch_digest(batch),
+                    "fields": {
+                        k: (str(v.dtype), tuple(v.shape))
+                        if isinstance(v, torch.Tensor)
+                        else ("list", len(v))
+                        for k, v in batch.items()
+                    },
+                    "first_id": int(batch["input_ids_BS"].reshape(-1)[0]),
+                    "lists": {k: v for k, v in batch.items() if isinstance(v, list)},
+                }
+            )
         return summaries
 
     def try_receive(self, timeout_s: float) -> str:
@@ -197,8 +218,9 @@ class ExperienceTrainer:
 
     def take_batch(self, batch: BatchedDataDict) -> int:
         """The object-store baseline's consumer: the batch as a task argument."""
-        return sum(v.numel() * v.element_size() for v in batch.values()
-                   if isinstance(v, torch.Tensor))
+        return sum(
+            v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor)
+        )
 
     def stats(self) -> dict[str, Any]:
         return self._receiver.stats()

@@ -55,7 +55,7 @@ import torch
 T = TypeVar("T")
 
 # A batch field: a tensor with a leading batch dim, or a list of per-sample objects.
-BatchField = typing.Union[torch.Tensor, list]
+BatchField = torch.Tensor | list
 
 
 def _describe(value: Any) -> str:
@@ -70,21 +70,29 @@ def _describe(value: Any) -> str:
 def _check_field(key: Any, value: Any) -> None:
     """Raises ValueError if `key`/`value` cannot be a batch field."""
     if not isinstance(key, str):
-        raise ValueError(f"BatchedDataDict keys must be str field names, got {key!r} "
-                         f"({type(key).__name__})")
+        raise ValueError(
+            f"BatchedDataDict keys must be str field names, got {key!r} ({type(key).__name__})"
+        )
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
-            raise ValueError(f"field {key!r} is a 0-dim tensor; batch fields need a leading batch "
-                             f"dim (one entry per sample): use value.reshape(1) for a single "
-                             f"sample or value.expand(batch_size) to broadcast it")
+            raise ValueError(
+                f"field {key!r} is a 0-dim tensor; batch fields need a leading batch "
+                f"dim (one entry per sample): use value.reshape(1) for a single "
+                f"sample or value.expand(batch_size) to broadcast it"
+            )
         return
     if isinstance(value, list):
         return
-    fix = "convert it with list(...)" if isinstance(value, tuple) else (
-        "convert it with torch.as_tensor(...) or list(...)")
-    raise ValueError(f"field {key!r} has type {type(value).__name__}; batch fields must be a "
-                     f"torch.Tensor with a leading batch dim or a list with one entry per "
-                     f"sample: {fix}")
+    fix = (
+        "convert it with list(...)"
+        if isinstance(value, tuple)
+        else ("convert it with torch.as_tensor(...) or list(...)")
+    )
+    raise ValueError(
+        f"field {key!r} has type {type(value).__name__}; batch fields must be a "
+        f"torch.Tensor with a leading batch dim or a list with one entry per "
+        f"sample: {fix}"
+    )
 
 
 def _field_len(value: BatchField) -> int:
@@ -96,9 +104,11 @@ def _check_equal_lengths(fields: Mapping[str, BatchField], context: str) -> None
     lengths = {key: _field_len(value) for key, value in fields.items()}
     if len(set(lengths.values())) > 1:
         listing = ", ".join(f"{key!r} has {n}" for key, n in lengths.items())
-        raise ValueError(f"{context}: fields differ in length along dim 0 ({listing}); every "
-                         f"field must hold exactly one entry per sample, so fix the producer of "
-                         f"the odd field(s) or build the batch from equally long fields")
+        raise ValueError(
+            f"{context}: fields differ in length along dim 0 ({listing}); every "
+            f"field must hold exactly one entry per sample, so fix the producer of "
+            f"the odd field(s) or build the batch from equally long fields"
+        )
 
 
 def _check_positive_int(value: Any, name: str, fix: str) -> None:
@@ -119,15 +129,19 @@ def invert_permutation(permutation: Sequence[int]) -> list[int]:
     for position, original in enumerate(permutation):
         original = int(original)
         if not 0 <= original < num_items or inverse[original] != -1:
-            raise ValueError(f"not a permutation of range({num_items}): entry {original} at "
-                             f"position {position} is out of range or repeated")
+            raise ValueError(
+                f"not a permutation of range({num_items}): entry {original} at "
+                f"position {position} is out of range or repeated"
+            )
         inverse[original] = position
     return inverse
 
 
-def pad_sequences(sequences: Sequence[torch.Tensor | Sequence[int] | Sequence[float]],
-                  pad_value: float | int = 0,
-                  pad_to_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_sequences(
+    sequences: Sequence[torch.Tensor | Sequence[int] | Sequence[float]],
+    pad_value: float | int = 0,
+    pad_to_length: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pads variable-length 1-D sequences into one `[B, S]` tensor.
 
     Args:
@@ -146,37 +160,52 @@ def pad_sequences(sequences: Sequence[torch.Tensor | Sequence[int] | Sequence[fl
             1-D, mixed dtypes or devices, or a sequence longer than `pad_to_length`.
     """
     if len(sequences) == 0:
-        raise ValueError("pad_sequences needs at least one sequence (the dtype and device of the "
-                         "result come from them); build an empty [0, S] tensor directly instead")
-    tensors_S = [seq if isinstance(seq, torch.Tensor) else torch.as_tensor(seq)
-                 for seq in sequences]
+        raise ValueError(
+            "pad_sequences needs at least one sequence (the dtype and device of the "
+            "result come from them); build an empty [0, S] tensor directly instead"
+        )
+    tensors_S = [
+        seq if isinstance(seq, torch.Tensor) else torch.as_tensor(seq) for seq in sequences
+    ]
     first = tensors_S[0]
     for index, seq_S in enumerate(tensors_S):
         if seq_S.dim() != 1:
-            raise ValueError(f"pad_sequences: sequence {index} has shape {tuple(seq_S.shape)}; "
-                             f"every sequence must be 1-D (one sample's tokens)")
+            raise ValueError(
+                f"pad_sequences: sequence {index} has shape {tuple(seq_S.shape)}; "
+                f"every sequence must be 1-D (one sample's tokens)"
+            )
         if seq_S.dtype != first.dtype or seq_S.device != first.device:
-            raise ValueError(f"pad_sequences: sequence {index} is {seq_S.dtype} on "
-                             f"{seq_S.device} but sequence 0 is {first.dtype} on {first.device}; "
-                             f"convert them to one dtype and device first")
-    lengths_B = torch.tensor([seq_S.shape[0] for seq_S in tensors_S], dtype=torch.int64,
-                             device=first.device)
+            raise ValueError(
+                f"pad_sequences: sequence {index} is {seq_S.dtype} on "
+                f"{seq_S.device} but sequence 0 is {first.dtype} on {first.device}; "
+                f"convert them to one dtype and device first"
+            )
+    lengths_B = torch.tensor(
+        [seq_S.shape[0] for seq_S in tensors_S], dtype=torch.int64, device=first.device
+    )
     longest = int(lengths_B.max())
     width = longest if pad_to_length is None else pad_to_length
     if pad_to_length is not None:
-        if isinstance(pad_to_length, bool) or not isinstance(pad_to_length, int) \
-                or pad_to_length < 0:
-            raise ValueError(f"pad_to_length must be a non-negative int or None, got "
-                             f"{pad_to_length!r}")
+        if (
+            isinstance(pad_to_length, bool)
+            or not isinstance(pad_to_length, int)
+            or pad_to_length < 0
+        ):
+            raise ValueError(
+                f"pad_to_length must be a non-negative int or None, got {pad_to_length!r}"
+            )
         if longest > pad_to_length:
             index = int(lengths_B.argmax())
-            raise ValueError(f"pad_sequences: sequence {index} has length {longest} > "
-                             f"pad_to_length={pad_to_length}; raise pad_to_length or truncate "
-                             f"the sequences first")
-    padded_BS = torch.full((len(tensors_S), width), pad_value, dtype=first.dtype,
-                           device=first.device)
+            raise ValueError(
+                f"pad_sequences: sequence {index} has length {longest} > "
+                f"pad_to_length={pad_to_length}; raise pad_to_length or truncate "
+                f"the sequences first"
+            )
+    padded_BS = torch.full(
+        (len(tensors_S), width), pad_value, dtype=first.dtype, device=first.device
+    )
     for row, seq_S in enumerate(tensors_S):
-        padded_BS[row, :seq_S.shape[0]] = seq_S
+        padded_BS[row, : seq_S.shape[0]] = seq_S
     return padded_BS, lengths_B
 
 
@@ -275,8 +304,10 @@ class BatchedDataDict(dict, Generic[T]):
                 (possible only if a field's tensor/list was resized in place).
         """
         if not self:
-            raise ValueError("BatchedDataDict has no fields, so it has no batch size; add at "
-                             "least one field first")
+            raise ValueError(
+                "BatchedDataDict has no fields, so it has no batch size; add at "
+                "least one field first"
+            )
         _check_equal_lengths(self, "BatchedDataDict")
         return _field_len(next(iter(self.values())))
 
@@ -292,8 +323,10 @@ class BatchedDataDict(dict, Generic[T]):
                 lists every missing / mistyped / extra key).
         """
         if not typing.is_typeddict(spec):
-            raise ValueError(f"validate expects a TypedDict class, got {spec!r}; declare the "
-                             f"batch's keys with `class MySpec(TypedDict): ...`")
+            raise ValueError(
+                f"validate expects a TypedDict class, got {spec!r}; declare the "
+                f"batch's keys with `class MySpec(TypedDict): ...`"
+            )
         problems = []
         missing = sorted(k for k in _required_keys(spec) if k not in self)
         if missing:
@@ -303,25 +336,28 @@ class BatchedDataDict(dict, Generic[T]):
             kinds = _annotation_kinds(annotation)
             if key in self and kinds is not None and not isinstance(self[key], tuple(kinds)):
                 expected = " or ".join(sorted(k.__name__ for k in kinds))
-                problems.append(f"field {key!r} should be {expected} but is "
-                                f"{_describe(self[key])}")
+                problems.append(f"field {key!r} should be {expected} but is {_describe(self[key])}")
         if not allow_extra_keys:
             extra = sorted(set(self) - set(hints))
             if extra:
                 problems.append(f"key(s) {extra} are not in the spec")
         if problems:
-            raise ValueError(f"batch does not match {spec.__name__}: {'; '.join(problems)} "
-                             f"(present keys: {sorted(self)})")
+            raise ValueError(
+                f"batch does not match {spec.__name__}: {'; '.join(problems)} "
+                f"(present keys: {sorted(self)})"
+            )
         return self
 
     # -------------------------------------------------------------------------- selection
 
     def _map(self, fn_tensor: Any, fn_list: Any) -> BatchedDataDict[T]:
         """A new batch with every field transformed by the function for its kind."""
-        return type(self)({
-            key: fn_tensor(value) if isinstance(value, torch.Tensor) else fn_list(value)
-            for key, value in self.items()
-        })
+        return type(self)(
+            {
+                key: fn_tensor(value) if isinstance(value, torch.Tensor) else fn_list(value)
+                for key, value in self.items()
+            }
+        )
 
     def slice(self, start: int, end: int) -> BatchedDataDict[T]:
         """Samples `[start, end)`; tensors are views of the receiver's storage.
@@ -331,11 +367,18 @@ class BatchedDataDict(dict, Generic[T]):
                 rather than wrapped, so an off-by-one cannot silently take the batch's tail).
         """
         batch_size = self.batch_size
-        if isinstance(start, bool) or isinstance(end, bool) or not isinstance(start, int) \
-                or not isinstance(end, int) or not 0 <= start <= end <= batch_size:
-            raise ValueError(f"slice({start!r}, {end!r}) is out of range for a batch of "
-                             f"{batch_size} samples; need ints with 0 <= start <= end <= "
-                             f"{batch_size}")
+        if (
+            isinstance(start, bool)
+            or isinstance(end, bool)
+            or not isinstance(start, int)
+            or not isinstance(end, int)
+            or not 0 <= start <= end <= batch_size
+        ):
+            raise ValueError(
+                f"slice({start!r}, {end!r}) is out of range for a batch of "
+                f"{batch_size} samples; need ints with 0 <= start <= end <= "
+                f"{batch_size}"
+            )
         return self._map(lambda t: t[start:end], lambda lst: lst[start:end])
 
     def truncate(self, num_samples: int) -> BatchedDataDict[T]:
@@ -345,10 +388,15 @@ class BatchedDataDict(dict, Generic[T]):
             ValueError: `num_samples` is negative or larger than the batch.
         """
         batch_size = self.batch_size
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) \
-                or not 0 <= num_samples <= batch_size:
-            raise ValueError(f"truncate({num_samples!r}) needs an int in [0, {batch_size}] "
-                             f"(the batch has {batch_size} samples)")
+        if (
+            isinstance(num_samples, bool)
+            or not isinstance(num_samples, int)
+            or not 0 <= num_samples <= batch_size
+        ):
+            raise ValueError(
+                f"truncate({num_samples!r}) needs an int in [0, {batch_size}] "
+                f"(the batch has {batch_size} samples)"
+            )
         return self.slice(0, num_samples)
 
     def select_indices(self, indices: Sequence[int] | torch.Tensor) -> BatchedDataDict[T]:
@@ -365,30 +413,41 @@ class BatchedDataDict(dict, Generic[T]):
         batch_size = self.batch_size
         if isinstance(indices, torch.Tensor):
             if indices.dim() != 1:
-                raise ValueError(f"select_indices needs 1-D indices, got a tensor of shape "
-                                 f"{tuple(indices.shape)}")
+                raise ValueError(
+                    f"select_indices needs 1-D indices, got a tensor of shape "
+                    f"{tuple(indices.shape)}"
+                )
             if indices.dtype == torch.bool:
                 if indices.shape[0] != batch_size:
-                    raise ValueError(f"select_indices: bool mask has length {indices.shape[0]} "
-                                     f"but the batch has {batch_size} samples")
+                    raise ValueError(
+                        f"select_indices: bool mask has length {indices.shape[0]} "
+                        f"but the batch has {batch_size} samples"
+                    )
                 indices = indices.nonzero().flatten()
             elif indices.dtype.is_floating_point or indices.dtype.is_complex:
-                raise ValueError(f"select_indices needs integer indices, got dtype "
-                                 f"{indices.dtype}; convert with .long()")
+                raise ValueError(
+                    f"select_indices needs integer indices, got dtype "
+                    f"{indices.dtype}; convert with .long()"
+                )
             index_list = [int(i) for i in indices.tolist()]
         else:
             index_list = list(indices)
             for i in index_list:
                 if isinstance(i, bool) or not isinstance(i, int):
-                    raise ValueError(f"select_indices needs integer indices, got {i!r} "
-                                     f"({type(i).__name__})")
+                    raise ValueError(
+                        f"select_indices needs integer indices, got {i!r} ({type(i).__name__})"
+                    )
         bad = [i for i in index_list if not 0 <= i < batch_size]
         if bad:
-            raise ValueError(f"select_indices: index {bad[0]} is out of range for a batch of "
-                             f"{batch_size} samples (valid: 0..{batch_size - 1})")
+            raise ValueError(
+                f"select_indices: index {bad[0]} is out of range for a batch of "
+                f"{batch_size} samples (valid: 0..{batch_size - 1})"
+            )
         index_cpu = torch.tensor(index_list, dtype=torch.int64)
-        return self._map(lambda t: t.index_select(0, index_cpu.to(t.device)),
-                         lambda lst: [lst[i] for i in index_list])
+        return self._map(
+            lambda t: t.index_select(0, index_cpu.to(t.device)),
+            lambda lst: [lst[i] for i in index_list],
+        )
 
     def select_keys(self, keys: Iterable[str]) -> BatchedDataDict[Any]:
         """A batch holding only `keys` (same field objects, in the given order).
@@ -399,8 +458,9 @@ class BatchedDataDict(dict, Generic[T]):
         keys = list(keys)
         missing = [k for k in keys if k not in self]
         if missing:
-            raise ValueError(f"select_keys: key(s) {missing} not in the batch; present keys: "
-                             f"{sorted(self)}")
+            raise ValueError(
+                f"select_keys: key(s) {missing} not in the batch; present keys: {sorted(self)}"
+            )
         return BatchedDataDict({k: self[k] for k in keys})
 
     # --------------------------------------------------------------------------- sharding
@@ -408,28 +468,40 @@ class BatchedDataDict(dict, Generic[T]):
     def _lengths(self, length_key: str, caller: str) -> list[int]:
         """Per-sample lengths from field `length_key` (1-D ints, >= 0)."""
         if length_key not in self:
-            raise ValueError(f"{caller}: length key {length_key!r} is not in the batch (present "
-                             f"keys: {sorted(self)}); store per-sample token counts under it, "
-                             f"e.g. the lengths returned by pad_sequences")
+            raise ValueError(
+                f"{caller}: length key {length_key!r} is not in the batch (present "
+                f"keys: {sorted(self)}); store per-sample token counts under it, "
+                f"e.g. the lengths returned by pad_sequences"
+            )
         value = self[length_key]
         if isinstance(value, torch.Tensor):
-            if value.dim() != 1 or value.dtype.is_floating_point or value.dtype.is_complex \
-                    or value.dtype == torch.bool:
-                raise ValueError(f"{caller}: field {length_key!r} must be a 1-D integer tensor "
-                                 f"of per-sample lengths, got {_describe(value)}")
+            if (
+                value.dim() != 1
+                or value.dtype.is_floating_point
+                or value.dtype.is_complex
+                or value.dtype == torch.bool
+            ):
+                raise ValueError(
+                    f"{caller}: field {length_key!r} must be a 1-D integer tensor "
+                    f"of per-sample lengths, got {_describe(value)}"
+                )
             lengths = [int(n) for n in value.tolist()]
         else:
             if not all(isinstance(n, int) and not isinstance(n, bool) for n in value):
-                raise ValueError(f"{caller}: field {length_key!r} must hold int lengths, got "
-                                 f"{value!r}")
+                raise ValueError(
+                    f"{caller}: field {length_key!r} must hold int lengths, got {value!r}"
+                )
             lengths = list(value)
         if any(n < 0 for n in lengths):
-            raise ValueError(f"{caller}: field {length_key!r} has negative lengths "
-                             f"{sorted(n for n in lengths if n < 0)}")
+            raise ValueError(
+                f"{caller}: field {length_key!r} has negative lengths "
+                f"{sorted(n for n in lengths if n < 0)}"
+            )
         return lengths
 
-    def shard_by_batch_size(self, num_shards: int, batch_size: int | None = None,
-                            balance_by: str | None = None) -> ShardedBatch[T]:
+    def shard_by_batch_size(
+        self, num_shards: int, batch_size: int | None = None, balance_by: str | None = None
+    ) -> ShardedBatch[T]:
         """Splits the batch into `num_shards` equally sized data-parallel shards.
 
         Without `batch_size`, shard r gets a contiguous block of batch_size / num_shards
@@ -459,21 +531,28 @@ class BatchedDataDict(dict, Generic[T]):
         if batch_size is None:
             chunk_size = total
         else:
-            _check_positive_int(batch_size, "batch_size",
-                                "pass the global batch size of one step, or None")
+            _check_positive_int(
+                batch_size, "batch_size", "pass the global batch size of one step, or None"
+            )
             if total % batch_size != 0:
-                raise ValueError(f"cannot cut {total} samples into chunks of batch_size="
-                                 f"{batch_size}: {total} is not a multiple of {batch_size}; "
-                                 f"pad with pad_to_multiple({batch_size}) first (and truncate "
-                                 f"the results), or choose a batch_size that divides {total}")
+                raise ValueError(
+                    f"cannot cut {total} samples into chunks of batch_size="
+                    f"{batch_size}: {total} is not a multiple of {batch_size}; "
+                    f"pad with pad_to_multiple({batch_size}) first (and truncate "
+                    f"the results), or choose a batch_size that divides {total}"
+                )
             chunk_size = batch_size
         if chunk_size % num_shards != 0:
             what = f"batch_size={batch_size}" if batch_size is not None else f"{total} samples"
-            raise ValueError(f"cannot split {what} into {num_shards} equal shards: {chunk_size} "
-                             f"is not a multiple of num_shards={num_shards}; "
-                             + (f"pad with pad_to_multiple({num_shards}) first (and truncate "
-                                f"the results)" if batch_size is None else
-                                f"choose a batch_size that is a multiple of {num_shards}"))
+            raise ValueError(
+                f"cannot split {what} into {num_shards} equal shards: {chunk_size} "
+                f"is not a multiple of num_shards={num_shards}; "
+                + (
+                    f"pad with pad_to_multiple({num_shards}) first (and truncate the results)"
+                    if batch_size is None
+                    else f"choose a batch_size that is a multiple of {num_shards}"
+                )
+            )
         lengths = None if balance_by is None else self._lengths(balance_by, "shard_by_batch_size")
         num_chunks = total // chunk_size if chunk_size else 0
         per_shard = chunk_size // num_shards if chunk_size else 0
@@ -485,7 +564,7 @@ class BatchedDataDict(dict, Generic[T]):
                     start = chunk_start + shard * per_shard
                     shard_indices[shard].extend(range(start, start + per_shard))
             else:
-                assignment = _balance(lengths[chunk_start:chunk_start + chunk_size], num_shards)
+                assignment = _balance(lengths[chunk_start : chunk_start + chunk_size], num_shards)
                 for shard, members in enumerate(assignment):
                     shard_indices[shard].extend(chunk_start + i for i in members)
         if lengths is None and num_chunks <= 1:
@@ -501,12 +580,15 @@ class BatchedDataDict(dict, Generic[T]):
         pad_values = dict(pad_values or {})
         unknown = sorted(set(pad_values) - set(self))
         if unknown:
-            raise ValueError(f"{caller}: pad_values has key(s) {unknown} that are not in the "
-                             f"batch; present keys: {sorted(self)}")
+            raise ValueError(
+                f"{caller}: pad_values has key(s) {unknown} that are not in the "
+                f"batch; present keys: {sorted(self)}"
+            )
         return pad_values
 
-    def pad_to_multiple(self, multiple: int, pad_values: Mapping[str, Any] | None = None
-                        ) -> tuple[BatchedDataDict[T], int]:
+    def pad_to_multiple(
+        self, multiple: int, pad_values: Mapping[str, Any] | None = None
+    ) -> tuple[BatchedDataDict[T], int]:
         """Appends padding samples so the batch size is a multiple of `multiple`.
 
         Padding rows of a tensor field are filled with `pad_values[key]` (default 0; e.g. the
@@ -531,16 +613,20 @@ class BatchedDataDict(dict, Generic[T]):
             fill = pad_values.get(key, 0 if isinstance(value, torch.Tensor) else None)
             if isinstance(value, list):
                 return value + [fill] * num_pad
-            padding = torch.full((num_pad, *value.shape[1:]), fill, dtype=value.dtype,
-                                 device=value.device)
+            padding = torch.full(
+                (num_pad, *value.shape[1:]), fill, dtype=value.dtype, device=value.device
+            )
             return torch.cat([value, padding], dim=0)
 
         return type(self)({key: pad(key, value) for key, value in self.items()}), batch_size
 
     @classmethod
-    def from_sequences(cls, sequences: Mapping[str, Sequence[torch.Tensor | Sequence[int]]],
-                       pad_values: Mapping[str, float | int] | None = None,
-                       lengths_key: str | None = None) -> BatchedDataDict[Any]:
+    def from_sequences(
+        cls,
+        sequences: Mapping[str, Sequence[torch.Tensor | Sequence[int]]],
+        pad_values: Mapping[str, float | int] | None = None,
+        lengths_key: str | None = None,
+    ) -> BatchedDataDict[Any]:
         """A batch of `[B, S]` fields, each right-padded from B variable-length 1-D sequences.
 
         Typical use: generation outputs, `from_sequences({"output_ids": ids, "logprobs": lps},
@@ -563,11 +649,15 @@ class BatchedDataDict(dict, Generic[T]):
         pad_values = dict(pad_values or {})
         unknown = sorted(set(pad_values) - set(sequences))
         if unknown:
-            raise ValueError(f"from_sequences: pad_values has key(s) {unknown} that are not "
-                             f"fields; fields: {sorted(sequences)}")
+            raise ValueError(
+                f"from_sequences: pad_values has key(s) {unknown} that are not "
+                f"fields; fields: {sorted(sequences)}"
+            )
         if lengths_key is not None and lengths_key in sequences:
-            raise ValueError(f"from_sequences: lengths_key {lengths_key!r} is also a field name; "
-                             f"choose another lengths_key")
+            raise ValueError(
+                f"from_sequences: lengths_key {lengths_key!r} is also a field name; "
+                f"choose another lengths_key"
+            )
         fields: dict[str, BatchField] = {}
         lengths: dict[str, torch.Tensor] = {}
         for key, seqs in sequences.items():
@@ -582,18 +672,21 @@ class BatchedDataDict(dict, Generic[T]):
                 differ = (lengths_B.cpu() != lengths[first_key].cpu()).nonzero().flatten()
                 if differ.numel():
                     b = int(differ[0])
-                    raise ValueError(f"from_sequences: sample {b} has length "
-                                     f"{int(lengths_B[b])} in field {key!r} but "
-                                     f"{int(lengths[first_key][b])} in {first_key!r}; with "
-                                     f"lengths_key every field needs the same per-sample length "
-                                     f"(build the batch without lengths_key, or fix the fields)")
+                    raise ValueError(
+                        f"from_sequences: sample {b} has length "
+                        f"{int(lengths_B[b])} in field {key!r} but "
+                        f"{int(lengths[first_key][b])} in {first_key!r}; with "
+                        f"lengths_key every field needs the same per-sample length "
+                        f"(build the batch without lengths_key, or fix the fields)"
+                    )
             fields[lengths_key] = lengths[first_key]
         return cls(fields)
 
     # ----------------------------------------------------------------------- microbatches
 
-    def make_microbatch_iterator(self, microbatch_size: int, allow_partial: bool = False
-                                 ) -> Iterator[BatchedDataDict[T]]:
+    def make_microbatch_iterator(
+        self, microbatch_size: int, allow_partial: bool = False
+    ) -> Iterator[BatchedDataDict[T]]:
         """Consecutive microbatches of `microbatch_size` samples covering the batch in order.
 
         By default the batch size must be a multiple of `microbatch_size`, so every
@@ -605,23 +698,34 @@ class BatchedDataDict(dict, Generic[T]):
             ValueError: `microbatch_size` is not a positive int, or the sizes do not divide and
                 `allow_partial` is False.
         """
-        _check_positive_int(microbatch_size, "microbatch_size",
-                            "pass the number of samples per forward/backward pass")
+        _check_positive_int(
+            microbatch_size,
+            "microbatch_size",
+            "pass the number of samples per forward/backward pass",
+        )
         batch_size = self.batch_size
         if not allow_partial and batch_size % microbatch_size != 0:
-            raise ValueError(f"batch of {batch_size} samples is not a multiple of "
-                             f"microbatch_size={microbatch_size}; pad with "
-                             f"pad_to_multiple({microbatch_size}) first, or pass "
-                             f"allow_partial=True to make the last microbatch smaller")
-        bounds = [(start, min(start + microbatch_size, batch_size))
-                  for start in range(0, batch_size, microbatch_size)]
+            raise ValueError(
+                f"batch of {batch_size} samples is not a multiple of "
+                f"microbatch_size={microbatch_size}; pad with "
+                f"pad_to_multiple({microbatch_size}) first, or pass "
+                f"allow_partial=True to make the last microbatch smaller"
+            )
+        bounds = [
+            (start, min(start + microbatch_size, batch_size))
+            for start in range(0, batch_size, microbatch_size)
+        ]
         return (self.slice(start, end) for start, end in bounds)
 
-    def microbatch_bounds_by_tokens(self, max_tokens_per_microbatch: int,
-                                    length_key: str = "input_lengths") -> list[tuple[int, int]]:
+    def microbatch_bounds_by_tokens(
+        self, max_tokens_per_microbatch: int, length_key: str = "input_lengths"
+    ) -> list[tuple[int, int]]:
         """The `[start, end)` bounds `make_microbatch_iterator_by_tokens` uses (see there)."""
-        _check_positive_int(max_tokens_per_microbatch, "max_tokens_per_microbatch",
-                            "pass the token budget of one packed microbatch")
+        _check_positive_int(
+            max_tokens_per_microbatch,
+            "max_tokens_per_microbatch",
+            "pass the token budget of one packed microbatch",
+        )
         lengths = self._lengths(length_key, "make_microbatch_iterator_by_tokens")
         bounds: list[tuple[int, int]] = []
         start, num_tokens = 0, 0
@@ -634,9 +738,9 @@ class BatchedDataDict(dict, Generic[T]):
             bounds.append((start, len(lengths)))
         return bounds
 
-    def make_microbatch_iterator_by_tokens(self, max_tokens_per_microbatch: int,
-                                           length_key: str = "input_lengths"
-                                           ) -> Iterator[BatchedDataDict[T]]:
+    def make_microbatch_iterator_by_tokens(
+        self, max_tokens_per_microbatch: int, length_key: str = "input_lengths"
+    ) -> Iterator[BatchedDataDict[T]]:
         """Microbatches of consecutive samples whose summed lengths fit a token budget.
 
         For sequence packing: samples are taken in order and a microbatch is closed when the
@@ -656,8 +760,11 @@ class BatchedDataDict(dict, Generic[T]):
     # --------------------------------------------------------------------- concatenation
 
     @classmethod
-    def concat(cls, batches: Sequence[Mapping[str, BatchField]],
-               pad_values: Mapping[str, float | int] | None = None) -> BatchedDataDict[Any]:
+    def concat(
+        cls,
+        batches: Sequence[Mapping[str, BatchField]],
+        pad_values: Mapping[str, float | int] | None = None,
+    ) -> BatchedDataDict[Any]:
         """Concatenates batches along dim 0.
 
         Every batch must have the same keys, the same kind (tensor/list) per key, and for
@@ -675,18 +782,21 @@ class BatchedDataDict(dict, Generic[T]):
         keys = list(batches[0])
         for index, batch in enumerate(batches):
             if set(batch) != set(keys):
-                raise ValueError(f"concat: batch {index} has keys {sorted(batch)} but batch 0 "
-                                 f"has {sorted(keys)} (missing: {sorted(set(keys) - set(batch))},"
-                                 f" extra: {sorted(set(batch) - set(keys))}); use select_keys "
-                                 f"to keep the common keys")
+                raise ValueError(
+                    f"concat: batch {index} has keys {sorted(batch)} but batch 0 "
+                    f"has {sorted(keys)} (missing: {sorted(set(keys) - set(batch))},"
+                    f" extra: {sorted(set(batch) - set(keys))}); use select_keys "
+                    f"to keep the common keys"
+                )
             batch.batch_size  # noqa: B018 - raises on ragged batches before combining them
         pad_values = dict(pad_values or {})
         unknown = sorted(set(pad_values) - set(keys))
         if unknown:
-            raise ValueError(f"concat: pad_values has key(s) {unknown} that are not in the "
-                             f"batches; keys: {sorted(keys)}")
-        return cls({key: _concat_field(key, [b[key] for b in batches], pad_values)
-                    for key in keys})
+            raise ValueError(
+                f"concat: pad_values has key(s) {unknown} that are not in the "
+                f"batches; keys: {sorted(keys)}"
+            )
+        return cls({key: _concat_field(key, [b[key] for b in batches], pad_values) for key in keys})
 
     # ----------------------------------------------------------------- whole-batch transforms
 
@@ -708,10 +818,11 @@ class BatchedDataDict(dict, Generic[T]):
         Raises:
             ValueError: `num_repeats` is not a positive int.
         """
-        _check_positive_int(num_repeats, "num_repeats",
-                            "pass the number of generations per prompt")
-        return self._map(lambda t: t.repeat_interleave(num_repeats, dim=0),
-                         lambda lst: [x for x in lst for _ in range(num_repeats)])
+        _check_positive_int(num_repeats, "num_repeats", "pass the number of generations per prompt")
+        return self._map(
+            lambda t: t.repeat_interleave(num_repeats, dim=0),
+            lambda lst: [x for x in lst for _ in range(num_repeats)],
+        )
 
     def copy(self) -> BatchedDataDict[T]:
         """A shallow copy: a new dict holding the same tensor and list objects."""
@@ -722,36 +833,51 @@ class BatchedDataDict(dict, Generic[T]):
         return self._map(lambda t: t.clone(), copy_module.deepcopy)
 
 
-def _concat_field(key: str, values: list[BatchField], pad_values: Mapping[str, Any]
-                  ) -> BatchField:
+def _concat_field(key: str, values: list[BatchField], pad_values: Mapping[str, Any]) -> BatchField:
     kinds = {isinstance(v, torch.Tensor) for v in values}
     if len(kinds) > 1:
         described = ", ".join(f"batch {i}: {_describe(v)}" for i, v in enumerate(values))
-        raise ValueError(f"concat: field {key!r} is a tensor in some batches and a list in "
-                         f"others ({described}); make it one kind everywhere")
+        raise ValueError(
+            f"concat: field {key!r} is a tensor in some batches and a list in "
+            f"others ({described}); make it one kind everywhere"
+        )
     if isinstance(values[0], list):
         return [x for value in values for x in value]
     first = values[0]
     for index, value in enumerate(values[1:], start=1):
         if value.dtype != first.dtype or value.device != first.device:
-            raise ValueError(f"concat: field {key!r} is {value.dtype} on {value.device} in batch "
-                             f"{index} but {first.dtype} on {first.device} in batch 0; convert "
-                             f"with .to(...) first")
-        if value.dim() != first.dim() or value.shape[2:] != first.shape[2:] or (
-                value.shape[1:2] != first.shape[1:2] and key not in pad_values):
-            fix = (f"pass pad_values={{{key!r}: <pad value>}} to right-pad dim 1 to the longest"
-                   if value.dim() == first.dim() and value.dim() >= 2
-                   and value.shape[2:] == first.shape[2:]
-                   else "only dim 1 may differ, and only with pad_values")
-            raise ValueError(f"concat: field {key!r} has shape {tuple(first.shape)} in batch 0 "
-                             f"but {tuple(value.shape)} in batch {index}; {fix}")
+            raise ValueError(
+                f"concat: field {key!r} is {value.dtype} on {value.device} in batch "
+                f"{index} but {first.dtype} on {first.device} in batch 0; convert "
+                f"with .to(...) first"
+            )
+        if (
+            value.dim() != first.dim()
+            or value.shape[2:] != first.shape[2:]
+            or (value.shape[1:2] != first.shape[1:2] and key not in pad_values)
+        ):
+            fix = (
+                f"pass pad_values={{{key!r}: <pad value>}} to right-pad dim 1 to the longest"
+                if value.dim() == first.dim()
+                and value.dim() >= 2
+                and value.shape[2:] == first.shape[2:]
+                else "only dim 1 may differ, and only with pad_values"
+            )
+            raise ValueError(
+                f"concat: field {key!r} has shape {tuple(first.shape)} in batch 0 "
+                f"but {tuple(value.shape)} in batch {index}; {fix}"
+            )
     if key in pad_values and first.dim() >= 2:
         width = max(v.shape[1] for v in values)
         padded = []
         for value in values:
             if value.shape[1] < width:
-                padding = torch.full((value.shape[0], width - value.shape[1], *value.shape[2:]),
-                                     pad_values[key], dtype=value.dtype, device=value.device)
+                padding = torch.full(
+                    (value.shape[0], width - value.shape[1], *value.shape[2:]),
+                    pad_values[key],
+                    dtype=value.dtype,
+                    device=value.device,
+                )
                 value = torch.cat([value, padding], dim=1)
             padded.append(value)
         values = padded
@@ -804,8 +930,11 @@ class ShardedBatch(Generic[T]):
         """Original positions of the shards' samples concatenated in shard order."""
         return [i for indices in self.shard_indices for i in indices]
 
-    def unshard(self, results: Sequence[Mapping[str, BatchField]],
-                pad_values: Mapping[str, float | int] | None = None) -> BatchedDataDict[Any]:
+    def unshard(
+        self,
+        results: Sequence[Mapping[str, BatchField]],
+        pad_values: Mapping[str, float | int] | None = None,
+    ) -> BatchedDataDict[Any]:
         """Concatenates per-shard results and restores the original sample order.
 
         Args:
@@ -818,13 +947,17 @@ class ShardedBatch(Generic[T]):
                 its shard's.
         """
         if len(results) != len(self.shards):
-            raise ValueError(f"unshard: got {len(results)} results for {len(self.shards)} "
-                             f"shards; pass one result per shard, in shard order")
+            raise ValueError(
+                f"unshard: got {len(results)} results for {len(self.shards)} "
+                f"shards; pass one result per shard, in shard order"
+            )
         results = [r if isinstance(r, BatchedDataDict) else BatchedDataDict(r) for r in results]
         for shard, (result, indices) in enumerate(zip(results, self.shard_indices)):
             if result.batch_size != len(indices):
-                raise ValueError(f"unshard: result {shard} has {result.batch_size} samples but "
-                                 f"shard {shard} had {len(indices)}; each result needs one row "
-                                 f"per sample of its shard")
+                raise ValueError(
+                    f"unshard: result {shard} has {result.batch_size} samples but "
+                    f"shard {shard} had {len(indices)}; each result needs one row "
+                    f"per sample of its shard"
+                )
         combined = BatchedDataDict.concat(results, pad_values=pad_values)
         return combined.select_indices(invert_permutation(self.permutation))

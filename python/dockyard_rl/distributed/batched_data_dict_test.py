@@ -109,12 +109,15 @@ def test_in_place_resize_is_caught_by_operations():
         batch.slice(0, 1)
 
 
-@pytest.mark.parametrize("value, fix", [
-    (torch.tensor(1.0), "0-dim"),
-    ((1, 2), "list\\(...\\)"),
-    ("abc", "torch.as_tensor"),
-    (3, "torch.as_tensor"),
-])
+@pytest.mark.parametrize(
+    "value, fix",
+    [
+        (torch.tensor(1.0), "0-dim"),
+        ((1, 2), "list\\(...\\)"),
+        ("abc", "torch.as_tensor"),
+        (3, "torch.as_tensor"),
+    ],
+)
 def test_bad_field_types(value, fix):
     with pytest.raises(ValueError, match=fix):
         BatchedDataDict(x=value)
@@ -156,7 +159,7 @@ def test_validate_checks_tensor_vs_list_and_extra_keys():
 
 def test_validate_union_annotation():
     class Spec(TypedDict):
-        x: typing.Union[torch.Tensor, list]
+        x: torch.Tensor | list
         y: typing.Any
 
     BatchedDataDict(x=[1], y=[2]).validate(Spec)
@@ -180,8 +183,10 @@ def test_slice_and_truncate():
     assert part["row_id"].tolist() == [2, 3, 4]
     assert part["prompts"] == ["prompt-2", "prompt-3", "prompt-4"]
     # A view: shares the receiver's storage.
-    assert part["input_ids"].untyped_storage().data_ptr() == \
-        batch["input_ids"].untyped_storage().data_ptr()
+    assert (
+        part["input_ids"].untyped_storage().data_ptr()
+        == batch["input_ids"].untyped_storage().data_ptr()
+    )
     assert batch.truncate(2)["row_id"].tolist() == [0, 1]
     assert batch.slice(3, 3).batch_size == 0
 
@@ -197,8 +202,10 @@ def test_truncate_out_of_range():
         make_batch(6).truncate(7)
 
 
-@pytest.mark.parametrize("indices", [[4, 0, 0, 2], torch.tensor([4, 0, 0, 2]),
-                                     torch.tensor([4, 0, 0, 2], dtype=torch.int32)])
+@pytest.mark.parametrize(
+    "indices",
+    [[4, 0, 0, 2], torch.tensor([4, 0, 0, 2]), torch.tensor([4, 0, 0, 2], dtype=torch.int32)],
+)
 def test_select_indices_orders_and_repeats(indices):
     batch = make_batch(5)
     chosen = batch.select_indices(indices)
@@ -209,19 +216,24 @@ def test_select_indices_orders_and_repeats(indices):
 
 def test_select_indices_bool_mask():
     batch = make_batch(4)
-    assert batch.select_indices(torch.tensor([True, False, False, True]))["row_id"].tolist() == \
-        [0, 3]
+    assert batch.select_indices(torch.tensor([True, False, False, True]))["row_id"].tolist() == [
+        0,
+        3,
+    ]
     with pytest.raises(ValueError, match="mask has length 3"):
         batch.select_indices(torch.tensor([True, False, True]))
 
 
-@pytest.mark.parametrize("indices, message", [
-    ([0, 5], "index 5 is out of range"),
-    ([-1], "index -1 is out of range"),
-    ([0.5], "integer indices"),
-    (torch.tensor([0.0]), "integer indices"),
-    (torch.zeros(1, 1, dtype=torch.long), "1-D"),
-])
+@pytest.mark.parametrize(
+    "indices, message",
+    [
+        ([0, 5], "index 5 is out of range"),
+        ([-1], "index -1 is out of range"),
+        ([0.5], "integer indices"),
+        (torch.tensor([0.0]), "integer indices"),
+        (torch.zeros(1, 1, dtype=torch.long), "1-D"),
+    ],
+)
 def test_select_indices_errors(indices, message):
     with pytest.raises(ValueError, match=message):
         make_batch(5).select_indices(indices)
@@ -268,8 +280,10 @@ def test_shard_unshard_round_trip(batch_size, balance_by):
 def test_unshard_pads_results_of_different_widths():
     batch = make_batch(4)
     sharded = batch.shard_by_batch_size(2)
-    results = [BatchedDataDict(logprobs=torch.ones(2, 3)),
-               BatchedDataDict(logprobs=torch.ones(2, 5))]
+    results = [
+        BatchedDataDict(logprobs=torch.ones(2, 3)),
+        BatchedDataDict(logprobs=torch.ones(2, 5)),
+    ]
     merged = sharded.unshard(results, pad_values={"logprobs": 0.0})
     assert merged["logprobs"].shape == (4, 5)
     assert merged["logprobs"][:2, 3:].abs().sum() == 0
@@ -283,16 +297,19 @@ def test_unshard_errors():
         sharded.unshard([sharded[0], sharded[1].slice(0, 1)])
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(num_shards=4), r"10 samples into 4 equal shards.*pad_to_multiple\(4\)"),
-    (dict(num_shards=2, batch_size=4), r"chunks of batch_size=4.*pad_to_multiple\(4\)"),
-    (dict(num_shards=3, batch_size=5), r"batch_size=5 into 3 equal shards.*multiple of 3"),
-    (dict(num_shards=0), "num_shards must be a positive int"),
-    (dict(num_shards=2, batch_size=0), "batch_size must be a positive int"),
-    (dict(num_shards=2, balance_by="missing"), "length key 'missing' is not in the batch"),
-    (dict(num_shards=2, balance_by="prompts"), "must hold int lengths"),
-    (dict(num_shards=2, balance_by="input_ids"), "1-D integer tensor"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_shards=4), r"10 samples into 4 equal shards.*pad_to_multiple\(4\)"),
+        (dict(num_shards=2, batch_size=4), r"chunks of batch_size=4.*pad_to_multiple\(4\)"),
+        (dict(num_shards=3, batch_size=5), r"batch_size=5 into 3 equal shards.*multiple of 3"),
+        (dict(num_shards=0), "num_shards must be a positive int"),
+        (dict(num_shards=2, batch_size=0), "batch_size must be a positive int"),
+        (dict(num_shards=2, balance_by="missing"), "length key 'missing' is not in the batch"),
+        (dict(num_shards=2, balance_by="prompts"), "must hold int lengths"),
+        (dict(num_shards=2, balance_by="input_ids"), "1-D integer tensor"),
+    ],
+)
 def test_shard_errors_name_numbers_and_fix(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_batch(10).shard_by_batch_size(**kwargs)
@@ -324,7 +341,8 @@ def test_balancing_is_per_step_chunk():
     # each chunk, so balancing cannot trade a long sample for two short ones across chunks.
     lengths = torch.tensor([100, 90, 80, 70, 1, 2, 3, 4])
     sharded = BatchedDataDict(input_lengths=lengths).shard_by_batch_size(
-        2, batch_size=4, balance_by="input_lengths")
+        2, batch_size=4, balance_by="input_lengths"
+    )
     for indices in sharded.shard_indices:
         assert sum(i < 4 for i in indices) == 2 and sum(i >= 4 for i in indices) == 2
     assert sorted(_shard_totals(sharded)) == [170 + 5, 170 + 5]
@@ -333,26 +351,36 @@ def test_balancing_is_per_step_chunk():
 def test_balancing_known_case_and_order_within_shard():
     lengths = torch.tensor([1, 10, 1, 10, 5, 5])
     sharded = BatchedDataDict(input_lengths=lengths).shard_by_batch_size(
-        2, balance_by="input_lengths")
+        2, balance_by="input_lengths"
+    )
     assert _shard_totals(sharded) == [16, 16]
     for indices in sharded.shard_indices:
         assert indices == sorted(indices)
 
 
 @DETERMINISTIC
-@given(num_shards=st.integers(1, 6), num_chunks=st.integers(1, 4),
-       per_shard=st.integers(0, 6), data=st.data())
+@given(
+    num_shards=st.integers(1, 6),
+    num_chunks=st.integers(1, 4),
+    per_shard=st.integers(0, 6),
+    data=st.data(),
+)
 def test_property_shards_partition_the_batch(num_shards, num_chunks, per_shard, data):
     batch_size = num_shards * per_shard
-    lengths = data.draw(st.lists(st.integers(0, 1000), min_size=batch_size * num_chunks,
-                                 max_size=batch_size * num_chunks))
-    batch = BatchedDataDict(input_lengths=torch.tensor(lengths, dtype=torch.int64),
-                            row_id=list(range(len(lengths))))
+    lengths = data.draw(
+        st.lists(
+            st.integers(0, 1000), min_size=batch_size * num_chunks, max_size=batch_size * num_chunks
+        )
+    )
+    batch = BatchedDataDict(
+        input_lengths=torch.tensor(lengths, dtype=torch.int64), row_id=list(range(len(lengths)))
+    )
     # One chunk can also be sharded without batch_size; several chunks need it.
     step_size = batch_size if num_chunks > 1 or data.draw(st.booleans()) else None
     for balance_by in (None, "input_lengths"):
-        sharded = batch.shard_by_batch_size(num_shards, batch_size=step_size or None,
-                                            balance_by=balance_by)
+        sharded = batch.shard_by_batch_size(
+            num_shards, batch_size=step_size or None, balance_by=balance_by
+        )
         # Nothing lost or duplicated, equal shard sizes, indices match the rows carried.
         assert sorted(sharded.permutation) == list(range(len(lengths)))
         assert len({s.batch_size for s in sharded}) == 1
@@ -361,10 +389,15 @@ def test_property_shards_partition_the_batch(num_shards, num_chunks, per_shard, 
         assert_batches_equal(sharded.unshard(sharded.shards), batch)
         if balance_by and lengths:
             for chunk in range(num_chunks):
-                chunk_lengths = lengths[chunk * batch_size:(chunk + 1) * batch_size]
-                totals = [sum(lengths[i] for i in idx
-                              if chunk * batch_size <= i < (chunk + 1) * batch_size)
-                          for idx in sharded.shard_indices]
+                chunk_lengths = lengths[chunk * batch_size : (chunk + 1) * batch_size]
+                totals = [
+                    sum(
+                        lengths[i]
+                        for i in idx
+                        if chunk * batch_size <= i < (chunk + 1) * batch_size
+                    )
+                    for idx in sharded.shard_indices
+                ]
                 # Greedy longest-first keeps shards within one longest sample of each other.
                 assert max(totals) - min(totals) <= max(chunk_lengths, default=0)
 
@@ -416,12 +449,15 @@ def test_pad_sequences():
     assert wide_BS.shape == (2, 4) and wide_BS.dtype == torch.float32
 
 
-@pytest.mark.parametrize("sequences, kwargs, message", [
-    ([], {}, "at least one sequence"),
-    ([torch.zeros(2, 2)], {}, "must be 1-D"),
-    ([torch.zeros(2), torch.zeros(2, dtype=torch.int64)], {}, "convert them to one dtype"),
-    ([[1, 2, 3]], dict(pad_to_length=2), "length 3 > pad_to_length=2"),
-])
+@pytest.mark.parametrize(
+    "sequences, kwargs, message",
+    [
+        ([], {}, "at least one sequence"),
+        ([torch.zeros(2, 2)], {}, "must be 1-D"),
+        ([torch.zeros(2), torch.zeros(2, dtype=torch.int64)], {}, "convert them to one dtype"),
+        ([[1, 2, 3]], dict(pad_to_length=2), "length 3 > pad_to_length=2"),
+    ],
+)
 def test_pad_sequences_errors(sequences, kwargs, message):
     with pytest.raises(ValueError, match=message):
         pad_sequences(sequences, **kwargs)
@@ -429,10 +465,17 @@ def test_pad_sequences_errors(sequences, kwargs, message):
 
 def test_from_sequences():
     batch = BatchedDataDict.from_sequences(
-        {"output_ids": [[5, 6], [7], [8, 9, 10]],
-         "logprobs": [torch.tensor([-0.1, -0.2]), torch.tensor([-0.3]),
-                      torch.tensor([-0.4, -0.5, -0.6])]},
-        pad_values={"output_ids": 0}, lengths_key="output_lengths")
+        {
+            "output_ids": [[5, 6], [7], [8, 9, 10]],
+            "logprobs": [
+                torch.tensor([-0.1, -0.2]),
+                torch.tensor([-0.3]),
+                torch.tensor([-0.4, -0.5, -0.6]),
+            ],
+        },
+        pad_values={"output_ids": 0},
+        lengths_key="output_lengths",
+    )
     assert batch["output_ids"].tolist() == [[5, 6, 0], [7, 0, 0], [8, 9, 10]]
     assert batch["output_lengths"].tolist() == [2, 1, 3]
     assert batch["logprobs"].shape == (3, 3)
@@ -469,8 +512,9 @@ def test_microbatch_iterator_is_strict_by_default_and_checks_eagerly():
 
 
 def test_microbatches_by_tokens_known_case():
-    batch = BatchedDataDict(input_lengths=torch.tensor([3, 4, 2, 10, 1, 1, 5]),
-                            row_id=list(range(7)))
+    batch = BatchedDataDict(
+        input_lengths=torch.tensor([3, 4, 2, 10, 1, 1, 5]), row_id=list(range(7))
+    )
     groups = [mb["row_id"] for mb in batch.make_microbatch_iterator_by_tokens(7)]
     # [3+4], [2] (+10 would exceed), [10] alone (over budget), [1+1+5].
     assert groups == [[0, 1], [2], [3], [4, 5, 6]]
@@ -480,8 +524,9 @@ def test_microbatches_by_tokens_known_case():
 @DETERMINISTIC
 @given(lengths=st.lists(st.integers(0, 50), max_size=40), budget=st.integers(1, 80))
 def test_property_microbatches_by_tokens(lengths, budget):
-    batch = BatchedDataDict(input_lengths=torch.tensor(lengths, dtype=torch.int64),
-                            row_id=list(range(len(lengths))))
+    batch = BatchedDataDict(
+        input_lengths=torch.tensor(lengths, dtype=torch.int64), row_id=list(range(len(lengths)))
+    )
     microbatches = list(batch.make_microbatch_iterator_by_tokens(budget, "input_lengths"))
     assert [i for mb in microbatches for i in mb["row_id"]] == list(range(len(lengths)))
     for index, mb in enumerate(microbatches):
@@ -517,18 +562,27 @@ def test_concat_pads_dim_1_when_asked():
     assert merged["tags"] == ["a", "b", "c"]
 
 
-@pytest.mark.parametrize("batches, kwargs, message", [
-    ([], {}, "at least one batch"),
-    ([{"a": [1]}, {"b": [1]}], {}, r"batch 1 has keys \['b'\].*missing: \['a'\]"),
-    ([{"a": [1]}, {"a": torch.ones(1)}], {}, "tensor in some batches and a list"),
-    ([{"a": torch.ones(1, 3)}, {"a": torch.ones(1, 4)}], {},
-     r"'a' has shape \(1, 3\) in batch 0 but \(1, 4\) in batch 1.*pad_values=\{'a'"),
-    ([{"a": torch.ones(1, 3, 2)}, {"a": torch.ones(1, 3, 4)}], {"pad_values": {"a": 0}},
-     "only dim 1 may differ"),
-    ([{"a": torch.ones(1, 3)}, {"a": torch.ones(1)}], {}, "only dim 1 may differ"),
-    ([{"a": torch.ones(1)}, {"a": torch.ones(1, dtype=torch.int64)}], {}, "convert with"),
-    ([{"a": [1]}], {"pad_values": {"b": 0}}, r"pad_values has key\(s\) \['b'\]"),
-])
+@pytest.mark.parametrize(
+    "batches, kwargs, message",
+    [
+        ([], {}, "at least one batch"),
+        ([{"a": [1]}, {"b": [1]}], {}, r"batch 1 has keys \['b'\].*missing: \['a'\]"),
+        ([{"a": [1]}, {"a": torch.ones(1)}], {}, "tensor in some batches and a list"),
+        (
+            [{"a": torch.ones(1, 3)}, {"a": torch.ones(1, 4)}],
+            {},
+            r"'a' has shape \(1, 3\) in batch 0 but \(1, 4\) in batch 1.*pad_values=\{'a'",
+        ),
+        (
+            [{"a": torch.ones(1, 3, 2)}, {"a": torch.ones(1, 3, 4)}],
+            {"pad_values": {"a": 0}},
+            "only dim 1 may differ",
+        ),
+        ([{"a": torch.ones(1, 3)}, {"a": torch.ones(1)}], {}, "only dim 1 may differ"),
+        ([{"a": torch.ones(1)}, {"a": torch.ones(1, dtype=torch.int64)}], {}, "convert with"),
+        ([{"a": [1]}], {"pad_values": {"b": 0}}, r"pad_values has key\(s\) \['b'\]"),
+    ],
+)
 def test_concat_errors(batches, kwargs, message):
     with pytest.raises(ValueError, match=message):
         BatchedDataDict.concat(batches, **kwargs)
@@ -558,8 +612,14 @@ def test_repeat_interleave_groups_generations_per_prompt():
     expanded = batch.repeat_interleave(2)
     assert expanded.batch_size == 6
     assert expanded["row_id"].tolist() == [0, 0, 1, 1, 2, 2]
-    assert expanded["prompts"] == ["prompt-0", "prompt-0", "prompt-1", "prompt-1",
-                                   "prompt-2", "prompt-2"]
+    assert expanded["prompts"] == [
+        "prompt-0",
+        "prompt-0",
+        "prompt-1",
+        "prompt-1",
+        "prompt-2",
+        "prompt-2",
+    ]
     torch.testing.assert_close(expanded["input_ids"][4], batch["input_ids"][2])
     with pytest.raises(ValueError, match="num_repeats must be a positive int"):
         batch.repeat_interleave(0)

@@ -59,9 +59,17 @@ from typing import Any
 
 from dockyard_rl.cluster.bootstrap import fleet_runtime_env, place_fleet
 from dockyard_rl.cluster.config import ClusterConfig
-from dockyard_rl.distributed.workers import (WorkerDiedError, WorkerError, WorkerInfo,
-                                             WorkerRestartError, current_worker, describe_error,
-                                             gather, node_address_and_free_port, worker_error)
+from dockyard_rl.distributed.workers import (
+    WorkerDiedError,
+    WorkerError,
+    WorkerInfo,
+    WorkerRestartError,
+    current_worker,
+    describe_error,
+    gather,
+    node_address_and_free_port,
+    worker_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,32 +79,43 @@ class WorkerGroup:
     initialised (bootstrap.init_ray). Raises PlacementTimeoutError (a ValueError) when the fleet
     cannot be placed and WorkerError when a worker fails to start; nothing is left behind."""
 
-    def __init__(self, actor_cls: type, num_workers: int, role: str,
-                 cluster_config: ClusterConfig, *,
-                 bundle: Mapping[str, float] | None = None, bundles_per_worker: int = 1,
-                 num_cpus: float | None = None, num_gpus: float | None = None,
-                 max_concurrency: int | None = None,
-                 runtime_env: Mapping[str, Any] | None = None,
-                 worker_args: Callable[[WorkerInfo], tuple[Sequence, Mapping]] | None = None,
-                 on_restart: Callable[[WorkerGroup, list[int]], Any] | None = None,
-                 max_restarts: int | None = None, ready_timeout_s: float = 300.0,
-                 actor_options: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        actor_cls: type,
+        num_workers: int,
+        role: str,
+        cluster_config: ClusterConfig,
+        *,
+        bundle: Mapping[str, float] | None = None,
+        bundles_per_worker: int = 1,
+        num_cpus: float | None = None,
+        num_gpus: float | None = None,
+        max_concurrency: int | None = None,
+        runtime_env: Mapping[str, Any] | None = None,
+        worker_args: Callable[[WorkerInfo], tuple[Sequence, Mapping]] | None = None,
+        on_restart: Callable[[WorkerGroup, list[int]], Any] | None = None,
+        max_restarts: int | None = None,
+        ready_timeout_s: float = 300.0,
+        actor_options: Mapping[str, Any] | None = None,
+    ):
         import ray
 
         if not ray.is_initialized():
-            raise RuntimeError("Ray is not initialised: call dockyard_rl.cluster.bootstrap."
-                               "init_ray(cluster_config) before creating a WorkerGroup")
+            raise RuntimeError(
+                "Ray is not initialised: call dockyard_rl.cluster.bootstrap."
+                "init_ray(cluster_config) before creating a WorkerGroup"
+            )
         fleet = cluster_config.fleets.of(role)
         bundle = dict(bundle or {"CPU": 1})
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers: must be an int >= 1, got {num_workers!r}")
         if not isinstance(bundles_per_worker, int) or bundles_per_worker < 1:
-            raise ValueError(f"bundles_per_worker: must be an int >= 1, got "
-                             f"{bundles_per_worker!r}")
+            raise ValueError(f"bundles_per_worker: must be an int >= 1, got {bundles_per_worker!r}")
         reserved = {"scheduling_strategy", "runtime_env", "max_restarts", "placement_group"}
         if reserved & set(actor_options or {}):
-            raise ValueError(f"actor_options: {sorted(reserved & set(actor_options))} are set by "
-                             "the group")
+            raise ValueError(
+                f"actor_options: {sorted(reserved & set(actor_options))} are set by the group"
+            )
         self.role, self.num_workers = role, num_workers
         self.max_restarts = fleet.max_worker_restarts if max_restarts is None else max_restarts
         self._config, self._bundles_per_worker = cluster_config, bundles_per_worker
@@ -108,15 +127,23 @@ class WorkerGroup:
             "num_cpus": bundle.get("CPU", 0) if num_cpus is None and own else (num_cpus or 0),
             "num_gpus": bundle.get("GPU", 0) if num_gpus is None and own else (num_gpus or 0),
             "max_restarts": 0,
-            **({"resources": {k: v for k, v in bundle.items()
-                              if k not in ("CPU", "GPU", "memory")}} if own else {}),
+            **(
+                {
+                    "resources": {
+                        k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")
+                    }
+                }
+                if own
+                else {}
+            ),
             **({"memory": bundle["memory"]} if own and "memory" in bundle else {}),
             **({"max_concurrency": max_concurrency} if max_concurrency is not None else {}),
             **dict(actor_options or {}),
         }
         # A plain class, or one already decorated with @ray.remote.
-        self._actor_cls = actor_cls if isinstance(actor_cls, ray.actor.ActorClass) \
-            else ray.remote(actor_cls)
+        self._actor_cls = (
+            actor_cls if isinstance(actor_cls, ray.actor.ActorClass) else ray.remote(actor_cls)
+        )
         self._groups: list[Any] = []
         self._actors: list[Any] = []
         self._restarts = [0] * num_workers
@@ -128,13 +155,17 @@ class WorkerGroup:
                 self._slots = [(self._groups[0], rank) for rank in range(num_workers)]
             else:
                 for _ in range(num_workers):
-                    self._groups.append(place_fleet(role, [bundle] * bundles_per_worker,
-                                                    cluster_config))
+                    self._groups.append(
+                        place_fleet(role, [bundle] * bundles_per_worker, cluster_config)
+                    )
                 self._slots = [(group, 0) for group in self._groups]
             self._infos = self._plan()
             self._actors = [self._create(rank) for rank in range(num_workers)]
-            self._gather(list(enumerate(a.__ray_ready__.remote() for a in self._actors)),
-                         "__init__", ready_timeout_s)
+            self._gather(
+                list(enumerate(a.__ray_ready__.remote() for a in self._actors)),
+                "__init__",
+                ready_timeout_s,
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -151,14 +182,24 @@ class WorkerGroup:
         probe = ray.remote(num_cpus=0)(node_address_and_free_port).options(
             runtime_env=fleet_runtime_env(self.role, self._config),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                group, placement_group_bundle_index=index))
+                group, placement_group_bundle_index=index
+            ),
+        )
         master_addr, master_port = ray.get(probe.remote(), timeout=self._ready_timeout_s)
         nodes = [placement_group_table(g)["bundles_to_node_id"][i] for g, i in self._slots]
-        return [WorkerInfo(role=self.role, rank=rank, world_size=self.num_workers,
-                           local_rank=nodes[:rank].count(node),
-                           local_world_size=nodes.count(node), master_addr=master_addr,
-                           master_port=master_port, node_id=node)
-                for rank, node in enumerate(nodes)]
+        return [
+            WorkerInfo(
+                role=self.role,
+                rank=rank,
+                world_size=self.num_workers,
+                local_rank=nodes[:rank].count(node),
+                local_world_size=nodes.count(node),
+                master_addr=master_addr,
+                master_port=master_port,
+                node_id=node,
+            )
+            for rank, node in enumerate(nodes)
+        ]
 
     def _create(self, rank: int):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -166,15 +207,21 @@ class WorkerGroup:
         info = self._infos[rank]
         args, kwargs = self._worker_args(info)
         runtime_env = dict(self._runtime_env)
-        runtime_env.update(fleet_runtime_env(self.role, self._config, {
-            **runtime_env.get("env_vars", {}), **info.env_vars()}))
+        runtime_env.update(
+            fleet_runtime_env(
+                self.role, self._config, {**runtime_env.get("env_vars", {}), **info.env_vars()}
+            )
+        )
         group, index = self._slots[rank]
         return self._actor_cls.options(
             runtime_env=runtime_env,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                group, placement_group_bundle_index=index,
-                placement_group_capture_child_tasks=self._bundles_per_worker > 1),
-            **self._options).remote(*args, **dict(kwargs))
+                group,
+                placement_group_bundle_index=index,
+                placement_group_capture_child_tasks=self._bundles_per_worker > 1,
+            ),
+            **self._options,
+        ).remote(*args, **dict(kwargs))
 
     # --------------------------------------------------------------------------------- calls
 
@@ -203,27 +250,43 @@ class WorkerGroup:
         if self._closed:
             raise RuntimeError(f"the {self.role} worker group was shut down; create a new one")
 
-    def submit_all(self, method: str, *args: Any, per_rank_args: Sequence[Sequence] | None = None,
-                   **kwargs: Any) -> list[Any]:
+    def submit_all(
+        self,
+        method: str,
+        *args: Any,
+        per_rank_args: Sequence[Sequence] | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
         """Starts `method` on every rank (`per_rank_args[rank]` replaces `args`); object refs by
         rank, not waited on (for callers that await them)."""
         self._check_open()
         if per_rank_args is not None and len(per_rank_args) != self.num_workers:
-            raise ValueError(f"per_rank_args: {len(per_rank_args)} entries for "
-                             f"{self.num_workers} ranks")
-        return [getattr(actor, method).remote(
-                    *(args if per_rank_args is None else per_rank_args[rank]), **kwargs)
-                for rank, actor in enumerate(self._actors)]
+            raise ValueError(
+                f"per_rank_args: {len(per_rank_args)} entries for {self.num_workers} ranks"
+            )
+        return [
+            getattr(actor, method).remote(
+                *(args if per_rank_args is None else per_rank_args[rank]), **kwargs
+            )
+            for rank, actor in enumerate(self._actors)
+        ]
 
-    def call_all(self, method: str, *args: Any, per_rank_args: Sequence[Sequence] | None = None,
-                 timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+    def call_all(
+        self,
+        method: str,
+        *args: Any,
+        per_rank_args: Sequence[Sequence] | None = None,
+        timeout_s: float | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
         """`method` on every rank; results by rank. Fails fast with WorkerError (module
         docstring); `timeout_s` bounds the whole call."""
         refs = self.submit_all(method, *args, per_rank_args=per_rank_args, **kwargs)
         return self._gather(list(enumerate(refs)), method, timeout_s)
 
-    def call_rank(self, rank: int, method: str, *args: Any, timeout_s: float | None = None,
-                  **kwargs: Any) -> Any:
+    def call_rank(
+        self, rank: int, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any
+    ) -> Any:
         """`method` on one rank; WorkerError when it fails."""
         self._check_open()
         if not 0 <= rank < self.num_workers:
@@ -231,8 +294,9 @@ class WorkerGroup:
         ref = getattr(self._actors[rank], method).remote(*args, **kwargs)
         return self._gather([(rank, ref)], method, timeout_s)[0]
 
-    def _gather(self, refs: list[tuple[int, Any]], method: str,
-                timeout_s: float | None) -> list[Any]:
+    def _gather(
+        self, refs: list[tuple[int, Any]], method: str, timeout_s: float | None
+    ) -> list[Any]:
         try:
             return gather(refs, self.role, method, timeout_s)
         except WorkerDiedError as error:
@@ -249,8 +313,9 @@ class WorkerGroup:
         self._check_open()
         refs = {actor.__ray_ready__.remote(): rank for rank, actor in enumerate(self._actors)}
         done, not_done = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-        problems = {refs[ref]: f"no answer within {timeout_s:g} s (busy or hung)"
-                    for ref in not_done}
+        problems = {
+            refs[ref]: f"no answer within {timeout_s:g} s (busy or hung)" for ref in not_done
+        }
         for ref in done:
             try:
                 ray.get(ref)
@@ -289,17 +354,30 @@ class WorkerGroup:
                     f"{self.role} worker group: rank {rank} is dead and was restarted "
                     f"{self._restarts[rank]} time(s) already, the limit (max_restarts="
                     f"{self.max_restarts}, cluster.fleets.{self.role}.max_worker_restarts); last "
-                    f"cause: {cause}", rank, "restart", cause)
+                    f"cause: {cause}",
+                    rank,
+                    "restart",
+                    cause,
+                )
             self._restarts[rank] += 1
-            logger.warning("%s worker group: restarting rank %d (%d/%d): %s", self.role, rank,
-                           self._restarts[rank], self.max_restarts, cause)
+            logger.warning(
+                "%s worker group: restarting rank %d (%d/%d): %s",
+                self.role,
+                rank,
+                self._restarts[rank],
+                self.max_restarts,
+                cause,
+            )
             ray.kill(self._actors[rank], no_restart=True)
             if rank == 0:  # rank 0's bundle may have moved, its port been taken
                 self._infos = self._plan()
             self._actors[rank] = self._create(rank)
             try:
-                self._gather([(rank, self._actors[rank].__ray_ready__.remote())], "__init__",
-                             self._ready_timeout_s)
+                self._gather(
+                    [(rank, self._actors[rank].__ray_ready__.remote())],
+                    "__init__",
+                    self._ready_timeout_s,
+                )
             except WorkerError as error:
                 cause = error.cause
                 continue
@@ -318,18 +396,27 @@ class WorkerGroup:
             return
         self._closed = True
         if method is not None and self._actors:
-            refs = [getattr(a, method).remote() for r, a in enumerate(self._actors)
-                    if r not in self._dead]
+            refs = [
+                getattr(a, method).remote()
+                for r, a in enumerate(self._actors)
+                if r not in self._dead
+            ]
             done, not_done = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
             for ref in done:
                 try:
                     ray.get(ref)
                 except Exception as error:
-                    logger.warning("%s worker group: %s failed: %s", self.role, method,
-                                   describe_error(error))
+                    logger.warning(
+                        "%s worker group: %s failed: %s", self.role, method, describe_error(error)
+                    )
             if not_done:
-                logger.warning("%s worker group: %s did not finish on %d rank(s) in %g s",
-                               self.role, method, len(not_done), timeout_s)
+                logger.warning(
+                    "%s worker group: %s did not finish on %d rank(s) in %g s",
+                    self.role,
+                    method,
+                    len(not_done),
+                    timeout_s,
+                )
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
         for group in self._groups:
@@ -346,5 +433,11 @@ class WorkerGroup:
         self.shutdown()
 
 
-__all__ = ["WorkerDiedError", "WorkerError", "WorkerGroup", "WorkerInfo", "WorkerRestartError",
-           "current_worker"]
+__all__ = [
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerGroup",
+    "WorkerInfo",
+    "WorkerRestartError",
+    "current_worker",
+]

@@ -10,15 +10,19 @@ import ray
 
 from dockyard_rl.cluster.bootstrap import PlacementTimeoutError
 from dockyard_rl.cluster.testing import fleet_cluster
-from dockyard_rl.distributed.worker_group import (WorkerDiedError, WorkerError, WorkerGroup,
-                                                  WorkerRestartError, current_worker)
+from dockyard_rl.distributed.worker_group import (
+    WorkerDiedError,
+    WorkerError,
+    WorkerGroup,
+    WorkerRestartError,
+    current_worker,
+)
 
 
 @pytest.fixture(scope="module")
 def cluster():
     with fleet_cluster([("trainer", 1), ("trainer", 1), ("inference", 2)]) as fleet:
-        fleet.connect(placement_timeout_s=30,
-                      fleets={"trainer": {"nccl_env": {"debug": "WARN"}}})
+        fleet.connect(placement_timeout_s=30, fleets={"trainer": {"nccl_env": {"debug": "WARN"}}})
         yield fleet
 
 
@@ -49,8 +53,13 @@ class Worker:
         self.tag, self.calls = tag, 0
 
     def whoami(self) -> dict:
-        return {"info": current_worker(), "tag": self.tag, "calls": self.calls,
-                "pid": os.getpid(), "nccl_debug": os.environ.get("NCCL_DEBUG")}
+        return {
+            "info": current_worker(),
+            "tag": self.tag,
+            "calls": self.calls,
+            "pid": os.getpid(),
+            "nccl_debug": os.environ.get("NCCL_DEBUG"),
+        }
 
     def bump(self) -> int:
         self.calls += 1
@@ -85,8 +94,13 @@ class Worker:
 
 def _group(cluster, num_workers=2, role="trainer", **kwargs) -> WorkerGroup:
     kwargs.setdefault("worker_args", lambda info: (("t",), {}))
-    return WorkerGroup(Worker, num_workers, role, cluster.config(
-        placement_timeout_s=30, fleets={"trainer": {"nccl_env": {"debug": "WARN"}}}), **kwargs)
+    return WorkerGroup(
+        Worker,
+        num_workers,
+        role,
+        cluster.config(placement_timeout_s=30, fleets={"trainer": {"nccl_env": {"debug": "WARN"}}}),
+        **kwargs,
+    )
 
 
 def test_ranks_know_their_place_spread_over_trainer_nodes_and_rendezvous(cluster):
@@ -194,6 +208,8 @@ def test_shutdown_is_idempotent_and_final(cluster):
     group.shutdown()
     with pytest.raises(RuntimeError, match="trainer worker group was shut down"):
         group.call_all("bump")
-    with _group(cluster) as group, pytest.raises(ValueError, match="per_rank_args: 1 entries "
-                                                                   "for 2 ranks"):
+    with (
+        _group(cluster) as group,
+        pytest.raises(ValueError, match="per_rank_args: 1 entries for 2 ranks"),
+    ):
         group.submit_all("bump", per_rank_args=[()])

@@ -41,18 +41,22 @@ class WorkerInfo:
     role: str
     rank: int
     world_size: int
-    local_rank: int        # among the group's workers on the same node
+    local_rank: int  # among the group's workers on the same node
     local_world_size: int
-    master_addr: str       # rank 0's node
+    master_addr: str  # rank 0's node
     master_port: int
     node_id: str
 
     def env_vars(self) -> dict[str, str]:
         """torch.distributed's env:// variables for this worker."""
-        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
-                "LOCAL_RANK": str(self.local_rank),
-                "LOCAL_WORLD_SIZE": str(self.local_world_size),
-                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+        return {
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
 
 
 def current_worker() -> WorkerInfo:
@@ -60,11 +64,16 @@ def current_worker() -> WorkerInfo:
     import ray
 
     env = os.environ
-    return WorkerInfo(role=env["DOCKYARD_FLEET_ROLE"], rank=int(env["RANK"]),
-                      world_size=int(env["WORLD_SIZE"]), local_rank=int(env["LOCAL_RANK"]),
-                      local_world_size=int(env["LOCAL_WORLD_SIZE"]),
-                      master_addr=env["MASTER_ADDR"], master_port=int(env["MASTER_PORT"]),
-                      node_id=ray.get_runtime_context().get_node_id())
+    return WorkerInfo(
+        role=env["DOCKYARD_FLEET_ROLE"],
+        rank=int(env["RANK"]),
+        world_size=int(env["WORLD_SIZE"]),
+        local_rank=int(env["LOCAL_RANK"]),
+        local_world_size=int(env["LOCAL_WORLD_SIZE"]),
+        master_addr=env["MASTER_ADDR"],
+        master_port=int(env["MASTER_PORT"]),
+        node_id=ray.get_runtime_context().get_node_id(),
+    )
 
 
 def node_address_and_free_port() -> tuple[str, int]:
@@ -78,7 +87,7 @@ def node_address_and_free_port() -> tuple[str, int]:
 
 
 def describe_error(error: BaseException) -> str:
-    """"Type: message" of what a worker raised (Ray's wrapping removed), one line."""
+    """ "Type: message" of what a worker raised (Ray's wrapping removed), one line."""
     import ray
 
     if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
@@ -94,16 +103,23 @@ def worker_error(rank: int, role: str, method: str, error: Exception) -> WorkerE
 
     cause = describe_error(error)
     if isinstance(error, ray.exceptions.RayActorError) and not isinstance(
-            error, ray.exceptions.ActorUnavailableError):
-        return WorkerDiedError(f"{role} worker group: rank {rank} died during {method} "
-                               f"({cause}); group.restart_dead_workers() re-creates it",
-                               rank, method, cause)
-    return WorkerError(f"{role} worker group: {method} failed on rank {rank}: {cause}", rank,
-                       method, cause)
+        error, ray.exceptions.ActorUnavailableError
+    ):
+        return WorkerDiedError(
+            f"{role} worker group: rank {rank} died during {method} "
+            f"({cause}); group.restart_dead_workers() re-creates it",
+            rank,
+            method,
+            cause,
+        )
+    return WorkerError(
+        f"{role} worker group: {method} failed on rank {rank}: {cause}", rank, method, cause
+    )
 
 
-def gather(refs: list[tuple[int, Any]], role: str, method: str,
-           timeout_s: float | None) -> list[Any]:
+def gather(
+    refs: list[tuple[int, Any]], role: str, method: str, timeout_s: float | None
+) -> list[Any]:
     """Results of (rank, ref) pairs, by rank; fails fast (module docstring). `timeout_s` bounds
     the whole wait (WorkerError naming the ranks that did not answer)."""
     import ray
@@ -116,8 +132,13 @@ def gather(refs: list[tuple[int, Any]], role: str, method: str,
         done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
         if not done:
             ranks = sorted(pending.values())
-            raise WorkerError(f"{role} worker group: {method} on rank(s) {ranks} gave no answer "
-                              f"within {timeout_s:g} s", ranks[0], method, "timeout")
+            raise WorkerError(
+                f"{role} worker group: {method} on rank(s) {ranks} gave no answer "
+                f"within {timeout_s:g} s",
+                ranks[0],
+                method,
+                "timeout",
+            )
         rank = pending.pop(done[0])
         try:
             results[rank] = ray.get(done[0])
@@ -126,6 +147,14 @@ def gather(refs: list[tuple[int, Any]], role: str, method: str,
     return [results[rank] for rank in sorted(results)]
 
 
-__all__ = ["WorkerDiedError", "WorkerError", "WorkerInfo", "WorkerRestartError",
-           "current_worker", "describe_error", "gather", "node_address_and_free_port",
-           "worker_error"]
+__all__ = [
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerInfo",
+    "WorkerRestartError",
+    "current_worker",
+    "describe_error",
+    "gather",
+    "node_address_and_free_port",
+    "worker_error",
+]

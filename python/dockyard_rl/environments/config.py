@@ -23,10 +23,10 @@ values and their validation. Not covered: the executor's own settings (`executor
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 import math
 import os
 import re
+from typing import Any
 
 from dockyard_rl.sandbox.task import RewardMode
 from dockyard_rl.utils.config import is_int, is_number, require
@@ -58,33 +58,55 @@ class SweEnvironmentConfig:
     auth_token_env: str = "DOCKYARD_EXECUTOR_TOKEN"
 
     def __post_init__(self) -> None:
-        require(isinstance(self.executor_url, str)
-                and self.executor_url.startswith(("http://", "https://")), "executor_url",
-                f"must be an http:// or https:// URL of the executor, e.g. "
-                f"http://127.0.0.1:9090, got {self.executor_url!r}")
-        require(is_int(self.max_concurrency) and self.max_concurrency >= 1, "max_concurrency",
-                f"must be an integer >= 1, got {self.max_concurrency!r}")
+        require(
+            isinstance(self.executor_url, str)
+            and self.executor_url.startswith(("http://", "https://")),
+            "executor_url",
+            f"must be an http:// or https:// URL of the executor, e.g. "
+            f"http://127.0.0.1:9090, got {self.executor_url!r}",
+        )
+        require(
+            is_int(self.max_concurrency) and self.max_concurrency >= 1,
+            "max_concurrency",
+            f"must be an integer >= 1, got {self.max_concurrency!r}",
+        )
         for name in ("request_timeout_s", "task_timeout_s", "poll_interval_s"):
             value = getattr(self, name)
-            require(_is_finite_number(value) and value > 0, name,
-                    f"must be a number of seconds > 0, got {value!r}")
-        require(self.poll_interval_s <= self.task_timeout_s, "poll_interval_s",
-                f"must be <= task_timeout_s ({self.task_timeout_s}), got {self.poll_interval_s}")
-        require(is_int(self.max_infra_retries) and self.max_infra_retries >= 0,
-                "max_infra_retries",
-                f"must be an integer >= 0 (0 = one try only), got {self.max_infra_retries!r}")
+            require(
+                _is_finite_number(value) and value > 0,
+                name,
+                f"must be a number of seconds > 0, got {value!r}",
+            )
+        require(
+            self.poll_interval_s <= self.task_timeout_s,
+            "poll_interval_s",
+            f"must be <= task_timeout_s ({self.task_timeout_s}), got {self.poll_interval_s}",
+        )
+        require(
+            is_int(self.max_infra_retries) and self.max_infra_retries >= 0,
+            "max_infra_retries",
+            f"must be an integer >= 0 (0 = one try only), got {self.max_infra_retries!r}",
+        )
         valid_modes = [mode.value for mode in RewardMode]
-        require(self.reward_mode in valid_modes, "reward_mode",
-                f"must be one of {valid_modes}, got {self.reward_mode!r}")
-        require(isinstance(self.task_id_prefix, str)
-                and bool(_PREFIX_RE.match(self.task_id_prefix)), "task_id_prefix",
-                f"must be 1-64 characters of letters, digits, '.', '_' or '-', starting with a "
-                f"letter or digit, got "
-                f"{self.task_id_prefix!r}")
-        require(isinstance(self.auth_token_env, str)
-                and bool(re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", self.auth_token_env)),
-                "auth_token_env", f"must be the name of an environment variable (the token "
-                                  f"itself never goes in a config), got {self.auth_token_env!r}")
+        require(
+            self.reward_mode in valid_modes,
+            "reward_mode",
+            f"must be one of {valid_modes}, got {self.reward_mode!r}",
+        )
+        require(
+            isinstance(self.task_id_prefix, str) and bool(_PREFIX_RE.match(self.task_id_prefix)),
+            "task_id_prefix",
+            f"must be 1-64 characters of letters, digits, '.', '_' or '-', starting with a "
+            f"letter or digit, got "
+            f"{self.task_id_prefix!r}",
+        )
+        require(
+            isinstance(self.auth_token_env, str)
+            and bool(re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", self.auth_token_env)),
+            "auth_token_env",
+            f"must be the name of an environment variable (the token "
+            f"itself never goes in a config), got {self.auth_token_env!r}",
+        )
 
     @property
     def auth_token(self) -> str | None:

@@ -7,12 +7,23 @@ from dockyard_rl.sandbox.task import RewardMode
 from dockyard_rl.utils.config import from_dict
 
 
-@pytest.mark.parametrize("key, value", [
-    ("executor_url", "127.0.0.1:9090"), ("max_concurrency", 0), ("request_timeout_s", 0),
-    ("task_timeout_s", -1.0), ("poll_interval_s", float("nan")), ("max_infra_retries", -1),
-    ("max_infra_retries", True), ("reward_mode", "binaryy"), ("task_id_prefix", "run/a"),
-    ("task_id_prefix", "-a"), ("auth_token_env", "s3cr3t-token value"), ("auth_token_env", ""),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("executor_url", "127.0.0.1:9090"),
+        ("max_concurrency", 0),
+        ("request_timeout_s", 0),
+        ("task_timeout_s", -1.0),
+        ("poll_interval_s", float("nan")),
+        ("max_infra_retries", -1),
+        ("max_infra_retries", True),
+        ("reward_mode", "binaryy"),
+        ("task_id_prefix", "run/a"),
+        ("task_id_prefix", "-a"),
+        ("auth_token_env", "s3cr3t-token value"),
+        ("auth_token_env", ""),
+    ],
+)
 def test_config_rejects_bad_values_naming_the_key(key, value):
     with pytest.raises(ValueError, match=rf"^env\.swe\.{key}: "):
         from_dict(SweEnvironmentConfig, {key: value}, "env.swe")

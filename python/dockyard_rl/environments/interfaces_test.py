@@ -9,9 +9,12 @@ from dockyard_rl.environments.interfaces import Environment, EnvironmentResult
 
 
 def result(num_rewards: int, num_mask: int, num_metadata: int, dtype=torch.float32):
-    return EnvironmentResult(rewards_B=torch.zeros(num_rewards, dtype=dtype),
-                             sample_mask_B=torch.ones(num_mask, dtype=torch.float32),
-                             metadata=tuple({} for _ in range(num_metadata)), metrics={})
+    return EnvironmentResult(
+        rewards_B=torch.zeros(num_rewards, dtype=dtype),
+        sample_mask_B=torch.ones(num_mask, dtype=torch.float32),
+        metadata=tuple({} for _ in range(num_metadata)),
+        metrics={},
+    )
 
 
 def test_result_shapes_must_match_the_batch():
@@ -31,8 +34,12 @@ def test_environment_requires_step():
     class Constant(Environment):
         async def step(self, rollouts, *, global_step):
             num = len(rollouts)
-            return EnvironmentResult(torch.full((num,), 0.5), torch.ones(num),
-                                     tuple({"step": global_step} for _ in rollouts), {})
+            return EnvironmentResult(
+                torch.full((num,), 0.5),
+                torch.ones(num),
+                tuple({"step": global_step} for _ in rollouts),
+                {},
+            )
 
     out = asyncio.run(Constant().step(["a", "b"], global_step=4))
     assert out.rewards_B.tolist() == [0.5, 0.5] and out.metadata[1] == {"step": 4}

@@ -28,12 +28,13 @@ overloaded machine causes as readily as a slow patch).
 Per-sample metadata keys: `instance_id`, `task_id` (None when not submitted), `parse_failure`
 (the extraction's reason or None), `patch_rejected` (the executor refused the patch itself, e.g.
 too large; or None), `apply_failure` (bool), `apply_method`, `integrity_violation` (files),
-`timed_out`, `limit_outcome`, `test_outcomes` ({"FAIL_TO_PASS": {test id: outcome}, "PASS_TO_PASS": {...}}),
-`resolved`, `failure_kind` (why the verdict is not resolved: a `FailureKind` value, "none" when
-resolved, None without a verdict), `failure_detail` (the verdict's reason in words; None without
-a verdict), `screening_flags` (the executor's static screening of the patch, "category: token"),
-`infra_error` (None or the last error), `num_tries`, plus the reward pipeline's keys
-(`raw_reward`, `reward`, `<stage>/...`) for samples with a verdict.
+`timed_out`, `limit_outcome`, `test_outcomes` ({"FAIL_TO_PASS": {test id: outcome},
+"PASS_TO_PASS": {...}}), `resolved`, `failure_kind` (why the verdict is not resolved: a
+`FailureKind` value, "none" when resolved, None without a verdict), `failure_detail` (the
+verdict's reason in words; None without a verdict), `screening_flags` (the executor's static
+screening of the patch, "category: token"), `infra_error` (None or the last error), `num_tries`,
+plus the reward pipeline's keys (`raw_reward`, `reward`, `<stage>/...`) for samples with a
+verdict.
 
 Metrics: `env/num_samples`, `env/num_infra_errors`, `env/num_limit_outcomes`,
 `env/num_parse_failures`,
@@ -61,8 +62,11 @@ from dockyard_rl.environments.config import SweEnvironmentConfig
 from dockyard_rl.environments.interfaces import Environment, EnvironmentResult
 from dockyard_rl.rewards.outcome import SampleOutcome
 from dockyard_rl.rewards.shaping import RewardPipeline
-from dockyard_rl.sandbox.client import (ExecutorClient, ExecutorRequestError,
-                                        ExecutorUnavailableError)
+from dockyard_rl.sandbox.client import (
+    ExecutorClient,
+    ExecutorRequestError,
+    ExecutorUnavailableError,
+)
 from dockyard_rl.sandbox.integrity import touched_paths
 from dockyard_rl.sandbox.task import ApplyMethod, FailureKind, TaskSpec, TaskStatus, Verdict
 
@@ -72,10 +76,15 @@ logger = logging.getLogger(__name__)
 
 ClientFactory = Callable[[], ExecutorClient]
 
-_APPLIED = {ApplyMethod.GIT_APPLY: True, ApplyMethod.GIT_APPLY_3WAY: True,
-            ApplyMethod.PATCH_FUZZ: True, ApplyMethod.FAILED: False,
-            # Nothing was tried: an empty patch, or one refused for integrity before applying.
-            ApplyMethod.EMPTY: None, ApplyMethod.NOT_ATTEMPTED: None}
+_APPLIED = {
+    ApplyMethod.GIT_APPLY: True,
+    ApplyMethod.GIT_APPLY_3WAY: True,
+    ApplyMethod.PATCH_FUZZ: True,
+    ApplyMethod.FAILED: False,
+    # Nothing was tried: an empty patch, or one refused for integrity before applying.
+    ApplyMethod.EMPTY: None,
+    ApplyMethod.NOT_ATTEMPTED: None,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,14 +113,18 @@ class SweRollout:
             raise ValueError(f"instance: must be a TaskSpec, got {type(self.instance).__name__}")
         if self.patch is None:
             if not isinstance(self.invalid_reason, str) or not self.invalid_reason:
-                raise ValueError("invalid_reason: must be a non-empty string when patch is None "
-                                 "(say why no patch could be extracted)")
+                raise ValueError(
+                    "invalid_reason: must be a non-empty string when patch is None "
+                    "(say why no patch could be extracted)"
+                )
         else:
             if not isinstance(self.patch, str):
                 raise ValueError(f"patch: must be a str or None, got {type(self.patch).__name__}")
             if self.invalid_reason is not None:
-                raise ValueError("invalid_reason: must be None when a patch was extracted; set "
-                                 "patch=None for a parse failure")
+                raise ValueError(
+                    "invalid_reason: must be None when a patch was extracted; set "
+                    "patch=None for a parse failure"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,22 +143,32 @@ class SweEnvironment(Environment):
 
     max_rollout_turns = 1
 
-    def __init__(self, config: SweEnvironmentConfig, reward_pipeline: RewardPipeline, *,
-                 client_factory: ClientFactory | None = None):
+    def __init__(
+        self,
+        config: SweEnvironmentConfig,
+        reward_pipeline: RewardPipeline,
+        *,
+        client_factory: ClientFactory | None = None,
+    ):
         if not isinstance(config, SweEnvironmentConfig):
-            raise ValueError(f"config: must be a SweEnvironmentConfig, got "
-                             f"{type(config).__name__}")
+            raise ValueError(f"config: must be a SweEnvironmentConfig, got {type(config).__name__}")
         if not isinstance(reward_pipeline, RewardPipeline):
-            raise ValueError(f"reward_pipeline: must be a RewardPipeline, got "
-                             f"{type(reward_pipeline).__name__}")
+            raise ValueError(
+                f"reward_pipeline: must be a RewardPipeline, got {type(reward_pipeline).__name__}"
+            )
         self.config = config
         self.reward_pipeline = reward_pipeline
         # The client is made per step, inside the running loop: its aiohttp session is bound to
         # the loop that creates it, and the caller may run each step in a fresh loop.
         auth_token = config.auth_token  # read once, at set-up
-        self._client_factory = client_factory or (lambda: ExecutorClient(
-            config.executor_url, auth_token=auth_token,
-            request_timeout_s=config.request_timeout_s, max_connections=config.max_concurrency))
+        self._client_factory = client_factory or (
+            lambda: ExecutorClient(
+                config.executor_url,
+                auth_token=auth_token,
+                request_timeout_s=config.request_timeout_s,
+                max_connections=config.max_concurrency,
+            )
+        )
 
     def task_id(self, global_step: int, index: int, instance_id: str, generation: int = 0) -> str:
         """The deterministic task id of sample `index` of step `global_step`.
@@ -158,8 +181,7 @@ class SweEnvironment(Environment):
         task_id = f"{self.config.task_id_prefix}-s{global_step}-i{index}-{digest}"
         return task_id if generation == 0 else f"{task_id}-r{generation}"
 
-    async def step(self, rollouts: Sequence[SweRollout], *,
-                   global_step: int) -> EnvironmentResult:
+    async def step(self, rollouts: Sequence[SweRollout], *, global_step: int) -> EnvironmentResult:
         """Scores the rollouts; see `Environment.step` and the module docstring.
 
         Raises:
@@ -171,12 +193,14 @@ class SweEnvironment(Environment):
         if isinstance(global_step, bool) or not isinstance(global_step, int) or global_step < 0:
             raise ValueError(f"global_step: must be an int >= 0, got {global_step!r}")
         if isinstance(rollouts, (str, bytes)) or not isinstance(rollouts, Sequence):
-            raise ValueError(f"rollouts: must be a sequence of SweRollout, got "
-                             f"{type(rollouts).__name__}")
+            raise ValueError(
+                f"rollouts: must be a sequence of SweRollout, got {type(rollouts).__name__}"
+            )
         for index, rollout in enumerate(rollouts):
             if not isinstance(rollout, SweRollout):
-                raise ValueError(f"rollouts[{index}]: must be a SweRollout, got "
-                                 f"{type(rollout).__name__}")
+                raise ValueError(
+                    f"rollouts[{index}]: must be a SweRollout, got {type(rollout).__name__}"
+                )
 
         to_submit = [index for index, rollout in enumerate(rollouts) if rollout.patch is not None]
         scored: dict[int, _Scored] = {}
@@ -184,9 +208,12 @@ class SweEnvironment(Environment):
             semaphore = asyncio.Semaphore(self.config.max_concurrency)
             async with self._client_factory() as client:
                 results = await asyncio.gather(
-                    *(self._score_sample(client, semaphore, rollouts[index], index, global_step)
-                      for index in to_submit),
-                    return_exceptions=True)
+                    *(
+                        self._score_sample(client, semaphore, rollouts[index], index, global_step)
+                        for index in to_submit
+                    ),
+                    return_exceptions=True,
+                )
             # Every task has run to its end before anything is raised: no orphaned coroutines.
             for index, result in zip(to_submit, results):
                 if isinstance(result, BaseException):
@@ -194,8 +221,14 @@ class SweEnvironment(Environment):
                 scored[index] = result
         return self._assemble(rollouts, scored)
 
-    async def _score_sample(self, client: ExecutorClient, semaphore: asyncio.Semaphore,
-                            rollout: SweRollout, index: int, global_step: int) -> _Scored:
+    async def _score_sample(
+        self,
+        client: ExecutorClient,
+        semaphore: asyncio.Semaphore,
+        rollout: SweRollout,
+        index: int,
+        global_step: int,
+    ) -> _Scored:
         instance_id = rollout.instance.instance_id
         generation = 0
         last_error = "no try made"
@@ -204,12 +237,19 @@ class SweEnvironment(Environment):
         async with semaphore:
             for num_tries in range(1, self.config.max_infra_retries + 2):
                 task_id = self.task_id(global_step, index, instance_id, generation)
-                spec = dataclasses.replace(rollout.instance, patch=rollout.patch, task_id=task_id,
-                                           reward_mode=self.config.reward_mode_enum)
+                spec = dataclasses.replace(
+                    rollout.instance,
+                    patch=rollout.patch,
+                    task_id=task_id,
+                    reward_mode=self.config.reward_mode_enum,
+                )
                 try:
                     await client.submit(spec)
-                    result = await client.wait(task_id, poll_interval_s=self.config.poll_interval_s,
-                                               timeout_s=self.config.task_timeout_s)
+                    result = await client.wait(
+                        task_id,
+                        poll_interval_s=self.config.poll_interval_s,
+                        timeout_s=self.config.task_timeout_s,
+                    )
                 except ExecutorUnavailableError as error:
                     last_error = f"executor unavailable: {error}"
                 except TimeoutError as error:
@@ -226,12 +266,20 @@ class SweEnvironment(Environment):
                         return _Scored(task_id, num_tries, verdict=result.verdict)
                     last_error = f"executor infra_error: {result.error}"
                     generation += 1  # that task id is final on the executor
-                logger.warning("sample %d (%s, task %s): %s (try %d of %d)", index, instance_id,
-                               task_id, last_error, num_tries, self.config.max_infra_retries + 1)
+                logger.warning(
+                    "sample %d (%s, task %s): %s (try %d of %d)",
+                    index,
+                    instance_id,
+                    task_id,
+                    last_error,
+                    num_tries,
+                    self.config.max_infra_retries + 1,
+                )
         return _Scored(task_id, num_tries, infra_error=last_error)
 
-    def _assemble(self, rollouts: Sequence[SweRollout],
-                  scored: dict[int, _Scored]) -> EnvironmentResult:
+    def _assemble(
+        self, rollouts: Sequence[SweRollout], scored: dict[int, _Scored]
+    ) -> EnvironmentResult:
         num_samples = len(rollouts)
         rewards_B = torch.zeros(num_samples, dtype=torch.float32)
         sample_mask_B = torch.zeros(num_samples, dtype=torch.float32)
@@ -247,8 +295,9 @@ class SweEnvironment(Environment):
                 "task_id": result.task_id if result is not None else None,
                 "parse_failure": rollout.invalid_reason,
                 "patch_rejected": result.rejected if result is not None else None,
-                "apply_failure": bool(verdict is not None
-                                      and verdict.apply_method is ApplyMethod.FAILED),
+                "apply_failure": bool(
+                    verdict is not None and verdict.apply_method is ApplyMethod.FAILED
+                ),
                 "apply_method": verdict.apply_method.value if verdict is not None else None,
                 "integrity_violation": list(verdict.integrity_violation) if verdict else [],
                 "timed_out": bool(verdict is not None and verdict.timed_out),
@@ -256,7 +305,9 @@ class SweEnvironment(Environment):
                 "test_outcomes": {
                     "FAIL_TO_PASS": {k: v.value for k, v in verdict.fail_to_pass.items()},
                     "PASS_TO_PASS": {k: v.value for k, v in verdict.pass_to_pass.items()},
-                } if verdict is not None else {"FAIL_TO_PASS": {}, "PASS_TO_PASS": {}},
+                }
+                if verdict is not None
+                else {"FAIL_TO_PASS": {}, "PASS_TO_PASS": {}},
                 "resolved": bool(verdict is not None and verdict.resolved),
                 "failure_kind": verdict.failure_kind.value if verdict is not None else None,
                 "failure_detail": verdict.failure_detail if verdict is not None else None,
@@ -289,42 +340,68 @@ class SweEnvironment(Environment):
         num_limit = sum(m["limit_outcome"] for m in metadata)
         metrics["env/num_infra_errors"] = float(num_samples - len(shaped_indices) - num_limit)
         metrics["env/num_limit_outcomes"] = float(num_limit)
-        metrics["env/num_parse_failures"] = float(sum(m["parse_failure"] is not None
-                                                      for m in metadata))
+        metrics["env/num_parse_failures"] = float(
+            sum(m["parse_failure"] is not None for m in metadata)
+        )
         metrics["env/num_apply_failures"] = float(sum(m["apply_failure"] for m in metadata))
-        metrics["env/num_integrity_violations"] = float(sum(bool(m["integrity_violation"])
-                                                            for m in metadata))
+        metrics["env/num_integrity_violations"] = float(
+            sum(bool(m["integrity_violation"]) for m in metadata)
+        )
         metrics["env/num_timed_out"] = float(sum(m["timed_out"] for m in metadata))
         metrics["env/num_resolved"] = float(sum(m["resolved"] for m in metadata))
-        metrics["env/num_tampering"] = float(sum(m["failure_kind"] == FailureKind.TAMPERING.value
-                                                 for m in metadata))
-        metrics["env/num_screening_flagged"] = float(sum(bool(m["screening_flags"])
-                                                         for m in metadata))
-        return EnvironmentResult(rewards_B=rewards_B, sample_mask_B=sample_mask_B,
-                                 metadata=tuple(metadata), metrics=metrics)
+        metrics["env/num_tampering"] = float(
+            sum(m["failure_kind"] == FailureKind.TAMPERING.value for m in metadata)
+        )
+        metrics["env/num_screening_flagged"] = float(
+            sum(bool(m["screening_flags"]) for m in metadata)
+        )
+        return EnvironmentResult(
+            rewards_B=rewards_B,
+            sample_mask_B=sample_mask_B,
+            metadata=tuple(metadata),
+            metrics=metrics,
+        )
 
     @staticmethod
-    def _outcome(rollout: SweRollout, result: _Scored | None,
-                 held_out: tuple[str, ...]) -> SampleOutcome:
-        common = dict(response_length=rollout.response_length,
-                      max_response_length=rollout.max_response_length,
-                      response_text=rollout.response_text,
-                      thinking_required=rollout.thinking_required)
+    def _outcome(
+        rollout: SweRollout, result: _Scored | None, held_out: tuple[str, ...]
+    ) -> SampleOutcome:
+        common = dict(
+            response_length=rollout.response_length,
+            max_response_length=rollout.max_response_length,
+            response_text=rollout.response_text,
+            thinking_required=rollout.thinking_required,
+        )
         if result is None:  # parse failure: never submitted
-            return SampleOutcome(reward=0.0, patch_parsed=False, patch_applied=None,
-                                 held_out_files=held_out, **common)
+            return SampleOutcome(
+                reward=0.0,
+                patch_parsed=False,
+                patch_applied=None,
+                held_out_files=held_out,
+                **common,
+            )
         touched = tuple(sorted(touched_paths(rollout.patch)[0]))
         if result.rejected is not None:
-            return SampleOutcome(reward=0.0, patch_parsed=True, patch_applied=False,
-                                 touched_files=touched, held_out_files=held_out, **common)
+            return SampleOutcome(
+                reward=0.0,
+                patch_parsed=True,
+                patch_applied=False,
+                touched_files=touched,
+                held_out_files=held_out,
+                **common,
+            )
         verdict = result.verdict
         assert verdict is not None, result
         # The executor's integrity check also protects files outside test_patch (conftest.py,
         # pytest.ini, ...): what it flagged counts as touched and held out, so the integrity
         # stage zeroes the sample and reports those files.
         flagged = tuple(verdict.integrity_violation)
-        return SampleOutcome(reward=verdict.reward, patch_parsed=True,
-                             patch_applied=_APPLIED[verdict.apply_method],
-                             touched_files=tuple(sorted(set(touched) | set(flagged))),
-                             held_out_files=tuple(sorted(set(held_out) | set(flagged))),
-                             screening_flags=verdict.screening_flags, **common)
+        return SampleOutcome(
+            reward=verdict.reward,
+            patch_parsed=True,
+            patch_applied=_APPLIED[verdict.apply_method],
+            touched_files=tuple(sorted(set(touched) | set(flagged))),
+            held_out_files=tuple(sorted(set(held_out) | set(flagged))),
+            screening_flags=verdict.screening_flags,
+            **common,
+        )

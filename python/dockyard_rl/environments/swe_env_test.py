@@ -29,27 +29,43 @@ PENALTY = -1.0
 
 
 def make_pipeline() -> RewardPipeline:
-    return RewardPipeline(from_dict(RewardShapingConfig, {"stages": [
-        {"type": "integrity"}, {"type": "invalid_action", "penalty": PENALTY}]}, "rewards"))
+    return RewardPipeline(
+        from_dict(
+            RewardShapingConfig,
+            {"stages": [{"type": "integrity"}, {"type": "invalid_action", "penalty": PENALTY}]},
+            "rewards",
+        )
+    )
 
 
 def fast_client_factory(url: str):
     # Small backoffs: the unreachable-executor test must not sleep for the production delays.
-    return lambda: ExecutorClient(url, request_timeout_s=5.0, max_attempts=2,
-                                  backoff_base_s=0.01, backoff_max_s=0.02, seed=0)
+    return lambda: ExecutorClient(
+        url, request_timeout_s=5.0, max_attempts=2, backoff_base_s=0.01, backoff_max_s=0.02, seed=0
+    )
 
 
 def env_config(url: str, **overrides) -> SweEnvironmentConfig:
-    values = dict(executor_url=url, max_concurrency=4, poll_interval_s=0.1, task_timeout_s=120.0,
-                  max_infra_retries=1)
+    values = dict(
+        executor_url=url,
+        max_concurrency=4,
+        poll_interval_s=0.1,
+        task_timeout_s=120.0,
+        max_infra_retries=1,
+    )
     values.update(overrides)
     return SweEnvironmentConfig(**values)
 
 
 def rollout(repo, patch, invalid_reason=None, instance_id="toy__calc-1"):
-    return SweRollout(instance=repo.spec("", instance_id=instance_id), patch=patch,
-                      invalid_reason=invalid_reason, response_text="...", response_length=10,
-                      max_response_length=100)
+    return SweRollout(
+        instance=repo.spec("", instance_id=instance_id),
+        patch=patch,
+        invalid_reason=invalid_reason,
+        response_text="...",
+        response_length=10,
+        max_response_length=100,
+    )
 
 
 def counting(score_fn):
@@ -70,19 +86,27 @@ def repo(tmp_path):
 
 
 def executor_config(tmp_path, **overrides) -> ExecutorConfig:
-    return ExecutorConfig(port=0, num_workers=2, work_dir=str(tmp_path / "work"),
-                          max_infra_attempts=1, **overrides)
+    return ExecutorConfig(
+        port=0, num_workers=2, work_dir=str(tmp_path / "work"), max_infra_attempts=1, **overrides
+    )
 
 
 def test_rewards_metadata_and_idempotent_resubmission(tmp_path, repo):
     config = executor_config(tmp_path)
     score_fn, calls = counting(pipeline_score_fn(config.pipeline))
-    held_out_edit = repo.patch_for({"tests/test_ops.py": testing_repos.TEST_OPS_BASE
-                                    + "\n\ndef test_extra():\n    assert True\n"})
-    rollouts = [rollout(repo, repo.gold_patch), rollout(repo, repo.wrong_patch),
-                rollout(repo, repo.conflicting_patch),
-                rollout(repo, None, invalid_reason="no diff block in the response"),
-                rollout(repo, held_out_edit)]
+    held_out_edit = repo.patch_for(
+        {
+            "tests/test_ops.py": testing_repos.TEST_OPS_BASE
+            + "\n\ndef test_extra():\n    assert True\n"
+        }
+    )
+    rollouts = [
+        rollout(repo, repo.gold_patch),
+        rollout(repo, repo.wrong_patch),
+        rollout(repo, repo.conflicting_patch),
+        rollout(repo, None, invalid_reason="no diff block in the response"),
+        rollout(repo, held_out_edit),
+    ]
 
     async def scenario():
         async with running_server(config, score_fn) as server:
@@ -113,8 +137,9 @@ def test_rewards_metadata_and_idempotent_resubmission(tmp_path, repo):
     assert conflict["apply_failure"] and conflict["apply_method"] == "failed"
     assert conflict["invalid_action/reason"] == "patch_not_applied"
 
-    assert unparsed["task_id"] is None and unparsed["parse_failure"] == "no diff block in the " \
-        "response"
+    assert (
+        unparsed["task_id"] is None and unparsed["parse_failure"] == "no diff block in the response"
+    )
     assert unparsed["invalid_action/reason"] == "no_patch"
 
     assert hostile["integrity_violation"] == ["tests/test_ops.py"]
@@ -150,10 +175,12 @@ def test_unreachable_executor_masks_submitted_samples(repo):
     with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    env = SweEnvironment(env_config(url), make_pipeline(),
-                         client_factory=fast_client_factory(url))
-    rollouts = [rollout(repo, repo.gold_patch), rollout(repo, repo.wrong_patch),
-                rollout(repo, None, invalid_reason="empty response")]
+    env = SweEnvironment(env_config(url), make_pipeline(), client_factory=fast_client_factory(url))
+    rollouts = [
+        rollout(repo, repo.gold_patch),
+        rollout(repo, repo.wrong_patch),
+        rollout(repo, None, invalid_reason="empty response"),
+    ]
     result = asyncio.run(env.step(rollouts, global_step=0))
     assert result.sample_mask_B.tolist() == [0.0, 0.0, 1.0]
     assert result.rewards_B.tolist() == [0.0, 0.0, PENALTY]  # the parse failure needs no executor
@@ -218,8 +245,12 @@ def test_failure_kind_and_screening_flags_reach_metadata_metrics_and_rewards(tmp
     resolved_flagged = "diff --git a/argv b/argv\n"
     failed = "diff --git a/failed b/failed\n"
     verdicts = {
-        tampered: (False, FailureKind.TAMPERING, "the must-fail canary passed",
-                   ("forced_exit: os._exit", "exit_hook: atexit")),
+        tampered: (
+            False,
+            FailureKind.TAMPERING,
+            "the must-fail canary passed",
+            ("forced_exit: os._exit", "exit_hook: atexit"),
+        ),
         resolved_flagged: (True, FailureKind.NONE, "", ("process_arguments: sys.argv",)),
         failed: (False, FailureKind.TESTS_FAILED, "tests/test_ops.py::test_mul failed", ()),
     }
@@ -227,19 +258,41 @@ def test_failure_kind_and_screening_flags_reach_metadata_metrics_and_rewards(tmp
     def score(spec, work_root):
         resolved, kind, detail, flags = verdicts[spec.patch]
         outcome = TestOutcome.PASSED if resolved else TestOutcome.FAILED
-        return Verdict(resolved=resolved, reward=float(resolved),
-                       fail_to_pass={t: outcome for t in spec.fail_to_pass},
-                       pass_to_pass={t: TestOutcome.PASSED for t in spec.pass_to_pass},
-                       apply_method=ApplyMethod.GIT_APPLY, integrity_violation=(),
-                       test_exit_code=0 if resolved else 1, timed_out=False,
-                       timings_s={"total": 0.0}, log_tail="", failure_kind=kind,
-                       failure_detail=detail, screening_flags=flags)
+        return Verdict(
+            resolved=resolved,
+            reward=float(resolved),
+            fail_to_pass={t: outcome for t in spec.fail_to_pass},
+            pass_to_pass={t: TestOutcome.PASSED for t in spec.pass_to_pass},
+            apply_method=ApplyMethod.GIT_APPLY,
+            integrity_violation=(),
+            test_exit_code=0 if resolved else 1,
+            timed_out=False,
+            timings_s={"total": 0.0},
+            log_tail="",
+            failure_kind=kind,
+            failure_detail=detail,
+            screening_flags=flags,
+        )
 
-    shaping = RewardPipeline(from_dict(RewardShapingConfig, {"stages": [
-        {"type": "integrity"}, {"type": "invalid_action", "penalty": PENALTY},
-        {"type": "screening", "penalty": -0.5, "categories": ["forced_exit"]}]}, "rewards"))
-    rollouts = [rollout(repo, tampered), rollout(repo, resolved_flagged), rollout(repo, failed),
-                rollout(repo, None, invalid_reason="no diff block")]
+    shaping = RewardPipeline(
+        from_dict(
+            RewardShapingConfig,
+            {
+                "stages": [
+                    {"type": "integrity"},
+                    {"type": "invalid_action", "penalty": PENALTY},
+                    {"type": "screening", "penalty": -0.5, "categories": ["forced_exit"]},
+                ]
+            },
+            "rewards",
+        )
+    )
+    rollouts = [
+        rollout(repo, tampered),
+        rollout(repo, resolved_flagged),
+        rollout(repo, failed),
+        rollout(repo, None, invalid_reason="no diff block"),
+    ]
 
     async def scenario():
         async with running_server(executor_config(tmp_path), score) as server:
@@ -275,8 +328,10 @@ def test_reward_config_knows_the_executors_screening_categories():
 
 def test_malformed_instance_raises_request_error(tmp_path, repo):
     config = executor_config(tmp_path)
-    bad = SweRollout(instance=dataclasses.replace(repo.spec(""), repo=str(tmp_path / "nowhere")),
-                     patch=repo.gold_patch)
+    bad = SweRollout(
+        instance=dataclasses.replace(repo.spec(""), repo=str(tmp_path / "nowhere")),
+        patch=repo.gold_patch,
+    )
 
     async def scenario():
         async with running_server(config) as server:
@@ -288,15 +343,22 @@ def test_malformed_instance_raises_request_error(tmp_path, repo):
 
 
 def test_task_ids_are_deterministic_and_valid(repo):
-    env = SweEnvironment(env_config("http://127.0.0.1:1", task_id_prefix="run-a"),
-                         make_pipeline())
+    env = SweEnvironment(env_config("http://127.0.0.1:1", task_id_prefix="run-a"), make_pipeline())
     task_id = env.task_id(12, 3, "django/django__django-11099")
     assert task_id == env.task_id(12, 3, "django/django__django-11099")
     assert task_id.startswith("run-a-s12-i3-") and "/" not in task_id
-    assert len({task_id, env.task_id(13, 3, "django/django__django-11099"),
+    assert (
+        len(
+            {
+                task_id,
+                env.task_id(13, 3, "django/django__django-11099"),
                 env.task_id(12, 4, "django/django__django-11099"),
-                env.task_id(12, 3, "other"), env.task_id(12, 3, "django/django__django-11099",
-                                                         generation=1)}) == 5
+                env.task_id(12, 3, "other"),
+                env.task_id(12, 3, "django/django__django-11099", generation=1),
+            }
+        )
+        == 5
+    )
 
 
 def test_rollout_and_step_validation(repo):

@@ -232,8 +232,7 @@ def _validate(logits_NV: torch.Tensor, targets_N: torch.Tensor, temperature: flo
         raise ValueError(f"targets_N must be a torch.Tensor, got {type(targets_N).__name__}")
     if logits_NV.dim() not in (2, 3):
         raise ValueError(
-            "logits_NV must be (N, V) or (B, S, V), got shape "
-            f"{tuple(logits_NV.shape)}"
+            f"logits_NV must be (N, V) or (B, S, V), got shape {tuple(logits_NV.shape)}"
         )
     if tuple(targets_N.shape) != tuple(logits_NV.shape[:-1]):
         raise ValueError(
@@ -244,8 +243,7 @@ def _validate(logits_NV: torch.Tensor, targets_N: torch.Tensor, temperature: flo
         raise ValueError("logits_NV has an empty vocab dim: no target id can be valid")
     if logits_NV.dtype not in LOGITS_DTYPES:
         raise ValueError(
-            f"logits_NV must be float32 or bfloat16, got {logits_NV.dtype}; convert with "
-            ".float()"
+            f"logits_NV must be float32 or bfloat16, got {logits_NV.dtype}; convert with .float()"
         )
     if targets_N.dtype != torch.int64:
         raise ValueError(f"targets_N must be int64, got {targets_N.dtype}; convert with .long()")

@@ -73,9 +73,7 @@ def test_extension_is_built(ext):
 
 
 @both_paths
-@pytest.mark.parametrize(
-    "num_rows, vocab_size", [(1, 1), (7, 3), (16, 1000), (9, 2049), (3, 5003)]
-)
+@pytest.mark.parametrize("num_rows, vocab_size", [(1, 1), (7, 3), (16, 1000), (9, 2049), (3, 5003)])
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
 def test_float32_parity(ext, use_extension, num_rows, vocab_size, temperature):
     logits_NV, targets_N = _random(num_rows, vocab_size, seed=vocab_size)
@@ -167,8 +165,14 @@ def test_threaded_path(ext):
 @both_paths
 def test_vocab_one(ext, use_extension):
     logits_NV = torch.tensor([[3.0], [-1e30], [0.0]])
-    lp_N, ent_N, grad_NV = _run(logits_NV, torch.zeros(3, dtype=torch.int64), 0.5,
-                                use_extension, torch.ones(3), torch.ones(3))
+    lp_N, ent_N, grad_NV = _run(
+        logits_NV,
+        torch.zeros(3, dtype=torch.int64),
+        0.5,
+        use_extension,
+        torch.ones(3),
+        torch.ones(3),
+    )
     assert torch.equal(lp_N, torch.zeros(3))
     assert torch.equal(ent_N, torch.zeros(3))
     assert torch.equal(grad_NV, torch.zeros(3, 1))
@@ -194,18 +198,18 @@ def test_huge_logits_do_not_overflow(ext, use_extension, temperature):
 @both_paths
 def test_masked_logits(ext, use_extension):
     inf = math.inf
-    logits_NV = torch.tensor([
-        [0.0, -inf, 0.0, -inf],   # Two equal survivors.
-        [1.0, 2.0, -inf, 0.5],    # Masked entry, unmasked target.
-        [2.0, -inf, 1.0, 0.0],    # Masked target: logprob -inf.
-    ])
+    logits_NV = torch.tensor(
+        [
+            [0.0, -inf, 0.0, -inf],  # Two equal survivors.
+            [1.0, 2.0, -inf, 0.5],  # Masked entry, unmasked target.
+            [2.0, -inf, 1.0, 0.0],  # Masked target: logprob -inf.
+        ]
+    )
     targets_N = torch.tensor([0, 3, 1])
     grad_N = torch.tensor([1.0, -2.0, 0.5])
     grad_entropy_N = torch.tensor([0.5, 1.0, -1.0])
-    lp_N, ent_N, grad_NV = _run(logits_NV, targets_N, 0.7, use_extension, grad_N,
-                                grad_entropy_N)
-    want_lp, want_ent, want_grad = _expected(logits_NV, targets_N, 0.7, grad_N,
-                                             grad_entropy_N)
+    lp_N, ent_N, grad_NV = _run(logits_NV, targets_N, 0.7, use_extension, grad_N, grad_entropy_N)
+    want_lp, want_ent, want_grad = _expected(logits_NV, targets_N, 0.7, grad_N, grad_entropy_N)
     torch.testing.assert_close(lp_N[0], torch.tensor(-math.log(2)))
     assert lp_N[2] == -inf
     torch.testing.assert_close(lp_N.double(), want_lp, rtol=1e-6, atol=1e-6)
@@ -220,8 +224,7 @@ def test_masked_logits(ext, use_extension):
 @both_paths
 def test_fully_masked_row_is_nan(ext, use_extension):
     logits_NV = torch.tensor([[-math.inf, -math.inf], [0.0, 1.0]])
-    lp_N, ent_N, grad_NV = _run(logits_NV, torch.tensor([0, 1]), 1.0, use_extension,
-                                torch.ones(2))
+    lp_N, ent_N, grad_NV = _run(logits_NV, torch.tensor([0, 1]), 1.0, use_extension, torch.ones(2))
     assert torch.isnan(lp_N[0]) and torch.isnan(ent_N[0]) and torch.isnan(grad_NV[0]).all()
     assert torch.isfinite(lp_N[1]) and torch.isfinite(grad_NV[1]).all()
 
@@ -242,8 +245,7 @@ def test_batch_sequence_input(ext, use_extension):
     )
     torch.testing.assert_close(lp_BS.double(), want_lp.view(2, 5), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ent_BS.double(), want_ent.view(2, 5), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(x_BSV.grad.double(), want_grad.view(2, 5, 40), rtol=1e-5,
-                               atol=1e-6)
+    torch.testing.assert_close(x_BSV.grad.double(), want_grad.view(2, 5, 40), rtol=1e-5, atol=1e-6)
 
 
 def test_non_contiguous_logits(ext):
@@ -265,11 +267,11 @@ def test_non_contiguous_logits(ext):
         lp.sum().backward()
         flat = x.detach().reshape(-1, 30)
         want_lp, _, want_grad = _expected(flat, t.reshape(-1), 1.0, torch.ones(flat.shape[0]))
-        torch.testing.assert_close(lp.reshape(-1).double(), want_lp, rtol=1e-6, atol=1e-6,
-                                   msg=name)
+        torch.testing.assert_close(lp.reshape(-1).double(), want_lp, rtol=1e-6, atol=1e-6, msg=name)
         assert x.grad.shape == x.shape
-        torch.testing.assert_close(x.grad.reshape(-1, 30).double(), want_grad, rtol=1e-5,
-                                   atol=1e-6, msg=name)
+        torch.testing.assert_close(
+            x.grad.reshape(-1, 30).double(), want_grad, rtol=1e-5, atol=1e-6, msg=name
+        )
 
 
 def test_no_grad_and_input_untouched(ext):
@@ -326,12 +328,15 @@ def test_out_of_range_targets_raise_index_error(ext, use_extension):
     for bad, row in ((5, 2), (-1, 1), (10**12, 3)):
         targets_N = torch.tensor([0, 4, 1, 3])
         targets_N[row] = bad
-        with pytest.raises(IndexError, match=rf"target id {bad} at row {row} is out of range \[0, 5\)"):
+        with pytest.raises(
+            IndexError, match=rf"target id {bad} at row {row} is out of range \[0, 5\)"
+        ):
             kernels.gather_logprobs(logits_NV, targets_N, use_extension=use_extension)
     # (B, S, V): the row is counted in the flattened view.
     with pytest.raises(IndexError, match=r"target id 7 at row 4 "):
-        kernels.gather_logprobs(torch.zeros(2, 3, 5), torch.tensor([[0, 0, 0], [0, 7, 0]]),
-                                use_extension=use_extension)
+        kernels.gather_logprobs(
+            torch.zeros(2, 3, 5), torch.tensor([[0, 0, 0], [0, 7, 0]]), use_extension=use_extension
+        )
 
 
 def test_targets_modified_after_forward_raise_in_backward(ext):
@@ -352,11 +357,22 @@ def test_raw_binding_check_targets_is_cuda_only(ext):
     mx, ls = torch.zeros(2), torch.full((2,), math.log(3), dtype=torch.float64)
     for check in (True, False):
         with pytest.raises(IndexError, match="gather_logprobs: target id 3 at row 1"):
-            ext.gather_logprobs(logits, targets, 1.0, torch.empty(2), None, None, None,
-                                check_targets=check)
+            ext.gather_logprobs(
+                logits, targets, 1.0, torch.empty(2), None, None, None, check_targets=check
+            )
         with pytest.raises(IndexError, match="gather_logprobs_backward: target id 3 at row 1"):
-            ext.gather_logprobs_backward(logits, targets, 1.0, mx, ls, None, torch.ones(2),
-                                         None, torch.empty(2, 3), check_targets=check)
+            ext.gather_logprobs_backward(
+                logits,
+                targets,
+                1.0,
+                mx,
+                ls,
+                None,
+                torch.ones(2),
+                None,
+                torch.empty(2, 3),
+                check_targets=check,
+            )
 
 
 @both_paths
@@ -373,33 +389,43 @@ def test_raw_binding_check_targets_is_cuda_only(ext):
 )
 def test_bad_shapes_raise(ext, use_extension, logits_shape, targets_shape, match):
     with pytest.raises(ValueError, match=match):
-        kernels.gather_logprobs(torch.zeros(logits_shape),
-                                torch.zeros(targets_shape, dtype=torch.int64),
-                                use_extension=use_extension)
+        kernels.gather_logprobs(
+            torch.zeros(logits_shape),
+            torch.zeros(targets_shape, dtype=torch.int64),
+            use_extension=use_extension,
+        )
 
 
 @both_paths
 def test_bad_dtypes_raise(ext, use_extension):
     for dtype in (torch.float16, torch.float64, torch.int64):
         with pytest.raises(ValueError, match="must be float32 or bfloat16"):
-            kernels.gather_logprobs(torch.zeros(2, 3, dtype=dtype),
-                                    torch.zeros(2, dtype=torch.int64),
-                                    use_extension=use_extension)
+            kernels.gather_logprobs(
+                torch.zeros(2, 3, dtype=dtype),
+                torch.zeros(2, dtype=torch.int64),
+                use_extension=use_extension,
+            )
     for dtype in (torch.int32, torch.float32):
         with pytest.raises(ValueError, match="targets_N must be int64"):
-            kernels.gather_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=dtype),
-                                    use_extension=use_extension)
+            kernels.gather_logprobs(
+                torch.zeros(2, 3), torch.zeros(2, dtype=dtype), use_extension=use_extension
+            )
     with pytest.raises(ValueError, match="must be a torch.Tensor"):
-        kernels.gather_logprobs([[0.0, 1.0]], torch.zeros(1, dtype=torch.int64),
-                                use_extension=use_extension)
+        kernels.gather_logprobs(
+            [[0.0, 1.0]], torch.zeros(1, dtype=torch.int64), use_extension=use_extension
+        )
 
 
 @both_paths
 @pytest.mark.parametrize("temperature", [0.0, -1.0, math.nan, math.inf, True, "1.0"])
 def test_bad_temperature_raises(ext, use_extension, temperature):
     with pytest.raises(ValueError, match="temperature must be"):
-        kernels.gather_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64),
-                                temperature, use_extension=use_extension)
+        kernels.gather_logprobs(
+            torch.zeros(2, 3),
+            torch.zeros(2, dtype=torch.int64),
+            temperature,
+            use_extension=use_extension,
+        )
 
 
 def test_raw_binding_checks(ext):
@@ -417,26 +443,39 @@ def test_raw_binding_checks(ext):
         ext.gather_logprobs(logits, targets, 0.0, lp, None, mx, ls)
     # No silent conversion of outputs: a float64 logprobs would be a copy.
     with pytest.raises(TypeError):
-        ext.gather_logprobs(logits, targets, 1.0, torch.empty(2, dtype=torch.float64),
-                            None, mx, ls)
+        ext.gather_logprobs(logits, targets, 1.0, torch.empty(2, dtype=torch.float64), None, mx, ls)
     ext.gather_logprobs(logits, targets, 1.0, lp, None, mx, ls)
     with pytest.raises(ValueError, match="grad_logits must have the logits' dtype"):
-        ext.gather_logprobs_backward(logits, targets, 1.0, mx, ls, None, torch.ones(2), None,
-                                     torch.empty(2, 3, dtype=torch.bfloat16))
+        ext.gather_logprobs_backward(
+            logits,
+            targets,
+            1.0,
+            mx,
+            ls,
+            None,
+            torch.ones(2),
+            None,
+            torch.empty(2, 3, dtype=torch.bfloat16),
+        )
     with pytest.raises(ValueError, match="grad_logits must have the logits' shape"):
-        ext.gather_logprobs_backward(logits, targets, 1.0, mx, ls, None, torch.ones(2), None,
-                                     torch.empty(3, 2))
+        ext.gather_logprobs_backward(
+            logits, targets, 1.0, mx, ls, None, torch.ones(2), None, torch.empty(3, 2)
+        )
     with pytest.raises(ValueError, match="grad_entropy is given but entropy is null"):
-        ext.gather_logprobs_backward(logits, targets, 1.0, mx, ls, None, None, torch.ones(2),
-                                     torch.empty(2, 3))
+        ext.gather_logprobs_backward(
+            logits, targets, 1.0, mx, ls, None, None, torch.ones(2), torch.empty(2, 3)
+        )
     with pytest.raises(IndexError, match="gather_logprobs_backward: target id 3 at row 1"):
-        ext.gather_logprobs_backward(logits, torch.tensor([0, 3]), 1.0, mx, ls, None,
-                                     torch.ones(2), None, torch.empty(2, 3))
+        ext.gather_logprobs_backward(
+            logits, torch.tensor([0, 3]), 1.0, mx, ls, None, torch.ones(2), None, torch.empty(2, 3)
+        )
 
 
 # --- CUDA --------------------------------------------------------------------
 
-requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+requires_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA GPU on this machine"
+)
 
 
 @requires_gpu
@@ -445,19 +484,22 @@ def test_cuda_parity(ext, dtype):
     if not ext.with_cuda:
         pytest.skip("_dockyard_kernels was built without CUDA (build with --config=cuda)")
     for num_rows, vocab_size, temperature in [
-        (1, 1, 1.0), (7, 33, 0.7), (64, 1000, 1.0), (9, 49152, 1.3)
+        (1, 1, 1.0),
+        (7, 33, 0.7),
+        (64, 1000, 1.0),
+        (9, 49152, 1.3),
     ]:
         logits_NV, targets_N = _random(num_rows, vocab_size, seed=vocab_size, dtype=dtype)
         logits_NV[0, : vocab_size // 3] = -math.inf  # Masked entries (maybe the target).
         grad_N = torch.randn(num_rows, generator=torch.Generator().manual_seed(1))
         cpu = _run(logits_NV, targets_N, temperature, True, grad_N, grad_N)
-        gpu = _run(logits_NV.cuda(), targets_N.cuda(), temperature, True, grad_N.cuda(),
-                   grad_N.cuda())
+        gpu = _run(
+            logits_NV.cuda(), targets_N.cuda(), temperature, True, grad_N.cuda(), grad_N.cuda()
+        )
         for name, c, g in zip(("logprobs", "entropy"), cpu[:2], gpu[:2]):
             torch.testing.assert_close(g.cpu(), c, rtol=2e-6, atol=2e-6, msg=name)
         grad_tol = 1e-5 if dtype == torch.float32 else 2**-7
-        torch.testing.assert_close(gpu[2].cpu().float(), cpu[2].float(), rtol=grad_tol,
-                                   atol=1e-6)
+        torch.testing.assert_close(gpu[2].cpu().float(), cpu[2].float(), rtol=grad_tol, atol=1e-6)
 
 
 @requires_gpu
@@ -499,7 +541,10 @@ def test_cuda_unaligned_rows_and_odd_vocab(ext, dtype):
             # would clone it into a contiguous tensor.
             x_NV = base_NV.to(device).clone().requires_grad_()
             lp_N, ent_N = kernels.gather_logprobs(
-                x_NV[:, 1 : vocab_size + 1], targets_N.to(device), 0.9, return_entropy=True,
+                x_NV[:, 1 : vocab_size + 1],
+                targets_N.to(device),
+                0.9,
+                return_entropy=True,
                 use_extension=True,
             )
             ((lp_N + ent_N) * grad_N.to(device)).sum().backward()
@@ -519,11 +564,28 @@ def test_cuda_raw_binding_check_targets(ext):
     targets_N = torch.tensor([0, 1, 1000, 3, -2, 5], device="cuda")
     lp_N = torch.zeros(6, device="cuda")
     with pytest.raises(IndexError, match=r"target id 1000 at row 2 is out of range \[0, 1000\)"):
-        ext.gather_logprobs(logits_NV, targets_N, 1.0, lp_N, None, None, None,
-                            torch.cuda.current_stream().cuda_stream)
+        ext.gather_logprobs(
+            logits_NV,
+            targets_N,
+            1.0,
+            lp_N,
+            None,
+            None,
+            None,
+            torch.cuda.current_stream().cuda_stream,
+        )
     # Unchecked: no error, NaN in the bad rows only.
-    ext.gather_logprobs(logits_NV, targets_N, 1.0, lp_N, None, None, None,
-                        torch.cuda.current_stream().cuda_stream, check_targets=False)
+    ext.gather_logprobs(
+        logits_NV,
+        targets_N,
+        1.0,
+        lp_N,
+        None,
+        None,
+        None,
+        torch.cuda.current_stream().cuda_stream,
+        check_targets=False,
+    )
     nan_N = lp_N.isnan().cpu()
     assert nan_N.tolist() == [False, False, True, False, True, False]
     # A good call after the bad ones is right (the error flag was cleared).

@@ -222,7 +222,9 @@ class _CopyPlan:
         """
         where, role = self._where, self._role
         if not isinstance(named, Mapping):
-            raise ValueError(f"{where}: expected a mapping name -> tensor, got {type(named).__name__}")
+            raise ValueError(
+                f"{where}: expected a mapping name -> tensor, got {type(named).__name__}"
+            )
         tensors = [_get_matching(named, e, where, role) for e in entries]
         if exact and len(named) != len(entries):  # Every entry's name is there: which are extra?
             self._raise_extra(named, entries, bucket_index)
@@ -232,12 +234,14 @@ class _CopyPlan:
             if t.device != device:
                 whose = "the buckets'" if self._one_call else "the plan's"
                 raise ValueError(
-                    f"{where}: {role} {e.name!r}: expected device {device} ({whose}), got {t.device}"
+                    f"{where}: {role} {e.name!r}: expected device {device} ({whose}), "
+                    f"got {t.device}"
                 )
             if self._unpack and e.nbytes > 0 and _overlaps_itself(t):
                 raise ValueError(
                     f"{where}: {role} {e.name!r} has elements that share memory (strides "
-                    f"{tuple(t.stride())}, e.g. from expand()); pass a tensor that owns its elements"
+                    f"{tuple(t.stride())}, e.g. from expand()); pass a tensor that owns its "
+                    "elements"
                 )
         return tensors, device
 
@@ -267,7 +271,9 @@ class _CopyPlan:
         self._memory = None  # Built when a bucket is first checked against the tensors.
         self._native = None
         if self._one_call:  # Nothing to keep alive or to track: only what the copy needs.
-            self._views = list(map(_same_size_int_view, self._tensors)) if self.uses_extension else []
+            self._views = (
+                list(map(_same_size_int_view, self._tensors)) if self.uses_extension else []
+            )
             return
         # Views keep the memory alive (see the class docstring); detach: DLPack refuses tensors
         # that require grad, and the plan never records autograd history.
@@ -302,8 +308,10 @@ class _CopyPlan:
             self.device = device
             # As at construction for a from_manifest plan; else keep the torch path, or pick the
             # extension again if it supports the new device.
-            request = self._use_extension if self.uses_extension is None else (
-                None if self.uses_extension else False
+            request = (
+                self._use_extension
+                if self.uses_extension is None
+                else (None if self.uses_extension else False)
             )
             self.uses_extension = _resolve_extension(request, device, self._where)
         self._build()
@@ -622,7 +630,11 @@ class PackPlan(_CopyPlan):
         if device is None and isinstance(out, torch.Tensor):
             device = out.device
         tensors, device = self._validated(
-            named, self._bucket(bucket_index).entries, device, exact=exact, bucket_index=bucket_index
+            named,
+            self._bucket(bucket_index).entries,
+            device,
+            exact=exact,
+            bucket_index=bucket_index,
         )
         bucket = self._out_bucket(bucket_index, out, device, "pack_bucket_from")
         self._run([bucket], bucket_index, tensors, device, fresh=out is None)
@@ -760,7 +772,9 @@ def pack(
     one device (the buckets' device). Raises ValueError naming the first mismatch, before packing.
     ``use_extension`` and ``num_threads`` as for ``PackPlan``.
     """
-    return _plan_for_call(PackPlan, "pack", manifest, named_tensors, use_extension, num_threads).pack()
+    return _plan_for_call(
+        PackPlan, "pack", manifest, named_tensors, use_extension, num_threads
+    ).pack()
 
 
 def iter_pack(
@@ -775,7 +789,9 @@ def iter_pack(
 
     Checks as ``pack``, when the first bucket is asked for.
     """
-    plan = _plan_for_call(PackPlan, "iter_pack", manifest, named_tensors, use_extension, num_threads)
+    plan = _plan_for_call(
+        PackPlan, "iter_pack", manifest, named_tensors, use_extension, num_threads
+    )
     yield from plan.iter_pack(buffers)
 
 
@@ -1022,7 +1038,9 @@ def _checked_bucket(
     if exact and bucket.numel() != size:
         raise ValueError(f"{where}: expected {size} bytes (the manifest's), got {bucket.numel()}")
     if bucket.numel() < size:
-        raise ValueError(f"{where} has {bucket.numel()} bytes but bucket {bucket_index} needs {size}")
+        raise ValueError(
+            f"{where} has {bucket.numel()} bytes but bucket {bucket_index} needs {size}"
+        )
     # Typed views of the bucket (and CUDA's 16-byte loads) need aligned bucket memory; every
     # allocation is, a slice at an odd offset is not.
     if bucket.numel() > 0 and bucket.data_ptr() % MIN_ALIGNMENT:

@@ -13,7 +13,7 @@ import torch
 
 from dockyard_rl.kernels import _extension, testing
 from dockyard_rl.kernels import refit_copy as rc
-from dockyard_rl.kernels.refit_manifest import Manifest, TensorEntry
+from dockyard_rl.kernels.refit_manifest import Manifest
 from dockyard_rl.kernels.refit_planning import describe_tensors, plan_buckets
 
 # The shared fixture: the compiled extension, failing (not skipping) when it is missing.
@@ -117,7 +117,6 @@ def test_round_trip_is_bit_exact(ext, use_extension, dtype):
     views = rc.unpack(buckets, manifest, copy=False)
     for name, t in named.items():
         _assert_bit_equal(views[name], t, name)
-
 
 
 @both_paths
@@ -308,7 +307,10 @@ def test_unpack_into_rejects_bad_buckets_before_writing(ext, use_extension):
         rc.unpack_into([buckets[0], buckets[1][:-16]], manifest, dests, use_extension=use_extension)
     with pytest.raises(ValueError, match="1-D contiguous uint8"):
         rc.unpack_into(
-            [buckets[0], buckets[1].view(torch.float32)], manifest, dests, use_extension=use_extension
+            [buckets[0], buckets[1].view(torch.float32)],
+            manifest,
+            dests,
+            use_extension=use_extension,
         )
     with pytest.raises(ValueError, match="destination 'b' shares memory with bucket 1"):
         alias = {"a": torch.zeros(5), "b": buckets[1].view(torch.float32)}
@@ -383,7 +385,9 @@ def test_raw_binding_errors(ext):
 def _plan_named(gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Several dtypes and layouts, spread over several buckets (one larger than a bucket)."""
     named = {}
-    for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8]):
+    for i, dtype in enumerate(
+        [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8]
+    ):
         for layout, t in _layouts(dtype, gen).items():
             named[f"{i}.{layout}"] = t
     return named
@@ -634,7 +638,9 @@ def test_plan_empty_manifests(ext):
         plan = rc.PackPlan(named, manifest, device="cpu")
         buckets = plan.pack()
         assert [b.numel() for b in buckets] == list(manifest.bucket_sizes)
-        rc.UnpackPlan(manifest, {k: torch.empty_like(v) for k, v in named.items()}).unpack_into(buckets)
+        rc.UnpackPlan(manifest, {k: torch.empty_like(v) for k, v in named.items()}).unpack_into(
+            buckets
+        )
 
 
 def test_raw_plan_binding_errors(ext):
@@ -643,7 +649,9 @@ def test_raw_plan_binding_errors(ext):
         ext.RefitCopyPlan([t], [0, 0], [0], [64], False)
     with pytest.raises(ValueError, match=r"span 0: bucket 1 is not in \[0, 1\)"):
         ext.RefitCopyPlan([t], [1], [0], [64], False)
-    with pytest.raises(IndexError, match=r"span 1 covers bytes \[64, 64 \+ 16\) but bucket 1 has 64"):
+    with pytest.raises(
+        IndexError, match=r"span 1 covers bytes \[64, 64 \+ 16\) but bucket 1 has 64"
+    ):
         ext.RefitCopyPlan([t, t], [0, 1], [0, 64], [64, 64], False)
     with pytest.raises(ValueError, match="span 0 and span 1 overlap in bucket 0"):
         ext.RefitCopyPlan([t, t], [0, 0], [0, 8], [64, 64], False)
@@ -652,7 +660,9 @@ def test_raw_plan_binding_errors(ext):
     plan = ext.RefitCopyPlan([t, t], [0, 1], [0, 16], [64, 64], False)
     assert plan.num_buckets == 2 and plan.cuda_device == -1
     a, b = torch.full((64,), 9, dtype=torch.uint8), torch.full((64,), 9, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"buckets \[1, 1 \+ 2\) are not all in the plan's 2 buckets"):
+    with pytest.raises(
+        ValueError, match=r"buckets \[1, 1 \+ 2\) are not all in the plan's 2 buckets"
+    ):
         plan.run([a.data_ptr(), b.data_ptr()], 1)
     with pytest.raises(ValueError, match="bucket 1 is null but has 64 bytes"):
         plan.run([a.data_ptr(), 0], 0)
@@ -673,7 +683,9 @@ def test_raw_plan_binding_errors(ext):
 # --- Per-bucket tensors: from_manifest, pack_bucket_from, unpack_bucket_to -----------------------
 
 
-def _gathered(named: dict[str, torch.Tensor], manifest: Manifest, b: int) -> dict[str, torch.Tensor]:
+def _gathered(
+    named: dict[str, torch.Tensor], manifest: Manifest, b: int
+) -> dict[str, torch.Tensor]:
     """Bucket b's tensors as NEW objects in new memory, as an all-gather produces them."""
     return {e.name: named[e.name].clone() for e in manifest.bucket_entries(b)}
 
@@ -686,7 +698,9 @@ def test_pack_bucket_from_matches_pack(ext, use_extension):
     assert manifest.num_buckets > 3
     plan = rc.PackPlan.from_manifest(manifest, device="cpu", use_extension=use_extension)
     assert plan.uses_extension is use_extension and plan.device == torch.device("cpu")
-    buffers = [torch.full((manifest.max_bucket_size + 32,), 0xCD, dtype=torch.uint8) for _ in range(2)]
+    buffers = [
+        torch.full((manifest.max_bucket_size + 32,), 0xCD, dtype=torch.uint8) for _ in range(2)
+    ]
     for step in range(2):
         expected = rc.pack(named, manifest, use_extension=False)
         for b in range(manifest.num_buckets):
@@ -796,7 +810,9 @@ def test_pack_bucket_from_errors(ext, use_extension):
         plan.pack_bucket_from(named, 0, out=torch.empty(200, dtype=torch.uint8)[1:])
     shared = torch.full((64,), 7, dtype=torch.uint8)
     with pytest.raises(ValueError, match="PackPlan: tensor 'a' shares memory with bucket 0"):
-        plan.pack_bucket_from({"a": shared[:20].view(torch.float32), "b": named["b"]}, 0, out=shared)
+        plan.pack_bucket_from(
+            {"a": shared[:20].view(torch.float32), "b": named["b"]}, 0, out=shared
+        )
     assert bool((shared[20:] == 7).all())
     # Memory of the same storage outside the bucket's bytes is fine (exact byte ranges).
     storage = torch.zeros(256, dtype=torch.uint8)
@@ -804,8 +820,15 @@ def test_pack_bucket_from_errors(ext, use_extension):
     bucket = plan.pack_bucket_from(beside, 0, out=storage[:128])
     assert torch.equal(bucket, rc.pack({"a": torch.full((5,), 4.0), "b": named["b"]}, manifest)[0])
     # A plan without tensors has nothing to pack by itself.
-    for call in (plan.pack, lambda: plan.pack_bucket(0), lambda: list(plan.iter_pack()), plan.rebuild):
-        with pytest.raises(ValueError, match=r"from_manifest and holds no tensors.*pack_bucket_from"):
+    for call in (
+        plan.pack,
+        lambda: plan.pack_bucket(0),
+        lambda: list(plan.iter_pack()),
+        plan.rebuild,
+    ):
+        with pytest.raises(
+            ValueError, match=r"from_manifest and holds no tensors.*pack_bucket_from"
+        ):
             call()
     with pytest.raises(ValueError, match="manifest must be a Manifest"):
         rc.PackPlan.from_manifest(manifest.to_dict())
@@ -847,7 +870,9 @@ def test_unpack_bucket_to(ext, use_extension):
     for name, t in named.items():
         _assert_bit_equal(dests[name], t, name)
     assert torch.equal(dests["not_synced"], torch.full((2,), 3.0))
-    with pytest.raises(ValueError, match=r"UnpackPlan: destination '0.contiguous' of the manifest is"):
+    with pytest.raises(
+        ValueError, match=r"UnpackPlan: destination '0.contiguous' of the manifest is"
+    ):
         plan.unpack_bucket_to(buckets[0], 0, {})
     first = manifest.bucket_entries(0)[0]
     expanded = torch.zeros(1, *first.shape[1:], dtype=first.torch_dtype).expand(*first.shape)
@@ -869,26 +894,36 @@ def test_messages_name_the_call(ext):
     with pytest.raises(ValueError, match=r"^pack_bucket: out has 16 bytes"):
         rc.pack_bucket(named, manifest, 0, out=torch.empty(16, dtype=torch.uint8))
     (bucket,) = rc.pack(named, manifest)
-    with pytest.raises(ValueError, match=r"^unpack_into: destination 'a' of the manifest is missing"):
+    with pytest.raises(
+        ValueError, match=r"^unpack_into: destination 'a' of the manifest is missing"
+    ):
         rc.unpack_into([bucket], manifest, {"b": torch.zeros(2, 2)})
     with pytest.raises(ValueError, match=r"^unpack: got 2 buckets but the manifest has 1"):
         rc.unpack([bucket, bucket], manifest)
-    with pytest.raises(ValueError, match=r"PackPlan.pack: out\[0\] is on meta but the tensors on cpu"):
+    with pytest.raises(
+        ValueError, match=r"PackPlan.pack: out\[0\] is on meta but the tensors on cpu"
+    ):
         rc.PackPlan(named, manifest).pack(out=[torch.empty(64, dtype=torch.uint8, device="meta")])
     with pytest.raises(ValueError, match=r"^unpack_bucket: bucket 0: expected 48 bytes"):
         rc.unpack_bucket(bucket[:32], manifest, 0, copy=False)
     with pytest.raises(ValueError, match=r"expected device meta \(the buckets'\), got cpu"):
         meta_bucket = torch.empty(48, dtype=torch.uint8, device="meta")
-        rc.unpack_bucket_into(meta_bucket, manifest, 0, {"a": torch.zeros(5), "b": torch.zeros(2, 2)})
+        rc.unpack_bucket_into(
+            meta_bucket, manifest, 0, {"a": torch.zeros(5), "b": torch.zeros(2, 2)}
+        )
 
 
 # --- CUDA ----------------------------------------------------------------------------------------
 
-requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+requires_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA GPU on this machine"
+)
 
 
 @requires_gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8]
+)
 def test_cuda_parity(ext, dtype):
     if not ext.with_cuda:
         pytest.skip("_dockyard_kernels was built without CUDA (build with --config=cuda)")
@@ -922,7 +957,9 @@ def test_cuda_side_stream(ext):
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         # Produced on the side stream; the pack must run after it there.
-        named = {"w": torch.arange(1 << 20, device="cuda", dtype=torch.float32).view(1024, 1024).t()}
+        named = {
+            "w": torch.arange(1 << 20, device="cuda", dtype=torch.float32).view(1024, 1024).t()
+        }
         manifest = plan_buckets(describe_tensors(named), 1 << 22, 256)
         (bucket,) = rc.pack(named, manifest)
         out = rc.unpack([bucket], manifest)
@@ -943,7 +980,9 @@ def test_cuda_without_cuda_build_falls_back(ext):
 
 
 @requires_gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8]
+)
 def test_cuda_plans_match_cpu(ext, dtype):
     if not ext.with_cuda:
         pytest.skip("_dockyard_kernels was built without CUDA (build with --config=cuda)")
@@ -968,7 +1007,8 @@ def test_cuda_plans_match_cpu(ext, dtype):
         for c, g in zip(cpu_buckets, buckets, strict=True):
             assert g.is_cuda and torch.equal(g.cpu(), c)
         buffers = [
-            torch.empty(manifest.max_bucket_size, dtype=torch.uint8, device="cuda") for _ in range(2)
+            torch.empty(manifest.max_bucket_size, dtype=torch.uint8, device="cuda")
+            for _ in range(2)
         ]
         for b, g in enumerate(plan.iter_pack(buffers)):
             assert torch.equal(g.cpu(), cpu_buckets[b])
@@ -999,7 +1039,9 @@ def test_cuda_plan_side_stream_and_errors(ext):
         pytest.skip("_dockyard_kernels was built without CUDA (build with --config=cuda)")
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        named = {"w": torch.arange(1 << 20, device="cuda", dtype=torch.float32).view(1024, 1024).t()}
+        named = {
+            "w": torch.arange(1 << 20, device="cuda", dtype=torch.float32).view(1024, 1024).t()
+        }
         manifest = plan_buckets(describe_tensors(named), 1 << 22, 256)
         plan = rc.PackPlan(named, manifest)
         # Produced on the side stream right before the pack: the pack must run after it there.

@@ -282,10 +282,14 @@ class Manifest:
                 f"{MANIFEST_FORMAT_VERSION}: sender and receiver run different versions"
             )
         if not isinstance(data["tensors"], list):
-            raise ValueError(f"manifest.tensors must be a list, got {type(data['tensors']).__name__}")
+            raise ValueError(
+                f"manifest.tensors must be a list, got {type(data['tensors']).__name__}"
+            )
         entries = []
         fields = {f.name for f in dataclasses.fields(TensorEntry)}
         for i, item in enumerate(data["tensors"]):
             _check_keys(item, fields, f"manifest.tensors[{i}]")
             entries.append(TensorEntry(**{k: item[k] for k in fields}))
-        return cls(tensors=tuple(entries), bucket_sizes=data["bucket_sizes"], alignment=data["alignment"])
+        return cls(
+            tensors=tuple(entries), bucket_sizes=data["bucket_sizes"], alignment=data["alignment"]
+        )

@@ -22,10 +22,38 @@ def _manifest_dict() -> dict:
         "alignment": 64,
         "bucket_sizes": [192, 448],
         "tensors": [
-            {"name": "w", "dtype": "bfloat16", "shape": [4, 8], "bucket": 0, "offset": 0, "nbytes": 64},
-            {"name": "b", "dtype": "float32", "shape": [8], "bucket": 0, "offset": 64, "nbytes": 32},
-            {"name": "step", "dtype": "int64", "shape": [], "bucket": 0, "offset": 128, "nbytes": 8},
-            {"name": "big", "dtype": "float32", "shape": [100], "bucket": 1, "offset": 0, "nbytes": 400},
+            {
+                "name": "w",
+                "dtype": "bfloat16",
+                "shape": [4, 8],
+                "bucket": 0,
+                "offset": 0,
+                "nbytes": 64,
+            },
+            {
+                "name": "b",
+                "dtype": "float32",
+                "shape": [8],
+                "bucket": 0,
+                "offset": 64,
+                "nbytes": 32,
+            },
+            {
+                "name": "step",
+                "dtype": "int64",
+                "shape": [],
+                "bucket": 0,
+                "offset": 128,
+                "nbytes": 8,
+            },
+            {
+                "name": "big",
+                "dtype": "float32",
+                "shape": [100],
+                "bucket": 1,
+                "offset": 0,
+                "nbytes": 400,
+            },
         ],
     }
 

@@ -91,7 +91,9 @@ def plan_buckets(
         if isinstance(shape, torch.Size):
             shape = tuple(shape)
         if not isinstance(shape, (tuple, list)) or not all(is_int(s) and s >= 0 for s in shape):
-            raise ValueError(f"tensor {name!r}: shape must be a sequence of ints >= 0, got {shape!r}")
+            raise ValueError(
+                f"tensor {name!r}: shape must be a sequence of ints >= 0, got {shape!r}"
+            )
         dtype_name = dtype if isinstance(dtype, str) else _DTYPE_NAMES.get(dtype)
         if dtype_name not in DTYPES:
             raise ValueError(
@@ -105,7 +107,9 @@ def plan_buckets(
     # Planning runs on the host whatever device the tensors will live on.
     what = "plan_buckets(use_extension=True)"
     if _extension.resolve_use_extension(use_extension, torch.device("cpu"), what, _ext):
-        bucket_of, offset_of, bucket_sizes = _ext.refit_plan_buckets(sizes, bucket_size_bytes, alignment)
+        bucket_of, offset_of, bucket_sizes = _ext.refit_plan_buckets(
+            sizes, bucket_size_bytes, alignment
+        )
     else:
         bucket_of, offset_of, bucket_sizes = _plan_python(sizes, bucket_size_bytes, alignment)
     entries = tuple(

@@ -44,6 +44,7 @@ def test_oversize_tensor_gets_its_own_bucket():
     assert manifest.max_bucket_size == 4096
     assert manifest.total_bytes == 256 + 4096 + 256
 
+
 _DTYPE_NAMES = list(DTYPES)
 
 
@@ -105,7 +106,9 @@ def test_plan_properties(specs, alignment_log2, bucket_multiple):
 @pytest.mark.parametrize("use_extension", [True, False], ids=["ext", "python"])
 def test_plan_errors(ext, use_extension):
     named = {"a": ((2,), torch.float32)}
-    with pytest.raises(ValueError, match=r"alignment must be a power of two in \[16, 1073741824\], got 8"):
+    with pytest.raises(
+        ValueError, match=r"alignment must be a power of two in \[16, 1073741824\], got 8"
+    ):
         rpl.plan_buckets(named, 256, 8, use_extension=use_extension)
     with pytest.raises(ValueError, match="positive multiple of the alignment \\(256\\), got 1000"):
         rpl.plan_buckets(named, 1000, use_extension=use_extension)
@@ -134,7 +137,12 @@ def test_manifest_base_layout():
     }
     data = rpl.plan_buckets(named, 256, 64).to_dict()
     assert data["bucket_sizes"] == [192, 448]
-    assert [(t["bucket"], t["offset"]) for t in data["tensors"]] == [(0, 0), (0, 64), (0, 128), (1, 0)]
+    assert [(t["bucket"], t["offset"]) for t in data["tensors"]] == [
+        (0, 0),
+        (0, 64),
+        (0, 128),
+        (1, 0),
+    ]
     assert Manifest.from_dict(data).alignment == 64
 
 

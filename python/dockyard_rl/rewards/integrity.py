@@ -58,9 +58,7 @@ def held_out_violations(
     for path in touched_files:
         touched_aliases |= _aliases(path)
     violated = {
-        normalize_repo_path(path)
-        for path in held_out_files
-        if _aliases(path) & touched_aliases
+        normalize_repo_path(path) for path in held_out_files if _aliases(path) & touched_aliases
     }
     return tuple(sorted(violated))
 

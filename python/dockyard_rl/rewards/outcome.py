@@ -22,13 +22,13 @@ __all__ = ["SCREENING_CATEGORIES", "SampleOutcome", "screening_category"]
 # writes its flags as "category: token"). Listed here so the reward config can be checked at
 # start-up without importing the sandbox.
 SCREENING_CATEGORIES: tuple[str, ...] = (
-    "runner_internals",   # the test runner's objects and hooks (_pytest, pluggy, TestReport...)
-    "report_path",        # the results report (junitxml, its path)
+    "runner_internals",  # the test runner's objects and hooks (_pytest, pluggy, TestReport...)
+    "report_path",  # the results report (junitxml, its path)
     "process_arguments",  # the process's own arguments (sys.argv, /proc/self/cmdline)
-    "exit_hook",          # code run at interpreter exit (atexit, sys.exitfunc)
-    "forced_exit",        # exits that skip the runner (os._exit, kill of its own process)
-    "introspection",      # stack frames, gc.get_objects, audit hooks
-    "binary_content",     # a git binary hunk: content the screening cannot read
+    "exit_hook",  # code run at interpreter exit (atexit, sys.exitfunc)
+    "forced_exit",  # exits that skip the runner (os._exit, kill of its own process)
+    "introspection",  # stack frames, gc.get_objects, audit hooks
+    "binary_content",  # a git binary hunk: content the screening cannot read
 )
 
 
@@ -96,8 +96,10 @@ class SampleOutcome:
         if self.patch_applied is not None and not isinstance(self.patch_applied, bool):
             raise ValueError(f"patch_applied: must be a bool or None, got {self.patch_applied!r}")
         if self.patch_applied and not self.patch_parsed:
-            raise ValueError("patch_applied: is True but patch_parsed is False; a patch that was "
-                             "not parsed cannot have been applied")
+            raise ValueError(
+                "patch_applied: is True but patch_parsed is False; a patch that was "
+                "not parsed cannot have been applied"
+            )
         for name in ("touched_files", "held_out_files"):
             object.__setattr__(self, name, _strings(name, getattr(self, name), "path"))
         object.__setattr__(

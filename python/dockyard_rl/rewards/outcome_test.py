@@ -9,8 +9,12 @@ from dockyard_rl.rewards.outcome import SCREENING_CATEGORIES, SampleOutcome, scr
 
 def test_defaults_and_list_fields_become_tuples():
     outcome = SampleOutcome(
-        reward=1, response_length=10, max_response_length=20, touched_files=["a/x.py"],
-        held_out_files=["tests/t.py"], screening_flags=["forced_exit: os._exit"],
+        reward=1,
+        response_length=10,
+        max_response_length=20,
+        touched_files=["a/x.py"],
+        held_out_files=["tests/t.py"],
+        screening_flags=["forced_exit: os._exit"],
     )
     assert outcome.reward == 1.0 and isinstance(outcome.reward, float)
     assert outcome.touched_files == ("a/x.py",)
@@ -36,11 +40,16 @@ def test_defaults_and_list_fields_become_tuples():
         ({"patch_parsed": 1}, "^patch_parsed: must be a bool"),
         ({"thinking_required": "yes"}, "^thinking_required: must be a bool"),
         ({"patch_applied": "no"}, "^patch_applied: must be a bool or None"),
-        ({"patch_parsed": False, "patch_applied": True}, "^patch_applied: is True but patch_parsed is False"),
+        (
+            {"patch_parsed": False, "patch_applied": True},
+            "^patch_applied: is True but patch_parsed is False",
+        ),
         ({"touched_files": "tests/t.py"}, "^touched_files: must be a list of paths, got str"),
         ({"held_out_files": ["ok.py", 3]}, "^held_out_files: every path must be a str"),
-        ({"screening_flags": "forced_exit: os._exit"},
-         "^screening_flags: must be a list of flags, got str"),
+        (
+            {"screening_flags": "forced_exit: os._exit"},
+            "^screening_flags: must be a list of flags, got str",
+        ),
         ({"screening_flags": [None]}, "^screening_flags: every flag must be a str, got NoneType"),
     ],
 )

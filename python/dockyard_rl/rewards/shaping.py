@@ -59,7 +59,7 @@ import collections
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 from dockyard_rl.rewards.integrity import held_out_violations
 from dockyard_rl.rewards.outcome import SCREENING_CATEGORIES, SampleOutcome, screening_category
@@ -236,14 +236,14 @@ class ScaleStageConfig:
             )
 
 
-StageConfig = Union[
-    IntegrityStageConfig,
-    InvalidActionStageConfig,
-    ScreeningStageConfig,
-    MalformedThinkingStageConfig,
-    OverlongStageConfig,
-    ScaleStageConfig,
-]
+StageConfig = (
+    IntegrityStageConfig
+    | InvalidActionStageConfig
+    | ScreeningStageConfig
+    | MalformedThinkingStageConfig
+    | OverlongStageConfig
+    | ScaleStageConfig
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,9 @@ from dockyard_rl.utils.config import from_dict
 
 
 def outcome(reward=1.0, length=100, max_length=4096, **kwargs):
-    return SampleOutcome(reward=reward, response_length=length, max_response_length=max_length, **kwargs)
+    return SampleOutcome(
+        reward=reward, response_length=length, max_response_length=max_length, **kwargs
+    )
 
 
 def pipeline(*stages):
@@ -42,7 +44,9 @@ def pipeline(*stages):
     ],
 )
 def test_overlong_ramp(length, penalty):
-    shaper = pipeline({"type": "overlong", "threshold": 3072, "max_length": 4096, "max_penalty": 1.0})
+    shaper = pipeline(
+        {"type": "overlong", "threshold": 3072, "max_length": 4096, "max_penalty": 1.0}
+    )
     result = shaper([outcome(0.25, length, max_length=8192)])
     assert result.rewards[0] == pytest.approx(0.25 + penalty, abs=1e-12)
     assert result.metadata[0]["overlong/penalty"] == pytest.approx(penalty, abs=1e-12)
@@ -57,7 +61,11 @@ def test_overlong_defaults_to_the_samples_max_length_and_scales_with_max_penalty
 
 def test_overlong_threshold_at_or_above_the_samples_limit_is_an_error():
     shaper = pipeline({"type": "overlong", "threshold": 4096})
-    with pytest.raises(ValueError, match=r"overlong\.threshold \(4096\) must be below the sample's max_response_length \(4096\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"overlong\.threshold \(4096\) must be below the sample's max_response_length "
+        r"\(4096\)",
+    ):
         shaper([outcome(1.0, 10, max_length=4096)])
 
 
@@ -72,7 +80,13 @@ def test_overlong_zero_penalty_never_triggers():
 
 @pytest.mark.parametrize(
     "reward, expected, clipped",
-    [(1.0, 1.0, False), (0.0, -1.0, False), (0.75, 0.5, False), (2.0, 1.0, True), (-3.0, -1.0, True)],
+    [
+        (1.0, 1.0, False),
+        (0.0, -1.0, False),
+        (0.75, 0.5, False),
+        (2.0, 1.0, True),
+        (-3.0, -1.0, True),
+    ],
 )
 def test_scale_shift_clip(reward, expected, clipped):
     shaper = pipeline({"type": "scale", "scale": 2.0, "shift": -1.0, "clip_min": -1, "clip_max": 1})
@@ -83,7 +97,9 @@ def test_scale_shift_clip(reward, expected, clipped):
 
 
 def test_scale_without_clip_and_one_sided_clip():
-    assert pipeline({"type": "scale", "scale": -3.0, "shift": 0.5})([outcome(10.0)]).rewards == (-29.5,)
+    assert pipeline({"type": "scale", "scale": -3.0, "shift": 0.5})([outcome(10.0)]).rewards == (
+        -29.5,
+    )
     one_sided = pipeline({"type": "scale", "clip_max": 0.5})
     assert one_sided([outcome(-7.0), outcome(0.9)]).rewards == (-7.0, 0.5)
 
@@ -118,25 +134,36 @@ def test_invalid_action_penalty_replaces_the_reward():
 
 def test_malformed_thinking():
     shaper = pipeline({"type": "malformed_thinking", "penalty": -0.5})
-    result = shaper([
-        outcome(1.0, response_text="<think>plan</think>diff", thinking_required=True),
-        outcome(1.0, response_text="<think>a<think>b</think></think>", thinking_required=True),
-        outcome(1.0, response_text="no tags", thinking_required=True),
-        outcome(1.0, response_text="no tags", thinking_required=False),
-    ])
+    result = shaper(
+        [
+            outcome(1.0, response_text="<think>plan</think>diff", thinking_required=True),
+            outcome(1.0, response_text="<think>a<think>b</think></think>", thinking_required=True),
+            outcome(1.0, response_text="no tags", thinking_required=True),
+            outcome(1.0, response_text="no tags", thinking_required=False),
+        ]
+    )
     assert result.rewards == (1.0, -0.5, -0.5, 1.0)
-    assert [m["malformed_thinking/reason"] for m in result.metadata] == [None, "nested", "missing_tags", None]
+    assert [m["malformed_thinking/reason"] for m in result.metadata] == [
+        None,
+        "nested",
+        "missing_tags",
+        None,
+    ]
     assert result.metrics["malformed_thinking/num_nested"] == 1.0
     assert result.metrics["malformed_thinking/num_missing_tags"] == 1.0
     assert result.metrics["malformed_thinking/num_triggered"] == 2.0
 
 
 def test_malformed_thinking_with_opening_tag_in_prompt_and_custom_tag():
-    shaper = pipeline({"type": "malformed_thinking", "tag": "reason", "opening_tag_in_prompt": True})
-    result = shaper([
-        outcome(1.0, response_text="plan</reason>answer", thinking_required=True),
-        outcome(1.0, response_text="<reason>plan</reason>answer", thinking_required=True),
-    ])
+    shaper = pipeline(
+        {"type": "malformed_thinking", "tag": "reason", "opening_tag_in_prompt": True}
+    )
+    result = shaper(
+        [
+            outcome(1.0, response_text="plan</reason>answer", thinking_required=True),
+            outcome(1.0, response_text="<reason>plan</reason>answer", thinking_required=True),
+        ]
+    )
     assert result.rewards == (1.0, -1.0)
     assert result.metadata[1]["malformed_thinking/reason"] == "unexpected_open"
 
@@ -147,11 +174,15 @@ def test_malformed_thinking_with_opening_tag_in_prompt_and_custom_tag():
 def test_integrity_zeroes_and_reports_the_files():
     shaper = pipeline({"type": "integrity"})
     held_out = ("tests/test_a.py", "tests/test_b.py")
-    result = shaper([
-        outcome(1.0, touched_files=("src/a.py", "a/./tests//test_b.py"), held_out_files=held_out),
-        outcome(-2.0, touched_files=("tests/test_a.py",), held_out_files=held_out),
-        outcome(1.0, touched_files=("src/a.py", "tests/test_c.py"), held_out_files=held_out),
-    ])
+    result = shaper(
+        [
+            outcome(
+                1.0, touched_files=("src/a.py", "a/./tests//test_b.py"), held_out_files=held_out
+            ),
+            outcome(-2.0, touched_files=("tests/test_a.py",), held_out_files=held_out),
+            outcome(1.0, touched_files=("src/a.py", "tests/test_c.py"), held_out_files=held_out),
+        ]
+    )
     assert result.rewards == (0.0, 0.0, 1.0)
     assert result.metadata[0]["integrity/violated_files"] == ("tests/test_b.py",)
     assert result.metadata[1]["integrity/violated_files"] == ("tests/test_a.py",)
@@ -167,11 +198,13 @@ FLAGGED = ("forced_exit: os._exit", "process_arguments: sys.argv")
 
 def test_screening_every_category_by_default():
     shaper = pipeline({"type": "screening"})
-    result = shaper([
-        outcome(1.0, screening_flags=FLAGGED),
-        outcome(1.0, screening_flags=("binary_content: GIT binary patch",)),
-        outcome(0.0),
-    ])
+    result = shaper(
+        [
+            outcome(1.0, screening_flags=FLAGGED),
+            outcome(1.0, screening_flags=("binary_content: GIT binary patch",)),
+            outcome(0.0),
+        ]
+    )
     assert result.rewards == (-1.0, -1.0, 0.0)
     assert result.metadata[0]["screening/triggered"] is True
     assert result.metadata[0]["screening/flags"] == FLAGGED
@@ -181,13 +214,16 @@ def test_screening_every_category_by_default():
 
 
 def test_screening_only_the_configured_categories():
-    shaper = pipeline({"type": "screening", "penalty": -0.5,
-                       "categories": ["forced_exit", "exit_hook"]})
-    result = shaper([
-        outcome(1.0, screening_flags=FLAGGED),  # forced_exit matches; sys.argv is not listed
-        outcome(1.0, screening_flags=("process_arguments: sys.argv",)),
-        outcome(0.0, screening_flags=("exit_hook:atexit",)),  # spacing after ':' is not needed
-    ])
+    shaper = pipeline(
+        {"type": "screening", "penalty": -0.5, "categories": ["forced_exit", "exit_hook"]}
+    )
+    result = shaper(
+        [
+            outcome(1.0, screening_flags=FLAGGED),  # forced_exit matches; sys.argv is not listed
+            outcome(1.0, screening_flags=("process_arguments: sys.argv",)),
+            outcome(0.0, screening_flags=("exit_hook:atexit",)),  # spacing after ':' is not needed
+        ]
+    )
     assert result.rewards == (-0.5, 1.0, -0.5)
     assert result.metadata[0]["screening/flags"] == ("forced_exit: os._exit",)
     assert result.metadata[1]["screening/flags"] == ()
@@ -204,8 +240,11 @@ def test_screening_penalty_replaces_even_a_resolved_reward_and_composes():
 
 
 def test_screening_config_lists_become_tuples():
-    cfg = from_dict(RewardShapingConfig, yaml.safe_load(
-        "stages: [{type: screening, categories: [report_path, runner_internals]}]"), "rewards")
+    cfg = from_dict(
+        RewardShapingConfig,
+        yaml.safe_load("stages: [{type: screening, categories: [report_path, runner_internals]}]"),
+        "rewards",
+    )
     assert cfg.stages == (ScreeningStageConfig(categories=("report_path", "runner_internals")),)
     hash(cfg)
 
@@ -249,7 +288,9 @@ def test_full_recipe_metadata_and_metrics():
     assert result.rewards == (1.0, 0.0, -1.0, -1.0)
     meta = result.metadata[3]
     assert meta["raw_reward"] == 1.0 and meta["reward"] == -1.0
-    assert meta["integrity/triggered"] is True and meta["integrity/violated_files"] == ("tests/t.py",)
+    assert meta["integrity/triggered"] is True and meta["integrity/violated_files"] == (
+        "tests/t.py",
+    )
     assert meta["scale/clipped"] is False
     assert result.metrics == {
         "num_samples": 4.0,
@@ -322,30 +363,98 @@ def test_yaml_recipe_parses_with_defaults():
 @pytest.mark.parametrize(
     "stages, pattern",
     [
-        ([{"type": "overlength"}], r"^rewards\.stages\[0\]\.type: unknown stage type 'overlength'; valid types: integrity, invalid_action, screening, malformed_thinking, overlong, scale$"),
-        ([SCALE, {"penalty": -1.0}], r"^rewards\.stages\[1\]\.type: missing; set it to one of integrity, "),
+        (
+            [{"type": "overlength"}],
+            r"^rewards\.stages\[0\]\.type: unknown stage type 'overlength'; valid types: "
+            r"integrity, invalid_action, screening, malformed_thinking, overlong, scale$",
+        ),
+        (
+            [SCALE, {"penalty": -1.0}],
+            r"^rewards\.stages\[1\]\.type: missing; set it to one of integrity, ",
+        ),
         (["integrity"], r"^rewards\.stages\[0\]: expected a mapping with a 'type' key"),
         ({"type": "scale"}, r"^rewards\.stages: must be a list of stages"),
-        ([{"type": "scale", "factor": 2}], r"^rewards\.stages\[0\]: unknown key\(s\) 'factor'; valid keys: clip_max, clip_min, scale, shift"),
-        ([{"type": "integrity", "penalty": 0}], r"^rewards\.stages\[0\]: unknown key\(s\) 'penalty'"),
+        (
+            [{"type": "scale", "factor": 2}],
+            r"^rewards\.stages\[0\]: unknown key\(s\) 'factor'; valid keys: clip_max, clip_min, "
+            r"scale, shift",
+        ),
+        (
+            [{"type": "integrity", "penalty": 0}],
+            r"^rewards\.stages\[0\]: unknown key\(s\) 'penalty'",
+        ),
         ([{"type": "overlong"}], r"^rewards\.stages\[0\]\.threshold: is required"),
-        ([{"type": "overlong", "threshold": 10, "max_length": 10}], r"^rewards\.stages\[0\]\.max_length: must be greater than threshold \(10\)"),
-        ([{"type": "overlong", "threshold": -1}], r"^rewards\.stages\[0\]\.threshold: must be an integer >= 0"),
-        ([{"type": "overlong", "threshold": 1.5}], r"^rewards\.stages\[0\]\.threshold: must be an integer"),
-        ([{"type": "overlong", "threshold": 1, "max_penalty": -1.0}], r"^rewards\.stages\[0\]\.max_penalty: must be >= 0"),
-        ([{"type": "scale", "clip_min": 1.0, "clip_max": 0.0}], r"^rewards\.stages\[0\]\.clip_max: must be >= clip_min"),
-        ([{"type": "scale", "scale": "2"}], r"^rewards\.stages\[0\]\.scale: must be a finite number"),
-        ([{"type": "scale", "shift": float("nan")}], r"^rewards\.stages\[0\]\.shift: must be a finite number"),
-        ([{"type": "invalid_action", "penalty": True}], r"^rewards\.stages\[0\]\.penalty: must be a finite number"),
-        ([{"type": "malformed_thinking", "tag": "<think>"}], r"^rewards\.stages\[0\]\.tag: tag must be a plain tag name"),
-        ([{"type": "malformed_thinking", "opening_tag_in_prompt": "no"}], r"^rewards\.stages\[0\]\.opening_tag_in_prompt: must be true or false"),
-        ([SCALE, OVERLONG, {"type": "scale"}], r"^rewards\.stages\[2\]\.type: 'scale' already appears at stages\[0\]"),
-        ([{"type": "screening", "categories": ["forced_exit", "network"]}], r"^rewards\.stages\[0\]\.categories: unknown screening category 'network'; valid: runner_internals, report_path, process_arguments, exit_hook, forced_exit, introspection, binary_content$"),
-        ([{"type": "screening", "categories": ["a", "b"]}], r"^rewards\.stages\[0\]\.categories: unknown screening categories 'a', 'b'"),
-        ([{"type": "screening", "categories": "forced_exit"}], r"^rewards\.stages\[0\]\.categories: must be a list of screening categories"),
-        ([{"type": "screening", "categories": []}], r"^rewards\.stages\[0\]\.categories: must not be empty"),
-        ([{"type": "screening", "penalty": "low"}], r"^rewards\.stages\[0\]\.penalty: must be a finite number"),
-        ([{"type": "screening", "categorys": None}], r"^rewards\.stages\[0\]: unknown key\(s\) 'categorys'; valid keys: categories, penalty$"),
+        (
+            [{"type": "overlong", "threshold": 10, "max_length": 10}],
+            r"^rewards\.stages\[0\]\.max_length: must be greater than threshold \(10\)",
+        ),
+        (
+            [{"type": "overlong", "threshold": -1}],
+            r"^rewards\.stages\[0\]\.threshold: must be an integer >= 0",
+        ),
+        (
+            [{"type": "overlong", "threshold": 1.5}],
+            r"^rewards\.stages\[0\]\.threshold: must be an integer",
+        ),
+        (
+            [{"type": "overlong", "threshold": 1, "max_penalty": -1.0}],
+            r"^rewards\.stages\[0\]\.max_penalty: must be >= 0",
+        ),
+        (
+            [{"type": "scale", "clip_min": 1.0, "clip_max": 0.0}],
+            r"^rewards\.stages\[0\]\.clip_max: must be >= clip_min",
+        ),
+        (
+            [{"type": "scale", "scale": "2"}],
+            r"^rewards\.stages\[0\]\.scale: must be a finite number",
+        ),
+        (
+            [{"type": "scale", "shift": float("nan")}],
+            r"^rewards\.stages\[0\]\.shift: must be a finite number",
+        ),
+        (
+            [{"type": "invalid_action", "penalty": True}],
+            r"^rewards\.stages\[0\]\.penalty: must be a finite number",
+        ),
+        (
+            [{"type": "malformed_thinking", "tag": "<think>"}],
+            r"^rewards\.stages\[0\]\.tag: tag must be a plain tag name",
+        ),
+        (
+            [{"type": "malformed_thinking", "opening_tag_in_prompt": "no"}],
+            r"^rewards\.stages\[0\]\.opening_tag_in_prompt: must be true or false",
+        ),
+        (
+            [SCALE, OVERLONG, {"type": "scale"}],
+            r"^rewards\.stages\[2\]\.type: 'scale' already appears at stages\[0\]",
+        ),
+        (
+            [{"type": "screening", "categories": ["forced_exit", "network"]}],
+            r"^rewards\.stages\[0\]\.categories: unknown screening category 'network'; valid: "
+            r"runner_internals, report_path, process_arguments, exit_hook, forced_exit, "
+            r"introspection, binary_content$",
+        ),
+        (
+            [{"type": "screening", "categories": ["a", "b"]}],
+            r"^rewards\.stages\[0\]\.categories: unknown screening categories 'a', 'b'",
+        ),
+        (
+            [{"type": "screening", "categories": "forced_exit"}],
+            r"^rewards\.stages\[0\]\.categories: must be a list of screening categories",
+        ),
+        (
+            [{"type": "screening", "categories": []}],
+            r"^rewards\.stages\[0\]\.categories: must not be empty",
+        ),
+        (
+            [{"type": "screening", "penalty": "low"}],
+            r"^rewards\.stages\[0\]\.penalty: must be a finite number",
+        ),
+        (
+            [{"type": "screening", "categorys": None}],
+            r"^rewards\.stages\[0\]: unknown key\(s\) 'categorys'; valid keys: categories, "
+            r"penalty$",
+        ),
     ],
 )
 def test_bad_config(stages, pattern):

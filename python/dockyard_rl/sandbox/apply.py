@@ -66,7 +66,7 @@ class ApplyInfrastructureError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class ApplyResult:
     method: ApplyMethod
-    message: str   # the appliers' combined stderr when every method failed; "" otherwise
+    message: str  # the appliers' combined stderr when every method failed; "" otherwise
     # FAILED because of the size caps: the declared binary content is over max_binary_bytes (no
     # applier ran), or an applier was stopped by RLIMIT_FSIZE (and no other method applied it).
     too_large: bool = False
@@ -174,34 +174,74 @@ def binary_patch_bytes(patch: str) -> int:
 
 def _chain(patch_file: pathlib.Path) -> list[tuple[ApplyMethod, list[str]]]:
     return [
-        (ApplyMethod.GIT_APPLY, ["git", "apply", "--verbose", "--whitespace=nowarn",
-                                 str(patch_file)]),
-        (ApplyMethod.GIT_APPLY_3WAY, ["git", "apply", "--verbose", "--3way",
-                                      "--whitespace=nowarn", str(patch_file)]),
-        (ApplyMethod.PATCH_FUZZ, ["patch", "--batch", "--forward", "--fuzz=5", "-p1",
-                                  "--unified", "--no-backup-if-mismatch", "-i", str(patch_file)]),
+        (
+            ApplyMethod.GIT_APPLY,
+            ["git", "apply", "--verbose", "--whitespace=nowarn", str(patch_file)],
+        ),
+        (
+            ApplyMethod.GIT_APPLY_3WAY,
+            ["git", "apply", "--verbose", "--3way", "--whitespace=nowarn", str(patch_file)],
+        ),
+        (
+            ApplyMethod.PATCH_FUZZ,
+            [
+                "patch",
+                "--batch",
+                "--forward",
+                "--fuzz=5",
+                "-p1",
+                "--unified",
+                "--no-backup-if-mismatch",
+                "-i",
+                str(patch_file),
+            ],
+        ),
     ]
 
 
 # git and the appliers run with no user or system configuration and a fixed identity.
-GIT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8",
-           "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
-           "GIT_TERMINAL_PROMPT": "0", "GIT_AUTHOR_NAME": "dockyard",
-           "GIT_AUTHOR_EMAIL": "dockyard@localhost", "GIT_COMMITTER_NAME": "dockyard",
-           "GIT_COMMITTER_EMAIL": "dockyard@localhost"}
+GIT_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/nonexistent",
+    "LANG": "C.UTF-8",
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_CONFIG_GLOBAL": "/dev/null",
+    "GIT_TERMINAL_PROMPT": "0",
+    "GIT_AUTHOR_NAME": "dockyard",
+    "GIT_AUTHOR_EMAIL": "dockyard@localhost",
+    "GIT_COMMITTER_NAME": "dockyard",
+    "GIT_COMMITTER_EMAIL": "dockyard@localhost",
+}
 
 
-def git(worktree: pathlib.Path, *args: str, check: bool = True,
-        timeout: float = _APPLY_TIMEOUT_S, text: bool = True,
-        input: bytes | None = None) -> subprocess.CompletedProcess:
+def git(
+    worktree: pathlib.Path,
+    *args: str,
+    check: bool = True,
+    timeout: float = _APPLY_TIMEOUT_S,
+    text: bool = True,
+    input: bytes | None = None,
+) -> subprocess.CompletedProcess:
     """Runs git in `worktree` with GIT_ENV. `text=False`: bytes in (`input`) and out, for -z
     output whose file names need not be UTF-8 (text mode decodes with replacement)."""
     if text:
-        return subprocess.run(["git", "-C", str(worktree), *args], env=GIT_ENV,
-                              capture_output=True, text=True, errors="replace", timeout=timeout,
-                              check=check)
-    return subprocess.run(["git", "-C", str(worktree), *args], env=GIT_ENV, input=input,
-                          capture_output=True, timeout=timeout, check=check)
+        return subprocess.run(
+            ["git", "-C", str(worktree), *args],
+            env=GIT_ENV,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=timeout,
+            check=check,
+        )
+    return subprocess.run(
+        ["git", "-C", str(worktree), *args],
+        env=GIT_ENV,
+        input=input,
+        capture_output=True,
+        timeout=timeout,
+        check=check,
+    )
 
 
 def reset_worktree(worktree: pathlib.Path) -> None:
@@ -227,9 +267,14 @@ def _positive_int(value: object, name: str) -> None:
         raise ValueError(f"{name}: must be a positive integer (bytes), got {value!r}")
 
 
-def apply_patch(worktree: pathlib.Path, patch: str, scratch_dir: pathlib.Path, *,
-                max_binary_bytes: int = DEFAULT_MAX_BINARY_BYTES,
-                max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> ApplyResult:
+def apply_patch(
+    worktree: pathlib.Path,
+    patch: str,
+    scratch_dir: pathlib.Path,
+    *,
+    max_binary_bytes: int = DEFAULT_MAX_BINARY_BYTES,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+) -> ApplyResult:
     """Applies `patch` to `worktree` (see the module docstring). `scratch_dir` (outside the
     worktree) receives the patch file. `max_binary_bytes` caps what the patch's binary hunks
     declare (over it: FAILED, too_large, no applier runs); `max_file_bytes` is each applier's
@@ -248,7 +293,8 @@ def apply_patch(worktree: pathlib.Path, patch: str, scratch_dir: pathlib.Path, *
             ApplyMethod.FAILED,
             f"binary content too large: {declared.num_hunks} git binary hunk(s) declare "
             f"{declared.num_bytes} bytes, over the limit of {max_binary_bytes}; not applied",
-            too_large=True)
+            too_large=True,
+        )
     patch_file = scratch_dir / "agent.patch"
     # git apply wants a final newline; models often drop it.
     patch_file.write_text(patch if patch.endswith("\n") else patch + "\n", encoding="utf-8")
@@ -260,25 +306,36 @@ def apply_patch(worktree: pathlib.Path, patch: str, scratch_dir: pathlib.Path, *
     for method, command in _chain(patch_file):
         reset_worktree(worktree)
         try:
-            result = subprocess.run([*limit, *command], cwd=worktree, capture_output=True,
-                                    text=True, errors="replace", timeout=_APPLY_TIMEOUT_S,
-                                    stdin=subprocess.DEVNULL,
-                                    env=GIT_ENV)
+            result = subprocess.run(
+                [*limit, *command],
+                cwd=worktree,
+                capture_output=True,
+                text=True,
+                errors="replace",
+                timeout=_APPLY_TIMEOUT_S,
+                stdin=subprocess.DEVNULL,
+                env=GIT_ENV,
+            )
         except subprocess.TimeoutExpired:
             messages.append(f"{method.value}: timed out after {_APPLY_TIMEOUT_S}s")
             continue
         except FileNotFoundError as error:
-            raise ApplyInfrastructureError(f"cannot run an applier ({error}); prlimit comes "
-                                           f"with util-linux, git and patch with their "
-                                           f"packages") from error
+            raise ApplyInfrastructureError(
+                f"cannot run an applier ({error}); prlimit comes "
+                f"with util-linux, git and patch with their "
+                f"packages"
+            ) from error
         if result.returncode == 0:
             return ApplyResult(method, "")
         if result.returncode == -signal.SIGXFSZ:
             too_large = True
-            messages.append(f"{method.value}: stopped writing a file larger than "
-                            f"{max_file_bytes} bytes (the per-file limit)")
+            messages.append(
+                f"{method.value}: stopped writing a file larger than "
+                f"{max_file_bytes} bytes (the per-file limit)"
+            )
             continue
         messages.append(f"{method.value}: {(result.stderr + result.stdout).strip()}")
     reset_worktree(worktree)
-    return ApplyResult(ApplyMethod.FAILED, "\n".join(messages)[-_MAX_MESSAGE_CHARS:],
-                       too_large=too_large)
+    return ApplyResult(
+        ApplyMethod.FAILED, "\n".join(messages)[-_MAX_MESSAGE_CHARS:], too_large=too_large
+    )

@@ -40,10 +40,12 @@ def test_missing_final_newline_is_tolerated(toy, worktree, tmp_path):
 
 def test_drifted_context_falls_back_to_patch_fuzz(toy, worktree, tmp_path):
     # Line numbers and a context line are off: git apply refuses, GNU patch's fuzz copes.
-    drifted = ("diff --git a/calc/ops.py b/calc/ops.py\n--- a/calc/ops.py\n+++ b/calc/ops.py\n"
-               "@@ -20,9 +20,9 @@\n"
-               " def sub(a, b):\n     return a - b\n \n \n def mul(a, b):\n-    return a + b\n"
-               "+    return a * b\n \n \n def clamp_changed_context(value, low, high):\n")
+    drifted = (
+        "diff --git a/calc/ops.py b/calc/ops.py\n--- a/calc/ops.py\n+++ b/calc/ops.py\n"
+        "@@ -20,9 +20,9 @@\n"
+        " def sub(a, b):\n     return a - b\n \n \n def mul(a, b):\n-    return a + b\n"
+        "+    return a * b\n \n \n def clamp_changed_context(value, low, high):\n"
+    )
     result = apply.apply_patch(worktree, drifted, tmp_path / "scratch")
     assert result.method == ApplyMethod.PATCH_FUZZ, result.message
     assert (worktree / "calc" / "ops.py").read_text() == OPS_FIXED
@@ -57,8 +59,9 @@ def test_three_way_merge_uses_the_index(toy, worktree, tmp_path):
     fixed_and_renamed = OPS_FIXED.replace("Small arithmetic helpers.", "Arithmetic helpers.")
     patch = toy.patch_for({"calc/ops.py": fixed_and_renamed})
     # Change the worktree's HEAD next to the docstring: the patch's context no longer matches.
-    (worktree / "calc" / "ops.py").write_text(OPS_BASE.replace("def add(a, b):",
-                                                               "def add(a, b):  # sum"))
+    (worktree / "calc" / "ops.py").write_text(
+        OPS_BASE.replace("def add(a, b):", "def add(a, b):  # sum")
+    )
     git(worktree, "commit", "--quiet", "-am", "local change")
     assert base_blob in git(worktree, "cat-file", "--batch-all-objects", "--batch-check")
     result = apply.apply_patch(worktree, patch, tmp_path / "scratch")
@@ -99,9 +102,10 @@ def git_base85(data: bytes) -> str:
     """Git's binary-hunk encoding of `data`: lines of <= 52 bytes, each a length letter + base85."""
     lines = []
     for start in range(0, len(data), 52):
-        chunk = data[start:start + 52]
-        letter = chr(ord("A") + len(chunk) - 1) if len(chunk) <= 26 else \
-            chr(ord("a") + len(chunk) - 27)
+        chunk = data[start : start + 52]
+        letter = (
+            chr(ord("A") + len(chunk) - 1) if len(chunk) <= 26 else chr(ord("a") + len(chunk) - 27)
+        )
         lines.append(letter + base64.b85encode(chunk, pad=True).decode())
     return "\n".join(lines)
 
@@ -155,15 +159,18 @@ def test_binary_delta_from_git_counts_its_result_size(tmp_path):
 
 def test_literal_declaring_2_gib_is_refused_before_anything_runs(toy, worktree, tmp_path):
     real = toy.patch_for({"data/blob.bin": binary_text(3000)})
-    header = next(line for line in real.split("\n") if line.startswith("literal ") and
-                  line != "literal 0")
+    header = next(
+        line for line in real.split("\n") if line.startswith("literal ") and line != "literal 0"
+    )
     crafted = real.replace(header + "\n", "literal 2147483648\n", 1)
     start = time.monotonic()
     result = apply.apply_patch(worktree, crafted, tmp_path / "scratch")
     assert time.monotonic() - start < 1.0
     assert result.method == ApplyMethod.FAILED and result.too_large
-    assert "2147483648 bytes" in result.message and str(apply.DEFAULT_MAX_BINARY_BYTES) in \
-        result.message
+    assert (
+        "2147483648 bytes" in result.message
+        and str(apply.DEFAULT_MAX_BINARY_BYTES) in result.message
+    )
     assert list((tmp_path / "scratch").iterdir()) == []  # not even the patch file was written
     assert git(worktree, "status", "--porcelain", "--ignored") == ""
 
@@ -172,11 +179,13 @@ def test_small_delta_declaring_a_2_gib_result_is_refused(toy, worktree, tmp_path
     # A 20-byte delta whose header says "the result is 2 GiB" (its copy op would repeat 64 KiB of
     # the source): the hunk itself declares 20 bytes, the header is what counts.
     delta = varint(100) + varint(1 << 31) + bytes([0x80 | 0x10, 100])  # copy 100 bytes at 0
-    crafted = ("diff --git a/calc/ops.py b/calc/ops.py\n"
-               "index 1111111..2222222 100644\n"
-               "GIT binary patch\n"
-               f"delta {len(delta)}\n{git_base85(zlib.compress(delta))}\n\n"
-               f"delta {len(delta)}\n{git_base85(zlib.compress(delta))}\n\n")
+    crafted = (
+        "diff --git a/calc/ops.py b/calc/ops.py\n"
+        "index 1111111..2222222 100644\n"
+        "GIT binary patch\n"
+        f"delta {len(delta)}\n{git_base85(zlib.compress(delta))}\n\n"
+        f"delta {len(delta)}\n{git_base85(zlib.compress(delta))}\n\n"
+    )
     declared = apply.binary_hunks(crafted)
     assert declared.num_hunks == 2 and declared.num_bytes == 2 * len(delta) + (1 << 31)
     result = apply.apply_patch(worktree, crafted, tmp_path / "scratch")
@@ -187,8 +196,9 @@ def test_small_delta_declaring_a_2_gib_result_is_refused(toy, worktree, tmp_path
 def test_file_size_limit_stops_an_applier_even_within_the_declared_cap(toy, worktree, tmp_path):
     content = binary_text(64 * 1024, seed=2)
     patch = toy.patch_for({"data/blob.bin": content})
-    result = apply.apply_patch(worktree, patch, tmp_path / "scratch", max_binary_bytes=1 << 24,
-                               max_file_bytes=16 * 1024)
+    result = apply.apply_patch(
+        worktree, patch, tmp_path / "scratch", max_binary_bytes=1 << 24, max_file_bytes=16 * 1024
+    )
     assert result.method == ApplyMethod.FAILED and result.too_large, result.message
     assert "per-file limit" in result.message
     # git died holding .git/index.lock: the reset after it (and before the next method) must
@@ -202,8 +212,9 @@ def test_file_size_limit_stops_an_applier_even_within_the_declared_cap(toy, work
 
 def test_text_patches_are_unaffected_by_the_binary_cap(toy, worktree, tmp_path):
     assert apply.binary_hunks(toy.gold_patch) == apply.BinaryHunks(0, 0)
-    result = apply.apply_patch(worktree, toy.gold_patch, tmp_path / "scratch",
-                               max_binary_bytes=1, max_file_bytes=64 * 1024)
+    result = apply.apply_patch(
+        worktree, toy.gold_patch, tmp_path / "scratch", max_binary_bytes=1, max_file_bytes=64 * 1024
+    )
     assert result.method == ApplyMethod.GIT_APPLY and not result.too_large
     assert (worktree / "calc" / "ops.py").read_text() == OPS_FIXED
     failed = apply.apply_patch(worktree, toy.conflicting_patch, tmp_path / "scratch")
@@ -222,14 +233,22 @@ def test_declared_sizes_are_read_as_git_reads_them():
     assert apply.binary_patch_bytes(section("literal 99999999999999999999999")) == 2**64 - 1
     assert apply.binary_patch_bytes(section("literal x")) == 0
     # Outside a binary section (text lines, after the next header) nothing counts.
-    text = ("diff --git a/x b/x\n--- a/x\n+++ b/x\n@@ -1 +1,2 @@\n a\n+literal 999999\n"
-            "literal 999999\n")
+    text = (
+        "diff --git a/x b/x\n--- a/x\n+++ b/x\n@@ -1 +1,2 @@\n a\n+literal 999999\nliteral 999999\n"
+    )
     assert apply.binary_hunks(text) == apply.BinaryHunks(0, 0)
     assert apply.binary_patch_bytes(section("literal 5") + text) == 5
 
 
-@pytest.mark.parametrize("limits", [{"max_binary_bytes": 0}, {"max_file_bytes": -1},
-                                    {"max_binary_bytes": True}, {"max_file_bytes": 1.5}])
+@pytest.mark.parametrize(
+    "limits",
+    [
+        {"max_binary_bytes": 0},
+        {"max_file_bytes": -1},
+        {"max_binary_bytes": True},
+        {"max_file_bytes": 1.5},
+    ],
+)
 def test_limits_must_be_positive_integers(worktree, tmp_path, limits):
     with pytest.raises(ValueError, match=next(iter(limits))):
         apply.apply_patch(worktree, "diff --git a/x b/x\n", tmp_path / "scratch", **limits)

@@ -52,19 +52,18 @@ import pathlib
 import secrets
 import stat
 
-__all__ = ["TRASH_DIR_NAME", "empty_trash", "remove_stale_task_dirs", "remove_tree",
-           "trash_path"]
+__all__ = ["TRASH_DIR_NAME", "empty_trash", "remove_stale_task_dirs", "remove_tree", "trash_path"]
 
 logger = logging.getLogger(__name__)
 
-TASKS_DIR_NAME = "tasks"         # <work_root>/tasks/task-*: one directory per task being scored
+TASKS_DIR_NAME = "tasks"  # <work_root>/tasks/task-*: one directory per task being scored
 TASK_DIR_PREFIX = "task-"
-TRASH_DIR_NAME = "trash"         # <work_root>/trash: leftovers that could not be removed
+TRASH_DIR_NAME = "trash"  # <work_root>/trash: leftovers that could not be removed
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _PATH_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_MAX_RESTARTS = 16    # walks restarted from the top after a directory moved under us
-_MAX_RESCANS = 1000   # directories listed again because an entry appeared after the listing
+_MAX_RESTARTS = 16  # walks restarted from the top after a directory moved under us
+_MAX_RESCANS = 1000  # directories listed again because an entry appeared after the listing
 _MAX_ERRORS_KEPT = 5  # messages kept per removal (the count of all of them is reported)
 
 
@@ -193,8 +192,9 @@ def _list_and_unlink(fd: int, frame: _Frame, errors: _Errors) -> None:
             frame.failed = True
 
 
-def _remove_directory(top_parent_fd: int, top_name: str, top_stat: os.stat_result,
-                      errors: _Errors) -> bool:
+def _remove_directory(
+    top_parent_fd: int, top_name: str, top_stat: os.stat_result, errors: _Errors
+) -> bool:
     """Empties and removes directory `top_name` of `top_parent_fd`. Returns whether it is gone;
     raises _Restart when the tree moved under the walk."""
     root_dev = top_stat.st_dev
@@ -278,8 +278,7 @@ def _remove_directory(top_parent_fd: int, top_name: str, top_stat: os.stat_resul
             except FileNotFoundError:
                 pass
             except OSError as error:
-                if error.errno in (errno.ENOTEMPTY, errno.EEXIST) \
-                        and num_rescans < _MAX_RESCANS:
+                if error.errno in (errno.ENOTEMPTY, errno.EEXIST) and num_rescans < _MAX_RESCANS:
                     num_rescans += 1
                     stack[-1].pending = None  # list the parent again: it finds the child again
                 else:
@@ -379,14 +378,18 @@ def empty_trash(trash_dir: pathlib.Path) -> str | None:
         return None
     except OSError as error:
         return f"cannot list the trash {str(trash_dir)!r}: {error.strerror}"
-    problems = [problem for problem in (remove_tree(trash_dir / name) for name in names)
-                if problem is not None]
+    problems = [
+        problem
+        for problem in (remove_tree(trash_dir / name) for name in names)
+        if problem is not None
+    ]
     if not problems:
         return None
     shown = "; ".join(problems[:_MAX_ERRORS_KEPT])
     more = len(problems) - _MAX_ERRORS_KEPT
     return f"{len(problems)} of {len(names)} entries left in the trash: {shown}" + (
-        f" (and {more} more)" if more > 0 else "")
+        f" (and {more} more)" if more > 0 else ""
+    )
 
 
 def remove_stale_task_dirs(work_root: pathlib.Path) -> int:

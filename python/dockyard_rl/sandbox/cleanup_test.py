@@ -27,8 +27,14 @@ NOBODY = 65534
 _DIR = os.O_RDONLY | os.O_DIRECTORY
 
 
-def make_deep(parent: pathlib.Path | str, name: str | bytes, depth: int, *,
-              modes: dict[int, int] | None = None, file_every: int = 0) -> None:
+def make_deep(
+    parent: pathlib.Path | str,
+    name: str | bytes,
+    depth: int,
+    *,
+    modes: dict[int, int] | None = None,
+    file_every: int = 0,
+) -> None:
     """Creates `name` under `parent`, `depth` directories deep (name/d/d/...), with dir_fd so
     that no path is ever longer than one name. `modes` maps a level (0 = `name`) to the mode it
     ends with; `file_every` puts a file `f` in every n-th level."""
@@ -115,9 +121,21 @@ def test_5000_levels_with_unreadable_and_read_only_levels_unprivileged(tmp_path)
     def build_and_remove():
         # Levels at mode 000 (cannot be opened), 0300 (cannot be listed), 0500 (cannot be
         # written), at the top, in the middle and at the bottom.
-        make_deep(".", "tree", 5000, file_every=250,
-                  modes={0: 0o500, 1: 0o000, 10: 0o000, 2500: 0o300, 2501: 0o500,
-                         4998: 0o000, 4999: 0o000})
+        make_deep(
+            ".",
+            "tree",
+            5000,
+            file_every=250,
+            modes={
+                0: 0o500,
+                1: 0o000,
+                10: 0o000,
+                2500: 0o300,
+                2501: 0o500,
+                4998: 0o000,
+                4999: 0o000,
+            },
+        )
         assert cleanup.remove_tree(pathlib.Path("tree")) is None
         assert not os.path.lexists("tree")
 
@@ -184,11 +202,11 @@ def test_special_files_and_odd_names(tmp_path):
         os.close(os.open(bad + b"/" + bad, os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=tree_fd))
         longest = b"n" * 255  # NAME_MAX
         os.mkdir(longest, dir_fd=tree_fd)
-        os.close(os.open(longest + b"/" + longest, os.O_WRONLY | os.O_CREAT, 0o600,
-                         dir_fd=tree_fd))
+        os.close(os.open(longest + b"/" + longest, os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=tree_fd))
         os.mkfifo(longest + b"/fifo", dir_fd=tree_fd)
-        os.close(os.open(b"\n-newline \\ and space", os.O_WRONLY | os.O_CREAT, 0o000,
-                         dir_fd=tree_fd))
+        os.close(
+            os.open(b"\n-newline \\ and space", os.O_WRONLY | os.O_CREAT, 0o000, dir_fd=tree_fd)
+        )
     finally:
         os.close(tree_fd)
     assert cleanup.remove_tree(tree) is None
@@ -397,8 +415,8 @@ def test_executor_starts_cleanly_over_a_pathological_leftover(tmp_path):
     """A restart of the real TaskExecutor on a work dir a killed executor left in the worst
     state a patch can cause: it starts, scores, and the leftovers are gone."""
     from dockyard_rl.sandbox.config import ExecutorConfig
-    from dockyard_rl.sandbox.task_executor import TaskExecutor
     from dockyard_rl.sandbox.task import ApplyMethod, TaskSpec, TaskStatus, Verdict
+    from dockyard_rl.sandbox.task_executor import TaskExecutor
 
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -407,21 +425,43 @@ def test_executor_starts_cleanly_over_a_pathological_leftover(tmp_path):
     make_pathological_work_root(work_dir, outside)
 
     def no_op_score(spec: TaskSpec, work_root: pathlib.Path) -> Verdict:
-        return Verdict(resolved=False, reward=0.0, fail_to_pass={}, pass_to_pass={},
-                       apply_method=ApplyMethod.EMPTY, integrity_violation=(),
-                       test_exit_code=None, timed_out=False, timings_s={}, log_tail="")
+        return Verdict(
+            resolved=False,
+            reward=0.0,
+            fail_to_pass={},
+            pass_to_pass={},
+            apply_method=ApplyMethod.EMPTY,
+            integrity_violation=(),
+            test_exit_code=None,
+            timed_out=False,
+            timings_s={},
+            log_tail="",
+        )
 
-    config = ExecutorConfig(host="127.0.0.1", port=0, num_workers=1, work_dir=str(work_dir),
-                            retry_backoff_s=0.0, shutdown_grace_s=5.0)
+    config = ExecutorConfig(
+        host="127.0.0.1",
+        port=0,
+        num_workers=1,
+        work_dir=str(work_dir),
+        retry_backoff_s=0.0,
+        shutdown_grace_s=5.0,
+    )
     executor = TaskExecutor(config, no_op_score)
     try:
         executor.start()
         assert sorted(os.listdir(work_dir / "tasks")) == ["not-a-task"]
         assert not os.listdir(work_dir / "trash")
         assert (outside / "sentinel").read_text() == "keep me"
-        spec = TaskSpec(instance_id="x__y-1", repo=str(tmp_path), base_commit="abc1234",
-                        patch="", test_patch="diff --git a/t b/t\n", fail_to_pass=(),
-                        pass_to_pass=(), task_id="after-restart")
+        spec = TaskSpec(
+            instance_id="x__y-1",
+            repo=str(tmp_path),
+            base_commit="abc1234",
+            patch="",
+            test_patch="diff --git a/t b/t\n",
+            fail_to_pass=(),
+            pass_to_pass=(),
+            task_id="after-restart",
+        )
         executor.submit(spec)
         deadline = time.monotonic() + 10
         while executor.get("after-restart").status is not TaskStatus.FINISHED:

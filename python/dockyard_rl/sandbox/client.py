@@ -57,12 +57,12 @@ class TaskResult:
 
     task_id: str
     status: TaskStatus
-    verdict: Verdict | None   # set when status is FINISHED
-    error: str | None         # infrastructure error (final when status is INFRA_ERROR)
+    verdict: Verdict | None  # set when status is FINISHED
+    error: str | None  # infrastructure error (final when status is INFRA_ERROR)
     attempts: int
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "TaskResult":
+    def from_dict(cls, data: Mapping[str, Any]) -> TaskResult:
         return cls(
             task_id=data["task_id"],
             status=TaskStatus(data["status"]),
@@ -85,10 +85,18 @@ class _Retryable(Exception):
 class ExecutorClient:
     """See the module docstring. Use as an async context manager, or call `close()`."""
 
-    def __init__(self, base_url: str, *, auth_token: str | None = None,
-                 request_timeout_s: float = 30.0, max_attempts: int = 6,
-                 backoff_base_s: float = 0.5, backoff_max_s: float = 30.0,
-                 max_connections: int = 64, seed: int | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        auth_token: str | None = None,
+        request_timeout_s: float = 30.0,
+        max_attempts: int = 6,
+        backoff_base_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        max_connections: int = 64,
+        seed: int | None = None,
+    ):
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url: must start with http:// or https://, got {base_url!r}")
         if request_timeout_s <= 0:
@@ -96,8 +104,10 @@ class ExecutorClient:
         if max_attempts < 1:
             raise ValueError(f"max_attempts: must be >= 1 (1 = no retries), got {max_attempts}")
         if not 0 <= backoff_base_s <= backoff_max_s:
-            raise ValueError(f"backoff_base_s, backoff_max_s: need 0 <= base <= max, got "
-                             f"{backoff_base_s}, {backoff_max_s}")
+            raise ValueError(
+                f"backoff_base_s, backoff_max_s: need 0 <= base <= max, got "
+                f"{backoff_base_s}, {backoff_max_s}"
+            )
         if max_connections < 1:
             raise ValueError(f"max_connections: must be >= 1, got {max_connections}")
         self.base_url = base_url.rstrip("/")
@@ -110,7 +120,7 @@ class ExecutorClient:
         self._rng = random.Random(seed)
         self._session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> "ExecutorClient":
+    async def __aenter__(self) -> ExecutorClient:
         return self
 
     async def __aexit__(self, *exc_info) -> None:
@@ -125,8 +135,8 @@ class ExecutorClient:
         # Created lazily: a ClientSession must be made inside the event loop that uses it.
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections),
-                headers=self._headers)
+                connector=aiohttp.TCPConnector(limit=self._max_connections), headers=self._headers
+            )
         return self._session
 
     # -- API ------------------------------------------------------------------------------------
@@ -149,8 +159,9 @@ class ExecutorClient:
     async def get(self, task_id: str) -> TaskResult:
         return TaskResult.from_dict(await self._request("GET", f"/task/{task_id}"))
 
-    async def wait(self, task_id: str, poll_interval_s: float = 1.0,
-                   timeout_s: float | None = None) -> TaskResult:
+    async def wait(
+        self, task_id: str, poll_interval_s: float = 1.0, timeout_s: float | None = None
+    ) -> TaskResult:
         """Polls until the task is FINISHED or INFRA_ERROR; TimeoutError after `timeout_s`."""
         if poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s: must be > 0, got {poll_interval_s}")
@@ -162,14 +173,19 @@ class ExecutorClient:
             if deadline is not None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError(f"task {task_id} still {result.status.value} after "
-                                       f"{timeout_s} s")
+                    raise TimeoutError(
+                        f"task {task_id} still {result.status.value} after {timeout_s} s"
+                    )
                 await asyncio.sleep(min(poll_interval_s, remaining))
             else:
                 await asyncio.sleep(poll_interval_s)
 
-    async def score(self, spec: TaskSpec | Mapping[str, Any], poll_interval_s: float = 1.0,
-                    timeout_s: float | None = None) -> TaskResult:
+    async def score(
+        self,
+        spec: TaskSpec | Mapping[str, Any],
+        poll_interval_s: float = 1.0,
+        timeout_s: float | None = None,
+    ) -> TaskResult:
         """submit + wait."""
         task_id = await self.submit(spec)
         return await self.wait(task_id, poll_interval_s=poll_interval_s, timeout_s=timeout_s)
@@ -179,8 +195,9 @@ class ExecutorClient:
 
     # -- transport ------------------------------------------------------------------------------
 
-    async def _request(self, method: str, path: str,
-                       json_body: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    async def _request(
+        self, method: str, path: str, json_body: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
         url = self.base_url + path
         last_reason = "no attempt made"
         for attempt in range(1, self._max_attempts + 1):
@@ -191,33 +208,46 @@ class ExecutorClient:
                 if attempt == self._max_attempts:
                     break
                 delay_s = self._backoff_s(attempt, retryable.retry_after_s)
-                logger.info("%s %s: %s; retry %d/%d in %.2f s", method, path, retryable,
-                            attempt, self._max_attempts - 1, delay_s)
+                logger.info(
+                    "%s %s: %s; retry %d/%d in %.2f s",
+                    method,
+                    path,
+                    retryable,
+                    attempt,
+                    self._max_attempts - 1,
+                    delay_s,
+                )
                 await asyncio.sleep(delay_s)
-        raise ExecutorUnavailableError(f"{method} {url} failed {self._max_attempts} time(s); "
-                                       f"last: {last_reason}")
+        raise ExecutorUnavailableError(
+            f"{method} {url} failed {self._max_attempts} time(s); last: {last_reason}"
+        )
 
-    async def _request_once(self, method: str, url: str,
-                            json_body: Mapping[str, Any] | None) -> dict[str, Any]:
+    async def _request_once(
+        self, method: str, url: str, json_body: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
         session = self._get_session()
         try:
-            async with session.request(method, url, json=json_body,
-                                       timeout=self._timeout) as response:
+            async with session.request(
+                method, url, json=json_body, timeout=self._timeout
+            ) as response:
                 text = await response.text()
                 if response.status == 429 or response.status >= 500:
-                    raise _Retryable(f"HTTP {response.status}: {text[:200]}",
-                                     _parse_retry_after(response.headers.get("Retry-After")))
+                    raise _Retryable(
+                        f"HTTP {response.status}: {text[:200]}",
+                        _parse_retry_after(response.headers.get("Retry-After")),
+                    )
                 try:
                     data = await response.json(content_type=None) if text else {}
                 except ValueError:
                     data = {}
                 if response.status >= 400:
-                    raise ExecutorRequestError(response.status, data.get("error", text[:500]),
-                                               data.get("field"))
+                    raise ExecutorRequestError(
+                        response.status, data.get("error", text[:500]), data.get("field")
+                    )
                 return data
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as error:
             raise _Retryable(f"{type(error).__name__}: {error}") from None
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise _Retryable(f"no answer within {self._timeout.total} s") from None
 
     def _backoff_s(self, attempt: int, retry_after_s: float | None) -> float:

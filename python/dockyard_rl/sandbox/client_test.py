@@ -14,18 +14,28 @@ import time
 import pytest
 from aiohttp import web
 
-from dockyard_rl.sandbox.client import (ExecutorClient, ExecutorRequestError,
-                                        ExecutorUnavailableError)
+from dockyard_rl.sandbox.client import (
+    ExecutorClient,
+    ExecutorRequestError,
+    ExecutorUnavailableError,
+)
 from dockyard_rl.sandbox.config import ExecutorConfig
 from dockyard_rl.sandbox.server import running_server
 from dockyard_rl.sandbox.task import ApplyMethod, TaskSpec, TaskStatus, TestOutcome, Verdict
 
-SPEC = TaskSpec.from_request({
-    "instance_id": "demo__demo-1", "repo": os.path.dirname(os.path.abspath(__file__)),
-    "base_commit": "abc1234", "patch": "diff --git a/x b/x\n",
-    "test_patch": ("diff --git a/t.py b/t.py\n--- a/t.py\n+++ b/t.py\n"
-                   "@@ -1 +1,2 @@\n x = 1\n+y = 2\n"),
-    "FAIL_TO_PASS": ["t.py::test_a"], "PASS_TO_PASS": []})
+SPEC = TaskSpec.from_request(
+    {
+        "instance_id": "demo__demo-1",
+        "repo": os.path.dirname(os.path.abspath(__file__)),
+        "base_commit": "abc1234",
+        "patch": "diff --git a/x b/x\n",
+        "test_patch": (
+            "diff --git a/t.py b/t.py\n--- a/t.py\n+++ b/t.py\n@@ -1 +1,2 @@\n x = 1\n+y = 2\n"
+        ),
+        "FAIL_TO_PASS": ["t.py::test_a"],
+        "PASS_TO_PASS": [],
+    }
+)
 
 
 class ScriptedServer:
@@ -48,10 +58,14 @@ class ScriptedServer:
                 await asyncio.sleep(action[1])
             else:
                 status, headers = action
-                return web.json_response({"error": f"scripted {status}", "field": "patch"},
-                                         status=status, headers=headers)
-        return web.json_response({"task_id": self.bodies[-1]["task_id"], "status": "queued"},
-                                 status=202)
+                return web.json_response(
+                    {"error": f"scripted {status}", "field": "patch"},
+                    status=status,
+                    headers=headers,
+                )
+        return web.json_response(
+            {"task_id": self.bodies[-1]["task_id"], "status": "queued"}, status=202
+        )
 
     async def run(self, scenario):
         app = web.Application()
@@ -162,12 +176,15 @@ def test_backoff_is_jittered_capped_and_floored_by_retry_after():
     assert client._backoff_s(1, 100.0) <= 4.0  # a huge Retry-After is capped
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(base_url="127.0.0.1:9090"), "base_url"),
-    (dict(base_url="http://x", request_timeout_s=0), "request_timeout_s"),
-    (dict(base_url="http://x", max_attempts=0), "max_attempts"),
-    (dict(base_url="http://x", backoff_base_s=2, backoff_max_s=1), "backoff_base_s"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(base_url="127.0.0.1:9090"), "base_url"),
+        (dict(base_url="http://x", request_timeout_s=0), "request_timeout_s"),
+        (dict(base_url="http://x", max_attempts=0), "max_attempts"),
+        (dict(base_url="http://x", backoff_base_s=2, backoff_max_s=1), "backoff_base_s"),
+    ],
+)
 def test_invalid_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ExecutorClient(**kwargs)
@@ -177,9 +194,18 @@ def test_score_against_the_real_service_with_a_token(tmp_path):
     token = "client-test-token-0123456789"
 
     def scorer(spec, work_root):
-        return Verdict(resolved=True, reward=1.0, fail_to_pass={"t.py::test_a": TestOutcome.PASSED},
-                       pass_to_pass={}, apply_method=ApplyMethod.GIT_APPLY, integrity_violation=(),
-                       test_exit_code=0, timed_out=False, timings_s={"total": 0.0}, log_tail="ok")
+        return Verdict(
+            resolved=True,
+            reward=1.0,
+            fail_to_pass={"t.py::test_a": TestOutcome.PASSED},
+            pass_to_pass={},
+            apply_method=ApplyMethod.GIT_APPLY,
+            integrity_violation=(),
+            test_exit_code=0,
+            timed_out=False,
+            timings_s={"total": 0.0},
+            log_tail="ok",
+        )
 
     config = ExecutorConfig(port=0, num_workers=1, work_dir=str(tmp_path), auth_token=token)
 

@@ -28,29 +28,33 @@ def test_paths_expand_user_and_explicit_db(tmp_path):
     assert cfg.db_file == tmp_path / "t.db"
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("port", 70000, r"executor\.port: must be an integer in \[0, 65535\]"),
-    ("port", True, r"executor\.port: must be an integer"),
-    ("num_workers", 0, r"executor\.num_workers: must be an integer >= 1"),
-    ("max_queue", 0, r"executor\.max_queue: must be an integer >= 1"),
-    ("max_patch_bytes", -1, r"executor\.max_patch_bytes: must be an integer >= 1"),
-    ("auth_token", "short", r"executor\.auth_token: must be a string of at least 16"),
-    ("auth_token", "has space in it 0123456789", r"executor\.auth_token: .*without whitespace"),
-    ("work_dir", "", r"executor\.work_dir: must be a directory path"),
-    ("db_path", "", r"executor\.db_path: must be a file path or null"),
-    ("max_infra_attempts", 0, r"executor\.max_infra_attempts: must be an integer >= 1"),
-    ("retry_backoff_s", -1.0, r"executor\.retry_backoff_s: must be a number of seconds >= 0"),
-    ("retry_after_s", 0, r"executor\.retry_after_s: must be an integer number of seconds >= 1"),
-    ("shutdown_grace_s", -2, r"executor\.shutdown_grace_s: must be a number of seconds >= 0"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("port", 70000, r"executor\.port: must be an integer in \[0, 65535\]"),
+        ("port", True, r"executor\.port: must be an integer"),
+        ("num_workers", 0, r"executor\.num_workers: must be an integer >= 1"),
+        ("max_queue", 0, r"executor\.max_queue: must be an integer >= 1"),
+        ("max_patch_bytes", -1, r"executor\.max_patch_bytes: must be an integer >= 1"),
+        ("auth_token", "short", r"executor\.auth_token: must be a string of at least 16"),
+        ("auth_token", "has space in it 0123456789", r"executor\.auth_token: .*without whitespace"),
+        ("work_dir", "", r"executor\.work_dir: must be a directory path"),
+        ("db_path", "", r"executor\.db_path: must be a file path or null"),
+        ("max_infra_attempts", 0, r"executor\.max_infra_attempts: must be an integer >= 1"),
+        ("retry_backoff_s", -1.0, r"executor\.retry_backoff_s: must be a number of seconds >= 0"),
+        ("retry_after_s", 0, r"executor\.retry_after_s: must be an integer number of seconds >= 1"),
+        ("shutdown_grace_s", -2, r"executor\.shutdown_grace_s: must be a number of seconds >= 0"),
+    ],
+)
 def test_invalid_values_name_the_key(key, value, message):
     with pytest.raises(ValueError, match=message):
         from_dict(ExecutorConfig, {key: value}, "executor")
 
 
 def test_non_loopback_host_requires_a_token():
-    with pytest.raises(ValueError,
-                       match=r"executor\.host: '0\.0\.0\.0' is not a loopback.*auth_token"):
+    with pytest.raises(
+        ValueError, match=r"executor\.host: '0\.0\.0\.0' is not a loopback.*auth_token"
+    ):
         from_dict(ExecutorConfig, {"host": "0.0.0.0"}, "executor")
     cfg = from_dict(ExecutorConfig, {"host": "0.0.0.0", "auth_token": "x" * 32}, "executor")
     assert cfg.host == "0.0.0.0"

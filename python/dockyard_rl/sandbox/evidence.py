@@ -27,8 +27,13 @@ from typing import Any
 from dockyard_rl.sandbox.task import TestOutcome
 
 # Worse outcomes win when a test is reported more than once.
-SEVERITY = {TestOutcome.MISSING: -1, TestOutcome.PASSED: 0, TestOutcome.SKIPPED: 1,
-            TestOutcome.FAILED: 2, TestOutcome.ERROR: 3}
+SEVERITY = {
+    TestOutcome.MISSING: -1,
+    TestOutcome.PASSED: 0,
+    TestOutcome.SKIPPED: 1,
+    TestOutcome.FAILED: 2,
+    TestOutcome.ERROR: 3,
+}
 _MAX_LINE_BYTES = 64 * 1024
 
 
@@ -88,8 +93,11 @@ class RecordStream:
 
     def _test(self, record: dict[str, Any]) -> None:
         nodeid, when, outcome = record.get("nodeid"), record.get("when"), record.get("outcome")
-        if not isinstance(nodeid, str) or when not in ("setup", "call", "teardown") or \
-                outcome not in ("passed", "failed", "skipped"):
+        if (
+            not isinstance(nodeid, str)
+            or when not in ("setup", "call", "teardown")
+            or outcome not in ("passed", "failed", "skipped")
+        ):
             self.num_malformed += 1
             return
         if outcome == "passed":
@@ -185,14 +193,20 @@ class JUnitStream:
             self._case = (attributes.get("classname", ""), attributes.get("name", ""))
             self._case_outcome = TestOutcome.PASSED
         elif parent == "testcase" and self._case is not None:
-            found = {"error": TestOutcome.ERROR, "failure": TestOutcome.FAILED,
-                     "skipped": TestOutcome.SKIPPED}.get(tag)
+            found = {
+                "error": TestOutcome.ERROR,
+                "failure": TestOutcome.FAILED,
+                "skipped": TestOutcome.SKIPPED,
+            }.get(tag)
             if found is not None:
                 self._case_outcome = worst(self._case_outcome, found)
 
     def _end(self, tag: str) -> None:
         self._stack.pop()
-        if tag == "testcase" and self._case is not None and (
-                not self._stack or self._stack[-1] == "testsuite"):
+        if (
+            tag == "testcase"
+            and self._case is not None
+            and (not self._stack or self._stack[-1] == "testsuite")
+        ):
             self.outcomes[self._case] = worst(self.outcomes.get(self._case), self._case_outcome)
             self._case = None

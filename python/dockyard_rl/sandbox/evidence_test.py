@@ -11,7 +11,7 @@ from dockyard_rl.sandbox import grading
 from dockyard_rl.sandbox.evidence import JUnitStream, RecordStream
 from dockyard_rl.sandbox.task import TestOutcome
 
-TESTS = '''\
+TESTS = """\
 import pytest
 
 
@@ -46,7 +46,7 @@ def broken():
 
 def test_teardown_error(broken):
     pass
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -55,17 +55,34 @@ def real_report(tmp_path_factory):
     (tmp_path / "pkg" / "tests").mkdir(parents=True)
     (tmp_path / "pkg" / "tests" / "test_mix.py").write_text(TESTS)
     report = tmp_path / "junit.xml"
-    subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
-                    "--rootdir", str(tmp_path), f"--junitxml={report}",
-                    "-o", "junit_suite_name=nonce", "-o", "junit_family=xunit1",
-                    "pkg/tests/test_mix.py"], cwd=tmp_path, capture_output=True, check=False)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "--rootdir",
+            str(tmp_path),
+            f"--junitxml={report}",
+            "-o",
+            "junit_suite_name=nonce",
+            "-o",
+            "junit_family=xunit1",
+            "pkg/tests/test_mix.py",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        check=False,
+    )
     return report.read_bytes()
 
 
 def _parse(data: bytes, chunk: int = 7, max_bytes: int = 1 << 20, max_testcases: int = 1000):
     stream = JUnitStream(max_bytes, max_testcases)
     for start in range(0, len(data), chunk):
-        stream(data[start:start + chunk])
+        stream(data[start : start + chunk])
     stream.finish()
     return stream
 
@@ -89,13 +106,16 @@ def test_real_report_node_ids_and_outcomes_in_small_chunks(real_report):
     assert outcome(f"{base}::test_absent") is TestOutcome.MISSING
 
 
-@pytest.mark.parametrize("data, expected", [
-    (b"", "no JUnit XML report"),
-    (b"<testsuites><testsuite name='a'>", "not well-formed"),
-    (b"<!DOCTYPE x [<!ENTITY a 'aaaa'>]><testsuites/>", "DOCTYPE"),
-    (b"<testsuites><testsuite name='a'/><testsuite name='b'/></testsuites>", "exactly one"),
-    (b"<html/>", "unexpected root"),
-])
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        (b"", "no JUnit XML report"),
+        (b"<testsuites><testsuite name='a'>", "not well-formed"),
+        (b"<!DOCTYPE x [<!ENTITY a 'aaaa'>]><testsuites/>", "DOCTYPE"),
+        (b"<testsuites><testsuite name='a'/><testsuite name='b'/></testsuites>", "exactly one"),
+        (b"<html/>", "unexpected root"),
+    ],
+)
 def test_broken_or_hostile_reports(data, expected):
     assert expected in _parse(data).error
 
@@ -105,33 +125,41 @@ def test_caps_on_size_and_testcases():
     huge = b"<testsuites><testsuite name='a'>" + case * 2000 + b"</testsuite></testsuites>"
     stream = _parse(huge, chunk=65536, max_bytes=100_000)
     assert "larger than 100000" in stream.error and stream.outcomes == {}
-    many = b"<testsuites><testsuite name='a'>" + b"<testcase classname='c' name='n'/>" * 20 + \
-        b"</testsuite></testsuites>"
+    many = (
+        b"<testsuites><testsuite name='a'>"
+        + b"<testcase classname='c' name='n'/>" * 20
+        + b"</testsuite></testsuites>"
+    )
     assert "more than 10 testcases" in _parse(many, max_testcases=10).error
 
 
 def test_duplicate_testcases_keep_the_worst_outcome():
-    data = (b"<testsuites><testsuite name='a'><testcase classname='c' name='n'><failure/>"
-            b"</testcase><testcase classname='c' name='n'/></testsuite></testsuites>")
+    data = (
+        b"<testsuites><testsuite name='a'><testcase classname='c' name='n'><failure/>"
+        b"</testcase><testcase classname='c' name='n'/></testsuite></testsuites>"
+    )
     assert _parse(data).outcomes == {("c", "n"): TestOutcome.FAILED}
 
 
 def test_record_stream_phases_malformed_lines_and_overflow():
     stream = RecordStream(10_000)
-    lines = [{"event": "test", "nodeid": "t.py::a", "when": "setup", "outcome": "passed"},
-             {"event": "test", "nodeid": "t.py::a", "when": "call", "outcome": "failed",
-              "raised": True},
-             {"event": "test", "nodeid": "t.py::b", "when": "teardown", "outcome": "failed"},
-             {"event": "test", "nodeid": "t.py::c", "when": "call", "outcome": "passed",
-              "raised": True},
-             {"event": "exit", "code": 1}]
-    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines) + b"not json\n{\"x\"\n"
+    lines = [
+        {"event": "test", "nodeid": "t.py::a", "when": "setup", "outcome": "passed"},
+        {"event": "test", "nodeid": "t.py::a", "when": "call", "outcome": "failed", "raised": True},
+        {"event": "test", "nodeid": "t.py::b", "when": "teardown", "outcome": "failed"},
+        {"event": "test", "nodeid": "t.py::c", "when": "call", "outcome": "passed", "raised": True},
+        {"event": "exit", "code": 1},
+    ]
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines) + b'not json\n{"x"\n'
     for byte in range(len(data)):
-        stream(data[byte:byte + 1])
+        stream(data[byte : byte + 1])
     stream(b"partial")
     stream.finish()
-    assert stream.tests == {"t.py::a": TestOutcome.FAILED, "t.py::b": TestOutcome.ERROR,
-                            "t.py::c": TestOutcome.PASSED}
+    assert stream.tests == {
+        "t.py::a": TestOutcome.FAILED,
+        "t.py::b": TestOutcome.ERROR,
+        "t.py::c": TestOutcome.PASSED,
+    }
     assert stream.raised_but_passed == ["t.py::c (call)"]
     assert stream.records("exit") == [{"event": "exit", "code": 1}]
     assert stream.num_malformed == 3

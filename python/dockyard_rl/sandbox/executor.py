@@ -54,27 +54,39 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to bind; 0 = any free port (default 9090)")
     parser.add_argument("--workers", type=int, help="tasks scored at once (default 0.75 x cores)")
-    parser.add_argument("--work-dir", help="mirrors and worktrees (default "
-                                           "~/.cache/dockyard_rl/executor)")
+    parser.add_argument(
+        "--work-dir", help="mirrors and worktrees (default ~/.cache/dockyard_rl/executor)"
+    )
     parser.add_argument("--db", help="SQLite task records (default <work-dir>/tasks.sqlite3)")
     parser.add_argument("--max-queue", type=int, help="queued tasks before 429")
     parser.add_argument("--max-patch-bytes", type=int, help="largest patch / test_patch (413)")
-    parser.add_argument("--max-infra-attempts", type=int,
-                        help="scoring attempts per task before infra_error")
+    parser.add_argument(
+        "--max-infra-attempts", type=int, help="scoring attempts per task before infra_error"
+    )
     parser.add_argument("--retry-backoff-s", type=float, help="delay before the first retry")
-    parser.add_argument("--default-timeout-s", type=float,
-                        help="test-run wall clock when a task names none")
-    parser.add_argument("--shutdown-grace-s", type=float,
-                        help="how long shutdown waits for running tasks")
-    parser.add_argument("--image-cache-dir",
-                        help="unpacked task images (default <work-dir>/images)")
-    parser.add_argument("--image-cache-max-bytes", type=int,
-                        help="size of the task image cache before LRU eviction (default 20 GiB)")
-    parser.add_argument("--auth-token-file", type=pathlib.Path,
-                        help=f"file holding the bearer token (else ${TOKEN_ENV_VAR}; none = no "
-                             f"authentication, allowed only on a loopback host)")
-    parser.add_argument("--log-level", default="INFO",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument(
+        "--default-timeout-s", type=float, help="test-run wall clock when a task names none"
+    )
+    parser.add_argument(
+        "--shutdown-grace-s", type=float, help="how long shutdown waits for running tasks"
+    )
+    parser.add_argument(
+        "--image-cache-dir", help="unpacked task images (default <work-dir>/images)"
+    )
+    parser.add_argument(
+        "--image-cache-max-bytes",
+        type=int,
+        help="size of the task image cache before LRU eviction (default 20 GiB)",
+    )
+    parser.add_argument(
+        "--auth-token-file",
+        type=pathlib.Path,
+        help=f"file holding the bearer token (else ${TOKEN_ENV_VAR}; none = no "
+        f"authentication, allowed only on a loopback host)",
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
     return parser.parse_args(argv)
 
 
@@ -86,19 +98,29 @@ def token_from_environment(environ: Mapping[str, str] = os.environ) -> str | Non
 
 def config_from_args(args: argparse.Namespace, environ: dict[str, str]) -> ExecutorConfig:
     """Flags (and the token source) -> a validated ExecutorConfig; ValueError names the key."""
-    data = {key: getattr(args, dest) for dest, key in _FLAG_KEYS.items()
-            if getattr(args, dest) is not None}
-    pipeline = {key: value for key, value in (
-        ("timeout_s", args.default_timeout_s), ("image_cache_dir", args.image_cache_dir),
-        ("image_cache_max_bytes", args.image_cache_max_bytes)) if value is not None}
+    data = {
+        key: getattr(args, dest)
+        for dest, key in _FLAG_KEYS.items()
+        if getattr(args, dest) is not None
+    }
+    pipeline = {
+        key: value
+        for key, value in (
+            ("timeout_s", args.default_timeout_s),
+            ("image_cache_dir", args.image_cache_dir),
+            ("image_cache_max_bytes", args.image_cache_max_bytes),
+        )
+        if value is not None
+    }
     if pipeline:
         data["pipeline"] = pipeline
     if args.auth_token_file is not None:
         try:
             data["auth_token"] = args.auth_token_file.read_text().strip()
         except OSError as error:
-            raise ValueError(f"--auth-token-file: cannot read {args.auth_token_file}: "
-                             f"{error.strerror}") from None
+            raise ValueError(
+                f"--auth-token-file: cannot read {args.auth_token_file}: {error.strerror}"
+            ) from None
     elif token_from_environment(environ):
         data["auth_token"] = token_from_environment(environ)
     return from_dict(ExecutorConfig, data, key_path="executor")
@@ -118,8 +140,10 @@ async def _run(config: ExecutorConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s",
+    )
     try:
         config = config_from_args(args, dict(os.environ))
     except ValueError as error:

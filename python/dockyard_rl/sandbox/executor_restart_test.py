@@ -27,9 +27,26 @@ def start_executor(work_dir: pathlib.Path) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     env.pop("DOCKYARD_EXECUTOR_TOKEN", None)
     process = subprocess.Popen(
-        [sys.executable, "-m", "dockyard_rl.sandbox.executor", "--port", "0", "--workers", "1",
-         "--work-dir", str(work_dir), "--retry-backoff-s", "0.1", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+        [
+            sys.executable,
+            "-m",
+            "dockyard_rl.sandbox.executor",
+            "--port",
+            "0",
+            "--workers",
+            "1",
+            "--work-dir",
+            str(work_dir),
+            "--retry-backoff-s",
+            "0.1",
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         ready, _, _ = select.select([process.stdout], [], [], 0.5)
@@ -56,8 +73,10 @@ def test_sigkill_with_tasks_queued_then_restart_answers_every_task(tmp_path):
     async def submit_and_kill(url: str, process: subprocess.Popen) -> None:
         async with ExecutorClient(url, seed=0) as client:
             for task_id, gold in expected.items():
-                assert await client.submit(
-                    repo.spec(repo.gold_patch if gold else "", task_id=task_id)) == task_id
+                assert (
+                    await client.submit(repo.spec(repo.gold_patch if gold else "", task_id=task_id))
+                    == task_id
+                )
             # Kill while the single worker is busy with the first task and the rest are queued.
             while (await client.get("restart-0")).status is TaskStatus.QUEUED:
                 await asyncio.sleep(0.05)
@@ -79,8 +98,9 @@ def test_sigkill_with_tasks_queued_then_restart_answers_every_task(tmp_path):
 
     async def wait_all(url: str):
         async with ExecutorClient(url, seed=0) as client:
-            return await asyncio.gather(*(client.wait(task_id, poll_interval_s=0.2, timeout_s=120)
-                                          for task_id in expected))
+            return await asyncio.gather(
+                *(client.wait(task_id, poll_interval_s=0.2, timeout_s=120) for task_id in expected)
+            )
 
     process, url = start_executor(work_dir)
     try:

@@ -87,12 +87,23 @@ class SandboxFleet:
         WorkerError: an executor failed to start (its cause is named).
     """
 
-    def __init__(self, config: ExecutorConfig, cluster_config: ClusterConfig, *,
-                 num_executors: int = 1, cpus_per_executor: float = 1.0):
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        cluster_config: ClusterConfig,
+        *,
+        num_executors: int = 1,
+        cpus_per_executor: float = 1.0,
+    ):
         self._group = WorkerGroup(
-            ExecutorActor, num_executors, "sandbox", cluster_config,
-            bundle={"CPU": cpus_per_executor}, max_concurrency=4,
-            worker_args=lambda info: ((config,), {}))
+            ExecutorActor,
+            num_executors,
+            "sandbox",
+            cluster_config,
+            bundle={"CPU": cpus_per_executor},
+            max_concurrency=4,
+            worker_args=lambda info: ((config,), {}),
+        )
         try:
             self.urls: list[str] = self._group.call_all("url")
         except BaseException:

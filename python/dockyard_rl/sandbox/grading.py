@@ -63,7 +63,7 @@ class Grade:
     fail_to_pass: dict[str, TestOutcome]
     pass_to_pass: dict[str, TestOutcome]
     failure_kind: FailureKind
-    detail: str                 # why it is not resolved, in words ("" when resolved)
+    detail: str  # why it is not resolved, in words ("" when resolved)
     notes: tuple[str, ...] = ()  # runtime observations worth a flag ("introspection: ...")
 
 
@@ -95,16 +95,23 @@ def junit_key(node_id: str) -> tuple[str, str]:
     return ".".join(names[:-1]), names[-1]
 
 
-def consistency_problem(outcomes: Mapping[tuple[str, str], TestOutcome],
-                        exit_code: int | None) -> str:
+def consistency_problem(
+    outcomes: Mapping[tuple[str, str], TestOutcome], exit_code: int | None
+) -> str:
     """Why pytest's exit code and the report disagree; "" if they do not."""
     num_failing = sum(outcome in _FAILING for outcome in outcomes.values())
     if exit_code == EXIT_OK:
-        return "" if num_failing == 0 else \
-            f"exit code 0 but the report has {num_failing} failed/errored tests"
+        return (
+            ""
+            if num_failing == 0
+            else f"exit code 0 but the report has {num_failing} failed/errored tests"
+        )
     if exit_code in (EXIT_TESTS_FAILED, EXIT_INTERRUPTED):
-        return "" if num_failing > 0 else \
-            f"exit code {exit_code} says tests failed but the report claims none did"
+        return (
+            ""
+            if num_failing > 0
+            else f"exit code {exit_code} says tests failed but the report claims none did"
+        )
     if exit_code == EXIT_NO_TESTS:
         return "" if not outcomes else "exit code 5 (no tests collected) but the report has tests"
     return f"the test runner exited with {exit_code} (not a pytest result)"
@@ -113,7 +120,7 @@ def consistency_problem(outcomes: Mapping[tuple[str, str], TestOutcome],
 def _disk_full(records: RecordStream) -> bool:
     for end in records.records("session_end")[:1]:
         disk = end.get("disk")
-        for usage in (disk.values() if isinstance(disk, dict) else ()):
+        for usage in disk.values() if isinstance(disk, dict) else ():
             try:
                 free, total = int(usage["free"]), int(usage["total"])
             except (TypeError, KeyError, ValueError):
@@ -147,8 +154,10 @@ def _tampering(evidence: RunEvidence) -> list[str]:
     if len(ends) > 1 or len(exits) > 1:
         found.append(f"{len(ends)} session_end and {len(exits)} exit records (one each expected)")
     if exits and exits[0].get("code") != evidence.exit_code:
-        found.append(f"the runner reported exit code {exits[0].get('code')!r} but the process "
-                     f"exited with {evidence.exit_code}")
+        found.append(
+            f"the runner reported exit code {exits[0].get('code')!r} but the process "
+            f"exited with {evidence.exit_code}"
+        )
     if ends and not report.error and ends[0].get("report_sha256") != report.sha256:
         found.append("the report received differs from the one pytest wrote")
     if ends and exits and ends[0].get("report_sha256") != exits[0].get("report_sha256"):
@@ -156,21 +165,23 @@ def _tampering(evidence: RunEvidence) -> list[str]:
     if not report.error and report.suite_names != [evidence.suite_name]:
         found.append("the report's suite name is not this run's nonce")
     if records.raised_but_passed:
-        found.append(f"phases that raised but were reported passed: "
-                     f"{_listed(records.raised_but_passed)}")
+        found.append(
+            f"phases that raised but were reported passed: {_listed(records.raised_but_passed)}"
+        )
     if report.error or not ends:
         return found
     if evidence.canary_names is not None:
-        for name, expected in zip(evidence.canary_names, (TestOutcome.PASSED,
-                                                           TestOutcome.FAILED)):
+        for name, expected in zip(evidence.canary_names, (TestOutcome.PASSED, TestOutcome.FAILED)):
             nodeid = _find_canary(records.tests, name)
             if nodeid is None:
                 continue  # not run at all: check 4
             streamed, reported = records.tests[nodeid], report.outcomes.get(junit_key(nodeid))
             if streamed is not expected or reported is not expected:
-                found.append(f"the executor's canary test {name} must be {expected.value} but "
-                             f"was {streamed.value} (stream) / "
-                             f"{reported.value if reported else 'missing'} (report)")
+                found.append(
+                    f"the executor's canary test {name} must be {expected.value} but "
+                    f"was {streamed.value} (stream) / "
+                    f"{reported.value if reported else 'missing'} (report)"
+                )
     # Distinct node ids can share a report key (the mangling loses "/" vs "."): compare per key.
     streamed_by_key: dict[tuple[str, str], TestOutcome] = {}
     for nodeid, streamed in records.tests.items():
@@ -180,14 +191,19 @@ def _tampering(evidence: RunEvidence) -> list[str]:
     for key, streamed in streamed_by_key.items():
         reported = report.outcomes.get(key)
         if reported is not streamed:
-            mismatched.append(f"{'::'.join(key)}: ran {streamed.value}, report says "
-                              f"{reported.value if reported else 'missing'}")
+            mismatched.append(
+                f"{'::'.join(key)}: ran {streamed.value}, report says "
+                f"{reported.value if reported else 'missing'}"
+            )
     if mismatched:
         found.append(f"the report disagrees with what ran: {_listed(mismatched)}")
     known = {junit_key(nodeid) for nodeid in records.tests}
     known |= {junit_key(str(r.get("nodeid", ""))) for r in records.records("collect_error")}
-    unknown = [f"{classname}::{name}" for classname, name in report.outcomes
-               if (classname, name) not in known]
+    unknown = [
+        f"{classname}::{name}"
+        for classname, name in report.outcomes
+        if (classname, name) not in known
+    ]
     if unknown:
         found.append(f"the report lists tests that never ran: {_listed(unknown)}")
     problem = consistency_problem(report.outcomes, evidence.exit_code)
@@ -200,29 +216,39 @@ def _untrusted_reason(evidence: RunEvidence) -> str:
     """Check 4 of the module docstring; "" when the evidence is complete."""
     records, report = evidence.records, evidence.report
     if not records.records("session_end") or not records.records("exit"):
-        return (f"the test process ended (exit status {evidence.exit_code}) before the runner "
-                f"finished: a crash, a forced exit or a kill; no result can be trusted")
+        return (
+            f"the test process ended (exit status {evidence.exit_code}) before the runner "
+            f"finished: a crash, a forced exit or a kill; no result can be trusted"
+        )
     if report.error:
         return report.error
     # Collection errors stop pytest before any test runs (canaries included): then nothing
     # passed, and the expected tests grade as missing.
     stopped_by_collection = not records.tests and bool(records.records("collect_error"))
     if evidence.canary_names is not None and not stopped_by_collection:
-        missing = [name for name in evidence.canary_names
-                   if _find_canary(records.tests, name) is None]
+        missing = [
+            name for name in evidence.canary_names if _find_canary(records.tests, name) is None
+        ]
         if missing:
-            return (f"the executor's canary tests did not run ({', '.join(missing)}); the "
-                    f"session stopped early")
+            return (
+                f"the executor's canary tests did not run ({', '.join(missing)}); the "
+                f"session stopped early"
+            )
     problem = consistency_problem(report.outcomes, evidence.exit_code)
     return problem
 
 
-def grade_run(fail_to_pass: Sequence[str], pass_to_pass: Sequence[str], evidence: RunEvidence,
-              reward_mode: RewardMode) -> Grade:
+def grade_run(
+    fail_to_pass: Sequence[str],
+    pass_to_pass: Sequence[str],
+    evidence: RunEvidence,
+    reward_mode: RewardMode,
+) -> Grade:
     """The verdict's grade (module docstring)."""
     records = evidence.records
-    notes = tuple(sorted({f"introspection: runtime {r.get('what')}"
-                          for r in records.records("note")}))
+    notes = tuple(
+        sorted({f"introspection: runtime {r.get('what')}" for r in records.records("note")})
+    )
 
     def untrusted(kind: FailureKind, detail: str) -> Grade:
         return ungraded(fail_to_pass, pass_to_pass, kind, detail, notes)
@@ -230,8 +256,11 @@ def grade_run(fail_to_pass: Sequence[str], pass_to_pass: Sequence[str], evidence
     if evidence.timed_out:
         return untrusted(FailureKind.TIMEOUT, "the test run was killed at the wall-clock limit")
     for setup in records.records("setup_error")[:1]:
-        kind = FailureKind.DISK_LIMIT if setup.get("kind") == "disk_limit" else \
-            FailureKind.REPORT_UNTRUSTED
+        kind = (
+            FailureKind.DISK_LIMIT
+            if setup.get("kind") == "disk_limit"
+            else FailureKind.REPORT_UNTRUSTED
+        )
         return untrusted(kind, f"the test run could not start: {setup.get('detail')}")
     tampering = _tampering(evidence)
     if tampering:
@@ -247,24 +276,40 @@ def grade_run(fail_to_pass: Sequence[str], pass_to_pass: Sequence[str], evidence
 
     graded = grade_outcomes(fail_to_pass, pass_to_pass, outcome, reward_mode, notes)
     if full and not graded.resolved:
-        return dataclasses.replace(graded, failure_kind=FailureKind.DISK_LIMIT,
-                                   detail=f"the worktree or /tmp filled its size cap; "
-                                          f"{graded.detail}")
+        return dataclasses.replace(
+            graded,
+            failure_kind=FailureKind.DISK_LIMIT,
+            detail=f"the worktree or /tmp filled its size cap; {graded.detail}",
+        )
     return graded
 
 
-def ungraded(fail_to_pass: Sequence[str], pass_to_pass: Sequence[str], kind: FailureKind,
-             detail: str, notes: tuple[str, ...] = ()) -> Grade:
+def ungraded(
+    fail_to_pass: Sequence[str],
+    pass_to_pass: Sequence[str],
+    kind: FailureKind,
+    detail: str,
+    notes: tuple[str, ...] = (),
+) -> Grade:
     """The grade of a run whose results cannot be used: every expected test MISSING."""
-    return Grade(resolved=False, reward=0.0,
-                 fail_to_pass={test_id: TestOutcome.MISSING for test_id in fail_to_pass},
-                 pass_to_pass={test_id: TestOutcome.MISSING for test_id in pass_to_pass},
-                 failure_kind=kind, detail=detail, notes=notes)
+    return Grade(
+        resolved=False,
+        reward=0.0,
+        fail_to_pass={test_id: TestOutcome.MISSING for test_id in fail_to_pass},
+        pass_to_pass={test_id: TestOutcome.MISSING for test_id in pass_to_pass},
+        failure_kind=kind,
+        detail=detail,
+        notes=notes,
+    )
 
 
-def grade_outcomes(fail_to_pass: Sequence[str], pass_to_pass: Sequence[str],
-                   outcome: Callable[[str], TestOutcome], reward_mode: RewardMode,
-                   notes: tuple[str, ...] = ()) -> Grade:
+def grade_outcomes(
+    fail_to_pass: Sequence[str],
+    pass_to_pass: Sequence[str],
+    outcome: Callable[[str], TestOutcome],
+    reward_mode: RewardMode,
+    notes: tuple[str, ...] = (),
+) -> Grade:
     """SWE-bench grading of trusted per-test outcomes: resolved when every FAIL_TO_PASS and
     PASS_TO_PASS test passed; the reward follows `reward_mode`."""
     f2p = {test_id: outcome(test_id) for test_id in fail_to_pass}
@@ -278,8 +323,14 @@ def grade_outcomes(fail_to_pass: Sequence[str], pass_to_pass: Sequence[str],
         reward = num_passed / num_expected if num_expected else 0.0
     if resolved:
         return Grade(True, reward, f2p, p2p, FailureKind.NONE, "", notes)
-    failing = [f"{test_id}: {o.value}" for test_id, o in [*f2p.items(), *p2p.items()]
-               if o is not TestOutcome.PASSED]
-    detail = f"not every expected test passed: {_listed(failing)}" if num_expected else \
-        "the task names no FAIL_TO_PASS or PASS_TO_PASS test"
+    failing = [
+        f"{test_id}: {o.value}"
+        for test_id, o in [*f2p.items(), *p2p.items()]
+        if o is not TestOutcome.PASSED
+    ]
+    detail = (
+        f"not every expected test passed: {_listed(failing)}"
+        if num_expected
+        else "the task names no FAIL_TO_PASS or PASS_TO_PASS test"
+    )
     return Grade(False, reward, f2p, p2p, FailureKind.TESTS_FAILED, detail, notes)

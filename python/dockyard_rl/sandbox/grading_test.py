@@ -15,20 +15,40 @@ from dockyard_rl.sandbox.task import FailureKind, RewardMode, TestOutcome
 NONCE = "dockyard-0123456789abcdef"
 CANARIES = ("test_c4n4ry0", "test_c4n4ry1")
 BASE = "pkg/tests/test_mix.py"
-RESULTS = {f"{BASE}::test_ok": "passed", f"{BASE}::test_bad": "failed",
-           f"{BASE}::test_skipped": "skipped", f"{BASE}::test_param[one two]": "passed",
-           f"{BASE}::TestBox::test_inner": "passed", f"{BASE}::test_teardown": "error"}
-_TAGS = {"failed": "<failure message='x'/>", "error": "<error message='x'/>",
-         "skipped": "<skipped message='x'/>", "passed": ""}
+RESULTS = {
+    f"{BASE}::test_ok": "passed",
+    f"{BASE}::test_bad": "failed",
+    f"{BASE}::test_skipped": "skipped",
+    f"{BASE}::test_param[one two]": "passed",
+    f"{BASE}::TestBox::test_inner": "passed",
+    f"{BASE}::test_teardown": "error",
+}
+_TAGS = {
+    "failed": "<failure message='x'/>",
+    "error": "<error message='x'/>",
+    "skipped": "<skipped message='x'/>",
+    "passed": "",
+}
 
 
 def _record(**fields) -> bytes:
     return (json.dumps(fields) + "\n").encode()
 
 
-def make_evidence(results=RESULTS, *, exit_code=1, canaries=True, suite=NONCE, report=None,
-                  records=(), end=True, exit_record=True, exit_record_code=None,
-                  timed_out=False, canary_outcomes=("passed", "failed")):
+def make_evidence(
+    results=RESULTS,
+    *,
+    exit_code=1,
+    canaries=True,
+    suite=NONCE,
+    report=None,
+    records=(),
+    end=True,
+    exit_record=True,
+    exit_record_code=None,
+    timed_out=False,
+    canary_outcomes=("passed", "failed"),
+):
     """Evidence of an honest run of `results` ({node id: outcome}), with overrides."""
     ran = dict(results)
     if canaries:
@@ -36,12 +56,20 @@ def make_evidence(results=RESULTS, *, exit_code=1, canaries=True, suite=NONCE, r
     stream = RecordStream(1 << 20)
     for nodeid, outcome in ran.items():
         if outcome == "error":
-            stream(_record(event="test", nodeid=nodeid, when="setup", outcome="failed",
-                           raised=True))
+            stream(
+                _record(event="test", nodeid=nodeid, when="setup", outcome="failed", raised=True)
+            )
             continue
         stream(_record(event="test", nodeid=nodeid, when="setup", outcome="passed"))
-        stream(_record(event="test", nodeid=nodeid, when="call", outcome=outcome,
-                       raised=outcome == "failed"))
+        stream(
+            _record(
+                event="test",
+                nodeid=nodeid,
+                when="call",
+                outcome=outcome,
+                raised=outcome == "failed",
+            )
+        )
         stream(_record(event="test", nodeid=nodeid, when="teardown", outcome="passed"))
     for extra in records:
         stream(extra)
@@ -49,13 +77,13 @@ def make_evidence(results=RESULTS, *, exit_code=1, canaries=True, suite=NONCE, r
         cases = "".join(
             f"<testcase classname={quoteattr(grading.junit_key(n)[0])} "
             f"name={quoteattr(grading.junit_key(n)[1])}>{_TAGS[o]}</testcase>"
-            for n, o in ran.items())
+            for n, o in ran.items()
+        )
         report = f'<testsuites><testsuite name="{suite}">{cases}</testsuite></testsuites>'
     data = report.encode()
     digest = hashlib.sha256(data).hexdigest()
     if end:
-        stream(_record(event="session_end", exitstatus=exit_code, report_sha256=digest,
-                       disk={}))
+        stream(_record(event="session_end", exitstatus=exit_code, report_sha256=digest, disk={}))
     if exit_record:
         code = exit_code if exit_record_code is None else exit_record_code
         stream(_record(event="exit", code=code, report_sha256=digest))
@@ -63,29 +91,47 @@ def make_evidence(results=RESULTS, *, exit_code=1, canaries=True, suite=NONCE, r
     junit = JUnitStream(1 << 20, 1000)
     junit(data)
     junit.finish()
-    return grading.RunEvidence(records=stream, report=junit, exit_code=exit_code,
-                               timed_out=timed_out, suite_name=NONCE,
-                               canary_names=CANARIES if canaries else None)
+    return grading.RunEvidence(
+        records=stream,
+        report=junit,
+        exit_code=exit_code,
+        timed_out=timed_out,
+        suite_name=NONCE,
+        canary_names=CANARIES if canaries else None,
+    )
 
 
-def grade(evidence, f2p=(f"{BASE}::test_ok",), p2p=(f"{BASE}::test_param[one two]",),
-          mode=RewardMode.BINARY):
+def grade(
+    evidence,
+    f2p=(f"{BASE}::test_ok",),
+    p2p=(f"{BASE}::test_param[one two]",),
+    mode=RewardMode.BINARY,
+):
     return grading.grade_run(list(f2p), list(p2p), evidence, mode)
 
 
 def test_honest_run_resolves_and_swe_bench_rule():
     graded = grade(make_evidence())
     assert graded.resolved and graded.reward == 1.0 and graded.failure_kind is FailureKind.NONE
-    for f2p in ([f"{BASE}::test_skipped"], [f"{BASE}::test_gone"], [f"{BASE}::test_bad"],
-                [f"{BASE}::test_teardown"]):
+    for f2p in (
+        [f"{BASE}::test_skipped"],
+        [f"{BASE}::test_gone"],
+        [f"{BASE}::test_bad"],
+        [f"{BASE}::test_teardown"],
+    ):
         graded = grade(make_evidence(), f2p=f2p)
         assert not graded.resolved and graded.failure_kind is FailureKind.TESTS_FAILED
         assert f2p[0] in graded.detail
-    graded = grade(make_evidence(), p2p=[f"{BASE}::test_bad", f"{BASE}::test_skipped"],
-                   mode=RewardMode.PASS_RATE)
+    graded = grade(
+        make_evidence(),
+        p2p=[f"{BASE}::test_bad", f"{BASE}::test_skipped"],
+        mode=RewardMode.PASS_RATE,
+    )
     assert graded.reward == pytest.approx(1 / 3)
-    assert graded.pass_to_pass == {f"{BASE}::test_bad": TestOutcome.FAILED,
-                                   f"{BASE}::test_skipped": TestOutcome.SKIPPED}
+    assert graded.pass_to_pass == {
+        f"{BASE}::test_bad": TestOutcome.FAILED,
+        f"{BASE}::test_skipped": TestOutcome.SKIPPED,
+    }
     assert graded.fail_to_pass[f"{BASE}::test_ok"] is TestOutcome.PASSED
     assert not grade(make_evidence(), f2p=(), p2p=()).resolved  # nothing was checked
 
@@ -96,28 +142,53 @@ def test_a_run_without_canaries_may_exit_0():
 
 
 ALL_PASSED = {n: "passed" for n in RESULTS}
-FORGED_XML = ('<testsuites><testsuite name="%s">' % NONCE + "".join(
-    f"<testcase classname={quoteattr(grading.junit_key(n)[0])} "
-    f"name={quoteattr(grading.junit_key(n)[1])}/>" for n in
-    [*RESULTS, f"::{CANARIES[0]}", f"::{CANARIES[1]}"]) + "</testsuite></testsuites>")
+FORGED_XML = (
+    f'<testsuites><testsuite name="{NONCE}">'
+    + "".join(
+        f"<testcase classname={quoteattr(grading.junit_key(n)[0])} "
+        f"name={quoteattr(grading.junit_key(n)[1])}/>"
+        for n in [*RESULTS, f"::{CANARIES[0]}", f"::{CANARIES[1]}"]
+    )
+    + "</testsuite></testsuites>"
+)
 
 
-@pytest.mark.parametrize("case, kwargs, expected", [
-    ("everything rewritten to passed, canary included",
-     dict(results=ALL_PASSED, canary_outcomes=("passed", "passed"), exit_code=0),
-     "canary"),
-    ("forced exit 0", dict(exit_code=0, exit_record_code=0), "exit code 0"),
-    ("exit record differs from the real exit", dict(exit_record_code=0), "reported exit code"),
-    ("report forged to all-passed", dict(report=FORGED_XML), "report disagrees"),
-    ("report suite name", dict(suite="pytest"), "nonce"),
-    ("a tamper record", dict(records=[_record(event="tamper", what="x")]), "runner: x"),
-    ("garbage on the stream", dict(records=[b"PASSED\n"]), "malformed"),
-    ("two end records", dict(records=[_record(event="exit", code=1, report_sha256="0")]),
-     "exit records"),
-    ("raised but passed", dict(records=[_record(event="test", nodeid=f"{BASE}::test_ok",
-                                                when="call", outcome="passed", raised=True)]),
-     "raised but were reported passed"),
-])
+@pytest.mark.parametrize(
+    "case, kwargs, expected",
+    [
+        (
+            "everything rewritten to passed, canary included",
+            dict(results=ALL_PASSED, canary_outcomes=("passed", "passed"), exit_code=0),
+            "canary",
+        ),
+        ("forced exit 0", dict(exit_code=0, exit_record_code=0), "exit code 0"),
+        ("exit record differs from the real exit", dict(exit_record_code=0), "reported exit code"),
+        ("report forged to all-passed", dict(report=FORGED_XML), "report disagrees"),
+        ("report suite name", dict(suite="pytest"), "nonce"),
+        ("a tamper record", dict(records=[_record(event="tamper", what="x")]), "runner: x"),
+        ("garbage on the stream", dict(records=[b"PASSED\n"]), "malformed"),
+        (
+            "two end records",
+            dict(records=[_record(event="exit", code=1, report_sha256="0")]),
+            "exit records",
+        ),
+        (
+            "raised but passed",
+            dict(
+                records=[
+                    _record(
+                        event="test",
+                        nodeid=f"{BASE}::test_ok",
+                        when="call",
+                        outcome="passed",
+                        raised=True,
+                    )
+                ]
+            ),
+            "raised but were reported passed",
+        ),
+    ],
+)
 def test_tampering(case, kwargs, expected):
     graded = grade(make_evidence(**kwargs))
     assert not graded.resolved and graded.reward == 0.0, case
@@ -134,23 +205,36 @@ def test_report_changed_after_pytest_wrote_it():
 
 
 def test_report_lists_a_test_that_never_ran():
-    extra = FORGED_XML.replace("</testsuite>", '<testcase classname="x" name="ghost"/>'
-                                               "</testsuite>")
+    extra = FORGED_XML.replace("</testsuite>", '<testcase classname="x" name="ghost"/></testsuite>')
     evidence = make_evidence(results=ALL_PASSED, report=extra)
     graded = grade(evidence)
     assert graded.failure_kind is FailureKind.TAMPERING and "never ran" in graded.detail
 
 
-@pytest.mark.parametrize("kwargs, expected_kind, expected", [
-    (dict(end=False, exit_record=False, exit_code=0), FailureKind.REPORT_UNTRUSTED,
-     "before the runner finished"),
-    (dict(report="<testsuites>"), FailureKind.REPORT_UNTRUSTED, "not well-formed"),
-    (dict(timed_out=True), FailureKind.TIMEOUT, "wall-clock"),
-    (dict(records=[_record(event="setup_error", kind="disk_limit", detail="copying: ENOSPC")]),
-     FailureKind.DISK_LIMIT, "ENOSPC"),
-    (dict(records=[_record(event="setup_error", kind="copy_failed", detail="boom")]),
-     FailureKind.REPORT_UNTRUSTED, "boom"),
-])
+@pytest.mark.parametrize(
+    "kwargs, expected_kind, expected",
+    [
+        (
+            dict(end=False, exit_record=False, exit_code=0),
+            FailureKind.REPORT_UNTRUSTED,
+            "before the runner finished",
+        ),
+        (dict(report="<testsuites>"), FailureKind.REPORT_UNTRUSTED, "not well-formed"),
+        (dict(timed_out=True), FailureKind.TIMEOUT, "wall-clock"),
+        (
+            dict(
+                records=[_record(event="setup_error", kind="disk_limit", detail="copying: ENOSPC")]
+            ),
+            FailureKind.DISK_LIMIT,
+            "ENOSPC",
+        ),
+        (
+            dict(records=[_record(event="setup_error", kind="copy_failed", detail="boom")]),
+            FailureKind.REPORT_UNTRUSTED,
+            "boom",
+        ),
+    ],
+)
 def test_untrusted_runs(kwargs, expected_kind, expected):
     graded = grade(make_evidence(**kwargs))
     assert not graded.resolved and graded.failure_kind is expected_kind, graded.detail
@@ -161,8 +245,9 @@ def test_canaries_that_did_not_run_are_untrusted():
     evidence = make_evidence()
     for nodeid in [n for n in evidence.records.tests if CANARIES[0] in n]:
         del evidence.records.tests[nodeid]
-    evidence.report.outcomes = {k: v for k, v in evidence.report.outcomes.items()
-                                if CANARIES[0] not in k[1]}
+    evidence.report.outcomes = {
+        k: v for k, v in evidence.report.outcomes.items() if CANARIES[0] not in k[1]
+    }
     graded = grade(evidence)
     assert graded.failure_kind is FailureKind.REPORT_UNTRUSTED and "canary" in graded.detail
 
@@ -170,7 +255,8 @@ def test_canaries_that_did_not_run_are_untrusted():
 def test_full_disk_labels_a_failing_run():
     evidence = make_evidence()
     evidence.records.by_kind["session_end"][0]["disk"] = {
-        "worktree_dir": {"free": 0, "total": 1 << 30}}
+        "worktree_dir": {"free": 0, "total": 1 << 30}
+    }
     assert grade(evidence, f2p=[f"{BASE}::test_bad"]).failure_kind is FailureKind.DISK_LIMIT
     assert grade(evidence).resolved  # a full disk does not matter when everything passed
 
@@ -180,21 +266,30 @@ def test_runtime_notes_become_flags():
     assert graded.resolved and graded.notes == ("introspection: runtime gc.get_referrers",)
 
 
-@pytest.mark.parametrize("node_id, key", [
-    ("tests/test_x.py::test_a", ("tests.test_x", "test_a")),
-    ("tests/test_x.py::TestC::test_a[a b-1]", ("tests.test_x.TestC", "test_a[a b-1]")),
-    ("test_x.py::test_a[x::y]", ("test_x", "test_a[x::y]")),
-])
+@pytest.mark.parametrize(
+    "node_id, key",
+    [
+        ("tests/test_x.py::test_a", ("tests.test_x", "test_a")),
+        ("tests/test_x.py::TestC::test_a[a b-1]", ("tests.test_x.TestC", "test_a[a b-1]")),
+        ("test_x.py::test_a[x::y]", ("test_x", "test_a[x::y]")),
+    ],
+)
 def test_junit_key(node_id, key):
     assert grading.junit_key(node_id) == key
 
 
 def test_collection_errors_before_any_test_grade_as_failed_not_untrusted():
-    evidence = make_evidence(results={}, canaries=False, exit_code=2, records=[
-        _record(event="collect_error", nodeid=f"{BASE}")], report=(
+    evidence = make_evidence(
+        results={},
+        canaries=False,
+        exit_code=2,
+        records=[_record(event="collect_error", nodeid=f"{BASE}")],
+        report=(
             f'<testsuites><testsuite name="{NONCE}"><testcase classname="" '
             f'name="pkg.tests.test_mix"><error message="x"/></testcase></testsuite>'
-            f'</testsuites>'))
+            f"</testsuites>"
+        ),
+    )
     evidence.canary_names = CANARIES
     graded = grade(evidence)
     assert graded.failure_kind is FailureKind.TESTS_FAILED, graded.detail

@@ -60,31 +60,37 @@ def check_scorable(spec: TaskSpec) -> None:
 
     Raises TaskValidationError naming the field. A local repo path must exist on this machine.
     """
-    for field, check in (("repo", lambda: repo_cache.normalize_repo(spec.repo)),
-                         ("base_commit", lambda: repo_cache.validate_commit(spec.base_commit)),
-                         ("test_patch", lambda: pipeline.test_files_of(spec.test_patch)),
-                         ("test_command", lambda: runner.pytest_arguments(spec.test_command)),
-                         ("test_harness", lambda: spec.test_harness and
-                          swebench_harness.parse_harness(spec.test_harness))):
+    for field, check in (
+        ("repo", lambda: repo_cache.normalize_repo(spec.repo)),
+        ("base_commit", lambda: repo_cache.validate_commit(spec.base_commit)),
+        ("test_patch", lambda: pipeline.test_files_of(spec.test_patch)),
+        ("test_command", lambda: runner.pytest_arguments(spec.test_command)),
+        (
+            "test_harness",
+            lambda: spec.test_harness and swebench_harness.parse_harness(spec.test_harness),
+        ),
+    ):
         try:
             check()
         except ValueError as error:
             message = str(error)
             if message.startswith(f"{field}: "):
-                message = message[len(field) + 2:]
+                message = message[len(field) + 2 :]
             raise TaskValidationError(field, message) from None
 
 
-def _error(status: int, message: str, field: str | None = None,
-           headers: dict[str, str] | None = None) -> web.Response:
+def _error(
+    status: int, message: str, field: str | None = None, headers: dict[str, str] | None = None
+) -> web.Response:
     return web.json_response({"error": message, "field": field}, status=status, headers=headers)
 
 
 def create_app(executor: TaskExecutor) -> web.Application:
     """The aiohttp application serving the routes in the module docstring."""
     config = executor.config
-    expected_auth = (f"Bearer {config.auth_token}".encode()
-                     if config.auth_token is not None else None)
+    expected_auth = (
+        f"Bearer {config.auth_token}".encode() if config.auth_token is not None else None
+    )
     max_body_bytes = 2 * config.max_patch_bytes + _BODY_OVERHEAD_BYTES
 
     def unauthorized(request: web.Request) -> web.Response | None:
@@ -94,8 +100,12 @@ def create_app(executor: TaskExecutor) -> web.Application:
         if hmac.compare_digest(given, expected_auth):
             return None
         executor.note_rejected("unauthorized")
-        return _error(401, "missing or wrong bearer token: send `Authorization: Bearer <token>`",
-                      "Authorization", headers={"WWW-Authenticate": 'Bearer realm="executor"'})
+        return _error(
+            401,
+            "missing or wrong bearer token: send `Authorization: Bearer <token>`",
+            "Authorization",
+            headers={"WWW-Authenticate": 'Bearer realm="executor"'},
+        )
 
     async def submit(request: web.Request) -> web.Response:
         if (response := unauthorized(request)) is not None:
@@ -104,8 +114,12 @@ def create_app(executor: TaskExecutor) -> web.Application:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             executor.note_rejected("too_large")
-            return _error(413, f"request body exceeds {max_body_bytes} bytes "
-                               f"(max_patch_bytes = {config.max_patch_bytes} per patch)", "body")
+            return _error(
+                413,
+                f"request body exceeds {max_body_bytes} bytes "
+                f"(max_patch_bytes = {config.max_patch_bytes} per patch)",
+                "body",
+            )
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -120,8 +134,11 @@ def create_app(executor: TaskExecutor) -> web.Application:
             num_bytes = len(getattr(spec, name).encode())
             if num_bytes > config.max_patch_bytes:
                 executor.note_rejected("too_large")
-                return _error(413, f"{name}: {num_bytes} bytes exceeds max_patch_bytes = "
-                                   f"{config.max_patch_bytes}", name)
+                return _error(
+                    413,
+                    f"{name}: {num_bytes} bytes exceeds max_patch_bytes = {config.max_patch_bytes}",
+                    name,
+                )
         try:
             # A thread: parsing a large test_patch and resolving a local path take a while.
             await asyncio.to_thread(check_scorable, spec)
@@ -132,9 +149,12 @@ def create_app(executor: TaskExecutor) -> web.Application:
             spec = dataclasses.replace(spec, task_id=uuid.uuid4().hex)
         elif not _TASK_ID_RE.match(spec.task_id):
             executor.note_rejected("invalid")
-            return _error(400, f"task_id: must match {_TASK_ID_RE.pattern} (letters, digits, "
-                               f"'.', '_', '-'; at most 128), got {spec.task_id[:200]!r}",
-                          "task_id")
+            return _error(
+                400,
+                f"task_id: must match {_TASK_ID_RE.pattern} (letters, digits, "
+                f"'.', '_', '-'; at most 128), got {spec.task_id[:200]!r}",
+                "task_id",
+            )
         try:
             # A thread: the store commits with fsync, which must not stall the event loop.
             record, created = await asyncio.to_thread(executor.submit, spec)
@@ -143,12 +163,18 @@ def create_app(executor: TaskExecutor) -> web.Application:
             return _error(409, str(error), "task_id")
         except QueueFullError as error:
             executor.note_rejected("queue_full")
-            return _error(429, f"queue full: {error}; retry later", None,
-                          headers={"Retry-After": str(config.retry_after_s)})
+            return _error(
+                429,
+                f"queue full: {error}; retry later",
+                None,
+                headers={"Retry-After": str(config.retry_after_s)},
+            )
         except ShuttingDownError as error:
             return _error(503, str(error), None, headers={"Retry-After": str(config.retry_after_s)})
-        return web.json_response({"task_id": record.task_id, "status": record.status.value},
-                                 status=202 if created else 200)
+        return web.json_response(
+            {"task_id": record.task_id, "status": record.status.value},
+            status=202 if created else 200,
+        )
 
     async def get_task(request: web.Request) -> web.Response:
         if (response := unauthorized(request)) is not None:
@@ -163,10 +189,15 @@ def create_app(executor: TaskExecutor) -> web.Application:
         counts = await asyncio.to_thread(executor.counts)
         num_alive = executor.num_workers_alive
         return web.json_response(
-            {"status": "ok" if num_alive > 0 else "no_workers",
-             "workers": config.num_workers, "workers_alive": num_alive,
-             "queue_depth": counts[TaskStatus.QUEUED], "running": counts[TaskStatus.RUNNING]},
-            status=200 if num_alive > 0 else 503)
+            {
+                "status": "ok" if num_alive > 0 else "no_workers",
+                "workers": config.num_workers,
+                "workers_alive": num_alive,
+                "queue_depth": counts[TaskStatus.QUEUED],
+                "running": counts[TaskStatus.RUNNING],
+            },
+            status=200 if num_alive > 0 else 503,
+        )
 
     async def metrics(request: web.Request) -> web.Response:
         body = await asyncio.to_thread(executor.metrics_exposition)
@@ -174,10 +205,12 @@ def create_app(executor: TaskExecutor) -> web.Application:
         return web.Response(body=body, headers={"Content-Type": EXPOSITION_CONTENT_TYPE})
 
     app = web.Application(client_max_size=max_body_bytes)
-    app.add_routes([
-        web.post("/task/submit", submit),
-        web.get("/task/{task_id}", get_task),
-        web.get("/healthz", healthz),
-        web.get("/metrics", metrics),
-    ])
+    app.add_routes(
+        [
+            web.post("/task/submit", submit),
+            web.get("/task/{task_id}", get_task),
+            web.get("/healthz", healthz),
+            web.get("/metrics", metrics),
+        ]
+    )
     return app

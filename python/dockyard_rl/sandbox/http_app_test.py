@@ -17,8 +17,14 @@ from aiohttp import web
 from dockyard_rl.sandbox.http_app import create_app
 from dockyard_rl.sandbox.task import TaskStatus
 from dockyard_rl.sandbox.task_executor import TaskExecutor
-from dockyard_rl.sandbox.testing_executor import (body, make_config, score, serve_and, verdict_for,
-                                                  wait_done)
+from dockyard_rl.sandbox.testing_executor import (
+    body,
+    make_config,
+    score,
+    serve_and,
+    verdict_for,
+    wait_done,
+)
 
 TOKEN = "s3cret-token-0123456789"
 
@@ -76,24 +82,28 @@ def with_changes(**changes):
     return json.dumps(data).encode()
 
 
-@pytest.mark.parametrize("payload, field", [
-    (b"{not json", "body"),
-    (b"[1, 2]", "body"),
-    (b'{"instance_id": "x"}', "repo"),
-    (with_changes(repo=None), "repo"),
-    (with_changes(repo="ssh://git@example.com/x.git"), "repo"),  # a scheme the pipeline refuses
-    (with_changes(repo="/no/such/repository"), "repo"),
-    (with_changes(base_commit="HEAD~1"), "base_commit"),
-    (with_changes(test_patch="not a diff at all"), "test_patch"),
-    (with_changes(FAIL_TO_PASS="not a json list"), "FAIL_TO_PASS"),
-    (with_changes(task_id="../../etc/passwd"), "task_id"),
-    (with_changes(reward_mode="best_effort"), "reward_mode"),
-    (with_changes(timeout_s=-1), "timeout_s"),
-])
+@pytest.mark.parametrize(
+    "payload, field",
+    [
+        (b"{not json", "body"),
+        (b"[1, 2]", "body"),
+        (b'{"instance_id": "x"}', "repo"),
+        (with_changes(repo=None), "repo"),
+        (with_changes(repo="ssh://git@example.com/x.git"), "repo"),  # a scheme the pipeline refuses
+        (with_changes(repo="/no/such/repository"), "repo"),
+        (with_changes(base_commit="HEAD~1"), "base_commit"),
+        (with_changes(test_patch="not a diff at all"), "test_patch"),
+        (with_changes(FAIL_TO_PASS="not a json list"), "FAIL_TO_PASS"),
+        (with_changes(task_id="../../etc/passwd"), "task_id"),
+        (with_changes(reward_mode="best_effort"), "reward_mode"),
+        (with_changes(timeout_s=-1), "timeout_s"),
+    ],
+)
 def test_malformed_submissions_are_400_naming_the_field(tmp_path, payload, field):
     async def scenario(http, server):
-        async with http.post(f"{server.url}/task/submit", data=payload,
-                             headers={"Content-Type": "application/json"}) as response:
+        async with http.post(
+            f"{server.url}/task/submit", data=payload, headers={"Content-Type": "application/json"}
+        ) as response:
             return response.status, await response.json(), server.executor.all_records()
 
     status, data, records = serve_and(make_config(tmp_path), score, scenario)
@@ -107,8 +117,11 @@ def test_oversized_patch_is_413(tmp_path):
 
     async def scenario(http, server):
         results = []
-        for data in (body("big", patch="+" * 1001), body("big-test", test_patch="+" * 1001),
-                     body("ok", patch="+" * 1000)):
+        for data in (
+            body("big", patch="+" * 1001),
+            body("big-test", test_patch="+" * 1001),
+            body("ok", patch="+" * 1000),
+        ):
             async with http.post(f"{server.url}/task/submit", json=data) as response:
                 results.append((response.status, await response.json()))
         # A body beyond twice the patch limit plus overhead is refused before parsing.
@@ -170,11 +183,15 @@ def test_bearer_token(tmp_path):
 
     async def scenario(http, server):
         results = {}
-        for name, headers in (("missing", {}), ("wrong", {"Authorization": "Bearer nope"}),
-                              ("scheme", {"Authorization": TOKEN}),
-                              ("right", {"Authorization": f"Bearer {TOKEN}"})):
-            async with http.post(f"{server.url}/task/submit", json=body(f"auth-{name}"),
-                                 headers=headers) as response:
+        for name, headers in (
+            ("missing", {}),
+            ("wrong", {"Authorization": "Bearer nope"}),
+            ("scheme", {"Authorization": TOKEN}),
+            ("right", {"Authorization": f"Bearer {TOKEN}"}),
+        ):
+            async with http.post(
+                f"{server.url}/task/submit", json=body(f"auth-{name}"), headers=headers
+            ) as response:
                 results[name] = (response.status, response.headers.get("WWW-Authenticate"))
             async with http.get(f"{server.url}/task/auth-right", headers=headers) as response:
                 results[f"get-{name}"] = response.status

@@ -52,8 +52,10 @@ from dockyard_rl.sandbox import cleanup
 
 logger = logging.getLogger(__name__)
 
-_MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json",
-                   "application/vnd.docker.distribution.manifest.v2+json")
+_MANIFEST_TYPES = (
+    "application/vnd.oci.image.manifest.v1+json",
+    "application/vnd.docker.distribution.manifest.v2+json",
+)
 _REF_NAME = "org.opencontainers.image.ref.name"
 _TOOL_TIMEOUT_S = 3600.0  # copying or unpacking a multi-gigabyte image
 
@@ -71,8 +73,8 @@ class ImageReference:
     """A parsed image reference: `transport` is oci-archive, oci or docker."""
 
     transport: str
-    location: str     # the archive or layout path, or the registry name
-    tag: str | None   # the layout's ref name (None: its only manifest)
+    location: str  # the archive or layout path, or the registry name
+    tag: str | None  # the layout's ref name (None: its only manifest)
 
     def skopeo_source(self) -> str:
         if self.transport == "docker":
@@ -86,20 +88,23 @@ def parse_reference(reference: str) -> ImageReference:
         raise ImageError("image: must be a non-empty image reference")
     for transport in ("oci-archive", "oci"):
         if reference.startswith(transport + ":"):
-            path, _, tag = reference[len(transport) + 1:].partition(":")
+            path, _, tag = reference[len(transport) + 1 :].partition(":")
             if not os.path.isabs(path):
-                raise ImageError(f"image: {reference!r}: the path of an {transport}: reference "
-                                 f"must be absolute")
+                raise ImageError(
+                    f"image: {reference!r}: the path of an {transport}: reference must be absolute"
+                )
             return ImageReference(transport, path, tag or None)
     if reference.startswith("docker://"):
-        return ImageReference("docker", reference[len("docker://"):], None)
+        return ImageReference("docker", reference[len("docker://") :], None)
     if os.path.isabs(reference):
         if os.path.isdir(reference):
             return ImageReference("oci", reference, None)
         return ImageReference("oci-archive", reference, None)
-    raise ImageError(f"image: {reference!r} is not an image reference: use oci-archive:/PATH, "
-                     f"oci:/DIR, an absolute path to an OCI archive or layout, or "
-                     f"docker://NAME:TAG for a registry")
+    raise ImageError(
+        f"image: {reference!r} is not an image reference: use oci-archive:/PATH, "
+        f"oci:/DIR, an absolute path to an OCI archive or layout, or "
+        f"docker://NAME:TAG for a registry"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,9 +131,11 @@ def _pick_manifest(index: dict, ref: ImageReference) -> str:
         manifests = [m for m in manifests if m.get("annotations", {}).get(_REF_NAME) == ref.tag]
     if len(manifests) != 1:
         names = [m.get("annotations", {}).get(_REF_NAME) for m in index.get("manifests", [])]
-        raise ImageError(f"image: {ref.location} has {len(manifests)} image manifests "
-                         f"matching {ref.tag or 'no tag'} (tags: {names}); name one as "
-                         f"{ref.transport}:{ref.location}:TAG")
+        raise ImageError(
+            f"image: {ref.location} has {len(manifests)} image manifests "
+            f"matching {ref.tag or 'no tag'} (tags: {names}); name one as "
+            f"{ref.transport}:{ref.location}:TAG"
+        )
     digest = manifests[0].get("digest", "")
     if not digest.startswith("sha256:") or len(digest) != 71:
         raise ImageError(f"image: {ref.location}: manifest digest {digest!r} is not sha256")
@@ -143,26 +150,45 @@ def _read_index(ref: ImageReference) -> dict:
             member = archive.getmember("index.json")
             return json.loads(archive.extractfile(member).read())
     except (OSError, KeyError, tarfile.TarError, json.JSONDecodeError, AttributeError) as error:
-        raise ImageError(f"image: cannot read the OCI index of {ref.location}: "
-                         f"{type(error).__name__}: {error}") from None
+        raise ImageError(
+            f"image: cannot read the OCI index of {ref.location}: {type(error).__name__}: {error}"
+        ) from None
 
 
 def _run_tool(argv: list[str], what: str, ref: ImageReference) -> str:
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=_TOOL_TIMEOUT_S,
-                              stdin=subprocess.DEVNULL, check=False)
+        done = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=_TOOL_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
     except FileNotFoundError:
-        raise ImageUnavailableError(f"{argv[0]} is not installed; the executor needs skopeo and "
-                                    f"umoci for tasks with an image") from None
+        raise ImageUnavailableError(
+            f"{argv[0]} is not installed; the executor needs skopeo and "
+            f"umoci for tasks with an image"
+        ) from None
     except subprocess.TimeoutExpired:
-        raise ImageUnavailableError(f"{what} of {ref.skopeo_source()} took longer than "
-                                    f"{_TOOL_TIMEOUT_S:.0f} s") from None
+        raise ImageUnavailableError(
+            f"{what} of {ref.skopeo_source()} took longer than {_TOOL_TIMEOUT_S:.0f} s"
+        ) from None
     if done.returncode != 0:
         message = (done.stderr or done.stdout).strip()[-2000:]
         # A registry that did not answer is transient; anything about the image itself is not.
-        if ref.transport == "docker" and any(s in message for s in (
-                "connection refused", "no such host", "i/o timeout", "TLS handshake timeout",
-                "503 Service Unavailable", "502 Bad Gateway", "too many requests")):
+        if ref.transport == "docker" and any(
+            s in message
+            for s in (
+                "connection refused",
+                "no such host",
+                "i/o timeout",
+                "TLS handshake timeout",
+                "503 Service Unavailable",
+                "502 Bad Gateway",
+                "too many requests",
+            )
+        ):
             raise ImageUnavailableError(f"{what} of {ref.skopeo_source()} failed: {message}")
         raise ImageError(f"image: {what} of {ref.skopeo_source()} failed: {message}")
     return done.stdout
@@ -185,10 +211,10 @@ class ImageCache:
         self.max_bytes = max_bytes
         self._images_dir = self.cache_dir / "images"
         self._staging_dir = self.cache_dir / "staging"
-        self._lock = threading.Lock()             # guards everything below
+        self._lock = threading.Lock()  # guards everything below
         self._entries: dict[str, _Entry] = {}
         self._unpacking: dict[str, threading.Lock] = {}
-        self._digests: dict[tuple, str] = {}      # (path, size, mtime) -> digest of a local source
+        self._digests: dict[tuple, str] = {}  # (path, size, mtime) -> digest of a local source
         self.hits = 0
         self.misses = 0
         self.evictions = 0
@@ -202,9 +228,13 @@ class ImageCache:
     def stats(self) -> dict[str, float]:
         """Figures for the executor's /metrics (keys: hits, misses, evictions, bytes, images)."""
         with self._lock:
-            return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions,
-                    "bytes": sum(e.size_bytes for e in self._entries.values()),
-                    "images": len(self._entries)}
+            return {
+                "hits": self.hits,
+                "misses": self.misses,
+                "evictions": self.evictions,
+                "bytes": sum(e.size_bytes for e in self._entries.values()),
+                "images": len(self._entries),
+            }
 
     @contextlib.contextmanager
     def lease(self, reference: str) -> Iterator[Image]:
@@ -226,16 +256,24 @@ class ImageCache:
 
     def _source_digest(self, ref: ImageReference) -> str:
         if ref.transport == "docker":
-            out = _run_tool(["skopeo", "inspect", "--format", "{{.Digest}}",
-                             ref.skopeo_source()], "inspect", ref)
+            out = _run_tool(
+                ["skopeo", "inspect", "--format", "{{.Digest}}", ref.skopeo_source()],
+                "inspect",
+                ref,
+            )
             return out.strip()
         try:
             stat = os.stat(ref.location)
         except OSError as error:
             raise ImageError(f"image: {ref.location}: {error.strerror}") from None
         marker = os.path.join(ref.location, "index.json") if ref.transport == "oci" else None
-        key = (ref.location, ref.tag, stat.st_size, stat.st_mtime_ns,
-               os.stat(marker).st_mtime_ns if marker and os.path.exists(marker) else None)
+        key = (
+            ref.location,
+            ref.tag,
+            stat.st_size,
+            stat.st_mtime_ns,
+            os.stat(marker).st_mtime_ns if marker and os.path.exists(marker) else None,
+        )
         with self._lock:
             if key in self._digests:
                 return self._digests[key]
@@ -269,34 +307,51 @@ class ImageCache:
         staging.mkdir()
         try:
             layout = staging / "layout"
-            _run_tool(["skopeo", "copy", "--quiet", ref.skopeo_source(), f"oci:{layout}:image"],
-                      "copy", ref)
+            _run_tool(
+                ["skopeo", "copy", "--quiet", ref.skopeo_source(), f"oci:{layout}:image"],
+                "copy",
+                ref,
+            )
             config = self._config(layout, ref)
-            _run_tool(["umoci", "raw", "unpack", "--image", f"{layout}:image",
-                       str(staging / "rootfs")], "unpack", ref)
+            _run_tool(
+                ["umoci", "raw", "unpack", "--image", f"{layout}:image", str(staging / "rootfs")],
+                "unpack",
+                ref,
+            )
             shutil.rmtree(layout)
             env = dict(item.partition("=")[::2] for item in config.get("Env") or [])
-            meta = {"digest": digest, "source": ref.skopeo_source(), "env": env,
-                    "working_dir": config.get("WorkingDir") or "/",
-                    "size_bytes": _tree_bytes(staging / "rootfs")}
+            meta = {
+                "digest": digest,
+                "source": ref.skopeo_source(),
+                "env": env,
+                "working_dir": config.get("WorkingDir") or "/",
+                "size_bytes": _tree_bytes(staging / "rootfs"),
+            }
             (staging / "image.json").write_text(json.dumps(meta, indent=1))
             final = self._images_dir / digest.split(":", 1)[1]
             if final.exists():  # left by a process that died between rename and bookkeeping
                 cleanup.remove_tree(final, trash_dir=self.cache_dir / "trash")
             os.rename(staging, final)
         except OSError as error:
-            raise ImageUnavailableError(f"unpacking {ref.skopeo_source()} failed on the "
-                                        f"executor's disk: {error}") from None
+            raise ImageUnavailableError(
+                f"unpacking {ref.skopeo_source()} failed on the executor's disk: {error}"
+            ) from None
         finally:
             if staging.exists():
                 cleanup.remove_tree(staging, trash_dir=self.cache_dir / "trash")
-        logger.info("image %s (%s): unpacked %.0f MB in %.1f s", ref.skopeo_source(), digest[:19],
-                    meta["size_bytes"] / 1e6, time.monotonic() - started)
+        logger.info(
+            "image %s (%s): unpacked %.0f MB in %.1f s",
+            ref.skopeo_source(),
+            digest[:19],
+            meta["size_bytes"] / 1e6,
+            time.monotonic() - started,
+        )
         return self._entry_from(final, meta)
 
     @staticmethod
     def _config(layout: pathlib.Path, ref: ImageReference) -> dict:
         """The image config's `config` object (Env, WorkingDir, ...) from a copied layout."""
+
         def blob(digest: str) -> dict:
             return json.loads((layout / "blobs" / "sha256" / digest.split(":", 1)[1]).read_bytes())
 
@@ -305,15 +360,24 @@ class ImageCache:
             manifest = blob(index["manifests"][0]["digest"])
             return blob(manifest["config"]["digest"]).get("config") or {}
         except (KeyError, IndexError, TypeError, ValueError) as error:
-            raise ImageError(f"image: {ref.skopeo_source()}: unreadable manifest or config: "
-                             f"{type(error).__name__}: {error}") from None
+            raise ImageError(
+                f"image: {ref.skopeo_source()}: unreadable manifest or config: "
+                f"{type(error).__name__}: {error}"
+            ) from None
 
     @staticmethod
     def _entry_from(folder: pathlib.Path, meta: dict) -> _Entry:
-        image = Image(digest=meta["digest"], rootfs=folder / "rootfs", env=dict(meta["env"]),
-                      working_dir=meta["working_dir"])
-        return _Entry(image=image, size_bytes=int(meta["size_bytes"]),
-                      last_used=(folder / "image.json").stat().st_mtime)
+        image = Image(
+            digest=meta["digest"],
+            rootfs=folder / "rootfs",
+            env=dict(meta["env"]),
+            working_dir=meta["working_dir"],
+        )
+        return _Entry(
+            image=image,
+            size_bytes=int(meta["size_bytes"]),
+            last_used=(folder / "image.json").stat().st_mtime,
+        )
 
     def _load_entry(self, folder: pathlib.Path) -> None:
         try:

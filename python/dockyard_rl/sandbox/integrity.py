@@ -37,9 +37,19 @@ import unidiff
 
 UNPARSEABLE = "<unparseable patch>"
 
-_CONFIG_BASENAMES = frozenset({
-    "conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml", "tox.ini",
-    "setup.cfg", "sitecustomize.py", "usercustomize.py"})
+_CONFIG_BASENAMES = frozenset(
+    {
+        "conftest.py",
+        "pytest.ini",
+        ".pytest.ini",
+        "pytest.toml",
+        ".pytest.toml",
+        "tox.ini",
+        "setup.cfg",
+        "sitecustomize.py",
+        "usercustomize.py",
+    }
+)
 _SYMLINK_MODE = "120000"
 
 # Header lines that name a file, in any of the formats git apply or GNU patch read.
@@ -88,8 +98,8 @@ def unquote_c_style(quoted: str) -> str:
         if escape in _C_ESCAPES:
             out.append(_C_ESCAPES[escape])
             i += 2
-        elif _OCTAL_BYTE.fullmatch(body[i + 1:i + 4]):
-            out.append(int(body[i + 1:i + 4], 8))
+        elif _OCTAL_BYTE.fullmatch(body[i + 1 : i + 4]):
+            out.append(int(body[i + 1 : i + 4], 8))
             i += 4
         else:
             raise ValueError(f"malformed quoted path {quoted!r}: unknown escape \\{escape}")
@@ -150,12 +160,15 @@ def touched_paths(patch: str) -> tuple[set[str], set[str], bool]:
     # with spaces: "diff --git a/my link b/my link"), by the equal-halves reading git itself
     # uses, and by the "+++" / "rename to" line that follows.
     current: str | None = None
-    pending = False   # a symlink mode seen, its name not known yet
+    pending = False  # a symlink mode seen, its name not known yet
     for line in patch.splitlines():
         if line.startswith("diff --git "):
             match = _HEADER_RES[0].match(line)
-            current = (normalize_path(match.group("b")) if match
-                       else _equal_halves_name(line[len("diff --git "):]))
+            current = (
+                normalize_path(match.group("b"))
+                if match
+                else _equal_halves_name(line[len("diff --git ") :])
+            )
             pending = False
         elif re.match(rf"^(?:new file mode|new mode) {_SYMLINK_MODE}\s*$", line):
             if current:
@@ -171,19 +184,20 @@ def touched_paths(patch: str) -> tuple[set[str], set[str], bool]:
 
 
 def _equal_halves_name(rest: str) -> str | None:
-    """"a/x y b/x y" -> "x y": git's reading of an unquoted header whose names contain spaces
+    """ "a/x y b/x y" -> "x y": git's reading of an unquoted header whose names contain spaces
     (both sides name the same file); None when no split makes the halves equal."""
     for index, char in enumerate(rest):
         if char == " ":
-            old, new = rest[:index], rest[index + 1:].rstrip()
+            old, new = rest[:index], rest[index + 1 :].rstrip()
             old_name, new_name = normalize_path(old), normalize_path(new)
             if old_name and old_name == new_name:
                 return old_name
     return None
 
 
-def _pyproject_touches_pytest(patch: str, path: str,
-                              read_base_file: Callable[[str], str | None] | None) -> bool:
+def _pyproject_touches_pytest(
+    patch: str, path: str, read_base_file: Callable[[str], str | None] | None
+) -> bool:
     try:
         patch_set = unidiff.PatchSet(patch)
     except (unidiff.UnidiffParseError, UnicodeError, ValueError, IndexError):
@@ -216,8 +230,11 @@ def _pyproject_touches_pytest(patch: str, path: str,
     return False
 
 
-def check_integrity(patch: str, protected_paths: Iterable[str],
-                    read_base_file: Callable[[str], str | None] | None = None) -> tuple[str, ...]:
+def check_integrity(
+    patch: str,
+    protected_paths: Iterable[str],
+    read_base_file: Callable[[str], str | None] | None = None,
+) -> tuple[str, ...]:
     """The sorted paths of `patch` that violate integrity (module docstring); () when clean.
 
     `protected_paths`: the files of the gold test_patch. `read_base_file(path)`: the file's text
@@ -233,12 +250,18 @@ def check_integrity(patch: str, protected_paths: Iterable[str],
     for name in names:
         parts = name.split("/")
         basename = parts[-1].lower()
-        if (name in protected or basename in _CONFIG_BASENAMES or basename.endswith(".pth")
-                or name.startswith("/") or ".." in parts
-                or any(part.lower() == ".git" for part in parts)):
+        if (
+            name in protected
+            or basename in _CONFIG_BASENAMES
+            or basename.endswith(".pth")
+            or name.startswith("/")
+            or ".." in parts
+            or any(part.lower() == ".git" for part in parts)
+        ):
             violations.add(name)
-        elif basename == "pyproject.toml" and _pyproject_touches_pytest(patch, name,
-                                                                         read_base_file):
+        elif basename == "pyproject.toml" and _pyproject_touches_pytest(
+            patch, name, read_base_file
+        ):
             violations.add(name)
     violations |= symlinks
     return tuple(sorted(violations))

@@ -26,10 +26,24 @@ def test_editing_a_held_out_test_file_is_a_violation(toy):
     assert integrity.check_integrity(patch, PROTECTED) == ("tests/test_ops.py",)
 
 
-@pytest.mark.parametrize("name", ["conftest.py", "tests/conftest.py", "deep/a/b/conftest.py",
-                                  "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg",
-                                  "pytest.toml", "sitecustomize.py", "lib/usercustomize.py",
-                                  "evil.pth", "site/x.pth", "tests/CONFTEST.py"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "conftest.py",
+        "tests/conftest.py",
+        "deep/a/b/conftest.py",
+        "pytest.ini",
+        ".pytest.ini",
+        "tox.ini",
+        "setup.cfg",
+        "pytest.toml",
+        "sitecustomize.py",
+        "lib/usercustomize.py",
+        "evil.pth",
+        "site/x.pth",
+        "tests/CONFTEST.py",
+    ],
+)
 def test_runner_configuration_anywhere_is_a_violation(toy, name):
     patch = toy.patch_for({name: "import os\n"})
     assert integrity.check_integrity(patch, PROTECTED) == (name,)
@@ -42,16 +56,20 @@ def test_renames_deletes_and_mode_changes_count_both_names(toy):
     deleted = toy.patch_for({"tests/test_ops.py": None})
     assert integrity.check_integrity(deleted, PROTECTED) == ("tests/test_ops.py",)
     # Renaming a harmless file onto a protected name is caught through the new name.
-    onto = "diff --git a/calc/ops.py b/conftest.py\nsimilarity index 100%\n" \
-           "rename from calc/ops.py\nrename to conftest.py\n"
+    onto = (
+        "diff --git a/calc/ops.py b/conftest.py\nsimilarity index 100%\n"
+        "rename from calc/ops.py\nrename to conftest.py\n"
+    )
     assert integrity.check_integrity(onto, PROTECTED) == ("conftest.py",)
-    mode_only = "diff --git a/tests/test_ops.py b/tests/test_ops.py\nold mode 100644\n" \
-                "new mode 100755\n"
+    mode_only = (
+        "diff --git a/tests/test_ops.py b/tests/test_ops.py\nold mode 100644\nnew mode 100755\n"
+    )
     assert integrity.check_integrity(mode_only, PROTECTED) == ("tests/test_ops.py",)
 
 
 def toy_test_ops(toy) -> str:
     from dockyard_rl.sandbox.testing_repos import git
+
     return git(toy.path, "show", f"{toy.base_commit}:tests/test_ops.py")
 
 
@@ -59,14 +77,23 @@ def test_binary_patches_are_checked(toy):
     patch = toy.patch_for({"blob.bin": "\x00\x01binary"})
     assert "GIT binary patch" in patch or "Binary files" in patch
     assert integrity.check_integrity(patch, PROTECTED) == ()
-    binary_conftest = "diff --git a/conftest.py b/conftest.py\nnew file mode 100644\n" \
-                      "index 0000000..1111111\nBinary files /dev/null and b/conftest.py differ\n"
+    binary_conftest = (
+        "diff --git a/conftest.py b/conftest.py\nnew file mode 100644\n"
+        "index 0000000..1111111\nBinary files /dev/null and b/conftest.py differ\n"
+    )
     assert integrity.check_integrity(binary_conftest, PROTECTED) == ("conftest.py",)
 
 
-@pytest.mark.parametrize("disguise", ["./tests/test_ops.py", "tests//test_ops.py",
-                                      "tests/./test_ops.py", "calc/../tests/test_ops.py",
-                                      '"tests/test_ops.py"'])
+@pytest.mark.parametrize(
+    "disguise",
+    [
+        "./tests/test_ops.py",
+        "tests//test_ops.py",
+        "tests/./test_ops.py",
+        "calc/../tests/test_ops.py",
+        '"tests/test_ops.py"',
+    ],
+)
 def test_path_tricks_are_normalised(disguise):
     name = disguise.strip('"')
     quoted = disguise.startswith('"')
@@ -75,22 +102,26 @@ def test_path_tricks_are_normalised(disguise):
     assert integrity.check_integrity(patch, PROTECTED) == ("tests/test_ops.py",)
 
 
-@pytest.mark.parametrize("quoted, expected", [
-    ('"tests/t\\303\\251st.py"', "tests/tést.py"),  # octal escapes: the UTF-8 bytes of "é"
-    ('"a\\303\\251.py"', "aé.py"),
-    ('"tests/say \\"hi\\".py"', 'tests/say "hi".py'),  # embedded quotes
-    ('"back\\\\slash\\ttab\\nnewline"', "back\\slash\ttab\nnewline"),
-    ('"\\a\\b\\v\\f\\r"', "\a\b\v\f\r"),
-    ('"tést\\t.py"', "tést\t.py"),  # core.quotePath=false: raw UTF-8 between the quotes
-    ('"\\377.py"', "\udcff.py"),  # not UTF-8: a surrogate, so no two names collapse
-    ('""', ""),
-])
+@pytest.mark.parametrize(
+    "quoted, expected",
+    [
+        ('"tests/t\\303\\251st.py"', "tests/tést.py"),  # octal escapes: the UTF-8 bytes of "é"
+        ('"a\\303\\251.py"', "aé.py"),
+        ('"tests/say \\"hi\\".py"', 'tests/say "hi".py'),  # embedded quotes
+        ('"back\\\\slash\\ttab\\nnewline"', "back\\slash\ttab\nnewline"),
+        ('"\\a\\b\\v\\f\\r"', "\a\b\v\f\r"),
+        ('"tést\\t.py"', "tést\t.py"),  # core.quotePath=false: raw UTF-8 between the quotes
+        ('"\\377.py"', "\udcff.py"),  # not UTF-8: a surrogate, so no two names collapse
+        ('""', ""),
+    ],
+)
 def test_unquote_c_style(quoted, expected):
     assert integrity.unquote_c_style(quoted) == expected
 
 
-@pytest.mark.parametrize("quoted", ['"x\\q"', '"x\\x41"', '"x\\"', '"\\400"', '"\\12"',
-                                    "no-quotes", '"'])
+@pytest.mark.parametrize(
+    "quoted", ['"x\\q"', '"x\\x41"', '"x\\"', '"\\400"', '"\\12"', "no-quotes", '"']
+)
 def test_unquote_c_style_rejects_what_git_does_not_write(quoted):
     with pytest.raises(ValueError, match="malformed quoted path"):
         integrity.unquote_c_style(quoted)
@@ -109,33 +140,42 @@ def test_names_git_quotes_are_matched(toy, name):
 
 def test_headers_unidiff_ignores_are_still_scanned():
     # A context diff: unidiff sees no file, GNU patch (without --unified) would apply it.
-    context = "*** a/conftest.py\n--- b/conftest.py\n***************\n*** 1 ****\n! x\n" \
-              "--- 1 ----\n! y\n"
+    context = (
+        "*** a/conftest.py\n--- b/conftest.py\n***************\n*** 1 ****\n! x\n--- 1 ----\n! y\n"
+    )
     assert "conftest.py" in integrity.check_integrity(context, PROTECTED)
     # The `diff --git` header and the ---/+++ lines disagree: both names count.
-    mismatched = "diff --git a/calc/ops.py b/calc/ops.py\n--- a/tests/test_ops.py\n" \
-                 "+++ b/tests/test_ops.py\n@@ -1 +1 @@\n-x\n+y\n"
+    mismatched = (
+        "diff --git a/calc/ops.py b/calc/ops.py\n--- a/tests/test_ops.py\n"
+        "+++ b/tests/test_ops.py\n@@ -1 +1 @@\n-x\n+y\n"
+    )
     assert "tests/test_ops.py" in integrity.check_integrity(mismatched, PROTECTED)
     index = "Index: conftest.py\n--- conftest.py\n+++ conftest.py\n@@ -1 +1 @@\n-x\n+y\n"
     assert integrity.check_integrity(index, PROTECTED) == ("conftest.py",)
 
 
-@pytest.mark.parametrize("name", ["/etc/passwd", "../outside.py", ".git/config",
-                                  "sub/.git/hooks/pre-commit", "calc/../../x.py"])
+@pytest.mark.parametrize(
+    "name",
+    ["/etc/passwd", "../outside.py", ".git/config", "sub/.git/hooks/pre-commit", "calc/../../x.py"],
+)
 def test_escaping_paths_are_violations(name):
     patch = f"--- {name}\n+++ {name}\n@@ -1 +1 @@\n-x\n+y\n"
     assert integrity.check_integrity(patch, PROTECTED) != ()
 
 
 def test_symlink_creation_is_a_violation():
-    patch = "diff --git a/calc/link b/calc/link\nnew file mode 120000\nindex 0000000..1111111\n" \
-            "--- /dev/null\n+++ b/calc/link\n@@ -0,0 +1 @@\n+/etc\n\\ No newline at end of file\n"
+    patch = (
+        "diff --git a/calc/link b/calc/link\nnew file mode 120000\nindex 0000000..1111111\n"
+        "--- /dev/null\n+++ b/calc/link\n@@ -0,0 +1 @@\n+/etc\n\\ No newline at end of file\n"
+    )
     assert integrity.check_integrity(patch, PROTECTED) == ("calc/link",)
 
 
 def test_unparseable_patch_is_a_violation():
-    patch = "diff --git a/calc/ops.py b/calc/ops.py\n--- a/calc/ops.py\n+++ b/calc/ops.py\n" \
-            "@@ -1,5 +1,5 @@\n-x\n"  # the hunk claims 5 lines and has 1
+    patch = (
+        "diff --git a/calc/ops.py b/calc/ops.py\n--- a/calc/ops.py\n+++ b/calc/ops.py\n"
+        "@@ -1,5 +1,5 @@\n-x\n"
+    )  # the hunk claims 5 lines and has 1
     assert integrity.UNPARSEABLE in integrity.check_integrity(patch, PROTECTED)
 
 
@@ -161,26 +201,34 @@ def test_pyproject_only_pytest_changes_are_violations():
     def read(path):
         return PYPROJECT if path == "pyproject.toml" else None
 
-    version_bump = "@@ -1,3 +1,3 @@\n [project]\n name = \"calc\"\n-version = \"1.0\"\n" \
-                   "+version = \"1.1\"\n"
+    version_bump = (
+        '@@ -1,3 +1,3 @@\n [project]\n name = "calc"\n-version = "1.0"\n+version = "1.1"\n'
+    )
     assert integrity.check_integrity(_pyproject_patch(version_bump), PROTECTED, read) == ()
     black = "@@ -10,2 +10,2 @@\n [tool.black]\n-line-length = 100\n+line-length = 120\n"
     assert integrity.check_integrity(_pyproject_patch(black), PROTECTED, read) == ()
     # Inside the [tool.pytest.ini_options] table without mentioning pytest on the changed line.
-    addopts = "@@ -6,2 +6,2 @@\n-addopts = \"-q\"\n+addopts = \"-q --co\"\n testpaths = " \
-              "[\"tests\"]\n"
-    assert integrity.check_integrity(_pyproject_patch(addopts), PROTECTED, read) == \
-        ("pyproject.toml",)
-    new_table = "@@ -3,1 +3,3 @@\n version = \"1.0\"\n+[tool.pytest.ini_options]\n" \
-                "+addopts = \"-p evil\"\n"
-    assert integrity.check_integrity(_pyproject_patch(new_table), PROTECTED, read) == \
-        ("pyproject.toml",)
+    addopts = '@@ -6,2 +6,2 @@\n-addopts = "-q"\n+addopts = "-q --co"\n testpaths = ["tests"]\n'
+    assert integrity.check_integrity(_pyproject_patch(addopts), PROTECTED, read) == (
+        "pyproject.toml",
+    )
+    new_table = (
+        '@@ -3,1 +3,3 @@\n version = "1.0"\n+[tool.pytest.ini_options]\n+addopts = "-p evil"\n'
+    )
+    assert integrity.check_integrity(_pyproject_patch(new_table), PROTECTED, read) == (
+        "pyproject.toml",
+    )
     # Without the base file, any change to an existing pyproject.toml counts.
-    assert integrity.check_integrity(_pyproject_patch(version_bump), PROTECTED) == \
-        ("pyproject.toml",)
-    created = "@@ -0,0 +1,2 @@\n+[project]\n+name = \"x\"\n"
-    assert integrity.check_integrity(_pyproject_patch(created, new_file=True), PROTECTED,
-                                     lambda _: None) == ()
+    assert integrity.check_integrity(_pyproject_patch(version_bump), PROTECTED) == (
+        "pyproject.toml",
+    )
+    created = '@@ -0,0 +1,2 @@\n+[project]\n+name = "x"\n'
+    assert (
+        integrity.check_integrity(
+            _pyproject_patch(created, new_file=True), PROTECTED, lambda _: None
+        )
+        == ()
+    )
 
 
 def test_protected_paths_are_normalised_too():
@@ -189,8 +237,10 @@ def test_protected_paths_are_normalised_too():
 
 
 def test_touched_paths_reports_old_and_new_names():
-    patch = "diff --git a/old.py b/new.py\nsimilarity index 90%\nrename from old.py\n" \
-            "rename to new.py\n--- a/old.py\n+++ b/new.py\n@@ -1 +1 @@\n-x\n+y\n"
+    patch = (
+        "diff --git a/old.py b/new.py\nsimilarity index 90%\nrename from old.py\n"
+        "rename to new.py\n--- a/old.py\n+++ b/new.py\n@@ -1 +1 @@\n-x\n+y\n"
+    )
     names, symlinks, parsed = integrity.touched_paths(patch)
     assert {"old.py", "new.py"} <= names and symlinks == set() and parsed
 
@@ -198,14 +248,18 @@ def test_touched_paths_reports_old_and_new_names():
 @pytest.mark.parametrize("name", ["my link", "a b/c d", "plain"])
 def test_symlinks_with_spaces_in_their_names_are_found(name):
     # git does not quote spaces: "diff --git a/my link b/my link" (issue 12, class 6).
-    patch = (f"diff --git a/{name} b/{name}\nnew file mode 120000\nindex 0000000..1111111\n"
-             f"--- /dev/null\n+++ b/{name}\n@@ -0,0 +1 @@\n+/etc/passwd\n"
-             "\\ No newline at end of file\n")
+    patch = (
+        f"diff --git a/{name} b/{name}\nnew file mode 120000\nindex 0000000..1111111\n"
+        f"--- /dev/null\n+++ b/{name}\n@@ -0,0 +1 @@\n+/etc/passwd\n"
+        "\\ No newline at end of file\n"
+    )
     # (unidiff cannot parse some of these headers: "<unparseable patch>" may come with it)
     assert name in integrity.check_integrity(patch, PROTECTED)
 
 
 def test_symlink_named_only_by_its_plus_header_is_found():
-    patch = ("diff --git a/x y b/z w\nnew file mode 120000\nindex 0000000..1111111\n"
-             "--- /dev/null\n+++ b/z w\n@@ -0,0 +1 @@\n+/etc\n")
+    patch = (
+        "diff --git a/x y b/z w\nnew file mode 120000\nindex 0000000..1111111\n"
+        "--- /dev/null\n+++ b/z w\n@@ -0,0 +1 @@\n+/etc\n"
+    )
     assert "z w" in integrity.check_integrity(patch, PROTECTED)

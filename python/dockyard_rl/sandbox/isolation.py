@@ -43,9 +43,10 @@ What the sandbox enforces (each line is a bubblewrap flag or an rlimit, set up i
   environment variable).
 
 Not covered: disk usage inside `writable_dirs` is bounded per file (RLIMIT_FSIZE) but not in
-total (the scoring pipeline binds none: its worktree is a size-capped tmpfs); no seccomp filter (kernel attack surface is the host kernel's); CPU and memory are
-per-process rlimits, not cgroup limits. What is bound is readable: /usr and the interpreter's
-prefixes (its site-packages included).
+total (the scoring pipeline binds none: its worktree is a size-capped tmpfs); no seccomp filter
+(kernel attack surface is the host kernel's); CPU and memory are per-process rlimits, not cgroup
+limits. What is bound is readable: /usr and the interpreter's prefixes (its site-packages
+included).
 """
 
 from __future__ import annotations
@@ -83,36 +84,46 @@ class SandboxLimits:
     """Per-run limits. All are enforced per sandbox run; see the module docstring for how."""
 
     wall_timeout_s: float = 600.0
-    cpu_s: int = 600                        # RLIMIT_CPU, per process
-    memory_bytes: int = 4 * 1024**3         # RLIMIT_AS, per process
-    num_processes: int = 256                # RLIMIT_NPROC, for the sandbox's uid
-    file_size_bytes: int = 256 * 1024**2    # RLIMIT_FSIZE
-    num_open_files: int = 1024              # RLIMIT_NOFILE
-    max_output_bytes: int = 64 * 1024       # kept head + tail of stdout/stderr
-    tmp_size_bytes: int = 256 * 1024**2     # size of the private /tmp tmpfs
+    cpu_s: int = 600  # RLIMIT_CPU, per process
+    memory_bytes: int = 4 * 1024**3  # RLIMIT_AS, per process
+    num_processes: int = 256  # RLIMIT_NPROC, for the sandbox's uid
+    file_size_bytes: int = 256 * 1024**2  # RLIMIT_FSIZE
+    num_open_files: int = 1024  # RLIMIT_NOFILE
+    max_output_bytes: int = 64 * 1024  # kept head + tail of stdout/stderr
+    tmp_size_bytes: int = 256 * 1024**2  # size of the private /tmp tmpfs
 
     def __post_init__(self):
-        for name in ("cpu_s", "memory_bytes", "num_processes", "file_size_bytes",
-                     "num_open_files", "max_output_bytes", "tmp_size_bytes"):
+        for name in (
+            "cpu_s",
+            "memory_bytes",
+            "num_processes",
+            "file_size_bytes",
+            "num_open_files",
+            "max_output_bytes",
+            "tmp_size_bytes",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-        if isinstance(self.wall_timeout_s, bool) or not isinstance(self.wall_timeout_s,
-                                                                     (int, float)) \
-                or not self.wall_timeout_s > 0:
-            raise ValueError(f"wall_timeout_s: must be a positive number of seconds, got "
-                             f"{self.wall_timeout_s!r}")
+        if (
+            isinstance(self.wall_timeout_s, bool)
+            or not isinstance(self.wall_timeout_s, (int, float))
+            or not self.wall_timeout_s > 0
+        ):
+            raise ValueError(
+                f"wall_timeout_s: must be a positive number of seconds, got {self.wall_timeout_s!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
 class SandboxResult:
-    exit_code: int | None     # the command's exit status (128+N when killed by signal N inside);
-                              # None when we killed it at the wall-clock deadline
+    exit_code: int | None  # the command's exit status (128+N when killed by signal N inside);
+    # None when we killed it at the wall-clock deadline
     timed_out: bool
-    output: str               # bounded head + tail of stdout/stderr (utf-8, errors replaced)
-    num_output_bytes: int     # how many bytes the command wrote in total
+    output: str  # bounded head + tail of stdout/stderr (utf-8, errors replaced)
+    num_output_bytes: int  # how many bytes the command wrote in total
     wall_s: float
-    sandbox_uid: int          # the kernel uid the command ran as
+    sandbox_uid: int  # the kernel uid the command ran as
 
 
 class BoundedOutput:
@@ -134,13 +145,13 @@ class BoundedOutput:
             self._head += data[:room]
             data = data[room:]
         if data:
-            self._tail += data[-self._tail_limit:]
+            self._tail += data[-self._tail_limit :]
             # Trim lazily (at twice the limit) so a stream of small writes stays linear.
             if len(self._tail) > 2 * self._tail_limit:
-                del self._tail[:-self._tail_limit]
+                del self._tail[: -self._tail_limit]
 
     def text(self) -> str:
-        tail = bytes(self._tail[-self._tail_limit:])
+        tail = bytes(self._tail[-self._tail_limit :])
         kept = len(self._head) + len(tail)
         middle = b""
         if self.num_bytes > kept:
@@ -151,30 +162,47 @@ class BoundedOutput:
 def check_available() -> None:
     """Raises SandboxUnavailableError with a fix when bwrap/prlimit/setpriv are missing or when
     bubblewrap cannot create its namespaces here (e.g. nested inside another sandbox)."""
-    for tool, package in (("bwrap", "bubblewrap"), ("prlimit", "util-linux"),
-                          ("setpriv", "util-linux")):
+    for tool, package in (
+        ("bwrap", "bubblewrap"),
+        ("prlimit", "util-linux"),
+        ("setpriv", "util-linux"),
+    ):
         if shutil.which(tool) is None:
             raise SandboxUnavailableError(
                 f"`{tool}` is not on PATH; install Debian's `{package}` package (tools/bazel "
-                f"installs bubblewrap) — the sandbox refuses to run untrusted code without it")
+                f"installs bubblewrap) — the sandbox refuses to run untrusted code without it"
+            )
     if _root_behind_user_namespace():
         raise SandboxUnavailableError(
             "running as uid 0 inside a user namespace that maps it to the host's root (e.g. "
             "inside Bazel's linux-sandbox, started by root): the sandbox could neither switch to "
             "an unprivileged uid nor enforce RLIMIT_NPROC (root is exempt), so fork bombs would "
             "not be contained; run as real root or as a regular user (Bazel: tags = "
-            "[\"no-sandbox\"])")
+            '["no-sandbox"])'
+        )
     probe = subprocess.run(
-        _bwrap_argv(["true"], writable_dirs=(), hidden_paths=(), readonly_paths=(),
-                    limits=SandboxLimits(), uid=_pick_uid(), cwd=pathlib.Path("/")),
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=30,
-        check=False)
+        _bwrap_argv(
+            ["true"],
+            writable_dirs=(),
+            hidden_paths=(),
+            readonly_paths=(),
+            limits=SandboxLimits(),
+            uid=_pick_uid(),
+            cwd=pathlib.Path("/"),
+        ),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=30,
+        check=False,
+    )
     if probe.returncode != 0:
         raise SandboxUnavailableError(
             f"bubblewrap cannot create its sandbox on this host (exit {probe.returncode}): "
             f"{probe.stdout.decode(errors='replace').strip()[:500]}; it needs unprivileged user "
             f"namespaces or root, and cannot run nested inside another sandbox that forbids "
-            f"mounting /proc (run Bazel tests with tags = [\"no-sandbox\"])")
+            f'mounting /proc (run Bazel tests with tags = ["no-sandbox"])'
+        )
 
 
 def is_real_root() -> bool:
@@ -217,8 +245,13 @@ _SYSTEM_LINKS_OR_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # credentials or configuration.
 # Top-level entries of an image's root that the sandbox makes itself (or leaves out: /sys).
 _NOT_FROM_IMAGE = frozenset({"dev", "proc", "tmp", "sys", "run"})
-_SYSTEM_ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
-               "/etc/localtime")
+_SYSTEM_ETC = (
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/alternatives",
+    "/etc/localtime",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,8 +270,9 @@ class Mount:
     def __post_init__(self):
         if self.kind not in ("ro", "rw", "tmpfs"):
             raise ValueError(f"Mount.kind: must be ro, rw or tmpfs, got {self.kind!r}")
-        if not self.dest.is_absolute() or (self.source is not None
-                                           and not self.source.is_absolute()):
+        if not self.dest.is_absolute() or (
+            self.source is not None and not self.source.is_absolute()
+        ):
             raise ValueError(f"sandbox paths must be absolute, got {self}")
         if (self.kind == "tmpfs") != (self.source is None):
             raise ValueError(f"Mount: a tmpfs has no source, a bind needs one, got {self}")
@@ -266,7 +300,7 @@ def _etc_files(uid: int) -> dict[str, bytes]:
     """Generated /etc files: one account for the sandbox's uid, loopback names only."""
     return {
         "/etc/passwd": f"root:x:0:0:root:/root:/bin/sh\nsandbox:x:{uid}:{uid}:sandbox:/tmp:"
-                       f"/bin/sh\n".encode(),
+        f"/bin/sh\n".encode(),
         "/etc/group": f"root:x:0:\nsandbox:x:{uid}:\n".encode(),
         "/etc/hosts": b"127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost\n",
         "/etc/nsswitch.conf": b"passwd: files\ngroup: files\nhosts: files\n",
@@ -301,8 +335,9 @@ def _bind_host_system(args: list[str], etc_fds: Mapping[str, int]) -> list[pathl
     return bound
 
 
-def _bind_image_root(args: list[str], root: pathlib.Path,
-                     etc_fds: Mapping[str, int]) -> list[pathlib.Path]:
+def _bind_image_root(
+    args: list[str], root: pathlib.Path, etc_fds: Mapping[str, int]
+) -> list[pathlib.Path]:
     """An unpacked image's root filesystem, read-only, entry by entry on bwrap's tmpfs root (so
     the caller's mount points outside it can still be made); /dev, /proc, /tmp, /sys and /run
     are not taken from the image. The generated /etc files replace the image's own where it has
@@ -324,26 +359,57 @@ def _bind_image_root(args: list[str], root: pathlib.Path,
     return bound
 
 
-def _bwrap_argv(argv: Sequence[str], *, writable_dirs: Sequence[pathlib.Path],
-                hidden_paths: Sequence[pathlib.Path], readonly_paths: Sequence[pathlib.Path],
-                limits: SandboxLimits, uid: int, cwd: pathlib.Path,
-                mounts: Sequence[Mount] = (), etc_fds: Mapping[str, int] | None = None,
-                root: pathlib.Path | None = None) -> list[str]:
+def _bwrap_argv(
+    argv: Sequence[str],
+    *,
+    writable_dirs: Sequence[pathlib.Path],
+    hidden_paths: Sequence[pathlib.Path],
+    readonly_paths: Sequence[pathlib.Path],
+    limits: SandboxLimits,
+    uid: int,
+    cwd: pathlib.Path,
+    mounts: Sequence[Mount] = (),
+    etc_fds: Mapping[str, int] | None = None,
+    root: pathlib.Path | None = None,
+) -> list[str]:
     as_root = is_real_root()
-    args = ["bwrap", "--die-with-parent", "--new-session", "--unshare-net", "--unshare-pid",
-            "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
+    args = [
+        "bwrap",
+        "--die-with-parent",
+        "--new-session",
+        "--unshare-net",
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--hostname",
+        "sandbox",
+    ]
     if not as_root:
         args += ["--unshare-user", "--uid", str(_NOBODY), "--gid", str(_NOBODY)]
     if root is not None:
         bound = _bind_image_root(args, root, etc_fds or {})
     else:
         bound = _bind_host_system(args, etc_fds or {})
-    args += ["--dev", "/dev", "--proc", "/proc",
-             # 1777 like a real /tmp: bwrap's default 0755 root-owned tmpfs is not writable by
-             # the sandbox uid in root mode.
-             "--perms", "1777", "--size", str(limits.tmp_size_bytes), "--tmpfs", "/tmp"]
-    every = ([Mount("ro", p, p) for p in readonly_paths] + list(mounts)
-             + [Mount("rw", p, p) for p in writable_dirs])
+    args += [
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        # 1777 like a real /tmp: bwrap's default 0755 root-owned tmpfs is not writable by
+        # the sandbox uid in root mode.
+        "--perms",
+        "1777",
+        "--size",
+        str(limits.tmp_size_bytes),
+        "--tmpfs",
+        "/tmp",
+    ]
+    every = (
+        [Mount("ro", p, p) for p in readonly_paths]
+        + list(mounts)
+        + [Mount("rw", p, p) for p in writable_dirs]
+    )
     # Parents before children: a mount at /a/b must come after the one at /a.
     every.sort(key=lambda mount: len(mount.dest.parts))
     created: set[pathlib.Path] = set()
@@ -356,27 +422,53 @@ def _bwrap_argv(argv: Sequence[str], *, writable_dirs: Sequence[pathlib.Path],
             created.add(ancestor)
             args += ["--perms", "0755", "--dir", str(ancestor)]
         if mount.kind == "tmpfs":
-            args += ["--perms", mount.perms, "--size", str(mount.size_bytes or
-                                                            limits.tmp_size_bytes),
-                     "--tmpfs", str(mount.dest)]
+            args += [
+                "--perms",
+                mount.perms,
+                "--size",
+                str(mount.size_bytes or limits.tmp_size_bytes),
+                "--tmpfs",
+                str(mount.dest),
+            ]
         else:
-            args += ["--ro-bind" if mount.kind == "ro" else "--bind", str(mount.source),
-                     str(mount.dest)]
+            args += [
+                "--ro-bind" if mount.kind == "ro" else "--bind",
+                str(mount.source),
+                str(mount.dest),
+            ]
         bound.append(mount.dest)
         created.add(mount.dest)
     # Paths that must stay invisible although they lie inside something bound (the executor's
     # work root inside an interpreter prefix, say) are covered with an empty tmpfs.
     for path in sorted(hidden_paths):
-        if _within(path, bound) and path.is_dir() and not path.is_symlink() and not any(
-                _within(mount.dest, [path]) for mount in every):
+        if (
+            _within(path, bound)
+            and path.is_dir()
+            and not path.is_symlink()
+            and not any(_within(mount.dest, [path]) for mount in every)
+        ):
             args += ["--perms", "0755", "--size", str(1024 * 1024), "--tmpfs", str(path)]
-    args += ["--chdir", str(cwd), "--",
-             "prlimit", f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",
-             f"--as={limits.memory_bytes}", f"--nproc={limits.num_processes}",
-             f"--fsize={limits.file_size_bytes}", f"--nofile={limits.num_open_files}", "--"]
+    args += [
+        "--chdir",
+        str(cwd),
+        "--",
+        "prlimit",
+        f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",
+        f"--as={limits.memory_bytes}",
+        f"--nproc={limits.num_processes}",
+        f"--fsize={limits.file_size_bytes}",
+        f"--nofile={limits.num_open_files}",
+        "--",
+    ]
     if as_root:
-        args += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-                 "--no-new-privs", "--"]
+        args += [
+            "setpriv",
+            f"--reuid={uid}",
+            f"--regid={uid}",
+            "--clear-groups",
+            "--no-new-privs",
+            "--",
+        ]
     return args + list(argv)
 
 
@@ -397,15 +489,20 @@ def _data_fd(data: bytes) -> int:
     return read_fd
 
 
-def run_sandboxed(argv: Sequence[str], *, writable_dirs: Sequence[pathlib.Path],
-                  limits: SandboxLimits, cwd: pathlib.Path,
-                  hidden_paths: Sequence[pathlib.Path] = (),
-                  readonly_paths: Sequence[pathlib.Path] = (),
-                  mounts: Sequence[Mount] = (),
-                  env: Mapping[str, str] | None = None,
-                  stdin_data: bytes | None = None,
-                  channels: Sequence[OutputChannel] = (),
-                  root: pathlib.Path | None = None) -> SandboxResult:
+def run_sandboxed(
+    argv: Sequence[str],
+    *,
+    writable_dirs: Sequence[pathlib.Path],
+    limits: SandboxLimits,
+    cwd: pathlib.Path,
+    hidden_paths: Sequence[pathlib.Path] = (),
+    readonly_paths: Sequence[pathlib.Path] = (),
+    mounts: Sequence[Mount] = (),
+    env: Mapping[str, str] | None = None,
+    stdin_data: bytes | None = None,
+    channels: Sequence[OutputChannel] = (),
+    root: pathlib.Path | None = None,
+) -> SandboxResult:
     """Runs `argv` in a fresh sandbox and returns its exit code and bounded output. Never raises
     for anything the command does; raises SandboxUnavailableError when bwrap cannot start and
     ValueError for bad arguments.
@@ -437,42 +534,81 @@ def run_sandboxed(argv: Sequence[str], *, writable_dirs: Sequence[pathlib.Path],
             check_available()  # raises with the fix
         if root is not None and not root.is_dir():
             raise ValueError(f"root: {str(root)!r} is not an existing directory")
-        return _run(argv, writable_dirs=writable_dirs, limits=limits, cwd=cwd,
-                    hidden_paths=hidden_paths, readonly_paths=readonly_paths, mounts=mounts,
-                    env=env, stdin_data=stdin_data, channels=channels, root=root)
+        return _run(
+            argv,
+            writable_dirs=writable_dirs,
+            limits=limits,
+            cwd=cwd,
+            hidden_paths=hidden_paths,
+            readonly_paths=readonly_paths,
+            mounts=mounts,
+            env=env,
+            stdin_data=stdin_data,
+            channels=channels,
+            root=root,
+        )
     finally:
         for channel in channels:
             channel.close()
 
 
-def _run(argv, *, writable_dirs, limits, cwd, hidden_paths, readonly_paths, mounts, env,
-         stdin_data, channels, root) -> SandboxResult:
+def _run(
+    argv,
+    *,
+    writable_dirs,
+    limits,
+    cwd,
+    hidden_paths,
+    readonly_paths,
+    mounts,
+    env,
+    stdin_data,
+    channels,
+    root,
+) -> SandboxResult:
     uid = _pick_uid()
     if is_real_root():
         for path in writable_dirs:
             _chown_tree(path, uid)
     if env is None:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}
-    etc_fds = {path: _data_fd(data) for path, data in _etc_files(
-        uid if is_real_root() else _NOBODY).items()}
+    etc_fds = {
+        path: _data_fd(data)
+        for path, data in _etc_files(uid if is_real_root() else _NOBODY).items()
+    }
     stdin_read = None
     if stdin_data is not None:
         stdin_read, stdin_write = os.pipe()
-        writer = threading.Thread(target=_feed, args=(stdin_write, stdin_data), daemon=True,
-                                  name="sandbox-stdin")
-    command = _bwrap_argv(argv, writable_dirs=writable_dirs, hidden_paths=hidden_paths,
-                          readonly_paths=readonly_paths, limits=limits, uid=uid, cwd=cwd,
-                          mounts=mounts, etc_fds=etc_fds, root=root)
+        writer = threading.Thread(
+            target=_feed, args=(stdin_write, stdin_data), daemon=True, name="sandbox-stdin"
+        )
+    command = _bwrap_argv(
+        argv,
+        writable_dirs=writable_dirs,
+        hidden_paths=hidden_paths,
+        readonly_paths=readonly_paths,
+        limits=limits,
+        uid=uid,
+        cwd=cwd,
+        mounts=mounts,
+        etc_fds=etc_fds,
+        root=root,
+    )
     output = BoundedOutput(limits.max_output_bytes)
     status_read, status_write = os.pipe()
     command = command[:1] + ["--json-status-fd", str(status_write)] + command[1:]
     child_fds = (status_write, *etc_fds.values(), *(c.child_fd for c in channels))
     start = time.monotonic()
     try:
-        process = subprocess.Popen(command, stdin=stdin_read if stdin_read is not None
-                                   else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, env=dict(env),
-                                   start_new_session=True, pass_fds=child_fds)
+        process = subprocess.Popen(
+            command,
+            stdin=stdin_read if stdin_read is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            start_new_session=True,
+            pass_fds=child_fds,
+        )
     except OSError as error:
         os.close(status_read)
         if stdin_read is not None:
@@ -538,10 +674,17 @@ def _run(argv, *, writable_dirs, limits, cwd, hidden_paths, readonly_paths, moun
     if not timed_out and "child-pid" not in status:
         # bwrap reports the child's pid on the status fd once the sandbox is set up; without it
         # the sandbox itself failed (missing namespace support, bad mount), not the command.
-        raise SandboxUnavailableError(f"bwrap could not set up the sandbox (exit {exit_code}): "
-                                      f"{output.text().strip()[:500]}")
-    return SandboxResult(exit_code=exit_code, timed_out=timed_out, output=output.text(),
-                         num_output_bytes=output.num_bytes, wall_s=wall_s, sandbox_uid=uid)
+        raise SandboxUnavailableError(
+            f"bwrap could not set up the sandbox (exit {exit_code}): {output.text().strip()[:500]}"
+        )
+    return SandboxResult(
+        exit_code=exit_code,
+        timed_out=timed_out,
+        output=output.text(),
+        num_output_bytes=output.num_bytes,
+        wall_s=wall_s,
+        sandbox_uid=uid,
+    )
 
 
 def _feed(fd: int, data: bytes) -> None:
@@ -549,7 +692,7 @@ def _feed(fd: int, data: bytes) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     except OSError:
         pass
     finally:

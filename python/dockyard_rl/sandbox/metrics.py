@@ -37,8 +37,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
-                               generate_latest)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from dockyard_rl.sandbox.task import FailureKind, TaskStatus, Verdict
@@ -53,8 +58,20 @@ EXPOSITION_CONTENT_TYPE = CONTENT_TYPE_LATEST
 OUTCOMES = ("resolved", "unresolved", "infra_error")
 REJECTION_REASONS = ("unauthorized", "too_large", "invalid", "conflict", "queue_full")
 
-_TASK_DURATION_BUCKETS_S = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0,
-                            3600.0)
+_TASK_DURATION_BUCKETS_S = (
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+    3600.0,
+)
 # Stages run from milliseconds (applying a patch) to the whole test timeout.
 _STAGE_DURATION_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, *_TASK_DURATION_BUCKETS_S)
 
@@ -62,41 +79,62 @@ _STAGE_DURATION_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, *_TASK_DURATION_BUCKETS_S)
 class ExecutorMetrics:
     """The metrics of one executor. The recording methods are safe to call from any thread."""
 
-    def __init__(self, *, num_workers: int, counts: Callable[[], Mapping[TaskStatus, int]],
-                 num_workers_alive: Callable[[], int], image_stats: ImageStatsFn | None = None):
+    def __init__(
+        self,
+        *,
+        num_workers: int,
+        counts: Callable[[], Mapping[TaskStatus, int]],
+        num_workers_alive: Callable[[], int],
+        image_stats: ImageStatsFn | None = None,
+    ):
         """`counts` (tasks in the store by status) and `num_workers_alive` are called at each
         scrape, and so is `image_stats` when given."""
         self.registry = CollectorRegistry()
         self._completed = Counter(
             "dockyard_executor_tasks_completed_total",
-            "Tasks that reached a final state since start, by outcome.", ["outcome"],
-            registry=self.registry)
+            "Tasks that reached a final state since start, by outcome.",
+            ["outcome"],
+            registry=self.registry,
+        )
         for outcome in OUTCOMES:
             self._completed.labels(outcome=outcome)
         self._verdicts = Counter(
             "dockyard_executor_verdicts_total",
-            "Verdicts recorded since start, by failure kind (none: resolved).", ["failure_kind"],
-            registry=self.registry)
+            "Verdicts recorded since start, by failure kind (none: resolved).",
+            ["failure_kind"],
+            registry=self.registry,
+        )
         for kind in FailureKind:
             self._verdicts.labels(failure_kind=kind.value)
         self._retries = Counter(
             "dockyard_executor_task_retries_total",
-            "Scoring attempts retried after an infrastructure error.", registry=self.registry)
+            "Scoring attempts retried after an infrastructure error.",
+            registry=self.registry,
+        )
         self._rejected = Counter(
-            "dockyard_executor_submissions_rejected_total", "Submissions refused, by reason.",
-            ["reason"], registry=self.registry)
+            "dockyard_executor_submissions_rejected_total",
+            "Submissions refused, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
         for reason in REJECTION_REASONS:
             self._rejected.labels(reason=reason)
         self._task_duration = Histogram(
             "dockyard_executor_task_duration_seconds",
             "Wall-clock seconds of the final scoring attempt of each completed task.",
-            buckets=_TASK_DURATION_BUCKETS_S, registry=self.registry)
+            buckets=_TASK_DURATION_BUCKETS_S,
+            registry=self.registry,
+        )
         self._stage_duration = Histogram(
             "dockyard_executor_stage_duration_seconds",
-            "Seconds per scoring phase of each verdict (Verdict.timings_s).", ["phase"],
-            buckets=_STAGE_DURATION_BUCKETS_S, registry=self.registry)
-        self.registry.register(_ScrapeTimeCollector(num_workers, counts, num_workers_alive,
-                                                    image_stats))
+            "Seconds per scoring phase of each verdict (Verdict.timings_s).",
+            ["phase"],
+            buckets=_STAGE_DURATION_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.registry.register(
+            _ScrapeTimeCollector(num_workers, counts, num_workers_alive, image_stats)
+        )
 
     def verdict_recorded(self, verdict: Verdict, duration_s: float) -> None:
         """A task finished with `verdict`; its final attempt took `duration_s`."""
@@ -128,8 +166,13 @@ class _ScrapeTimeCollector:
     """The figures owned elsewhere (the store, the worker threads, the image cache), read when
     Prometheus scrapes rather than copied into gauges that would go stale."""
 
-    def __init__(self, num_workers: int, counts: Callable[[], Mapping[TaskStatus, int]],
-                 num_workers_alive: Callable[[], int], image_stats: ImageStatsFn | None):
+    def __init__(
+        self,
+        num_workers: int,
+        counts: Callable[[], Mapping[TaskStatus, int]],
+        num_workers_alive: Callable[[], int],
+        image_stats: ImageStatsFn | None,
+    ):
         self._num_workers = num_workers
         self._counts = counts
         self._num_workers_alive = num_workers_alive
@@ -137,28 +180,46 @@ class _ScrapeTimeCollector:
 
     def collect(self) -> Iterator[Metric]:
         counts = self._counts()
-        yield GaugeMetricFamily("dockyard_executor_queue_depth",
-                                "Tasks accepted and waiting for a worker.",
-                                value=counts[TaskStatus.QUEUED])
-        yield GaugeMetricFamily("dockyard_executor_running_tasks", "Tasks being scored now.",
-                                value=counts[TaskStatus.RUNNING])
-        by_status = GaugeMetricFamily("dockyard_executor_tasks", "Tasks in the store, by status.",
-                                      labels=["status"])
+        yield GaugeMetricFamily(
+            "dockyard_executor_queue_depth",
+            "Tasks accepted and waiting for a worker.",
+            value=counts[TaskStatus.QUEUED],
+        )
+        yield GaugeMetricFamily(
+            "dockyard_executor_running_tasks",
+            "Tasks being scored now.",
+            value=counts[TaskStatus.RUNNING],
+        )
+        by_status = GaugeMetricFamily(
+            "dockyard_executor_tasks", "Tasks in the store, by status.", labels=["status"]
+        )
         for status in TaskStatus:
             by_status.add_metric([status.value], counts[status])
         yield by_status
-        yield GaugeMetricFamily("dockyard_executor_workers", "Worker threads configured.",
-                                value=self._num_workers)
-        yield GaugeMetricFamily("dockyard_executor_workers_alive", "Worker threads alive.",
-                                value=self._num_workers_alive())
+        yield GaugeMetricFamily(
+            "dockyard_executor_workers", "Worker threads configured.", value=self._num_workers
+        )
+        yield GaugeMetricFamily(
+            "dockyard_executor_workers_alive",
+            "Worker threads alive.",
+            value=self._num_workers_alive(),
+        )
         if self._image_stats is None:
             return
         stats = self._image_stats()
         for key in ("hits", "misses", "evictions"):
-            yield CounterMetricFamily(f"dockyard_executor_image_cache_{key}_total",
-                                      f"Unpacked-image cache {key} since the cache started.",
-                                      value=stats[key])
-        yield GaugeMetricFamily("dockyard_executor_image_cache_bytes",
-                                "Bytes of unpacked images in the cache now.", value=stats["bytes"])
-        yield GaugeMetricFamily("dockyard_executor_image_cache_images",
-                                "Images in the unpacked-image cache now.", value=stats["images"])
+            yield CounterMetricFamily(
+                f"dockyard_executor_image_cache_{key}_total",
+                f"Unpacked-image cache {key} since the cache started.",
+                value=stats[key],
+            )
+        yield GaugeMetricFamily(
+            "dockyard_executor_image_cache_bytes",
+            "Bytes of unpacked images in the cache now.",
+            value=stats["bytes"],
+        )
+        yield GaugeMetricFamily(
+            "dockyard_executor_image_cache_images",
+            "Images in the unpacked-image cache now.",
+            value=stats["images"],
+        )

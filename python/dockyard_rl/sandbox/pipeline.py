@@ -64,13 +64,23 @@ from collections.abc import Callable
 import unidiff
 
 from dockyard_rl.sandbox import apply as apply_lib
-from dockyard_rl.sandbox import (cleanup, grading, images, integrity, isolation, repo_cache,
-                                 repo_envs, runner, screening, swebench_harness, tree_audit)
+from dockyard_rl.sandbox import (
+    cleanup,
+    grading,
+    images,
+    integrity,
+    isolation,
+    repo_cache,
+    repo_envs,
+    runner,
+    screening,
+    swebench_harness,
+    tree_audit,
+)
 from dockyard_rl.sandbox.task import ApplyMethod, FailureKind, TaskSpec, TestOutcome, Verdict
 from dockyard_rl.utils.config import require
 
 logger = logging.getLogger(__name__)
-
 
 
 class InfrastructureError(RuntimeError):
@@ -81,32 +91,39 @@ class InfrastructureError(RuntimeError):
 class PipelineConfig:
     """How one task is scored; build with `from_dict(PipelineConfig, data, "pipeline")`."""
 
-    timeout_s: float = 1800.0                  # test-run wall clock when the task names none
-    cpu_time_s: int = 1800                     # RLIMIT_CPU per process in the sandbox
-    memory_bytes: int = 4 * 1024**3            # RLIMIT_AS per process
-    max_num_processes: int = 256               # RLIMIT_NPROC for the sandbox's uid
-    max_file_size_bytes: int = 256 * 1024**2   # RLIMIT_FSIZE
-    max_num_open_files: int = 1024             # RLIMIT_NOFILE
-    max_log_bytes: int = 64 * 1024             # head + tail of the test output kept in the verdict
-    tmp_size_bytes: int = 512 * 1024**2        # the sandbox's private /tmp (tmpfs)
-    worktree_size_bytes: int = 1024**3         # the tmpfs the tests' copy of the worktree lives in
-    max_report_bytes: int = 32 * 1024**2       # the JUnit report and the runner's record stream
+    timeout_s: float = 1800.0  # test-run wall clock when the task names none
+    cpu_time_s: int = 1800  # RLIMIT_CPU per process in the sandbox
+    memory_bytes: int = 4 * 1024**3  # RLIMIT_AS per process
+    max_num_processes: int = 256  # RLIMIT_NPROC for the sandbox's uid
+    max_file_size_bytes: int = 256 * 1024**2  # RLIMIT_FSIZE
+    max_num_open_files: int = 1024  # RLIMIT_NOFILE
+    max_log_bytes: int = 64 * 1024  # head + tail of the test output kept in the verdict
+    tmp_size_bytes: int = 512 * 1024**2  # the sandbox's private /tmp (tmpfs)
+    worktree_size_bytes: int = 1024**3  # the tmpfs the tests' copy of the worktree lives in
+    max_report_bytes: int = 32 * 1024**2  # the JUnit report and the runner's record stream
     max_report_testcases: int = 200_000
-    max_binary_patch_bytes: int = 1024**2      # declared size of a patch's binary content
-    cache_dir: str | None = None               # repository mirrors; None -> <work_root>/mirrors
-    image_cache_dir: str | None = None         # unpacked task images; None -> <work_root>/images
+    max_binary_patch_bytes: int = 1024**2  # declared size of a patch's binary content
+    cache_dir: str | None = None  # repository mirrors; None -> <work_root>/mirrors
+    image_cache_dir: str | None = None  # unpacked task images; None -> <work_root>/images
     image_cache_max_bytes: int = 20 * 1024**3  # LRU-evicted above this (images in use stay)
-    repo_env_dir: str | None = None            # per-repository venvs; None -> <work_root>/envs
+    repo_env_dir: str | None = None  # per-repository venvs; None -> <work_root>/envs
 
     def __post_init__(self):
         def positive_int(name: str, what: str):
             value = getattr(self, name)
-            require(isinstance(value, int) and not isinstance(value, bool) and value > 0, name,
-                    f"must be a positive integer ({what}), got {value!r}")
+            require(
+                isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                name,
+                f"must be a positive integer ({what}), got {value!r}",
+            )
 
-        require(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
-                and 0 < self.timeout_s <= 24 * 3600, "timeout_s",
-                f"must be a number of seconds in (0, 86400], got {self.timeout_s!r}")
+        require(
+            isinstance(self.timeout_s, (int, float))
+            and not isinstance(self.timeout_s, bool)
+            and 0 < self.timeout_s <= 24 * 3600,
+            "timeout_s",
+            f"must be a number of seconds in (0, 86400], got {self.timeout_s!r}",
+        )
         positive_int("cpu_time_s", "CPU seconds per process")
         positive_int("memory_bytes", "bytes of address space per process")
         positive_int("max_num_processes", "processes of the sandbox user")
@@ -119,29 +136,41 @@ class PipelineConfig:
         positive_int("max_report_testcases", "testcases in one report")
         positive_int("max_binary_patch_bytes", "bytes of binary content in a patch")
         positive_int("image_cache_max_bytes", "bytes of unpacked task images kept")
-        require(self.memory_bytes >= 64 * 1024**2, "memory_bytes",
-                f"must be at least 64 MiB (a Python interpreter needs more), got "
-                f"{self.memory_bytes}")
-        require(self.max_num_open_files >= 16, "max_num_open_files",
-                f"must be at least 16 (an interpreter needs a few), got {self.max_num_open_files}")
-        require(self.cache_dir is None
-                or (isinstance(self.cache_dir, str) and bool(self.cache_dir)), "cache_dir",
-                f"must be a directory path or null (= <work_root>/mirrors), got "
-                f"{self.cache_dir!r}")
+        require(
+            self.memory_bytes >= 64 * 1024**2,
+            "memory_bytes",
+            f"must be at least 64 MiB (a Python interpreter needs more), got {self.memory_bytes}",
+        )
+        require(
+            self.max_num_open_files >= 16,
+            "max_num_open_files",
+            f"must be at least 16 (an interpreter needs a few), got {self.max_num_open_files}",
+        )
+        require(
+            self.cache_dir is None or (isinstance(self.cache_dir, str) and bool(self.cache_dir)),
+            "cache_dir",
+            f"must be a directory path or null (= <work_root>/mirrors), got {self.cache_dir!r}",
+        )
 
     def limits(self, timeout_s: float | None) -> isolation.SandboxLimits:
         return isolation.SandboxLimits(
             wall_timeout_s=timeout_s if timeout_s is not None else self.timeout_s,
-            cpu_s=self.cpu_time_s, memory_bytes=self.memory_bytes,
-            num_processes=self.max_num_processes, file_size_bytes=self.max_file_size_bytes,
-            num_open_files=self.max_num_open_files, max_output_bytes=self.max_log_bytes,
-            tmp_size_bytes=self.tmp_size_bytes)
+            cpu_s=self.cpu_time_s,
+            memory_bytes=self.memory_bytes,
+            num_processes=self.max_num_processes,
+            file_size_bytes=self.max_file_size_bytes,
+            num_open_files=self.max_num_open_files,
+            max_output_bytes=self.max_log_bytes,
+            tmp_size_bytes=self.tmp_size_bytes,
+        )
 
     def runner_limits(self, timeout_s: float | None) -> runner.RunnerLimits:
-        return runner.RunnerLimits(sandbox=self.limits(timeout_s),
-                                   worktree_size_bytes=self.worktree_size_bytes,
-                                   max_report_bytes=self.max_report_bytes,
-                                   max_report_testcases=self.max_report_testcases)
+        return runner.RunnerLimits(
+            sandbox=self.limits(timeout_s),
+            worktree_size_bytes=self.worktree_size_bytes,
+            max_report_bytes=self.max_report_bytes,
+            max_report_testcases=self.max_report_testcases,
+        )
 
     def cache_path(self, work_root: pathlib.Path) -> pathlib.Path:
         return _folder(self.cache_dir, work_root / "mirrors")
@@ -173,8 +202,9 @@ def _one_per_folder(kind: type, path: pathlib.Path, make: Callable[[], object]):
 def image_cache(config: PipelineConfig, work_root: pathlib.Path) -> images.ImageCache:
     """The process's one ImageCache for the config's cache folder (created on first use)."""
     path = config.image_cache_path(pathlib.Path(work_root).expanduser().resolve())
-    return _one_per_folder(images.ImageCache, path,
-                           lambda: images.ImageCache(path, config.image_cache_max_bytes))
+    return _one_per_folder(
+        images.ImageCache, path, lambda: images.ImageCache(path, config.image_cache_max_bytes)
+    )
 
 
 def repo_env_cache(config: PipelineConfig, work_root: pathlib.Path) -> repo_envs.RepoEnvCache:
@@ -233,10 +263,15 @@ def protected_test_files(spec: TaskSpec, all_test_files: list[str]) -> list[str]
     return sorted(files)
 
 
-def run_pytest_sandboxed(pytest_args: list[str], worktree: pathlib.Path, config: PipelineConfig,
-                         work_root: pathlib.Path, *, limits: isolation.SandboxLimits | None = None,
-                         canaries: bool = False) -> tuple[isolation.SandboxResult,
-                                                          grading.RunEvidence]:
+def run_pytest_sandboxed(
+    pytest_args: list[str],
+    worktree: pathlib.Path,
+    config: PipelineConfig,
+    work_root: pathlib.Path,
+    *,
+    limits: isolation.SandboxLimits | None = None,
+    canaries: bool = False,
+) -> tuple[isolation.SandboxResult, grading.RunEvidence]:
     """Runs pytest with `pytest_args` on `worktree` the way scoring does (step 6 of the module
     docstring; no canaries by default, e.g. for collecting test ids). `limits` default to the
     config's. Raises InfrastructureError when the sandbox cannot start."""
@@ -245,9 +280,14 @@ def run_pytest_sandboxed(pytest_args: list[str], worktree: pathlib.Path, config:
         runner_limits = dataclasses.replace(runner_limits, sandbox=limits)
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="runner-", dir=worktree.parent))
     try:
-        return runner.run_pytest(pytest_args, worktree, scratch, runner_limits,
-                                 canaries=canaries,
-                                 hidden_paths=[work_root, config.cache_path(work_root)])
+        return runner.run_pytest(
+            pytest_args,
+            worktree,
+            scratch,
+            runner_limits,
+            canaries=canaries,
+            hidden_paths=[work_root, config.cache_path(work_root)],
+        )
     except isolation.SandboxUnavailableError as error:
         raise InfrastructureError(str(error)) from error
     finally:
@@ -258,37 +298,85 @@ def run_pytest_sandboxed(pytest_args: list[str], worktree: pathlib.Path, config:
 _CPU_LIMIT_EXIT = 128 + signal.SIGXCPU
 
 
-def _verdict(spec: TaskSpec, *, apply_method: ApplyMethod, kind: FailureKind, detail: str,
-             violation: tuple[str, ...] = (), grade: grading.Grade | None = None,
-             exit_code: int | None = None, timed_out: bool = False,
-             flags: tuple[str, ...] = (), timings: dict[str, float], log_tail: str) -> Verdict:
-    verdict = _graded_verdict(spec, apply_method=apply_method, kind=kind, detail=detail,
-                              violation=violation, grade=grade, exit_code=exit_code,
-                              timed_out=timed_out, flags=flags, timings=timings,
-                              log_tail=log_tail)
+def _verdict(
+    spec: TaskSpec,
+    *,
+    apply_method: ApplyMethod,
+    kind: FailureKind,
+    detail: str,
+    violation: tuple[str, ...] = (),
+    grade: grading.Grade | None = None,
+    exit_code: int | None = None,
+    timed_out: bool = False,
+    flags: tuple[str, ...] = (),
+    timings: dict[str, float],
+    log_tail: str,
+) -> Verdict:
+    verdict = _graded_verdict(
+        spec,
+        apply_method=apply_method,
+        kind=kind,
+        detail=detail,
+        violation=violation,
+        grade=grade,
+        exit_code=exit_code,
+        timed_out=timed_out,
+        flags=flags,
+        timings=timings,
+        log_tail=log_tail,
+    )
     if not verdict.resolved and (timed_out or exit_code == _CPU_LIMIT_EXIT):
         verdict = dataclasses.replace(verdict, limit_outcome=True)
     return verdict
 
 
-def _graded_verdict(spec: TaskSpec, *, apply_method: ApplyMethod, kind: FailureKind,
-                    detail: str, violation: tuple[str, ...], grade: grading.Grade | None,
-                    exit_code: int | None, timed_out: bool, flags: tuple[str, ...],
-                    timings: dict[str, float], log_tail: str) -> Verdict:
+def _graded_verdict(
+    spec: TaskSpec,
+    *,
+    apply_method: ApplyMethod,
+    kind: FailureKind,
+    detail: str,
+    violation: tuple[str, ...],
+    grade: grading.Grade | None,
+    exit_code: int | None,
+    timed_out: bool,
+    flags: tuple[str, ...],
+    timings: dict[str, float],
+    log_tail: str,
+) -> Verdict:
     if grade is None:
         missing_f2p = {test_id: TestOutcome.MISSING for test_id in spec.fail_to_pass}
         missing_p2p = {test_id: TestOutcome.MISSING for test_id in spec.pass_to_pass}
-        return Verdict(resolved=False, reward=0.0, fail_to_pass=missing_f2p,
-                       pass_to_pass=missing_p2p, apply_method=apply_method,
-                       integrity_violation=violation, test_exit_code=exit_code,
-                       timed_out=timed_out, timings_s=timings, log_tail=log_tail,
-                       failure_kind=kind, failure_detail=detail, screening_flags=flags)
-    return Verdict(resolved=grade.resolved, reward=grade.reward, fail_to_pass=grade.fail_to_pass,
-                   pass_to_pass=grade.pass_to_pass, apply_method=apply_method,
-                   integrity_violation=violation, test_exit_code=exit_code, timed_out=timed_out,
-                   timings_s=timings, log_tail=log_tail, failure_kind=grade.failure_kind,
-                   failure_detail=grade.detail,
-                   screening_flags=tuple(sorted(set(flags) | set(grade.notes))))
+        return Verdict(
+            resolved=False,
+            reward=0.0,
+            fail_to_pass=missing_f2p,
+            pass_to_pass=missing_p2p,
+            apply_method=apply_method,
+            integrity_violation=violation,
+            test_exit_code=exit_code,
+            timed_out=timed_out,
+            timings_s=timings,
+            log_tail=log_tail,
+            failure_kind=kind,
+            failure_detail=detail,
+            screening_flags=flags,
+        )
+    return Verdict(
+        resolved=grade.resolved,
+        reward=grade.reward,
+        fail_to_pass=grade.fail_to_pass,
+        pass_to_pass=grade.pass_to_pass,
+        apply_method=apply_method,
+        integrity_violation=violation,
+        test_exit_code=exit_code,
+        timed_out=timed_out,
+        timings_s=timings,
+        log_tail=log_tail,
+        failure_kind=grade.failure_kind,
+        failure_detail=grade.detail,
+        screening_flags=tuple(sorted(set(flags) | set(grade.notes))),
+    )
 
 
 def remove_stale_task_dirs(work_root: pathlib.Path) -> int:
@@ -307,8 +395,9 @@ def score_task(spec: TaskSpec, config: PipelineConfig, work_root: pathlib.Path) 
     work_root = pathlib.Path(work_root).expanduser().resolve()
     cache = repo_cache.RepoCache(config.cache_path(work_root))
     all_test_files, test_files = test_files_of(spec.test_patch)
-    harness = (swebench_harness.parse_harness(spec.test_harness)
-               if spec.test_harness is not None else None)
+    harness = (
+        swebench_harness.parse_harness(spec.test_harness) if spec.test_harness is not None else None
+    )
     pytest_args = runner.pytest_arguments(spec.test_command)
     if pytest_args is None:
         pytest_args = runner.default_pytest_arguments(test_files)
@@ -316,8 +405,9 @@ def score_task(spec: TaskSpec, config: PipelineConfig, work_root: pathlib.Path) 
         (work_root / "tasks").mkdir(parents=True, exist_ok=True)
         task_dir = pathlib.Path(tempfile.mkdtemp(prefix="task-", dir=work_root / "tasks"))
     except OSError as error:
-        raise InfrastructureError(f"cannot create a task directory under {work_root}: "
-                                  f"{error}") from error
+        raise InfrastructureError(
+            f"cannot create a task directory under {work_root}: {error}"
+        ) from error
     try:
         scoring = _Scoring(spec, config, work_root, cache, task_dir, timings, start, harness)
         if spec.requirements:
@@ -345,10 +435,17 @@ def score_task(spec: TaskSpec, config: PipelineConfig, work_root: pathlib.Path) 
 class _Scoring:
     """One run of the module docstring's steps 1-7 in a fresh task directory."""
 
-    def __init__(self, spec: TaskSpec, config: PipelineConfig, work_root: pathlib.Path,
-                 cache: repo_cache.RepoCache, task_dir: pathlib.Path,
-                 timings: dict[str, float], start: float,
-                 harness: swebench_harness.Harness | None):
+    def __init__(
+        self,
+        spec: TaskSpec,
+        config: PipelineConfig,
+        work_root: pathlib.Path,
+        cache: repo_cache.RepoCache,
+        task_dir: pathlib.Path,
+        timings: dict[str, float],
+        start: float,
+        harness: swebench_harness.Harness | None,
+    ):
         self.spec, self.config, self.work_root, self.cache = spec, config, work_root, cache
         self.harness = harness
         self.task_dir, self.timings, self.start = task_dir, timings, start
@@ -407,33 +504,50 @@ class _Scoring:
 
         # 3. the agent's patch
         try:
-            applied = apply_lib.apply_patch(self.worktree, spec.patch, self.scratch,
-                                            max_binary_bytes=config.max_binary_patch_bytes,
-                                            max_file_bytes=config.max_file_size_bytes)
+            applied = apply_lib.apply_patch(
+                self.worktree,
+                spec.patch,
+                self.scratch,
+                max_binary_bytes=config.max_binary_patch_bytes,
+                max_file_bytes=config.max_file_size_bytes,
+            )
         except apply_lib.ApplyInfrastructureError as error:
             raise InfrastructureError(str(error)) from error
         if applied.method == ApplyMethod.FAILED:
             self.lap("apply")
-            kind = FailureKind.PATCH_TOO_LARGE if applied.too_large else \
-                FailureKind.PATCH_NOT_APPLIED
-            return self.finish(apply_method=ApplyMethod.FAILED, kind=kind,
-                               detail=applied.message.strip().splitlines()[-1]
-                               if applied.message.strip() else "the patch did not apply",
-                               log_tail=f"the patch did not apply:\n{applied.message}")
+            kind = (
+                FailureKind.PATCH_TOO_LARGE if applied.too_large else FailureKind.PATCH_NOT_APPLIED
+            )
+            return self.finish(
+                apply_method=ApplyMethod.FAILED,
+                kind=kind,
+                detail=applied.message.strip().splitlines()[-1]
+                if applied.message.strip()
+                else "the patch did not apply",
+                log_tail=f"the patch did not apply:\n{applied.message}",
+            )
 
         # 4. the tree after the patch
-        audit = tree_audit.audit_worktree(self.worktree, tree_audit.base_tree_state(
-            self.worktree), protected_test_files=protected)
+        audit = tree_audit.audit_worktree(
+            self.worktree, tree_audit.base_tree_state(self.worktree), protected_test_files=protected
+        )
         if audit.violations:
             self.lap("apply")
-            return self.violation(audit.violations, "the patched tree breaks integrity",
-                                  apply_method=applied.method)
+            return self.violation(
+                audit.violations, "the patched tree breaks integrity", apply_method=applied.method
+            )
         if audit.num_bytes > config.worktree_size_bytes:
             self.lap("apply")
-            detail = (f"the patched worktree holds {audit.num_bytes} bytes, more than the "
-                      f"{config.worktree_size_bytes}-byte limit (pipeline.worktree_size_bytes)")
-            return self.finish(apply_method=applied.method, kind=FailureKind.DISK_LIMIT,
-                               detail=detail, log_tail=detail)
+            detail = (
+                f"the patched worktree holds {audit.num_bytes} bytes, more than the "
+                f"{config.worktree_size_bytes}-byte limit (pipeline.worktree_size_bytes)"
+            )
+            return self.finish(
+                apply_method=applied.method,
+                kind=FailureKind.DISK_LIMIT,
+                detail=detail,
+                log_tail=detail,
+            )
 
         # 5. held-out tests back to base, then the gold test patch
         problem = self.install_tests(self.worktree, commit, all_test_files)
@@ -441,8 +555,12 @@ class _Scoring:
             self.confirm_test_patch_applies(all_test_files, problem)
             self.lap("apply")
             detail = f"the gold test patch no longer applies after this patch: {problem}"
-            return self.finish(apply_method=applied.method, kind=FailureKind.BREAKS_TEST_PATCH,
-                               detail=detail, log_tail=detail)
+            return self.finish(
+                apply_method=applied.method,
+                kind=FailureKind.BREAKS_TEST_PATCH,
+                detail=detail,
+                log_tail=detail,
+            )
         self.lap("apply")
 
         # 6. tests, sandboxed; 7. grade
@@ -450,23 +568,35 @@ class _Scoring:
             return self.run_harness(applied.method)
         try:
             result, evidence = runner.run_pytest(
-                pytest_args, self.worktree, self.scratch, config.runner_limits(spec.timeout_s),
-                canaries=True, hidden_paths=[self.work_root, config.cache_path(self.work_root)],
+                pytest_args,
+                self.worktree,
+                self.scratch,
+                config.runner_limits(spec.timeout_s),
+                canaries=True,
+                hidden_paths=[self.work_root, config.cache_path(self.work_root)],
                 patched_files=sorted(integrity.touched_paths(spec.patch)[0]),
-                image=self.image, interpreter=self.interpreter,
-                worktree_dir=pathlib.Path(spec.repo_path), repo_env=self.repo_env)
+                image=self.image,
+                interpreter=self.interpreter,
+                worktree_dir=pathlib.Path(spec.repo_path),
+                repo_env=self.repo_env,
+            )
         except isolation.SandboxUnavailableError as error:
             raise InfrastructureError(str(error)) from error
         self.lap("tests")
-        graded = grading.grade_run(spec.fail_to_pass, spec.pass_to_pass, evidence,
-                                   spec.reward_mode)
+        graded = grading.grade_run(spec.fail_to_pass, spec.pass_to_pass, evidence, spec.reward_mode)
         self.lap("grade")
         log_tail = result.output
         if not graded.resolved:
             log_tail += f"\n[dockyard] {graded.failure_kind.value}: {graded.detail}\n"
-        return self.finish(apply_method=applied.method, grade=graded, kind=graded.failure_kind,
-                           detail=graded.detail, exit_code=result.exit_code,
-                           timed_out=result.timed_out, log_tail=log_tail)
+        return self.finish(
+            apply_method=applied.method,
+            grade=graded,
+            kind=graded.failure_kind,
+            detail=graded.detail,
+            exit_code=result.exit_code,
+            timed_out=result.timed_out,
+            log_tail=log_tail,
+        )
 
     def run_harness(self, apply_method: ApplyMethod) -> Verdict:
         """Steps 6 and 7 with the SWE-bench harness's runner and log parser."""
@@ -474,37 +604,58 @@ class _Scoring:
         commands = self.harness.test_commands(spec.test_patch, self.image)
         try:
             run = runner.run_script(
-                commands, self.worktree, config.runner_limits(spec.timeout_s),
+                commands,
+                self.worktree,
+                config.runner_limits(spec.timeout_s),
                 hidden_paths=[self.work_root, config.cache_path(self.work_root)],
-                image=self.image, worktree_dir=pathlib.Path(spec.repo_path))
+                image=self.image,
+                worktree_dir=pathlib.Path(spec.repo_path),
+            )
         except isolation.SandboxUnavailableError as error:
             raise InfrastructureError(str(error)) from error
         self.lap("tests")
-        graded = self.harness.grade(run, spec.instance_id, spec.fail_to_pass, spec.pass_to_pass,
-                                    spec.reward_mode)
+        graded = self.harness.grade(
+            run, spec.instance_id, spec.fail_to_pass, spec.pass_to_pass, spec.reward_mode
+        )
         self.lap("grade")
-        log_tail = (run.result.output + run.log)[-config.max_log_bytes:]
+        log_tail = (run.result.output + run.log)[-config.max_log_bytes :]
         if not graded.resolved:
             log_tail += f"\n[dockyard] {graded.failure_kind.value}: {graded.detail}\n"
-        return self.finish(apply_method=apply_method, grade=graded, kind=graded.failure_kind,
-                           detail=graded.detail, exit_code=run.exit_status,
-                           timed_out=run.result.timed_out, log_tail=log_tail)
+        return self.finish(
+            apply_method=apply_method,
+            grade=graded,
+            kind=graded.failure_kind,
+            detail=graded.detail,
+            exit_code=run.exit_status,
+            timed_out=run.result.timed_out,
+            log_tail=log_tail,
+        )
 
-    def violation(self, violation: tuple[str, ...], what: str,
-                  apply_method: ApplyMethod = ApplyMethod.NOT_ATTEMPTED) -> Verdict:
-        shown = ", ".join(violation[:20]) + (f" and {len(violation) - 20} more"
-                                             if len(violation) > 20 else "")
+    def violation(
+        self,
+        violation: tuple[str, ...],
+        what: str,
+        apply_method: ApplyMethod = ApplyMethod.NOT_ATTEMPTED,
+    ) -> Verdict:
+        shown = ", ".join(violation[:20]) + (
+            f" and {len(violation) - 20} more" if len(violation) > 20 else ""
+        )
         detail = f"integrity violation: {what} ({shown}); no test ran"
-        return self.finish(apply_method=apply_method, kind=FailureKind.INTEGRITY_VIOLATION,
-                           violation=tuple(violation), detail=detail, log_tail=detail)
+        return self.finish(
+            apply_method=apply_method,
+            kind=FailureKind.INTEGRITY_VIOLATION,
+            violation=tuple(violation),
+            detail=detail,
+            log_tail=detail,
+        )
 
-    def install_tests(self, worktree: pathlib.Path, commit: str,
-                      all_test_files: list[str]) -> str:
+    def install_tests(self, worktree: pathlib.Path, commit: str, all_test_files: list[str]) -> str:
         """Restores the held-out files from `commit` and applies the gold test patch; returns
         git's complaint, or "" when both worked."""
         # One listing of the base tree (no pathspecs: test file names may hold glob characters).
-        listed = apply_lib.git(worktree, "ls-tree", "-r", "-z", "--name-only", "--full-tree",
-                               commit, text=False).stdout
+        listed = apply_lib.git(
+            worktree, "ls-tree", "-r", "-z", "--name-only", "--full-tree", commit, text=False
+        ).stdout
         at_base = {os.fsdecode(name) for name in listed.split(b"\0") if name}
         existing = [path for path in all_test_files if path in at_base]
         if existing:
@@ -517,10 +668,12 @@ class _Scoring:
                 target.unlink()  # a file the test patch creates must not pre-exist
         test_patch_file = self.scratch / "test.patch"
         test_patch = self.spec.test_patch
-        test_patch_file.write_text(test_patch if test_patch.endswith("\n") else test_patch + "\n",
-                                   encoding="utf-8")
-        applied = apply_lib.git(worktree, "apply", "--whitespace=nowarn", str(test_patch_file),
-                                check=False)
+        test_patch_file.write_text(
+            test_patch if test_patch.endswith("\n") else test_patch + "\n", encoding="utf-8"
+        )
+        applied = apply_lib.git(
+            worktree, "apply", "--whitespace=nowarn", str(test_patch_file), check=False
+        )
         return "" if applied.returncode == 0 else applied.stderr.strip()[-1000:]
 
     def confirm_test_patch_applies(self, all_test_files: list[str], problem: str) -> None:

@@ -17,8 +17,13 @@ from dockyard_rl.sandbox.task import ApplyMethod, FailureKind, RewardMode, TestO
 from dockyard_rl.sandbox.testing_repos import OPS_BASE, OPS_FIXED, make_toy_repo
 from dockyard_rl.utils.config import from_dict
 
-CONFIG = pipeline.PipelineConfig(timeout_s=60, cpu_time_s=60, memory_bytes=2 * 1024**3,
-                                 max_num_processes=64, max_log_bytes=16 * 1024)
+CONFIG = pipeline.PipelineConfig(
+    timeout_s=60,
+    cpu_time_s=60,
+    memory_bytes=2 * 1024**3,
+    max_num_processes=64,
+    max_log_bytes=16 * 1024,
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,21 +49,25 @@ def _ops_with(prelude: str, fixed: bool = False) -> dict[str, str]:
 
 # Hostile code reports what it saw by printing at once; the tests that use this run pytest with
 # -s (no capture), since the runner leaves with os._exit and atexit handlers never run.
-_SAY = ("import os as _os\n"
-        "class _Lines(list):\n"
-        "    def append(self, line):\n"
-        "        _os.write(1, (line + '\\n').encode())\n"
-        "_LINES = _Lines()\n")
+_SAY = (
+    "import os as _os\n"
+    "class _Lines(list):\n"
+    "    def append(self, line):\n"
+    "        _os.write(1, (line + '\\n').encode())\n"
+    "_LINES = _Lines()\n"
+)
 _UNCAPTURED = "python -m pytest -s tests/test_ops.py tests/test_mul_table.py"
 
 
 def _assert_not_resolved(verdict):
     assert not verdict.resolved and verdict.reward == 0.0
-    assert verdict.fail_to_pass and all(o != TestOutcome.PASSED
-                                        for o in verdict.fail_to_pass.values())
+    assert verdict.fail_to_pass and all(
+        o != TestOutcome.PASSED for o in verdict.fail_to_pass.values()
+    )
 
 
 # --- the four basic outcomes ------------------------------------------------------------------
+
 
 def test_gold_patch_is_resolved(toy, work_root):
     verdict = _score(toy, work_root, toy.gold_patch)
@@ -86,8 +95,9 @@ def test_wrong_patch_reports_per_test_outcomes(toy, work_root):
     verdict = _score(toy, work_root, toy.wrong_patch, reward_mode=RewardMode.PASS_RATE)
     assert not verdict.resolved
     assert set(verdict.fail_to_pass.values()) == {TestOutcome.PASSED}
-    assert verdict.pass_to_pass["tests/test_ops.py::test_sub[five minus three]"] == \
-        TestOutcome.FAILED
+    assert (
+        verdict.pass_to_pass["tests/test_ops.py::test_sub[five minus three]"] == TestOutcome.FAILED
+    )
     assert verdict.pass_to_pass["tests/test_ops.py::test_add"] == TestOutcome.PASSED
     assert verdict.reward == pytest.approx(7 / 8)
 
@@ -101,9 +111,11 @@ def test_patch_that_does_not_apply_is_reported(toy, work_root):
 
 # --- hostile patches --------------------------------------------------------------------------
 
+
 def test_editing_a_held_out_test_scores_zero_without_running(toy, work_root):
-    patch = toy.patch_for({"calc/ops.py": OPS_FIXED,
-                           "tests/test_ops.py": "def test_add():\n    pass\n"})
+    patch = toy.patch_for(
+        {"calc/ops.py": OPS_FIXED, "tests/test_ops.py": "def test_add():\n    pass\n"}
+    )
     verdict = _score(toy, work_root, patch)
     _assert_not_resolved(verdict)
     assert verdict.integrity_violation == ("tests/test_ops.py",)
@@ -111,9 +123,11 @@ def test_editing_a_held_out_test_scores_zero_without_running(toy, work_root):
 
 
 def test_conftest_forcing_passes_is_a_violation(toy, work_root):
-    conftest = ("import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"
-                "def pytest_runtest_makereport(item, call):\n    outcome = yield\n"
-                "    outcome.get_result().outcome = 'passed'\n")
+    conftest = (
+        "import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"
+        "def pytest_runtest_makereport(item, call):\n    outcome = yield\n"
+        "    outcome.get_result().outcome = 'passed'\n"
+    )
     for name in ("conftest.py", "tests/conftest.py"):
         verdict = _score(toy, work_root, toy.patch_for({name: conftest}))
         _assert_not_resolved(verdict)
@@ -124,11 +138,13 @@ def test_fake_passed_lines_and_exit_zero(toy, work_root):
     # After the real run, print a fake all-green summary and force exit status 0 from atexit:
     # the runner leaves with os._exit before atexit handlers could run, so the honest failures
     # stand.
-    prelude = ("import atexit, os\n"
-               "def _lie():\n"
-               "    os.write(1, b'tests/test_ops.py::test_mul PASSED\\n')\n"
-               "    os._exit(0)\n"
-               "atexit.register(_lie)\n")
+    prelude = (
+        "import atexit, os\n"
+        "def _lie():\n"
+        "    os.write(1, b'tests/test_ops.py::test_mul PASSED\\n')\n"
+        "    os._exit(0)\n"
+        "atexit.register(_lie)\n"
+    )
     verdict = _score(toy, work_root, toy.patch_for(_ops_with(prelude)))
     _assert_not_resolved(verdict)
     assert verdict.failure_kind == FailureKind.TESTS_FAILED
@@ -148,15 +164,17 @@ def test_exit_zero_during_collection(toy, work_root):
 
 def test_replaced_stdout_printing_passes(toy, work_root):
     # SWE-bench #601: replace sys.stdout so the log only ever says PASSED.
-    prelude = ("import sys\n"
-               "class _Liar:\n"
-               "    def write(self, text):\n"
-               "        sys.__stdout__.write(text.replace('FAILED', 'PASSED').replace('F', '.'))\n"
-               "    def flush(self):\n"
-               "        sys.__stdout__.flush()\n"
-               "    def __getattr__(self, name):\n"
-               "        return getattr(sys.__stdout__, name)\n"
-               "sys.stdout = _Liar()\n")
+    prelude = (
+        "import sys\n"
+        "class _Liar:\n"
+        "    def write(self, text):\n"
+        "        sys.__stdout__.write(text.replace('FAILED', 'PASSED').replace('F', '.'))\n"
+        "    def flush(self):\n"
+        "        sys.__stdout__.flush()\n"
+        "    def __getattr__(self, name):\n"
+        "        return getattr(sys.__stdout__, name)\n"
+        "sys.stdout = _Liar()\n"
+    )
     verdict = _score(toy, work_root, toy.patch_for(_ops_with(prelude)))
     _assert_not_resolved(verdict)
     assert verdict.test_exit_code == 1
@@ -170,18 +188,25 @@ def test_network_connection_is_blocked(toy, work_root):
     server.settimeout(0.1)
     port = server.getsockname()[1]
     # The "fix" only works if the code can phone home.
-    prelude = (_SAY + "import socket\n"
-               "_ONLINE = False\n"
-               f"for _host in [('127.0.0.1', {port}), ('1.1.1.1', 443)]:\n"
-               "    try:\n"
-               "        socket.create_connection(_host, timeout=2).sendall(b'escaped')\n"
-               "        _ONLINE = True\n"
-               "    except OSError as error:\n"
-               "        _LINES.append(f'NETWORK BLOCKED {_host} {error}')\n")
-    ops = OPS_BASE.replace("    return a + b\n\n\ndef clamp",
-                           "    return a * b if _ONLINE else a + b\n\n\ndef clamp")
-    verdict = _score(toy, work_root, toy.patch_for({"calc/ops.py": prelude + "\n\n" + ops}),
-                     test_command=_UNCAPTURED)
+    prelude = (
+        _SAY + "import socket\n"
+        "_ONLINE = False\n"
+        f"for _host in [('127.0.0.1', {port}), ('1.1.1.1', 443)]:\n"
+        "    try:\n"
+        "        socket.create_connection(_host, timeout=2).sendall(b'escaped')\n"
+        "        _ONLINE = True\n"
+        "    except OSError as error:\n"
+        "        _LINES.append(f'NETWORK BLOCKED {_host} {error}')\n"
+    )
+    ops = OPS_BASE.replace(
+        "    return a + b\n\n\ndef clamp", "    return a * b if _ONLINE else a + b\n\n\ndef clamp"
+    )
+    verdict = _score(
+        toy,
+        work_root,
+        toy.patch_for({"calc/ops.py": prelude + "\n\n" + ops}),
+        test_command=_UNCAPTURED,
+    )
     _assert_not_resolved(verdict)
     with pytest.raises(socket.timeout):
         server.accept()
@@ -193,23 +218,35 @@ def test_writes_outside_the_worktree_are_blocked(toy, work_root, tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
     mirrors = work_root / "mirrors"
-    targets = [str(outside / "marker"), "/etc/dockyard_marker", str(mirrors / "planted"),
-               str(work_root / "planted"), "/usr/lib/planted"]
-    prelude = (_SAY + "import subprocess\n"
-               "_ESCAPED = False\n"
-               f"for _path in {targets!r}:\n"
-               "    try:\n"
-               "        open(_path, 'w').write('x')\n"
-               "        _ESCAPED = True\n"
-               "    except OSError as error:\n"
-               "        _LINES.append(f'WRITE BLOCKED {_path} {type(error).__name__}')\n"
-               "_LINES.append('HISTORY ' + repr(subprocess.run(\n"
-               "    ['git', 'log', '--all', '--format=%s'], capture_output=True,\n"
-               "    text=True).stdout.split()))\n")
-    ops = OPS_BASE.replace("    return a + b\n\n\ndef clamp",
-                           "    return a * b if _ESCAPED else a + b\n\n\ndef clamp")
-    verdict = _score(toy, work_root, toy.patch_for({"calc/ops.py": prelude + "\n\n" + ops}),
-                     test_command=_UNCAPTURED)
+    targets = [
+        str(outside / "marker"),
+        "/etc/dockyard_marker",
+        str(mirrors / "planted"),
+        str(work_root / "planted"),
+        "/usr/lib/planted",
+    ]
+    prelude = (
+        _SAY + "import subprocess\n"
+        "_ESCAPED = False\n"
+        f"for _path in {targets!r}:\n"
+        "    try:\n"
+        "        open(_path, 'w').write('x')\n"
+        "        _ESCAPED = True\n"
+        "    except OSError as error:\n"
+        "        _LINES.append(f'WRITE BLOCKED {_path} {type(error).__name__}')\n"
+        "_LINES.append('HISTORY ' + repr(subprocess.run(\n"
+        "    ['git', 'log', '--all', '--format=%s'], capture_output=True,\n"
+        "    text=True).stdout.split()))\n"
+    )
+    ops = OPS_BASE.replace(
+        "    return a + b\n\n\ndef clamp", "    return a * b if _ESCAPED else a + b\n\n\ndef clamp"
+    )
+    verdict = _score(
+        toy,
+        work_root,
+        toy.patch_for({"calc/ops.py": prelude + "\n\n" + ops}),
+        test_command=_UNCAPTURED,
+    )
     _assert_not_resolved(verdict)
     for target in targets:
         assert not pathlib.Path(target).exists(), target
@@ -220,14 +257,12 @@ def test_writes_outside_the_worktree_are_blocked(toy, work_root, tmp_path):
 
 
 def test_fork_bomb_is_killed_at_the_limit(toy, work_root):
-    prelude = ("import os\n"
-               "while True:\n"
-               "    try:\n"
-               "        os.fork()\n"
-               "    except OSError:\n"
-               "        pass\n")
-    config = pipeline.PipelineConfig(**{**CONFIG.__dict__, "timeout_s": 3.0,
-                                        "max_num_processes": 32})
+    prelude = (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    )
+    config = pipeline.PipelineConfig(
+        **{**CONFIG.__dict__, "timeout_s": 3.0, "max_num_processes": 32}
+    )
     start = time.monotonic()
     verdict = _score(toy, work_root, toy.patch_for(_ops_with(prelude, fixed=True)), config)
     _assert_not_resolved(verdict)
@@ -236,8 +271,9 @@ def test_fork_bomb_is_killed_at_the_limit(toy, work_root):
 
 
 def test_endless_loop_is_killed_at_the_task_timeout(toy, work_root):
-    ops = OPS_BASE.replace("    return a + b\n\n\ndef clamp",
-                           "    while True:\n        pass\n\n\ndef clamp")
+    ops = OPS_BASE.replace(
+        "    return a + b\n\n\ndef clamp", "    while True:\n        pass\n\n\ndef clamp"
+    )
     start = time.monotonic()
     verdict = _score(toy, work_root, toy.patch_for({"calc/ops.py": ops}), timeout_s=2.0)
     _assert_not_resolved(verdict)
@@ -247,8 +283,9 @@ def test_endless_loop_is_killed_at_the_task_timeout(toy, work_root):
 
 
 def test_a_run_killed_by_the_cpu_limit_is_a_limit_outcome(toy, work_root):
-    ops = OPS_BASE.replace("    return a + b\n\n\ndef clamp",
-                           "    while True:\n        pass\n\n\ndef clamp")
+    ops = OPS_BASE.replace(
+        "    return a + b\n\n\ndef clamp", "    while True:\n        pass\n\n\ndef clamp"
+    )
     config = dataclasses.replace(CONFIG, cpu_time_s=2)
     verdict = _score(toy, work_root, toy.patch_for({"calc/ops.py": ops}), config=config)
     _assert_not_resolved(verdict)
@@ -258,12 +295,14 @@ def test_a_run_killed_by_the_cpu_limit_is_a_limit_outcome(toy, work_root):
 
 
 def test_huge_output_is_bounded(toy, work_root):
-    prelude = ("import atexit, os\n"
-               "def _flood():\n"
-               "    line = b'spam ' * 209716 + b'\\n'\n"  # ~1 MiB a line, 100 MiB in all
-               "    for _ in range(100):\n"
-               "        os.write(1, line)\n"
-               "atexit.register(_flood)\n")
+    prelude = (
+        "import atexit, os\n"
+        "def _flood():\n"
+        "    line = b'spam ' * 209716 + b'\\n'\n"  # ~1 MiB a line, 100 MiB in all
+        "    for _ in range(100):\n"
+        "        os.write(1, line)\n"
+        "atexit.register(_flood)\n"
+    )
     start = time.monotonic()
     verdict = _score(toy, work_root, toy.patch_for(_ops_with(prelude)))
     _assert_not_resolved(verdict)
@@ -279,7 +318,7 @@ def test_report_rewritten_by_a_plugin_the_repository_registers(toy, work_root):
     # An adaptive forger: finds the running pytest Config through the garbage collector,
     # registers a plugin that rewrites the report after pytest wrote it (all passed, this run's
     # suite name read from the config) and forces exit status 0.
-    prelude = '''\
+    prelude = """\
 import gc, os
 
 class _Forger:
@@ -299,7 +338,7 @@ for _obj in gc.get_objects():
     if type(_obj).__name__ == "Config" and hasattr(_obj, "pluginmanager"):
         _obj.pluginmanager.register(_Forger(), "forger")
         break
-'''
+"""
     verdict = _score(toy, work_root, toy.patch_for(_ops_with(prelude)))
     _assert_not_resolved(verdict)
     assert verdict.failure_kind == FailureKind.TAMPERING, verdict.failure_detail
@@ -308,11 +347,17 @@ for _obj in gc.get_objects():
 
 
 def test_canned_reports_in_the_repository_and_exit_zero(toy, work_root):
-    canned = ('<testsuites><testsuite name="pytest"><testcase classname="tests.test_ops" '
-              'name="test_mul" /></testsuite></testsuites>\n')
+    canned = (
+        '<testsuites><testsuite name="pytest"><testcase classname="tests.test_ops" '
+        'name="test_mul" /></testsuite></testsuites>\n'
+    )
     # Reports committed into the repository, where a naive harness might pick them up.
-    files = {**_ops_with("import os\nos._exit(0)\n"), "junit.xml": canned,
-             "report.xml": canned, "tests/junit.xml": canned}
+    files = {
+        **_ops_with("import os\nos._exit(0)\n"),
+        "junit.xml": canned,
+        "report.xml": canned,
+        "tests/junit.xml": canned,
+    }
     verdict = _score(toy, work_root, toy.patch_for(files))
     _assert_not_resolved(verdict)
     assert verdict.apply_method == ApplyMethod.GIT_APPLY
@@ -320,6 +365,7 @@ def test_canned_reports_in_the_repository_and_exit_zero(toy, work_root):
 
 
 # --- errors and configuration -----------------------------------------------------------------
+
 
 def test_infrastructure_failures_raise(toy, work_root):
     spec = toy.spec(toy.gold_patch)
@@ -334,26 +380,40 @@ def test_infrastructure_failures_raise(toy, work_root):
 
 def test_malformed_tasks_are_value_errors(toy, work_root):
     spec = toy.spec(toy.gold_patch)
-    for field, value in [("base_commit", "HEAD"), ("repo", "ext::sh -c id"),
-                         ("test_patch", "not a diff")]:
+    for field, value in [
+        ("base_commit", "HEAD"),
+        ("repo", "ext::sh -c id"),
+        ("test_patch", "not a diff"),
+    ]:
         with pytest.raises(ValueError, match=field):
             pipeline.score_task(type(spec)(**{**spec.__dict__, field: value}), CONFIG, work_root)
 
 
 def test_custom_test_command(toy, work_root):
-    verdict = _score(toy, work_root, toy.gold_patch,
-                     test_command="python -m pytest -p no:cacheprovider tests/test_ops.py")
+    verdict = _score(
+        toy,
+        work_root,
+        toy.gold_patch,
+        test_command="python -m pytest -p no:cacheprovider tests/test_ops.py",
+    )
     # Only test_ops.py ran: the table tests are missing, so not resolved.
     assert not verdict.resolved
     assert verdict.fail_to_pass["tests/test_ops.py::test_mul"] == TestOutcome.PASSED
-    assert verdict.fail_to_pass["tests/test_mul_table.py::test_table[2 x 3]"] == \
-        TestOutcome.MISSING
+    assert verdict.fail_to_pass["tests/test_mul_table.py::test_table[2 x 3]"] == TestOutcome.MISSING
 
 
-@pytest.mark.parametrize("key, value", [("timeout_s", 0), ("cpu_time_s", -1),
-                                        ("memory_bytes", 1024), ("max_num_processes", 1.5),
-                                        ("max_num_open_files", 4), ("max_log_bytes", True),
-                                        ("cache_dir", "")])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("timeout_s", 0),
+        ("cpu_time_s", -1),
+        ("memory_bytes", 1024),
+        ("max_num_processes", 1.5),
+        ("max_num_open_files", 4),
+        ("max_log_bytes", True),
+        ("cache_dir", ""),
+    ],
+)
 def test_config_is_validated(key, value):
     with pytest.raises(ValueError, match=f"pipeline.{key}"):
         from_dict(pipeline.PipelineConfig, {key: value}, "pipeline")

@@ -43,23 +43,40 @@ class RepoCacheError(RuntimeError):
 
 
 def _git_env() -> dict[str, str]:
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8",
-            "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
-            "GIT_TERMINAL_PROMPT": "0", "GIT_ALLOW_PROTOCOL": "file:https",
-            "GIT_AUTHOR_NAME": "dockyard", "GIT_AUTHOR_EMAIL": "dockyard@localhost",
-            "GIT_COMMITTER_NAME": "dockyard", "GIT_COMMITTER_EMAIL": "dockyard@localhost"}
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": "/nonexistent",
+        "LANG": "C.UTF-8",
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_CONFIG_GLOBAL": "/dev/null",
+        "GIT_TERMINAL_PROMPT": "0",
+        "GIT_ALLOW_PROTOCOL": "file:https",
+        "GIT_AUTHOR_NAME": "dockyard",
+        "GIT_AUTHOR_EMAIL": "dockyard@localhost",
+        "GIT_COMMITTER_NAME": "dockyard",
+        "GIT_COMMITTER_EMAIL": "dockyard@localhost",
+    }
 
 
 def _run_git(*args: str, cwd: pathlib.Path | None = None) -> subprocess.CompletedProcess:
     try:
-        result = subprocess.run(["git", *args], cwd=cwd, env=_git_env(), capture_output=True,
-                                text=True, errors="replace", timeout=_GIT_TIMEOUT_S,
-                                stdin=subprocess.DEVNULL)
+        result = subprocess.run(
+            ["git", *args],
+            cwd=cwd,
+            env=_git_env(),
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=_GIT_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
     except (subprocess.TimeoutExpired, OSError) as error:
         raise RepoCacheError(f"git {' '.join(args[:2])} failed: {error}") from error
     if result.returncode != 0:
-        raise RepoCacheError(f"git {' '.join(args)} failed (exit {result.returncode}): "
-                             f"{result.stderr.strip()[-2000:]}")
+        raise RepoCacheError(
+            f"git {' '.join(args)} failed (exit {result.returncode}): "
+            f"{result.stderr.strip()[-2000:]}"
+        )
     return result
 
 
@@ -72,10 +89,11 @@ def normalize_repo(repo: str) -> str:
     if repo.startswith("https://"):
         return repo
     if repo.startswith("file://"):
-        path = pathlib.Path(repo[len("file://"):])
+        path = pathlib.Path(repo[len("file://") :])
     elif "://" in repo or "::" in repo or re.match(r"^[\w.-]+@[\w.-]+:", repo):
-        raise ValueError(f"repo: only local paths, file:// and https:// URLs are accepted, got "
-                         f"{repo!r}")
+        raise ValueError(
+            f"repo: only local paths, file:// and https:// URLs are accepted, got {repo!r}"
+        )
     else:
         path = pathlib.Path(repo)
     path = path.resolve()
@@ -86,8 +104,9 @@ def normalize_repo(repo: str) -> str:
 
 def validate_commit(base_commit: str) -> str:
     if not _COMMIT_RE.match(base_commit):
-        raise ValueError(f"base_commit: must be a hexadecimal commit id (7-64 digits), got "
-                         f"{base_commit!r}")
+        raise ValueError(
+            f"base_commit: must be a hexadecimal commit id (7-64 digits), got {base_commit!r}"
+        )
     return base_commit.lower()
 
 
@@ -114,9 +133,13 @@ class RepoCache:
 
     @staticmethod
     def _has_commit(mirror: pathlib.Path, commit: str) -> bool:
-        result = subprocess.run(["git", "--git-dir", str(mirror), "cat-file", "-e",
-                                 f"{commit}^{{commit}}"], env=_git_env(), capture_output=True,
-                                timeout=_GIT_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        result = subprocess.run(
+            ["git", "--git-dir", str(mirror), "cat-file", "-e", f"{commit}^{{commit}}"],
+            env=_git_env(),
+            capture_output=True,
+            timeout=_GIT_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
         return result.returncode == 0
 
     def ensure_mirror(self, repo: str, base_commit: str) -> pathlib.Path:
@@ -145,14 +168,29 @@ class RepoCache:
         """Makes `dest` (must not exist) a single-commit repository at `base_commit`."""
         mirror = self.ensure_mirror(repo, base_commit)
         # Fetching by id needs the full id; an abbreviated one is resolved in the mirror.
-        commit = _run_git("--git-dir", str(mirror), "rev-parse", "--verify", "--quiet",
-                          f"{validate_commit(base_commit)}^{{commit}}").stdout.strip()
+        commit = _run_git(
+            "--git-dir",
+            str(mirror),
+            "rev-parse",
+            "--verify",
+            "--quiet",
+            f"{validate_commit(base_commit)}^{{commit}}",
+        ).stdout.strip()
         if dest.exists():
             raise ValueError(f"checkout destination {str(dest)!r} already exists")
         _run_git("init", "--quiet", str(dest))
-        _run_git("fetch", "--quiet", "--depth=1", "--no-tags", "--no-write-fetch-head",
-                 mirror.as_uri(), commit, cwd=dest)
-        _run_git("-c", "advice.detachedHead=false", "checkout", "--quiet", "--detach", commit,
-                 cwd=dest)
+        _run_git(
+            "fetch",
+            "--quiet",
+            "--depth=1",
+            "--no-tags",
+            "--no-write-fetch-head",
+            mirror.as_uri(),
+            commit,
+            cwd=dest,
+        )
+        _run_git(
+            "-c", "advice.detachedHead=false", "checkout", "--quiet", "--detach", commit, cwd=dest
+        )
         # `git init` created an unborn default branch; nothing else points anywhere.
         _run_git("reflog", "expire", "--expire=now", "--all", cwd=dest)

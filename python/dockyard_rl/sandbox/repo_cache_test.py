@@ -65,9 +65,18 @@ def test_abbreviated_commit_ids_work(toy, tmp_path):
     assert git(tmp_path / "repo", "rev-parse", "HEAD").strip() == toy.base_commit
 
 
-@pytest.mark.parametrize("repo", ["ext::sh -c touch% /tmp/pwned", "--upload-pack=touch /tmp/x",
-                                  "ssh://host/repo.git", "git@github.com:a/b.git",
-                                  "git://host/repo", "/does/not/exist", ""])
+@pytest.mark.parametrize(
+    "repo",
+    [
+        "ext::sh -c touch% /tmp/pwned",
+        "--upload-pack=touch /tmp/x",
+        "ssh://host/repo.git",
+        "git@github.com:a/b.git",
+        "git://host/repo",
+        "/does/not/exist",
+        "",
+    ],
+)
 def test_unsafe_or_unknown_repositories_are_refused(repo, tmp_path):
     with pytest.raises(ValueError, match="repo"):
         repo_cache.RepoCache(tmp_path / "cache").ensure_mirror(repo, "a" * 40)
@@ -83,8 +92,9 @@ def test_commit_must_be_hexadecimal(toy, commit, tmp_path):
 def test_unreachable_https_repository_is_a_cache_error(tmp_path):
     with pytest.raises(repo_cache.RepoCacheError):
         # Port 9 on localhost: nothing listens, so git fails fast without any network.
-        repo_cache.RepoCache(tmp_path / "cache").ensure_mirror("https://127.0.0.1:9/x.git",
-                                                               "a" * 40)
+        repo_cache.RepoCache(tmp_path / "cache").ensure_mirror(
+            "https://127.0.0.1:9/x.git", "a" * 40
+        )
     assert not list((tmp_path / "cache").glob("*.git"))
 
 
@@ -100,8 +110,9 @@ def test_concurrent_workers_share_one_clone(toy, tmp_path):
 
     def worker(i):
         try:
-            repo_cache.RepoCache(cache_dir).checkout(str(toy.path), toy.base_commit,
-                                                     tmp_path / f"thread{i}")
+            repo_cache.RepoCache(cache_dir).checkout(
+                str(toy.path), toy.base_commit, tmp_path / f"thread{i}"
+            )
         except Exception as error:  # noqa: BLE001 - surfaced by the assertion below
             errors.append(error)
 
@@ -113,9 +124,13 @@ def test_concurrent_workers_share_one_clone(toy, tmp_path):
     assert errors == []
     context = multiprocessing.get_context("fork")
     with context.Pool(2) as pool:
-        texts = pool.map(_checkout_in_process,
-                         [(str(cache_dir), str(toy.path), toy.base_commit,
-                           str(tmp_path / f"proc{i}")) for i in range(2)])
+        texts = pool.map(
+            _checkout_in_process,
+            [
+                (str(cache_dir), str(toy.path), toy.base_commit, str(tmp_path / f"proc{i}"))
+                for i in range(2)
+            ],
+        )
     assert texts == [OPS_BASE, OPS_BASE]
     assert len(list(cache_dir.glob("*.git"))) == 1
     assert not list(cache_dir.glob(".clone-*"))  # staging directories were cleaned up

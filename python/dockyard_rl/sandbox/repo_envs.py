@@ -67,11 +67,13 @@ def check_requirements(lines: Sequence[str]) -> None:
         try:
             requirement = Requirement(line)
         except InvalidRequirement as error:
-            raise ValueError(f"requirements: {line!r} is not a pip requirement specifier "
-                             f"({error})") from None
+            raise ValueError(
+                f"requirements: {line!r} is not a pip requirement specifier ({error})"
+            ) from None
         if requirement.url:
-            raise ValueError(f"requirements: {line!r} names a URL; only index packages are "
-                             f"installed")
+            raise ValueError(
+                f"requirements: {line!r} names a URL; only index packages are installed"
+            )
 
 
 def _pytest_pin() -> str:
@@ -94,8 +96,10 @@ class RepoEnvCache:
         self._staging.mkdir()
 
     def key(self, requirements: Sequence[str]) -> str:
-        content = json.dumps({"python": sys.version, "pytest": _pytest_pin(),
-                              "requirements": sorted(requirements)}, sort_keys=True)
+        content = json.dumps(
+            {"python": sys.version, "pytest": _pytest_pin(), "requirements": sorted(requirements)},
+            sort_keys=True,
+        )
         return hashlib.sha256(content.encode()).hexdigest()[:32]
 
     @contextlib.contextmanager
@@ -117,29 +121,56 @@ class RepoEnvCache:
         staging = self._staging / secrets.token_hex(8)
         try:
             self._run([sys.executable, "-m", "venv", str(staging)], "creating the venv")
-            self._run([str(staging / "bin" / "python"), "-m", "pip", "install", "--no-input",
-                       "--disable-pip-version-check", "--no-compile", _pytest_pin(),
-                       *requirements], "pip install")
-            (staging / "env.json").write_text(json.dumps(
-                {"requirements": list(requirements), "python": sys.version}, indent=1))
+            self._run(
+                [
+                    str(staging / "bin" / "python"),
+                    "-m",
+                    "pip",
+                    "install",
+                    "--no-input",
+                    "--disable-pip-version-check",
+                    "--no-compile",
+                    _pytest_pin(),
+                    *requirements,
+                ],
+                "pip install",
+            )
+            (staging / "env.json").write_text(
+                json.dumps({"requirements": list(requirements), "python": sys.version}, indent=1)
+            )
             # The sandbox's uid must read (not write) it.
-            subprocess.run(["chmod", "-R", "a+rX,go-w", str(staging)], check=False,
-                           timeout=600, stdin=subprocess.DEVNULL)
+            subprocess.run(
+                ["chmod", "-R", "a+rX,go-w", str(staging)],
+                check=False,
+                timeout=600,
+                stdin=subprocess.DEVNULL,
+            )
             os.rename(staging, final)
         finally:  # an OSError (the executor's disk) propagates: the pipeline retries it
             if staging.exists():
                 cleanup.remove_tree(staging, trash_dir=self.cache_dir / "trash")
-        logger.info("repository environment %s (%s): built in %.1f s", final.name,
-                    ", ".join(requirements), time.monotonic() - started)
+        logger.info(
+            "repository environment %s (%s): built in %.1f s",
+            final.name,
+            ", ".join(requirements),
+            time.monotonic() - started,
+        )
 
     @staticmethod
     def _run(argv: list[str], what: str) -> None:
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S,
-                                  stdin=subprocess.DEVNULL, check=False)
+            done = subprocess.run(
+                argv,
+                capture_output=True,
+                text=True,
+                timeout=_PIP_TIMEOUT_S,
+                stdin=subprocess.DEVNULL,
+                check=False,
+            )
         except subprocess.TimeoutExpired:
-            raise ValueError(f"requirements: {what} took longer than {_PIP_TIMEOUT_S:.0f} s") \
-                from None
+            raise ValueError(
+                f"requirements: {what} took longer than {_PIP_TIMEOUT_S:.0f} s"
+            ) from None
         if done.returncode != 0:
             message = (done.stderr or done.stdout).strip()[-2000:]
             raise ValueError(f"requirements: {what} failed: {message}")

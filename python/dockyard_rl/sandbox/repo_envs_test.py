@@ -12,7 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import importlib.util
-import pathlib
 
 import pytest
 
@@ -20,13 +19,20 @@ from dockyard_rl.sandbox import pipeline, repo_envs
 from dockyard_rl.sandbox.task import TaskSpec, TaskValidationError
 from dockyard_rl.sandbox.testing_repos import git
 
-CONFIG = pipeline.PipelineConfig(timeout_s=120, cpu_time_s=120, memory_bytes=2 * 1024**3,
-                                 max_num_processes=64, max_log_bytes=16 * 1024)
+CONFIG = pipeline.PipelineConfig(
+    timeout_s=120,
+    cpu_time_s=120,
+    memory_bytes=2 * 1024**3,
+    max_num_processes=64,
+    max_log_bytes=16 * 1024,
+)
 REQUIREMENTS = ("roman==4.2",)
 BUGGY = "import roman\n\n\ndef year_label(year):\n    return roman.toRoman(year - 1)\n"
 FIXED = "import roman\n\n\ndef year_label(year):\n    return roman.toRoman(year)\n"
-TESTS = ("import roman\n\nfrom clock.label import year_label\n\n\n"
-         "def test_roman_present():\n    assert roman.fromRoman('X') == 10\n")
+TESTS = (
+    "import roman\n\nfrom clock.label import year_label\n\n\n"
+    "def test_roman_present():\n    assert roman.fromRoman('X') == 10\n"
+)
 NEW_TEST = "\n\ndef test_year_label():\n    assert year_label(2026) == 'MMXXVI'\n"
 
 
@@ -46,12 +52,16 @@ def spec(tmp_path_factory) -> TaskSpec:
     (repo / "clock" / "label.py").write_text(FIXED)
     (repo / "tests" / "test_label.py").write_text(TESTS + NEW_TEST)
     git(repo, "commit", "--quiet", "-am", "fix")
-    return TaskSpec(instance_id="clock-1", repo=str(repo), base_commit=base,
-                    patch=git(repo, "diff", base, "HEAD", "--", "clock"),
-                    test_patch=git(repo, "diff", base, "HEAD", "--", "tests"),
-                    fail_to_pass=("tests/test_label.py::test_year_label",),
-                    pass_to_pass=("tests/test_label.py::test_roman_present",),
-                    requirements=REQUIREMENTS)
+    return TaskSpec(
+        instance_id="clock-1",
+        repo=str(repo),
+        base_commit=base,
+        patch=git(repo, "diff", base, "HEAD", "--", "clock"),
+        test_patch=git(repo, "diff", base, "HEAD", "--", "tests"),
+        fail_to_pass=("tests/test_label.py::test_year_label",),
+        pass_to_pass=("tests/test_label.py::test_roman_present",),
+        requirements=REQUIREMENTS,
+    )
 
 
 def test_the_environment_makes_the_task_scorable(spec, tmp_path):
@@ -76,18 +86,22 @@ def test_a_requirement_pip_cannot_install_fails_that_task_only(spec, tmp_path):
     assert list((tmp_path / "envs" / "staging").iterdir()) == []
 
 
-@pytest.mark.parametrize("lines,message", [
-    (["-e ."], "is not a pip requirement specifier"),
-    (["pkg @ https://example.invalid/pkg.whl"], "names a URL"),
-])
+@pytest.mark.parametrize(
+    "lines,message",
+    [
+        (["-e ."], "is not a pip requirement specifier"),
+        (["pkg @ https://example.invalid/pkg.whl"], "names a URL"),
+    ],
+)
 def test_requirements_are_checked_at_submission(spec, lines, message):
     body = {**dataclasses.replace(spec, requirements=()).to_dict(), "requirements": lines}
     with pytest.raises(TaskValidationError, match=message) as info:
         TaskSpec.from_request(body)
     assert info.value.field == "requirements"
     with pytest.raises(TaskValidationError, match="cannot be combined with an image"):
-        TaskSpec.from_request({**body, "requirements": list(REQUIREMENTS),
-                               "image": "/images/x.tar"})
+        TaskSpec.from_request(
+            {**body, "requirements": list(REQUIREMENTS), "image": "/images/x.tar"}
+        )
     round_trip = TaskSpec.from_request(spec.to_dict())
     assert round_trip == spec
 

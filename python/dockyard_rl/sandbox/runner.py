@@ -20,8 +20,8 @@ docstring for what happens inside). Here:
   the report come back on two pipes and are parsed as they arrive (`evidence.py`, bounded).
 - Environment: PATH with the interpreter first, HOME=/tmp, PYTHONHASHSEED=0 (reproducible
   runs), PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 (no entry-point plugins, the worktree's included),
-  git's safe.directory for /testbed, and nothing else; the interpreter runs with -s (no user site), -P (no script dir on sys.path)
-  and -B (no bytecode written).
+  git's safe.directory for /testbed, and nothing else; the interpreter runs with -s (no user
+  site), -P (no script dir on sys.path) and -B (no bytecode written).
 """
 
 from __future__ import annotations
@@ -60,8 +60,7 @@ _REFUSED_OPTIONS = {
     "--dist": "pytest-xdist runs tests in other processes the runner cannot watch",
     "--tx": "pytest-xdist runs tests in other processes the runner cannot watch",
     "-c": "a configuration file named on the command line could be one the patch wrote",
-    "--config-file": "a configuration file named on the command line could be one the patch "
-                     "wrote",
+    "--config-file": "a configuration file named on the command line could be one the patch wrote",
     "--inifile": "a configuration file named on the command line could be one the patch wrote",
     "--pdb": "a debugger needs a terminal",
     "--trace": "a debugger needs a terminal",
@@ -74,8 +73,8 @@ class RunnerLimits:
     """The sandbox's limits plus what the runner itself bounds."""
 
     sandbox: isolation.SandboxLimits
-    worktree_size_bytes: int      # the /testbed tmpfs the worktree is copied into
-    max_report_bytes: int         # the report and the record stream, each
+    worktree_size_bytes: int  # the /testbed tmpfs the worktree is copied into
+    max_report_bytes: int  # the report and the record stream, each
     max_report_testcases: int
 
 
@@ -91,17 +90,21 @@ def pytest_arguments(test_command: str | None) -> list[str] | None:
     if not words:
         raise ValueError("test_command: must not be empty")
     if _ENV_ASSIGNMENT_RE.match(words[0]):
-        raise ValueError(f"test_command: environment assignments ({words[0]!r}) are not "
-                         f"supported: the test environment is fixed by the executor")
+        raise ValueError(
+            f"test_command: environment assignments ({words[0]!r}) are not "
+            f"supported: the test environment is fixed by the executor"
+        )
     if os.path.basename(words[0]) in _PYTEST_ENTRIES:
         args = words[1:]
     elif _PYTHON_RE.match(words[0]) and words[1:3] == ["-m", "pytest"]:
         args = words[3:]
     else:
-        raise ValueError(f"test_command: only pytest invocations can be isolated and graded "
-                         f"(`pytest ARGS` or `python -m pytest ARGS`), got {words[0]!r}; other "
-                         f"runners (Django's runtests.py, sympy's bin/test, tox) are not "
-                         f"supported")
+        raise ValueError(
+            f"test_command: only pytest invocations can be isolated and graded "
+            f"(`pytest ARGS` or `python -m pytest ARGS`), got {words[0]!r}; other "
+            f"runners (Django's runtests.py, sympy's bin/test, tox) are not "
+            f"supported"
+        )
     for index, arg in enumerate(args):
         name = arg.split("=", 1)[0]
         if name in _REFUSED_OPTIONS or (name.startswith("-n") and name[2:].isdigit()):
@@ -113,13 +116,20 @@ def pytest_arguments(test_command: str | None) -> list[str] | None:
         elif arg.startswith("-p") and not arg.startswith("--"):
             plugin = arg[2:]
         if plugin is not None and not plugin.startswith("no:"):
-            raise ValueError(f"test_command: `-p {plugin}` is not supported: plugins named on "
-                             f"the command line are imported from the worktree, which the patch "
-                             f"controls (only `-p no:NAME` is allowed)")
-        if arg in ("-o", "--override-ini") and index + 1 < len(args) and \
-                args[index + 1].startswith("junit_"):
-            raise ValueError("test_command: junit_* options are not supported: the runner "
-                             "writes the JUnit report itself")
+            raise ValueError(
+                f"test_command: `-p {plugin}` is not supported: plugins named on "
+                f"the command line are imported from the worktree, which the patch "
+                f"controls (only `-p no:NAME` is allowed)"
+            )
+        if (
+            arg in ("-o", "--override-ini")
+            and index + 1 < len(args)
+            and args[index + 1].startswith("junit_")
+        ):
+            raise ValueError(
+                "test_command: junit_* options are not supported: the runner "
+                "writes the JUnit report itself"
+            )
     return args
 
 
@@ -130,11 +140,14 @@ def default_pytest_arguments(test_files: Sequence[str]) -> list[str]:
 
 def interpreter_paths() -> list[pathlib.Path]:
     """What the sandbox must see of this interpreter (bound read-only)."""
-    paths = {pathlib.Path(sys.prefix).resolve(), pathlib.Path(sys.base_prefix).resolve(),
-             pathlib.Path(os.path.realpath(sys.executable)).parent.parent,
-             # The venv's bin/python symlink can point at an interpreter outside both prefixes
-             # (e.g. a pyenv build under /root).
-             pathlib.Path(sys.executable).parent.parent}
+    paths = {
+        pathlib.Path(sys.prefix).resolve(),
+        pathlib.Path(sys.base_prefix).resolve(),
+        pathlib.Path(os.path.realpath(sys.executable)).parent.parent,
+        # The venv's bin/python symlink can point at an interpreter outside both prefixes
+        # (e.g. a pyenv build under /root).
+        pathlib.Path(sys.executable).parent.parent,
+    }
     return sorted(paths)
 
 
@@ -149,15 +162,23 @@ def image_interpreter(image: images.Image, test_command: str | None) -> str:
     search = image.env.get("PATH", "/usr/local/bin:/usr/bin:/bin").split(":")
 
     def find(name: str) -> str | None:
-        return next((f"{folder}/{name}" for folder in search
-                     if folder.startswith("/") and _in_image(image, f"{folder}/{name}")), None)
+        return next(
+            (
+                f"{folder}/{name}"
+                for folder in search
+                if folder.startswith("/") and _in_image(image, f"{folder}/{name}")
+            ),
+            None,
+        )
 
     needed = ["prlimit"] + (["setpriv"] if isolation.is_real_root() else [])
     for tool in needed:
         if find(tool) is None:
-            raise images.ImageError(f"image: {image.digest[:19]} has no `{tool}` on its PATH "
-                                    f"({':'.join(search)}); the sandbox needs util-linux in "
-                                    f"the image")
+            raise images.ImageError(
+                f"image: {image.digest[:19]} has no `{tool}` on its PATH "
+                f"({':'.join(search)}); the sandbox needs util-linux in "
+                f"the image"
+            )
     words = shlex.split(test_command) if test_command else []
     if words and words[0].startswith("/") and _PYTHON_RE.match(words[0]):
         if not _in_image(image, words[0]):
@@ -165,8 +186,9 @@ def image_interpreter(image: images.Image, test_command: str | None) -> str:
         return words[0]
     interpreter = find("python3") or find("python")
     if interpreter is None:
-        raise images.ImageError(f"image: {image.digest[:19]} has no python3 or python on its "
-                                f"PATH ({':'.join(search)})")
+        raise images.ImageError(
+            f"image: {image.digest[:19]} has no python3 or python on its PATH ({':'.join(search)})"
+        )
     return interpreter
 
 
@@ -177,19 +199,28 @@ def _check_repo_path(image: images.Image | None, worktree_dir: pathlib.Path) -> 
         return
     top = worktree_dir.parts[1] if len(worktree_dir.parts) > 1 else ""
     if _in_image(image, top) and not (image.rootfs / str(worktree_dir).lstrip("/")).is_dir():
-        raise images.ImageError(f"repo_path: the image has no directory {worktree_dir} to put "
-                                f"the repository on")
+        raise images.ImageError(
+            f"repo_path: the image has no directory {worktree_dir} to put the repository on"
+        )
 
 
-def _environment(image: images.Image | None, worktree_dir: pathlib.Path,
-                 repo_env: pathlib.Path | None = None
-                 ) -> tuple[dict[str, str], list[pathlib.Path]]:
+def _environment(
+    image: images.Image | None, worktree_dir: pathlib.Path, repo_env: pathlib.Path | None = None
+) -> tuple[dict[str, str], list[pathlib.Path]]:
     """The tests' environment variables and the host paths to bind read-only for them."""
-    env = {"HOME": "/tmp", "LANG": "C.UTF-8", "TMPDIR": "/tmp", "USER": "sandbox",
-           "LOGNAME": "sandbox", "PYTHONHASHSEED": "0", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-           # The worktree is a root-owned tmpfs; git would refuse its copied .git as "dubious".
-           "GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "safe.directory",
-           "GIT_CONFIG_VALUE_0": str(worktree_dir)}
+    env = {
+        "HOME": "/tmp",
+        "LANG": "C.UTF-8",
+        "TMPDIR": "/tmp",
+        "USER": "sandbox",
+        "LOGNAME": "sandbox",
+        "PYTHONHASHSEED": "0",
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+        # The worktree is a root-owned tmpfs; git would refuse its copied .git as "dubious".
+        "GIT_CONFIG_COUNT": "1",
+        "GIT_CONFIG_KEY_0": "safe.directory",
+        "GIT_CONFIG_VALUE_0": str(worktree_dir),
+    }
     if image is None:
         interpreter = [pathlib.Path(p) for p in interpreter_paths()]
         if repo_env is not None:  # a venv of this same CPython (repo_envs.py)
@@ -206,18 +237,30 @@ def _environment(image: images.Image | None, worktree_dir: pathlib.Path,
 
 def _readable(worktree: pathlib.Path) -> None:
     """The sandbox's uid must be able to read the checkout whatever the executor's umask was."""
-    subprocess.run(["chmod", "-R", "a+rX", str(worktree)], check=False, timeout=600,
-                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        ["chmod", "-R", "a+rX", str(worktree)],
+        check=False,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
-def run_pytest(pytest_args: Sequence[str], worktree: pathlib.Path, scratch_dir: pathlib.Path,
-               limits: RunnerLimits, *, canaries: bool = True,
-               hidden_paths: Sequence[pathlib.Path] = (),
-               patched_files: Sequence[str] = (),
-               image: images.Image | None = None, interpreter: str | None = None,
-               worktree_dir: pathlib.Path = SANDBOX_WORKTREE,
-               repo_env: pathlib.Path | None = None
-               ) -> tuple[isolation.SandboxResult, RunEvidence]:
+def run_pytest(
+    pytest_args: Sequence[str],
+    worktree: pathlib.Path,
+    scratch_dir: pathlib.Path,
+    limits: RunnerLimits,
+    *,
+    canaries: bool = True,
+    hidden_paths: Sequence[pathlib.Path] = (),
+    patched_files: Sequence[str] = (),
+    image: images.Image | None = None,
+    interpreter: str | None = None,
+    worktree_dir: pathlib.Path = SANDBOX_WORKTREE,
+    repo_env: pathlib.Path | None = None,
+) -> tuple[isolation.SandboxResult, RunEvidence]:
     """Runs pytest with `pytest_args` on a copy of `worktree` inside the sandbox (module
     docstring). `scratch_dir` (executor-owned, outside the worktree) receives the runner's files.
     `patched_files`: repository paths the agent's patch changed; a test whose code comes from one
@@ -253,21 +296,30 @@ def run_pytest(pytest_args: Sequence[str], worktree: pathlib.Path, scratch_dir: 
     events_channel = isolation.OutputChannel(records)
     report_channel = isolation.OutputChannel(report)
     settings = {
-        "source_dir": str(_SANDBOX_SOURCE), "worktree_dir": str(worktree_dir),
-        "tmp_dir": "/tmp", "report_parent": str(_SANDBOX_REPORT_DIR),
-        "report_name": f"junit-{secrets.token_hex(8)}.xml", "suite_name": suite_name,
-        "canaries": canaries, "canary_path": str(inside_runner / canary_file.name),
-        "canary_names": list(canary_names), "events_fd": events_channel.child_fd,
-        "report_fd": report_channel.child_fd, "pytest_args": args,
+        "source_dir": str(_SANDBOX_SOURCE),
+        "worktree_dir": str(worktree_dir),
+        "tmp_dir": "/tmp",
+        "report_parent": str(_SANDBOX_REPORT_DIR),
+        "report_name": f"junit-{secrets.token_hex(8)}.xml",
+        "suite_name": suite_name,
+        "canaries": canaries,
+        "canary_path": str(inside_runner / canary_file.name),
+        "canary_names": list(canary_names),
+        "events_fd": events_channel.child_fd,
+        "report_fd": report_channel.child_fd,
+        "pytest_args": args,
         "patched_files": list(patched_files),
     }
     mounts = [
         isolation.Mount("ro", _SANDBOX_SOURCE, worktree),
         isolation.Mount("ro", inside_runner, runner_dir),
-        isolation.Mount("tmpfs", worktree_dir, size_bytes=limits.worktree_size_bytes,
-                        perms="1777"),
-        isolation.Mount("tmpfs", _SANDBOX_REPORT_DIR,
-                        size_bytes=limits.max_report_bytes + 1024 * 1024, perms="1777"),
+        isolation.Mount("tmpfs", worktree_dir, size_bytes=limits.worktree_size_bytes, perms="1777"),
+        isolation.Mount(
+            "tmpfs",
+            _SANDBOX_REPORT_DIR,
+            size_bytes=limits.max_report_bytes + 1024 * 1024,
+            perms="1777",
+        ),
     ]
     env, readonly = _environment(image, worktree_dir, repo_env)
     if image is None:
@@ -277,15 +329,27 @@ def run_pytest(pytest_args: Sequence[str], worktree: pathlib.Path, scratch_dir: 
         command = [interpreter, "-s", "-B"]
     result = isolation.run_sandboxed(
         [*command, str(inside_runner / bootstrap.name)],
-        writable_dirs=[], limits=limits.sandbox, cwd=worktree_dir,
-        hidden_paths=hidden_paths, readonly_paths=readonly, mounts=mounts, env=env,
-        stdin_data=json.dumps(settings).encode(), channels=[events_channel, report_channel],
-        root=image.rootfs if image is not None else None)
+        writable_dirs=[],
+        limits=limits.sandbox,
+        cwd=worktree_dir,
+        hidden_paths=hidden_paths,
+        readonly_paths=readonly,
+        mounts=mounts,
+        env=env,
+        stdin_data=json.dumps(settings).encode(),
+        channels=[events_channel, report_channel],
+        root=image.rootfs if image is not None else None,
+    )
     records.finish()
     report.finish()
-    evidence = RunEvidence(records=records, report=report, exit_code=result.exit_code,
-                           timed_out=result.timed_out, suite_name=suite_name,
-                           canary_names=canary_names if canaries else None)
+    evidence = RunEvidence(
+        records=records,
+        report=report,
+        exit_code=result.exit_code,
+        timed_out=result.timed_out,
+        suite_name=suite_name,
+        canary_names=canary_names if canaries else None,
+    )
     return result, evidence
 
 
@@ -300,9 +364,15 @@ class ScriptRun:
     exit_status: int | None
 
 
-def run_script(commands: Sequence[str], worktree: pathlib.Path, limits: RunnerLimits, *,
-               hidden_paths: Sequence[pathlib.Path] = (), image: images.Image | None = None,
-               worktree_dir: pathlib.Path = SANDBOX_WORKTREE) -> ScriptRun:
+def run_script(
+    commands: Sequence[str],
+    worktree: pathlib.Path,
+    limits: RunnerLimits,
+    *,
+    hidden_paths: Sequence[pathlib.Path] = (),
+    image: images.Image | None = None,
+    worktree_dir: pathlib.Path = SANDBOX_WORKTREE,
+) -> ScriptRun:
     """Runs shell `commands` (bash, one per line) in the repository's copy at
     `worktree_dir` inside the sandbox, for test runners other than pytest (swebench_harness.py).
 
@@ -320,32 +390,47 @@ def run_script(commands: Sequence[str], worktree: pathlib.Path, limits: RunnerLi
     fd = log_channel.child_fd
     # One compound command: bash parses all of it before running any of it, so the commands
     # cannot read the rest of the script (or the nonce) from stdin.
-    script = "\n".join([
-        "{",
-        f"cp -R {shlex.quote(str(_SANDBOX_SOURCE))}/. "
-        f"{shlex.quote(str(worktree_dir))}/ || {{ echo 'copying the worktree failed' >&{fd}; "
-        f"exit 97; }}",
-        f"cd {shlex.quote(str(worktree_dir))}",
-        f"exec 1>&{fd} 2>&1",
-        *commands,
-        "status=$?",
-        f'echo; echo "dockyard-{nonce} exit $status"',
-        "} </dev/null",
-    ]) + "\n"
+    script = (
+        "\n".join(
+            [
+                "{",
+                f"cp -R {shlex.quote(str(_SANDBOX_SOURCE))}/. "
+                f"{shlex.quote(str(worktree_dir))}/ || {{ echo 'copying the worktree failed' "
+                f">&{fd}; exit 97; }}",
+                f"cd {shlex.quote(str(worktree_dir))}",
+                f"exec 1>&{fd} 2>&1",
+                *commands,
+                "status=$?",
+                f'echo; echo "dockyard-{nonce} exit $status"',
+                "} </dev/null",
+            ]
+        )
+        + "\n"
+    )
     env, readonly = _environment(image, worktree_dir)
-    mounts = [isolation.Mount("ro", _SANDBOX_SOURCE, worktree),
-              isolation.Mount("tmpfs", worktree_dir, size_bytes=limits.worktree_size_bytes,
-                              perms="1777")]
+    mounts = [
+        isolation.Mount("ro", _SANDBOX_SOURCE, worktree),
+        isolation.Mount("tmpfs", worktree_dir, size_bytes=limits.worktree_size_bytes, perms="1777"),
+    ]
     result = isolation.run_sandboxed(
-        ["bash", "--noprofile", "--norc", "-s"], writable_dirs=[], limits=limits.sandbox,
-        cwd=pathlib.Path("/"), hidden_paths=hidden_paths, readonly_paths=readonly, mounts=mounts,
-        env=env, stdin_data=script.encode(), channels=[log_channel],
-        root=image.rootfs if image is not None else None)
+        ["bash", "--noprofile", "--norc", "-s"],
+        writable_dirs=[],
+        limits=limits.sandbox,
+        cwd=pathlib.Path("/"),
+        hidden_paths=hidden_paths,
+        readonly_paths=readonly,
+        mounts=mounts,
+        env=env,
+        stdin_data=script.encode(),
+        channels=[log_channel],
+        root=image.rootfs if image is not None else None,
+    )
     text = log.text()
     marker = f"dockyard-{nonce} exit "
     at = text.rfind(marker)
     if at < 0 or result.timed_out:
         return ScriptRun(result=result, log=text, exit_status=None)
-    status = text[at + len(marker):].split("\n", 1)[0].strip()
-    return ScriptRun(result=result, log=text[:at],
-                     exit_status=int(status) if status.isdigit() else None)
+    status = text[at + len(marker) :].split("\n", 1)[0].strip()
+    return ScriptRun(
+        result=result, log=text[:at], exit_status=int(status) if status.isdigit() else None
+    )

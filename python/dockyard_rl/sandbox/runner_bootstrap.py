@@ -68,19 +68,24 @@ _SETUP_FAILED_EXIT = 3
 _PROTECTED_PREFIXES = ("pytest", "_pytest", "pluggy")
 # Attributes pytest itself rebinds while it runs: assertion-rewriting state, lazily built doctest
 # classes, the debugger's session state.
-_MUTABLE_ATTRIBUTES = {("_pytest.assertion.util", "_reprcompare"),
-                       ("_pytest.assertion.util", "_assertion_pass"),
-                       ("_pytest.assertion.util", "_config"),
-                       ("_pytest.doctest", "RUNNER_CLASS"), ("_pytest.doctest", "CHECKER_CLASS"),
-                       ("_pytest.debugging.pytestPDB", "_saved"),
-                       ("_pytest.debugging.pytestPDB", "_recursive_debug"),
-                       ("_pytest.debugging.pytestPDB", "_wrapped_pdb_cls")}
+_MUTABLE_ATTRIBUTES = {
+    ("_pytest.assertion.util", "_reprcompare"),
+    ("_pytest.assertion.util", "_assertion_pass"),
+    ("_pytest.assertion.util", "_config"),
+    ("_pytest.doctest", "RUNNER_CLASS"),
+    ("_pytest.doctest", "CHECKER_CLASS"),
+    ("_pytest.debugging.pytestPDB", "_saved"),
+    ("_pytest.debugging.pytestPDB", "_recursive_debug"),
+    ("_pytest.debugging.pytestPDB", "_wrapped_pdb_cls"),
+}
 # ... and those its own plugins set once while configuring (legacypath, debugging). The runner
 # compares against its start-up snapshot when the session starts, allowing exactly these, then
 # takes a fresh snapshot for the rest of the run.
-_CONFIGURE_CHANGES = {("_pytest.config.Config", "_getini_unknown_type"),
-                      ("_pytest.debugging.pytestPDB", "_pluginmanager"),
-                      ("_pytest.debugging.pytestPDB", "_config")}
+_CONFIGURE_CHANGES = {
+    ("_pytest.config.Config", "_getini_unknown_type"),
+    ("_pytest.debugging.pytestPDB", "_pluginmanager"),
+    ("_pytest.debugging.pytestPDB", "_config"),
+}
 
 
 class Reporter:
@@ -102,7 +107,7 @@ class Reporter:
         try:
             view = memoryview(data)
             while view:
-                view = view[_write(fd, view):]
+                view = view[_write(fd, view) :]
         except OSError:
             pass
 
@@ -125,13 +130,18 @@ def copy_tree(source, dest):
                 elif entry.is_file(follow_symlinks=False):
                     with open(entry.path, "rb") as src, open(target, "wb") as dst:
                         shutil.copyfileobj(src, dst, _COPY_CHUNK)
-                    os.chmod(target, stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode)
-                             | stat.S_IWUSR)
+                    os.chmod(
+                        target,
+                        stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode) | stat.S_IWUSR,
+                    )
 
 
 def protected_modules():
-    return {name: module for name, module in list(sys.modules.items())
-            if module is not None and name.split(".")[0] in _PROTECTED_PREFIXES}
+    return {
+        name: module
+        for name, module in list(sys.modules.items())
+        if module is not None and name.split(".")[0] in _PROTECTED_PREFIXES
+    }
 
 
 def snapshot_runner():
@@ -139,6 +149,7 @@ def snapshot_runner():
     their classes, plus the few functions the report's writing and the exit go through. Objects
     are kept (not ids) so that an id cannot be reused by a replacement."""
     import builtins
+
     snapshot = []
     for name, module in protected_modules().items():
         snapshot.append(("sys.modules", sys.modules, name, module))
@@ -151,9 +162,12 @@ def snapshot_runner():
                 for class_attr, class_value in list(vars(value).items()):
                     if (label, class_attr) not in _MUTABLE_ATTRIBUTES:
                         snapshot.append((label, value, class_attr, class_value))
-    for module, attrs in ((builtins, ("open", "print", "__import__")), (io, ("open", "FileIO")),
-                          (os, ("_exit", "write", "open", "replace", "rename")),
-                          (sys, ("exit",))):
+    for module, attrs in (
+        (builtins, ("open", "print", "__import__")),
+        (io, ("open", "FileIO")),
+        (os, ("_exit", "write", "open", "replace", "rename")),
+        (sys, ("exit",)),
+    ):
         for attr in attrs:
             snapshot.append((module.__name__, module, attr, getattr(module, attr)))
     return snapshot
@@ -165,8 +179,11 @@ def changed_runner_objects(snapshot, allowed=frozenset()):
     missing = object()
     changed = []
     for label, holder, attr, value in snapshot:
-        current = holder.get(attr, missing) if isinstance(holder, dict) else \
-            vars(holder).get(attr, missing)
+        current = (
+            holder.get(attr, missing)
+            if isinstance(holder, dict)
+            else vars(holder).get(attr, missing)
+        )
         if current is not value and (label, attr) not in allowed:
             changed.append(f"{label}.{attr} was {'deleted' if current is missing else 'replaced'}")
     return changed
@@ -201,44 +218,70 @@ class Guard:
             if self.report_name not in os.fsdecode(path):
                 return
             writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-                isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC))
+                isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC)
+            )
             if writes:
                 self.busy = True
                 try:
                     if not self._from_writer():
-                        self.reporter.send("tamper", what="the report file was opened for "
-                                                          "writing outside pytest's JUnit writer")
+                        self.reporter.send(
+                            "tamper",
+                            what="the report file was opened for "
+                            "writing outside pytest's JUnit writer",
+                        )
                 finally:
                     self.busy = False
-        elif event in ("os.rename", "os.remove", "os.truncate", "os.link", "os.symlink",
-                       "os.chmod", "os.utime", "shutil.move", "shutil.copyfile"):
+        elif event in (
+            "os.rename",
+            "os.remove",
+            "os.truncate",
+            "os.link",
+            "os.symlink",
+            "os.chmod",
+            "os.utime",
+            "shutil.move",
+            "shutil.copyfile",
+        ):
             for arg in args[:2]:
                 if isinstance(arg, (str, bytes)) and self.report_name in os.fsdecode(arg):
                     self.reporter.send("tamper", what=f"{event} on the report file")
                     return
-        elif event == "object.__setattr__" and len(args) > 1 and args[1] == "__code__" and \
-                callable(args[0]):
+        elif (
+            event == "object.__setattr__"
+            and len(args) > 1
+            and args[1] == "__code__"
+            and callable(args[0])
+        ):
             # Swapping a function's code rewrites a test without touching its file. (Only code:
             # the stdlib itself rebinds __defaults__ of its own functions.)
-            self.reporter.send("tamper", what=f"{args[1]} of {getattr(args[0], '__qualname__', '?')}"
-                                              f" was replaced at run time")
-        elif event in ("gc.get_objects", "gc.get_referrers", "gc.get_referents") or \
-                event.startswith("ctypes."):
+            self.reporter.send(
+                "tamper",
+                what=f"{args[1]} of {getattr(args[0], '__qualname__', '?')}"
+                f" was replaced at run time",
+            )
+        elif event in (
+            "gc.get_objects",
+            "gc.get_referrers",
+            "gc.get_referents",
+        ) or event.startswith("ctypes."):
             self.reporter.send("note", what=event)
 
 
 def make_plugin(pytest, settings, reporter, snapshot, report_path):
     canary_path = settings["canary_path"]
-    patched = {os.path.join(settings["worktree_dir"], path)
-               for path in settings.get("patched_files", ())}
+    patched = {
+        os.path.join(settings["worktree_dir"], path) for path in settings.get("patched_files", ())
+    }
     must_pass, must_fail = settings["canary_names"]
     raised = {}
-    pytest_dirs = tuple(os.path.dirname(os.path.dirname(m.__file__)) + os.sep
-                        for m in (pytest, sys.modules["pluggy"]))
+    pytest_dirs = tuple(
+        os.path.dirname(os.path.dirname(m.__file__)) + os.sep
+        for m in (pytest, sys.modules["pluggy"])
+    )
     import pluggy
     from _pytest.config import PytestPluginManager
-    register_codes = {pluggy.PluginManager.register.__code__,
-                      PytestPluginManager.register.__code__}
+
+    register_codes = {pluggy.PluginManager.register.__code__, PytestPluginManager.register.__code__}
 
     class CanaryItem(pytest.Item):
         def __init__(self, *, must_fail_, **kwargs):
@@ -278,8 +321,9 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path):
             # command-line arguments: those would change pytest's rootdir and ini-file search.
             if settings["canaries"]:
                 canary_file = CanaryFile.from_parent(session, path=pathlib.Path(canary_path))
-                items[:] = [item for item in items if not isinstance(item, CanaryItem)] + \
-                    list(canary_file.collect())
+                items[:] = [item for item in items if not isinstance(item, CanaryItem)] + list(
+                    canary_file.collect()
+                )
             return result
 
         @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -287,13 +331,18 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path):
             report = yield
             excinfo = call.excinfo
             raised[(item.nodeid, call.when)] = excinfo is not None and not excinfo.errisinstance(
-                pytest.skip.Exception)
+                pytest.skip.Exception
+            )
             return report
 
         def pytest_runtest_logreport(self, report):
-            reporter.send("test", nodeid=report.nodeid, when=report.when,
-                          outcome=report.outcome,
-                          raised=raised.pop((report.nodeid, report.when), None))
+            reporter.send(
+                "test",
+                nodeid=report.nodeid,
+                when=report.when,
+                outcome=report.outcome,
+                raised=raised.pop((report.nodeid, report.when), None),
+            )
             if report.when == "teardown":
                 self.tests_since_check += 1
                 # Every test for small suites, then every 25th: the check walks ~10^4 objects.
@@ -311,15 +360,19 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path):
                 code = getattr(inspect.unwrap(obj), "__code__", None) if obj is not None else None
             except Exception:  # noqa: BLE001 - unwrap of a hostile object
                 code = None
-            if code is not None and code.co_filename in patched and \
-                    code.co_filename != module_file:
-                reporter.send("tamper", what=f"{item.nodeid} runs code from "
-                                             f"{code.co_filename}, a file the patch changed")
+            if code is not None and code.co_filename in patched and code.co_filename != module_file:
+                reporter.send(
+                    "tamper",
+                    what=f"{item.nodeid} runs code from "
+                    f"{code.co_filename}, a file the patch changed",
+                )
             namespace = getattr(module, "__dict__", {})
             for name in _PROTECTED_PREFIXES:
                 if name in namespace and namespace[name] is not sys.modules.get(name):
-                    reporter.send("tamper", what=f"{item.nodeid}: its module's {name!r} is not "
-                                                 f"the real {name} module")
+                    reporter.send(
+                        "tamper",
+                        what=f"{item.nodeid}: its module's {name!r} is not the real {name} module",
+                    )
 
         def pytest_collectreport(self, report):
             if report.failed:
@@ -350,9 +403,13 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path):
             self.check_runner()
             data = read_report(report_path)
             reporter.send_bytes(settings["report_fd"], data)
-            reporter.send("session_end", exitstatus=int(session.exitstatus),
-                          report_sha256=hashlib.sha256(data).hexdigest(),
-                          num_report_bytes=len(data), disk=disk_usage(settings))
+            reporter.send(
+                "session_end",
+                exitstatus=int(session.exitstatus),
+                report_sha256=hashlib.sha256(data).hexdigest(),
+                num_report_bytes=len(data),
+                disk=disk_usage(settings),
+            )
             return result
 
     return RunnerPlugin()
@@ -371,8 +428,10 @@ def disk_usage(settings):
     for name in ("worktree_dir", "tmp_dir"):
         try:
             info = os.statvfs(settings[name])
-            usage[name] = {"free": info.f_bavail * info.f_frsize,
-                           "total": info.f_blocks * info.f_frsize}
+            usage[name] = {
+                "free": info.f_bavail * info.f_frsize,
+                "total": info.f_blocks * info.f_frsize,
+            }
         except OSError:
             pass
     return usage
@@ -403,6 +462,7 @@ def main():
 
     import pytest
     from _pytest import junitxml
+
     snapshot = snapshot_runner()
     guard = Guard(reporter, report_path)
     guard.writer_codes.add(junitxml.LogXML.pytest_sessionfinish.__code__)
@@ -412,8 +472,15 @@ def main():
     # From here on, repository code may run.
     sys.path.insert(0, worktree)
     args = list(settings["pytest_args"])
-    args += [f"--junitxml={report_path}", "-o", f"junit_suite_name={settings['suite_name']}",
-             "-o", "junit_family=xunit1", "-p", "no:cacheprovider"]
+    args += [
+        f"--junitxml={report_path}",
+        "-o",
+        f"junit_suite_name={settings['suite_name']}",
+        "-o",
+        "junit_family=xunit1",
+        "-p",
+        "no:cacheprovider",
+    ]
     code = pytest.main(args, plugins=[plugin])
     # pytest undid its configure-time patches when it unconfigured: compare with start-up.
     plugin.check_runner(allowed=_CONFIGURE_CHANGES, against=snapshot)

@@ -82,10 +82,18 @@ _PATTERNS: tuple[tuple[str, str, str], ...] = (
     ("introspection", "f_globals", r"\bf_(?:globals|locals)\b"),
     ("introspection", "builtins.", r"\bbuiltins\.|\b__builtins__\b"),
 )
-_COMPILED = tuple((f"{category}: {token}", re.compile(pattern))
-                  for category, token, pattern in _PATTERNS)
-CATEGORIES = ("runner_internals", "report_path", "process_arguments", "exit_hook",
-              "forced_exit", "introspection", "binary_content")
+_COMPILED = tuple(
+    (f"{category}: {token}", re.compile(pattern)) for category, token, pattern in _PATTERNS
+)
+CATEGORIES = (
+    "runner_internals",
+    "report_path",
+    "process_arguments",
+    "exit_hook",
+    "forced_exit",
+    "introspection",
+    "binary_content",
+)
 BINARY_FLAG = "binary_content: GIT binary patch"
 
 _HUNK_RE = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
@@ -111,9 +119,9 @@ def added_lines(patch: str) -> list[str]:
                 num_old -= 1
                 num_new -= 1
                 continue
-            if line.startswith("\\"):   # "\ No newline at end of file"
+            if line.startswith("\\"):  # "\ No newline at end of file"
                 continue
-            num_old = num_new = 0       # a malformed hunk ended early: back to headers
+            num_old = num_new = 0  # a malformed hunk ended early: back to headers
         match = _HUNK_RE.match(line)
         if match:
             num_old = int(match.group(1)) if match.group(1) is not None else 1

@@ -35,13 +35,17 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class RunningServer:
-    url: str                  # http://host:port, with the port actually bound
+    url: str  # http://host:port, with the port actually bound
     executor: TaskExecutor
 
 
 @contextlib.asynccontextmanager
-async def running_server(config: ExecutorConfig, score_fn: ScoreFn | None = None, *,
-                         image_stats: ImageStatsFn | None = None) -> AsyncIterator[RunningServer]:
+async def running_server(
+    config: ExecutorConfig,
+    score_fn: ScoreFn | None = None,
+    *,
+    image_stats: ImageStatsFn | None = None,
+) -> AsyncIterator[RunningServer]:
     """Starts the executor and its HTTP server; on exit shuts both down gracefully.
 
     With `config.port = 0` the OS picks a free port; `RunningServer.url` has the bound one.
@@ -51,8 +55,13 @@ async def running_server(config: ExecutorConfig, score_fn: ScoreFn | None = None
     executor.start()
     # HTTP requests here are short (no handler waits on scoring), so shutdown need not wait long;
     # lingering_time bounds how long the server drains the rest of a body it refused with 413.
-    runner = web.AppRunner(create_app(executor), handle_signals=False, access_log=None,
-                           shutdown_timeout=5.0, lingering_time=1.0)
+    runner = web.AppRunner(
+        create_app(executor),
+        handle_signals=False,
+        access_log=None,
+        shutdown_timeout=5.0,
+        lingering_time=1.0,
+    )
     try:
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
@@ -65,8 +74,9 @@ async def running_server(config: ExecutorConfig, score_fn: ScoreFn | None = None
 
 
 @contextlib.asynccontextmanager
-async def executor_url(url: str | None, *, work_dir: pathlib.Path, num_workers: int,
-                       max_log_bytes: int | None = None) -> AsyncIterator[str]:
+async def executor_url(
+    url: str | None, *, work_dir: pathlib.Path, num_workers: int, max_log_bytes: int | None = None
+) -> AsyncIterator[str]:
     """For command-line tools that score tasks: `url` itself when given (an executor running
     elsewhere), else the URL of an executor started here on 127.0.0.1 (a free port) for the
     duration, with `num_workers` workers and its records and worktrees under `work_dir`. Patches
@@ -74,11 +84,19 @@ async def executor_url(url: str | None, *, work_dir: pathlib.Path, num_workers: 
     if url:
         yield url
         return
-    pipeline_config = pipeline.PipelineConfig() if max_log_bytes is None \
+    pipeline_config = (
+        pipeline.PipelineConfig()
+        if max_log_bytes is None
         else pipeline.PipelineConfig(max_log_bytes=max_log_bytes)
-    config = ExecutorConfig(port=0, num_workers=num_workers, work_dir=str(work_dir),
-                            max_patch_bytes=16 * 1024 * 1024, retry_backoff_s=1.0,
-                            pipeline=pipeline_config)
+    )
+    config = ExecutorConfig(
+        port=0,
+        num_workers=num_workers,
+        work_dir=str(work_dir),
+        max_patch_bytes=16 * 1024 * 1024,
+        retry_backoff_s=1.0,
+        pipeline=pipeline_config,
+    )
     async with running_server(config) as server:
         logger.info("executor with %d workers at %s", num_workers, server.url)
         yield server.url
@@ -88,9 +106,12 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-async def serve(config: ExecutorConfig, stop: asyncio.Event,
-                score_fn: ScoreFn | None = None,
-                on_ready: Callable[[RunningServer], None] | None = None) -> None:
+async def serve(
+    config: ExecutorConfig,
+    stop: asyncio.Event,
+    score_fn: ScoreFn | None = None,
+    on_ready: Callable[[RunningServer], None] | None = None,
+) -> None:
     """Runs the service until `stop` is set (the entry point sets it on SIGTERM / SIGINT)."""
     async with running_server(config, score_fn) as server:
         if on_ready is not None:

@@ -22,12 +22,16 @@ NUM_TASKS = 50
 
 def test_fifty_tasks_two_workers_all_finish_once_with_correct_verdicts(tmp_path):
     repo = testing_repos.make_toy_repo(tmp_path / "toy")
-    patches = {"gold": repo.gold_patch, "empty": "", "wrong": repo.wrong_patch,
-               "conflict": repo.conflicting_patch}
-    kinds = {f"load-{index:02d}": list(patches)[index % len(patches)]
-             for index in range(NUM_TASKS)}
-    config = ExecutorConfig(port=0, num_workers=2, work_dir=str(tmp_path / "work"),
-                            max_infra_attempts=1)
+    patches = {
+        "gold": repo.gold_patch,
+        "empty": "",
+        "wrong": repo.wrong_patch,
+        "conflict": repo.conflicting_patch,
+    }
+    kinds = {f"load-{index:02d}": list(patches)[index % len(patches)] for index in range(NUM_TASKS)}
+    config = ExecutorConfig(
+        port=0, num_workers=2, work_dir=str(tmp_path / "work"), max_infra_attempts=1
+    )
     real_score = pipeline_score_fn(config.pipeline)
     calls = collections.Counter()
     lock = threading.Lock()
@@ -40,12 +44,18 @@ def test_fifty_tasks_two_workers_all_finish_once_with_correct_verdicts(tmp_path)
     async def scenario():
         async with running_server(config, counting_score) as server:
             async with ExecutorClient(server.url, seed=0) as client:
-                submitted = await asyncio.gather(*(
-                    client.submit(repo.spec(patches[kind], task_id=task_id))
-                    for task_id, kind in kinds.items()))
-                results = await asyncio.gather(*(
-                    client.wait(task_id, poll_interval_s=0.25, timeout_s=300)
-                    for task_id in submitted))
+                submitted = await asyncio.gather(
+                    *(
+                        client.submit(repo.spec(patches[kind], task_id=task_id))
+                        for task_id, kind in kinds.items()
+                    )
+                )
+                results = await asyncio.gather(
+                    *(
+                        client.wait(task_id, poll_interval_s=0.25, timeout_s=300)
+                        for task_id in submitted
+                    )
+                )
             return submitted, results, server.executor.all_records()
 
     submitted, results, records = asyncio.run(scenario())
@@ -67,8 +77,10 @@ def test_fifty_tasks_two_workers_all_finish_once_with_correct_verdicts(tmp_path)
             assert set(verdict.pass_to_pass.values()) == {TestOutcome.PASSED}
         elif kind == "wrong":  # mul fixed, sub broken: F2P pass, the sub P2P tests fail
             assert set(verdict.fail_to_pass.values()) == {TestOutcome.PASSED}
-            assert verdict.pass_to_pass["tests/test_ops.py::test_sub[five minus three]"] is \
-                TestOutcome.FAILED
+            assert (
+                verdict.pass_to_pass["tests/test_ops.py::test_sub[five minus three]"]
+                is TestOutcome.FAILED
+            )
             assert verdict.pass_to_pass["tests/test_ops.py::test_add"] is TestOutcome.PASSED
         else:
             assert verdict.apply_method is ApplyMethod.FAILED and verdict.test_exit_code is None

@@ -43,11 +43,11 @@ class TaskRecord:
     task_id: str
     spec: TaskSpec
     status: TaskStatus
-    verdict: Verdict | None     # set once FINISHED
-    error: str | None           # last infrastructure error (kept on a retry, final on INFRA_ERROR)
-    attempts: int               # scoring attempts started so far
-    submitted_at: float         # wall-clock seconds since the epoch
-    started_at: float | None    # start of the latest attempt
+    verdict: Verdict | None  # set once FINISHED
+    error: str | None  # last infrastructure error (kept on a retry, final on INFRA_ERROR)
+    attempts: int  # scoring attempts started so far
+    submitted_at: float  # wall-clock seconds since the epoch
+    started_at: float | None  # start of the latest attempt
     finished_at: float | None
 
     def to_dict(self) -> dict[str, Any]:
@@ -67,8 +67,8 @@ class TaskRecord:
 
 @dataclasses.dataclass(frozen=True)
 class RecoveryReport:
-    requeued: tuple[str, ...]   # task ids to enqueue again, in submission order
-    failed: tuple[str, ...]     # interrupted tasks out of attempts, now INFRA_ERROR
+    requeued: tuple[str, ...]  # task ids to enqueue again, in submission order
+    failed: tuple[str, ...]  # interrupted tasks out of attempts, now INFRA_ERROR
 
 
 _SCHEMA = """
@@ -86,8 +86,10 @@ CREATE TABLE IF NOT EXISTS tasks (
 CREATE INDEX IF NOT EXISTS tasks_by_status ON tasks (status);
 """
 
-_COLUMNS = ("task_id, spec_json, status, verdict_json, error, attempts, submitted_at, started_at, "
-            "finished_at")
+_COLUMNS = (
+    "task_id, spec_json, status, verdict_json, error, attempts, submitted_at, started_at, "
+    "finished_at"
+)
 
 
 def canonical_spec_json(spec: TaskSpec) -> str:
@@ -125,19 +127,27 @@ class TaskStore:
         with self._lock, self._transaction():
             rows = self._db.execute(
                 "SELECT task_id, status, attempts FROM tasks WHERE status IN (?, ?) ORDER BY rowid",
-                (TaskStatus.QUEUED.value, TaskStatus.RUNNING.value)).fetchall()
+                (TaskStatus.QUEUED.value, TaskStatus.RUNNING.value),
+            ).fetchall()
             requeued, failed = [], []
             for task_id, status, attempts in rows:
                 if status == TaskStatus.RUNNING.value and attempts >= max_attempts:
                     self._db.execute(
                         "UPDATE tasks SET status = ?, error = ?, finished_at = ? WHERE task_id = ?",
-                        (TaskStatus.INFRA_ERROR.value,
-                         f"the executor stopped during attempt {attempts} of {max_attempts}; "
-                         f"no attempts left", now, task_id))
+                        (
+                            TaskStatus.INFRA_ERROR.value,
+                            f"the executor stopped during attempt {attempts} of {max_attempts}; "
+                            f"no attempts left",
+                            now,
+                            task_id,
+                        ),
+                    )
                     failed.append(task_id)
                 else:
-                    self._db.execute("UPDATE tasks SET status = ? WHERE task_id = ?",
-                                     (TaskStatus.QUEUED.value, task_id))
+                    self._db.execute(
+                        "UPDATE tasks SET status = ? WHERE task_id = ?",
+                        (TaskStatus.QUEUED.value, task_id),
+                    )
                     requeued.append(task_id)
         return RecoveryReport(requeued=tuple(requeued), failed=tuple(failed))
 
@@ -151,37 +161,45 @@ class TaskStore:
         (checked in the same transaction, so concurrent submissions cannot overshoot).
         """
         if not spec.task_id:
-            raise ValueError("spec.task_id: the store needs a task id; the service assigns one "
-                             "when the client sends none")
+            raise ValueError(
+                "spec.task_id: the store needs a task id; the service assigns one "
+                "when the client sends none"
+            )
         spec_json = canonical_spec_json(spec)
         with self._lock, self._transaction():
-            row = self._db.execute(f"SELECT {_COLUMNS} FROM tasks WHERE task_id = ?",
-                                   (spec.task_id,)).fetchone()
+            row = self._db.execute(
+                f"SELECT {_COLUMNS} FROM tasks WHERE task_id = ?", (spec.task_id,)
+            ).fetchone()
             if row is not None:
                 if row[1] != spec_json:
                     raise TaskConflictError(
                         f"task_id {spec.task_id!r} was already submitted with a different spec; "
-                        f"use a new task_id for a different task")
+                        f"use a new task_id for a different task"
+                    )
                 return _record(row), False
             if max_queued is not None:
-                (num_queued,) = self._db.execute("SELECT COUNT(*) FROM tasks WHERE status = ?",
-                                                 (TaskStatus.QUEUED.value,)).fetchone()
+                (num_queued,) = self._db.execute(
+                    "SELECT COUNT(*) FROM tasks WHERE status = ?", (TaskStatus.QUEUED.value,)
+                ).fetchone()
                 if num_queued >= max_queued:
                     raise QueueFullError(f"{num_queued} tasks queued (max_queue = {max_queued})")
             self._db.execute(
                 "INSERT INTO tasks (task_id, spec_json, status, attempts, submitted_at) "
                 "VALUES (?, ?, ?, 0, ?)",
-                (spec.task_id, spec_json, TaskStatus.QUEUED.value, time.time()))
-            row = self._db.execute(f"SELECT {_COLUMNS} FROM tasks WHERE task_id = ?",
-                                   (spec.task_id,)).fetchone()
+                (spec.task_id, spec_json, TaskStatus.QUEUED.value, time.time()),
+            )
+            row = self._db.execute(
+                f"SELECT {_COLUMNS} FROM tasks WHERE task_id = ?", (spec.task_id,)
+            ).fetchone()
         return _record(row), True
 
     # -- reads ----------------------------------------------------------------------------------
 
     def get(self, task_id: str) -> TaskRecord | None:
         with self._lock:
-            row = self._db.execute(f"SELECT {_COLUMNS} FROM tasks WHERE task_id = ?",
-                                   (task_id,)).fetchone()
+            row = self._db.execute(
+                f"SELECT {_COLUMNS} FROM tasks WHERE task_id = ?", (task_id,)
+            ).fetchone()
         return _record(row) if row is not None else None
 
     def counts(self) -> dict[TaskStatus, int]:
@@ -203,27 +221,36 @@ class TaskStore:
 
     def start_attempt(self, task_id: str) -> TaskRecord:
         """QUEUED -> RUNNING, counting the attempt. Returns the updated record."""
-        return self._transition(task_id, TaskStatus.QUEUED,
-                                "status = ?, attempts = attempts + 1, started_at = ?",
-                                (TaskStatus.RUNNING.value, time.time()))
+        return self._transition(
+            task_id,
+            TaskStatus.QUEUED,
+            "status = ?, attempts = attempts + 1, started_at = ?",
+            (TaskStatus.RUNNING.value, time.time()),
+        )
 
     def finish(self, task_id: str, verdict: Verdict) -> TaskRecord:
         """RUNNING -> FINISHED with the verdict."""
-        return self._transition(task_id, TaskStatus.RUNNING,
-                                "status = ?, verdict_json = ?, finished_at = ?",
-                                (TaskStatus.FINISHED.value, json.dumps(verdict.to_dict()),
-                                 time.time()))
+        return self._transition(
+            task_id,
+            TaskStatus.RUNNING,
+            "status = ?, verdict_json = ?, finished_at = ?",
+            (TaskStatus.FINISHED.value, json.dumps(verdict.to_dict()), time.time()),
+        )
 
     def retry(self, task_id: str, error: str) -> TaskRecord:
         """RUNNING -> QUEUED after an infrastructure failure; the error is kept for inspection."""
-        return self._transition(task_id, TaskStatus.RUNNING, "status = ?, error = ?",
-                                (TaskStatus.QUEUED.value, error))
+        return self._transition(
+            task_id, TaskStatus.RUNNING, "status = ?, error = ?", (TaskStatus.QUEUED.value, error)
+        )
 
     def fail(self, task_id: str, error: str) -> TaskRecord:
         """RUNNING -> INFRA_ERROR: no attempts left, or a failure that retrying cannot fix."""
-        return self._transition(task_id, TaskStatus.RUNNING,
-                                "status = ?, error = ?, finished_at = ?",
-                                (TaskStatus.INFRA_ERROR.value, error, time.time()))
+        return self._transition(
+            task_id,
+            TaskStatus.RUNNING,
+            "status = ?, error = ?, finished_at = ?",
+            (TaskStatus.INFRA_ERROR.value, error, time.time()),
+        )
 
     def requeue_interrupted(self, task_id: str) -> TaskRecord | None:
         """RUNNING -> QUEUED without spending the attempt: a graceful shutdown cut it short, the
@@ -232,27 +259,33 @@ class TaskStore:
             cursor = self._db.execute(
                 "UPDATE tasks SET status = ?, attempts = MAX(attempts - 1, 0) "
                 "WHERE task_id = ? AND status = ?",
-                (TaskStatus.QUEUED.value, task_id, TaskStatus.RUNNING.value))
+                (TaskStatus.QUEUED.value, task_id, TaskStatus.RUNNING.value),
+            )
             if cursor.rowcount == 0:
                 return None
-            row = self._db.execute(f"SELECT {_COLUMNS} FROM tasks WHERE task_id = ?",
-                                   (task_id,)).fetchone()
+            row = self._db.execute(
+                f"SELECT {_COLUMNS} FROM tasks WHERE task_id = ?", (task_id,)
+            ).fetchone()
         return _record(row)
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _transition(self, task_id: str, expected: TaskStatus, assignments: str,
-                    values: tuple) -> TaskRecord:
+    def _transition(
+        self, task_id: str, expected: TaskStatus, assignments: str, values: tuple
+    ) -> TaskRecord:
         with self._lock, self._transaction():
             cursor = self._db.execute(
                 f"UPDATE tasks SET {assignments} WHERE task_id = ? AND status = ?",
-                (*values, task_id, expected.value))
-            row = self._db.execute(f"SELECT {_COLUMNS} FROM tasks WHERE task_id = ?",
-                                   (task_id,)).fetchone()
+                (*values, task_id, expected.value),
+            )
+            row = self._db.execute(
+                f"SELECT {_COLUMNS} FROM tasks WHERE task_id = ?", (task_id,)
+            ).fetchone()
         # Only the worker that owns a task moves it, so a mismatch is a bug in the executor.
         assert cursor.rowcount == 1, (
             f"task {task_id!r}: expected status {expected.value}, found "
-            f"{row[2] if row is not None else 'no such task'}")
+            f"{row[2] if row is not None else 'no such task'}"
+        )
         return _record(row)
 
     def _transaction(self):
@@ -274,8 +307,17 @@ class _Transaction:
 
 
 def _record(row: tuple) -> TaskRecord:
-    (task_id, spec_json, status, verdict_json, error, attempts, submitted_at, started_at,
-     finished_at) = row
+    (
+        task_id,
+        spec_json,
+        status,
+        verdict_json,
+        error,
+        attempts,
+        submitted_at,
+        started_at,
+        finished_at,
+    ) = row
     return TaskRecord(
         task_id=task_id,
         spec=TaskSpec.from_request(json.loads(spec_json)),

@@ -7,26 +7,38 @@ import threading
 import pytest
 
 from dockyard_rl.sandbox.store import QueueFullError, TaskConflictError, TaskStore
-from dockyard_rl.sandbox.task import (ApplyMethod, TaskSpec, TaskStatus, TestOutcome, Verdict)
+from dockyard_rl.sandbox.task import ApplyMethod, TaskSpec, TaskStatus, TestOutcome, Verdict
 
 
 def make_spec(task_id="t1", patch="diff --git a/x b/x\n") -> TaskSpec:
-    return TaskSpec.from_request({
-        "instance_id": "demo__demo-1", "repo": "/srv/repo", "base_commit": "abc123",
-        "patch": patch, "test_patch": "diff --git a/tests/t.py b/tests/t.py\n",
-        "FAIL_TO_PASS": ["tests/t.py::test_a"], "PASS_TO_PASS": '["tests/t.py::test_b"]',
-        "task_id": task_id,
-    })
+    return TaskSpec.from_request(
+        {
+            "instance_id": "demo__demo-1",
+            "repo": "/srv/repo",
+            "base_commit": "abc123",
+            "patch": patch,
+            "test_patch": "diff --git a/tests/t.py b/tests/t.py\n",
+            "FAIL_TO_PASS": ["tests/t.py::test_a"],
+            "PASS_TO_PASS": '["tests/t.py::test_b"]',
+            "task_id": task_id,
+        }
+    )
 
 
 def make_verdict(resolved=True) -> Verdict:
     outcome = TestOutcome.PASSED if resolved else TestOutcome.FAILED
-    return Verdict(resolved=resolved, reward=1.0 if resolved else 0.0,
-                   fail_to_pass={"tests/t.py::test_a": outcome},
-                   pass_to_pass={"tests/t.py::test_b": TestOutcome.PASSED},
-                   apply_method=ApplyMethod.GIT_APPLY, integrity_violation=(),
-                   test_exit_code=0 if resolved else 1, timed_out=False,
-                   timings_s={"total": 1.5}, log_tail="1 passed")
+    return Verdict(
+        resolved=resolved,
+        reward=1.0 if resolved else 0.0,
+        fail_to_pass={"tests/t.py::test_a": outcome},
+        pass_to_pass={"tests/t.py::test_b": TestOutcome.PASSED},
+        apply_method=ApplyMethod.GIT_APPLY,
+        integrity_violation=(),
+        test_exit_code=0 if resolved else 1,
+        timed_out=False,
+        timings_s={"total": 1.5},
+        log_tail="1 passed",
+    )
 
 
 @pytest.fixture
@@ -114,8 +126,12 @@ def test_counts_cover_every_status(store):
     store.start_attempt("b")
     store.fail("b", "boom")
     counts = store.counts()
-    assert counts == {TaskStatus.QUEUED: 1, TaskStatus.RUNNING: 0, TaskStatus.FINISHED: 0,
-                      TaskStatus.INFRA_ERROR: 1}
+    assert counts == {
+        TaskStatus.QUEUED: 1,
+        TaskStatus.RUNNING: 0,
+        TaskStatus.FINISHED: 0,
+        TaskStatus.INFRA_ERROR: 1,
+    }
 
 
 def test_recovery_requeues_unfinished_keeps_finished_and_fails_exhausted(tmp_path):

@@ -1,4 +1,5 @@
-"""Tests under runners other than pytest, with the official SWE-bench harness's commands and parsers.
+"""Tests under runners other than pytest, with the official SWE-bench harness's commands and
+parsers.
 
     harness = parse_harness("swebench:django/django@4.0")        # ValueError names the problem
     commands = harness.test_commands(spec.test_patch, image)      # eval commands + test command
@@ -23,10 +24,10 @@ Forgeability: these outcomes come from the log the tests print, and the code und
 anything, e.g. "test_x ... ok". What contains that: the patch still passes every integrity check
 before any test runs (protected test files, runner configuration, symlinks, tree audit; the test
 patch is re-applied after it), the runner script the test command names (`tests/runtests.py`,
-`bin/test`) is protected like a test file, the run must reach the completion line whose nonce only the
-executor's shell knows (a killed or crashed run is REPORT_UNTRUSTED, never parsed as passing),
-and the verdict carries the flag "evidence: parsed_log" so the reward side can weigh or audit
-such verdicts. It is still weaker than the pytest runner's streamed records, JUnit report,
+`bin/test`) is protected like a test file, the run must reach the completion line whose nonce
+only the executor's shell knows (a killed or crashed run is REPORT_UNTRUSTED, never parsed as
+passing), and the verdict carries the flag "evidence: parsed_log" so the reward side can weigh or
+audit such verdicts. It is still weaker than the pytest runner's streamed records, JUnit report,
 canaries and tampering checks, which is why pytest tasks never take this path.
 """
 
@@ -50,9 +51,13 @@ PREFIX = "swebench:"
 EVIDENCE_FLAG = "evidence: parsed_log"
 # SWE-bench's images keep a conda install here with the repository's environment "testbed".
 _CONDA_ACTIVATE = "/opt/miniconda3/bin/activate"
-_STATUS_TO_OUTCOME = {"PASSED": TestOutcome.PASSED, "XFAIL": TestOutcome.PASSED,
-                      "FAILED": TestOutcome.FAILED, "ERROR": TestOutcome.ERROR,
-                      "SKIPPED": TestOutcome.SKIPPED}
+_STATUS_TO_OUTCOME = {
+    "PASSED": TestOutcome.PASSED,
+    "XFAIL": TestOutcome.PASSED,
+    "FAILED": TestOutcome.FAILED,
+    "ERROR": TestOutcome.ERROR,
+    "SKIPPED": TestOutcome.SKIPPED,
+}
 
 
 @functools.cache
@@ -68,8 +73,10 @@ def _swebench():
         from swebench.harness.test_spec import python as python_specs
         from swebench.harness.test_spec.test_spec import TestSpec
     except ImportError as error:
-        raise ValueError(f"test_harness: the swebench package is not installed in the executor's "
-                         f"environment ({error}); it is in requirements/cpu.lock.txt") from None
+        raise ValueError(
+            f"test_harness: the swebench package is not installed in the executor's "
+            f"environment ({error}); it is in requirements/cpu.lock.txt"
+        ) from None
     return constants, log_parsers, python_specs, TestSpec
 
 
@@ -90,43 +97,75 @@ class Harness:
         with SWE-bench's conda layout the `testbed` environment is activated first."""
         _, _, python_specs, _ = _swebench()
         conda = image is not None and os.path.lexists(image.rootfs / _CONDA_ACTIVATE.lstrip("/"))
-        directives = python_specs.get_test_directives({"repo": self.repo,
-                                                       "test_patch": test_patch})
+        directives = python_specs.get_test_directives({"repo": self.repo, "test_patch": test_patch})
         activate = [f"source {_CONDA_ACTIVATE}", "conda activate testbed"] if conda else []
-        return [*activate, *self.spec.get("eval_commands", []),
-                " ".join([self.spec["test_cmd"], *map(shlex.quote, directives)])]
+        return [
+            *activate,
+            *self.spec.get("eval_commands", []),
+            " ".join([self.spec["test_cmd"], *map(shlex.quote, directives)]),
+        ]
 
     def protected_files(self) -> list[str]:
         """The runner scripts the test command names (`./tests/runtests.py`, `bin/test`): like
         the test files, a patch must not edit them (it could print any result)."""
         words = shlex.split(self.spec["test_cmd"])
-        return sorted({posixpath.normpath(word) for word in words
-                       if "/" in word and not word.startswith(("-", "/")) and "=" not in word})
+        return sorted(
+            {
+                posixpath.normpath(word)
+                for word in words
+                if "/" in word and not word.startswith(("-", "/")) and "=" not in word
+            }
+        )
 
-    def parse(self, log: str, instance_id: str, fail_to_pass: Sequence[str],
-              pass_to_pass: Sequence[str]) -> dict[str, str]:
+    def parse(
+        self, log: str, instance_id: str, fail_to_pass: Sequence[str], pass_to_pass: Sequence[str]
+    ) -> dict[str, str]:
         """The harness parser's test -> status map for `log`."""
         constants, log_parsers, _, test_spec_class = _swebench()
         test_spec = test_spec_class(
-            instance_id=instance_id, repo=self.repo, version=self.version, repo_script_list=[],
-            eval_script_list=[], env_script_list=[], arch="x86_64",
-            FAIL_TO_PASS=list(fail_to_pass), PASS_TO_PASS=list(pass_to_pass), language="py",
-            docker_specs={}, namespace=None)
+            instance_id=instance_id,
+            repo=self.repo,
+            version=self.version,
+            repo_script_list=[],
+            eval_script_list=[],
+            env_script_list=[],
+            arch="x86_64",
+            FAIL_TO_PASS=list(fail_to_pass),
+            PASS_TO_PASS=list(pass_to_pass),
+            language="py",
+            docker_specs={},
+            namespace=None,
+        )
         return log_parsers.MAP_REPO_TO_PARSER[self.repo](log, test_spec)
 
-    def grade(self, run: ScriptRun, instance_id: str, fail_to_pass: Sequence[str],
-              pass_to_pass: Sequence[str], reward_mode: RewardMode) -> grading.Grade:
+    def grade(
+        self,
+        run: ScriptRun,
+        instance_id: str,
+        fail_to_pass: Sequence[str],
+        pass_to_pass: Sequence[str],
+        reward_mode: RewardMode,
+    ) -> grading.Grade:
         """The verdict's grade for a run of `test_commands`."""
         notes = (EVIDENCE_FLAG,)
         if run.result.timed_out:
-            return grading.ungraded(fail_to_pass, pass_to_pass, FailureKind.TIMEOUT,
-                                    "the test run was killed at the wall-clock limit", notes)
+            return grading.ungraded(
+                fail_to_pass,
+                pass_to_pass,
+                FailureKind.TIMEOUT,
+                "the test run was killed at the wall-clock limit",
+                notes,
+            )
         if run.exit_status is None:
             return grading.ungraded(
-                fail_to_pass, pass_to_pass, FailureKind.REPORT_UNTRUSTED,
+                fail_to_pass,
+                pass_to_pass,
+                FailureKind.REPORT_UNTRUSTED,
                 f"the test command did not finish (sandbox exit status "
                 f"{run.result.exit_code}): a crash, a forced exit or a kill; its log is not "
-                f"graded", notes)
+                f"graded",
+                notes,
+            )
         statuses = self.parse(run.log, instance_id, fail_to_pass, pass_to_pass)
 
         def outcome(test_id: str) -> TestOutcome:
@@ -139,18 +178,23 @@ def parse_harness(value: str) -> Harness:
     """Reads a task's `test_harness` ("swebench:<owner/name>@<version>"); raises ValueError
     naming the field and what the harness knows."""
     if not value.startswith(PREFIX) or "@" not in value:
-        raise ValueError(f"test_harness: must look like 'swebench:<owner/name>@<version>' (the "
-                         f"SWE-bench row's repo and version), got {value!r}")
-    repo, _, version = value[len(PREFIX):].rpartition("@")
+        raise ValueError(
+            f"test_harness: must look like 'swebench:<owner/name>@<version>' (the "
+            f"SWE-bench row's repo and version), got {value!r}"
+        )
+    repo, _, version = value[len(PREFIX) :].rpartition("@")
     constants, log_parsers, _, _ = _swebench()
     specs, parsers = constants.MAP_REPO_VERSION_TO_SPECS, log_parsers.MAP_REPO_TO_PARSER_PY
     if repo not in specs or repo not in parsers:
         known = ", ".join(sorted(set(specs) & set(parsers)))
-        raise ValueError(f"test_harness: the swebench harness has no Python repository {repo!r} "
-                         f"(known: {known})")
+        raise ValueError(
+            f"test_harness: the swebench harness has no Python repository {repo!r} (known: {known})"
+        )
     if version not in specs[repo]:
-        raise ValueError(f"test_harness: the swebench harness has no version {version!r} of "
-                         f"{repo} (known: {', '.join(sorted(specs[repo]))})")
+        raise ValueError(
+            f"test_harness: the swebench harness has no version {version!r} of "
+            f"{repo} (known: {', '.join(sorted(specs[repo]))})"
+        )
     return Harness(repo=repo, version=version)
 
 

@@ -18,15 +18,15 @@ from dockyard_rl.sandbox import images, repo_envs
 
 
 class RewardMode(str, enum.Enum):
-    BINARY = "binary"        # 1.0 when resolved (every F2P and every P2P test passes), else 0.0
+    BINARY = "binary"  # 1.0 when resolved (every F2P and every P2P test passes), else 0.0
     PASS_RATE = "pass_rate"  # fraction of F2P + P2P tests that pass; 0.0 on integrity violation
 
 
 class TaskStatus(str, enum.Enum):
     QUEUED = "queued"
     RUNNING = "running"
-    FINISHED = "finished"          # a verdict exists (resolved or not)
-    INFRA_ERROR = "infra_error"    # scoring could not finish for reasons outside the patch
+    FINISHED = "finished"  # a verdict exists (resolved or not)
+    INFRA_ERROR = "infra_error"  # scoring could not finish for reasons outside the patch
 
 
 class TestOutcome(str, enum.Enum):
@@ -40,11 +40,11 @@ class TestOutcome(str, enum.Enum):
 
 
 class ApplyMethod(str, enum.Enum):
-    EMPTY = "empty"                # empty patch: nothing to apply
+    EMPTY = "empty"  # empty patch: nothing to apply
     GIT_APPLY = "git_apply"
     GIT_APPLY_3WAY = "git_apply_3way"
     PATCH_FUZZ = "patch_fuzz"
-    FAILED = "failed"              # no method applied it
+    FAILED = "failed"  # no method applied it
     NOT_ATTEMPTED = "not_attempted"  # integrity violation: the patch was never applied
 
 
@@ -55,16 +55,16 @@ class FailureKind(str, enum.Enum):
     cannot cause is an infrastructure error instead (no verdict, retried by the service).
     """
 
-    NONE = "none"                              # resolved
-    TESTS_FAILED = "tests_failed"              # trusted report; some F2P/P2P test did not pass
+    NONE = "none"  # resolved
+    TESTS_FAILED = "tests_failed"  # trusted report; some F2P/P2P test did not pass
     INTEGRITY_VIOLATION = "integrity_violation"  # protected files, runner config, symlinks, ...
-    PATCH_NOT_APPLIED = "patch_not_applied"    # no applier could apply it
-    PATCH_TOO_LARGE = "patch_too_large"        # binary content over the executor's caps
-    BREAKS_TEST_PATCH = "breaks_test_patch"    # the gold test patch no longer applies after it
-    TAMPERING = "tampering"                    # the test process altered its own results
-    REPORT_UNTRUSTED = "report_untrusted"      # report missing, malformed or inconsistent
-    TIMEOUT = "timeout"                        # the wall-clock limit killed the test run
-    DISK_LIMIT = "disk_limit"                  # the worktree outgrew its size-capped filesystem
+    PATCH_NOT_APPLIED = "patch_not_applied"  # no applier could apply it
+    PATCH_TOO_LARGE = "patch_too_large"  # binary content over the executor's caps
+    BREAKS_TEST_PATCH = "breaks_test_patch"  # the gold test patch no longer applies after it
+    TAMPERING = "tampering"  # the test process altered its own results
+    REPORT_UNTRUSTED = "report_untrusted"  # report missing, malformed or inconsistent
+    TIMEOUT = "timeout"  # the wall-clock limit killed the test run
+    DISK_LIMIT = "disk_limit"  # the worktree outgrew its size-capped filesystem
 
 
 class TaskValidationError(ValueError):
@@ -83,14 +83,22 @@ _RESERVED_ROOTS = ("/proc", "/dev", "/tmp", "/sys", "/run", "/etc", "/.dockyard"
 def check_repo_path(repo_path: str) -> None:
     """Raises TaskValidationError unless `repo_path` is a normalized absolute folder that the
     sandbox can mount the repository on."""
-    normalized = (repo_path.startswith("/") and not repo_path.startswith("//")
-                  and repo_path != "/" and "\0" not in repo_path
-                  and repo_path == posixpath.normpath(repo_path))
-    reserved = any(repo_path == root or repo_path.startswith(root + "/")
-                   for root in _RESERVED_ROOTS)
+    normalized = (
+        repo_path.startswith("/")
+        and not repo_path.startswith("//")
+        and repo_path != "/"
+        and "\0" not in repo_path
+        and repo_path == posixpath.normpath(repo_path)
+    )
+    reserved = any(
+        repo_path == root or repo_path.startswith(root + "/") for root in _RESERVED_ROOTS
+    )
     if not normalized or reserved:
-        raise TaskValidationError("repo_path", f"must be a normalized absolute folder other than "
-                                  f"/ and outside {', '.join(_RESERVED_ROOTS)}, got {repo_path!r}")
+        raise TaskValidationError(
+            "repo_path",
+            f"must be a normalized absolute folder other than "
+            f"/ and outside {', '.join(_RESERVED_ROOTS)}, got {repo_path!r}",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,17 +106,17 @@ class TaskSpec:
     """One SWE-bench-style instance plus the agent's patch to score."""
 
     instance_id: str
-    repo: str                      # a local path, file:// URL or https URL of a git repository
+    repo: str  # a local path, file:// URL or https URL of a git repository
     base_commit: str
-    patch: str                     # the agent's patch (unified diff; may be empty)
-    test_patch: str                # the gold test patch (held-out tests)
+    patch: str  # the agent's patch (unified diff; may be empty)
+    test_patch: str  # the gold test patch (held-out tests)
     fail_to_pass: tuple[str, ...]  # test ids (pytest node ids) that must go from failing to passing
     pass_to_pass: tuple[str, ...]  # test ids that must keep passing
     test_command: str | None = None  # default: pytest on the files test_patch touches
-    timeout_s: float | None = None   # wall-clock limit of the test run; default from the executor
+    timeout_s: float | None = None  # wall-clock limit of the test run; default from the executor
     reward_mode: RewardMode = RewardMode.BINARY
-    task_id: str | None = None       # client-supplied id: resubmitting it is idempotent
-    image: str | None = None         # OCI image the tests run in (sandbox/images.py); None: the
+    task_id: str | None = None  # client-supplied id: resubmitting it is idempotent
+    image: str | None = None  # OCI image the tests run in (sandbox/images.py); None: the
     #                                  executor's own interpreter
     repo_path: str = DEFAULT_REPO_PATH  # where the repository sits in the image
     test_harness: str | None = None  # "swebench:<owner/name>@<version>": that runner and log
@@ -117,7 +125,7 @@ class TaskSpec:
     #                                     (sandbox/repo_envs.py); only without an image
 
     @classmethod
-    def from_request(cls, body: Any) -> "TaskSpec":
+    def from_request(cls, body: Any) -> TaskSpec:
         """Validates a POST /task/submit JSON body. Lists may be JSON lists or JSON-encoded strings
         (as in the published SWE-bench datasets). Raises TaskValidationError naming the field."""
         if not isinstance(body, dict):
@@ -143,23 +151,29 @@ class TaskSpec:
                 try:
                     value = json.loads(value)
                 except json.JSONDecodeError as error:
-                    raise TaskValidationError(name, f"is a string but not a JSON list: {error}") \
-                        from None
+                    raise TaskValidationError(
+                        name, f"is a string but not a JSON list: {error}"
+                    ) from None
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise TaskValidationError(name, "must be a list of test-id strings")
             return tuple(value)
 
         timeout = body.get("timeout_s")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not 0 < timeout <= 24 * 3600):
-            raise TaskValidationError("timeout_s", f"must be a number of seconds in (0, 86400], "
-                                                   f"got {timeout!r}")
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 < timeout <= 24 * 3600
+        ):
+            raise TaskValidationError(
+                "timeout_s", f"must be a number of seconds in (0, 86400], got {timeout!r}"
+            )
         mode = body.get("reward_mode", RewardMode.BINARY.value)
         try:
             reward_mode = RewardMode(mode)
         except ValueError:
-            raise TaskValidationError("reward_mode", f"must be one of "
-                                      f"{[m.value for m in RewardMode]}, got {mode!r}") from None
+            raise TaskValidationError(
+                "reward_mode", f"must be one of {[m.value for m in RewardMode]}, got {mode!r}"
+            ) from None
         image = text("image", required=False)
         if image is not None:
             try:
@@ -177,21 +191,26 @@ class TaskSpec:
             if isinstance(requirements, str):
                 requirements = requirements.split("\n")
             if not isinstance(requirements, list) or not all(
-                    isinstance(line, str) for line in requirements):
-                raise TaskValidationError("requirements", "must be a list of pip requirement "
-                                                          "strings")
+                isinstance(line, str) for line in requirements
+            ):
+                raise TaskValidationError(
+                    "requirements", "must be a list of pip requirement strings"
+                )
             requirements = [line.strip() for line in requirements if line.strip()]
             if image is not None:
-                raise TaskValidationError("requirements", "cannot be combined with an image "
-                                                          "(install them in the image)")
+                raise TaskValidationError(
+                    "requirements", "cannot be combined with an image (install them in the image)"
+                )
             try:
                 repo_envs.check_requirements(requirements)
             except ValueError as error:
-                raise TaskValidationError("requirements", str(error).removeprefix(
-                    "requirements: ")) from None
+                raise TaskValidationError(
+                    "requirements", str(error).removeprefix("requirements: ")
+                ) from None
         if test_harness is not None and body.get("test_command") is not None:
-            raise TaskValidationError("test_harness", "names the test command itself; leave "
-                                                      "test_command out")
+            raise TaskValidationError(
+                "test_harness", "names the test command itself; leave test_command out"
+            )
         # Other SWE-bench fields (problem_statement, hints_text, version, ...) are accepted and
         # ignored: scoring does not need them.
         return cls(
@@ -235,16 +254,16 @@ class Verdict:
 
     resolved: bool
     reward: float
-    fail_to_pass: dict[str, TestOutcome]   # test id -> outcome
+    fail_to_pass: dict[str, TestOutcome]  # test id -> outcome
     pass_to_pass: dict[str, TestOutcome]
     apply_method: ApplyMethod
-    integrity_violation: tuple[str, ...]   # files whose edit violated integrity; empty if none
-    test_exit_code: int | None             # None when tests did not run (apply failure, violation)
+    integrity_violation: tuple[str, ...]  # files whose edit violated integrity; empty if none
+    test_exit_code: int | None  # None when tests did not run (apply failure, violation)
     timed_out: bool
-    timings_s: dict[str, float]            # phase -> seconds (checkout, apply, tests, total)
-    log_tail: str                          # bounded tail of the test run's output
+    timings_s: dict[str, float]  # phase -> seconds (checkout, apply, tests, total)
+    log_tail: str  # bounded tail of the test run's output
     failure_kind: FailureKind = FailureKind.NONE  # why it is not resolved (NONE when resolved)
-    failure_detail: str = ""               # the reason in words ("" when resolved)
+    failure_detail: str = ""  # the reason in words ("" when resolved)
     screening_flags: tuple[str, ...] = ()  # static screening of the patch ("category: token")
     # The run ended at the wall-clock or CPU-time limit: a slow patch, or an overloaded machine.
     # Not evidence against the patch; the environment masks such samples like infra errors.
@@ -261,7 +280,7 @@ class Verdict:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Verdict":
+    def from_dict(cls, data: dict[str, Any]) -> Verdict:
         return cls(
             resolved=bool(data["resolved"]),
             reward=float(data["reward"]),

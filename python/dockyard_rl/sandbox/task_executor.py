@@ -59,8 +59,9 @@ def pipeline_score_fn(pipeline_config: pipeline.PipelineConfig) -> ScoreFn:
     return functools.partial(_score_with_pipeline, pipeline_config)
 
 
-def _score_with_pipeline(pipeline_config: pipeline.PipelineConfig, spec: TaskSpec,
-                         work_root: pathlib.Path) -> Verdict:
+def _score_with_pipeline(
+    pipeline_config: pipeline.PipelineConfig, spec: TaskSpec, work_root: pathlib.Path
+) -> Verdict:
     return pipeline.score_task(spec, pipeline_config, work_root)
 
 
@@ -71,22 +72,31 @@ class TaskExecutor:
     `submit()` / `get()` from any thread, then `stop()` once (safe to repeat).
     """
 
-    def __init__(self, config: ExecutorConfig, score_fn: ScoreFn | None = None, *,
-                 image_stats: ImageStatsFn | None = None):
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        score_fn: ScoreFn | None = None,
+        *,
+        image_stats: ImageStatsFn | None = None,
+    ):
         """`image_stats`, when given, reports the unpacked-image cache on /metrics (see
         metrics.ImageStatsFn); with the default (pipeline) scoring it is the pipeline's own image
         cache."""
         self.config = config
-        self._score_fn = (score_fn if score_fn is not None
-                          else pipeline_score_fn(config.pipeline))
+        self._score_fn = score_fn if score_fn is not None else pipeline_score_fn(config.pipeline)
         if score_fn is None and image_stats is None:
+
             def image_stats() -> dict[str, float]:
                 return pipeline.image_cache(config.pipeline, config.work_path).stats()
+
         self._store = TaskStore(config.db_file)
         self._queue: queue.Queue[str | None] = queue.Queue()
-        self._metrics = ExecutorMetrics(num_workers=config.num_workers, counts=self._store.counts,
-                                        num_workers_alive=lambda: self.num_workers_alive,
-                                        image_stats=image_stats)
+        self._metrics = ExecutorMetrics(
+            num_workers=config.num_workers,
+            counts=self._store.counts,
+            num_workers_alive=lambda: self.num_workers_alive,
+            image_stats=image_stats,
+        )
         self._lock = threading.Lock()
         self._workers: list[threading.Thread] = []
         self._running: set[str] = set()
@@ -107,14 +117,18 @@ class TaskExecutor:
             logger.warning("removed %d task directories left by a previous executor", num_stale)
         report = self._store.recover(self.config.max_infra_attempts)
         if report.requeued or report.failed:
-            logger.warning("recovered %d unfinished task(s) from %s; %d out of attempts marked "
-                           "infra_error", len(report.requeued), self.config.db_file,
-                           len(report.failed))
+            logger.warning(
+                "recovered %d unfinished task(s) from %s; %d out of attempts marked infra_error",
+                len(report.requeued),
+                self.config.db_file,
+                len(report.failed),
+            )
         for task_id in report.requeued:
             self._queue.put(task_id)
         for index in range(self.config.num_workers):
-            worker = threading.Thread(target=self._worker_loop, name=f"executor-worker-{index}",
-                                      daemon=True)
+            worker = threading.Thread(
+                target=self._worker_loop, name=f"executor-worker-{index}", daemon=True
+            )
             worker.start()
             self._workers.append(worker)
         self._accepting = True
@@ -144,8 +158,11 @@ class TaskExecutor:
             interrupted = sorted(self._running)
         for task_id in interrupted:
             if self._store.requeue_interrupted(task_id) is not None:
-                logger.warning("task %s still running after %.1f s of shutdown grace; re-queued",
-                               task_id, grace_s)
+                logger.warning(
+                    "task %s still running after %.1f s of shutdown grace; re-queued",
+                    task_id,
+                    grace_s,
+                )
         self._workers.clear()
         self._store.close()
 
@@ -157,8 +174,10 @@ class TaskExecutor:
         Raises TaskConflictError, QueueFullError (see store.TaskStore.insert), ShuttingDownError.
         """
         if not self._accepting:
-            raise ShuttingDownError("the executor is shutting down; submit to another executor "
-                                    "or retry after it restarts")
+            raise ShuttingDownError(
+                "the executor is shutting down; submit to another executor "
+                "or retry after it restarts"
+            )
         record, created = self._store.insert(spec, max_queued=self.config.max_queue)
         if created:
             self._queue.put(record.task_id)
@@ -206,17 +225,26 @@ class TaskExecutor:
         try:
             verdict = self._score_fn(record.spec, self.config.work_path)
         except pipeline.InfrastructureError as error:
-            self._after_infra_error(record, f"{type(error).__name__}: {error}",
-                                    time.monotonic() - started, retryable=True)
+            self._after_infra_error(
+                record,
+                f"{type(error).__name__}: {error}",
+                time.monotonic() - started,
+                retryable=True,
+            )
         except ValueError as error:
             # The pipeline's word for a task that can never be scored (e.g. a test_patch that
             # does not apply at base_commit); submission-time checks catch most of these.
-            self._after_infra_error(record, f"invalid task: {error}",
-                                    time.monotonic() - started, retryable=False)
+            self._after_infra_error(
+                record, f"invalid task: {error}", time.monotonic() - started, retryable=False
+            )
         except Exception as error:
             logger.exception("scoring task %s raised a non-infrastructure exception", task_id)
-            self._after_infra_error(record, f"internal error: {type(error).__name__}: {error}",
-                                    time.monotonic() - started, retryable=False)
+            self._after_infra_error(
+                record,
+                f"internal error: {type(error).__name__}: {error}",
+                time.monotonic() - started,
+                retryable=False,
+            )
         else:
             if not self._abandoned:
                 self._store.finish(task_id, verdict)
@@ -225,20 +253,28 @@ class TaskExecutor:
             with self._lock:
                 self._running.discard(task_id)
 
-    def _after_infra_error(self, record: TaskRecord, error: str, duration_s: float,
-                           retryable: bool) -> None:
+    def _after_infra_error(
+        self, record: TaskRecord, error: str, duration_s: float, retryable: bool
+    ) -> None:
         if self._abandoned:
             return
         if retryable and record.attempts < self.config.max_infra_attempts:
             delay_s = self.config.retry_backoff_s * 2 ** (record.attempts - 1)
-            logger.warning("task %s attempt %d/%d: %s; retrying in %.1f s", record.task_id,
-                           record.attempts, self.config.max_infra_attempts, error, delay_s)
+            logger.warning(
+                "task %s attempt %d/%d: %s; retrying in %.1f s",
+                record.task_id,
+                record.attempts,
+                self.config.max_infra_attempts,
+                error,
+                delay_s,
+            )
             self._store.retry(record.task_id, error)
             self._metrics.retried()
             self._enqueue_later(record.task_id, delay_s)
             return
-        logger.error("task %s failed after %d attempt(s): %s", record.task_id, record.attempts,
-                     error)
+        logger.error(
+            "task %s failed after %d attempt(s): %s", record.task_id, record.attempts, error
+        )
         self._store.fail(record.task_id, error)
         self._metrics.infra_error_recorded(duration_s)
 

@@ -13,8 +13,15 @@ from dockyard_rl.sandbox import pipeline
 from dockyard_rl.sandbox.store import TaskStore
 from dockyard_rl.sandbox.task import TaskSpec, TaskStatus
 from dockyard_rl.sandbox.task_executor import ShuttingDownError, TaskExecutor
-from dockyard_rl.sandbox.testing_executor import (GOLD, body, make_config, score, serve_and,
-                                                  verdict_for, wait_done)
+from dockyard_rl.sandbox.testing_executor import (
+    GOLD,
+    body,
+    make_config,
+    score,
+    serve_and,
+    verdict_for,
+    wait_done,
+)
 
 
 def test_only_infrastructure_errors_are_retried(tmp_path):
@@ -38,11 +45,17 @@ def test_only_infrastructure_errors_are_retried(tmp_path):
     config = make_config(tmp_path, max_infra_attempts=3)
 
     async def scenario(http, server):
-        ids = {"infra-twice": GOLD, "infra-always": GOLD, "bug": GOLD, "invalid": GOLD,
-               "tests-fail": ""}
+        ids = {
+            "infra-twice": GOLD,
+            "infra-always": GOLD,
+            "bug": GOLD,
+            "invalid": GOLD,
+            "tests-fail": "",
+        }
         for task_id, patch in ids.items():
-            async with http.post(f"{server.url}/task/submit",
-                                 json=body(task_id, patch=patch)) as response:
+            async with http.post(
+                f"{server.url}/task/submit", json=body(task_id, patch=patch)
+            ) as response:
                 assert response.status == 202
         return {task_id: await wait_done(http, server.url, task_id) for task_id in ids}
 
@@ -57,8 +70,9 @@ def test_only_infrastructure_errors_are_retried(tmp_path):
     assert results["bug"]["error"].startswith("internal error: KeyError")
     # The pipeline's ValueError = a task that can never be scored: reported once, not retried.
     assert results["invalid"]["status"] == "infra_error" and calls["invalid"] == 1
-    assert results["invalid"]["error"] == ("invalid task: test_patch: does not apply at "
-                                           "base_commit abc1234")
+    assert results["invalid"]["error"] == (
+        "invalid task: test_patch: does not apply at base_commit abc1234"
+    )
     # A patch whose tests fail is a verdict: scored once, never retried.
     assert results["tests-fail"]["status"] == "finished" and calls["tests-fail"] == 1
     assert results["tests-fail"]["verdict"]["resolved"] is False
@@ -81,7 +95,9 @@ def test_scorer_gets_the_stored_spec_and_the_work_root(tmp_path):
 
     serve_and(config, scorer, scenario)
     assert [(spec.task_id, spec.timeout_s, root) for spec, root in seen] == [
-        ("default", None, config.work_path), ("own", 5.0, config.work_path)]
+        ("default", None, config.work_path),
+        ("own", 5.0, config.work_path),
+    ]
     # None: the pipeline applies its own default (config.pipeline.timeout_s).
     assert seen[0][0] == TaskSpec.from_request(body("default"))
 

@@ -18,14 +18,22 @@ GOLD = "diff --git a/gold b/gold\n"
 # Submissions are checked the way the pipeline will check them: the repo must exist here, the
 # commit must look like one and the test patch must be a diff. The injected scorer uses none.
 REPO = os.path.dirname(os.path.abspath(__file__))
-TEST_PATCH = ("diff --git a/tests/t.py b/tests/t.py\n--- a/tests/t.py\n+++ b/tests/t.py\n"
-              "@@ -1 +1,2 @@\n x = 1\n+y = 2\n")
+TEST_PATCH = (
+    "diff --git a/tests/t.py b/tests/t.py\n--- a/tests/t.py\n+++ b/tests/t.py\n"
+    "@@ -1 +1,2 @@\n x = 1\n+y = 2\n"
+)
 
 
 def body(task_id=None, patch=GOLD, **overrides):
-    data = {"instance_id": "demo__demo-1", "repo": REPO, "base_commit": "abc1234",
-            "patch": patch, "test_patch": TEST_PATCH,
-            "FAIL_TO_PASS": ["tests/t.py::test_new"], "PASS_TO_PASS": ["tests/t.py::test_old"]}
+    data = {
+        "instance_id": "demo__demo-1",
+        "repo": REPO,
+        "base_commit": "abc1234",
+        "patch": patch,
+        "test_patch": TEST_PATCH,
+        "FAIL_TO_PASS": ["tests/t.py::test_new"],
+        "PASS_TO_PASS": ["tests/t.py::test_old"],
+    }
     if task_id is not None:
         data["task_id"] = task_id
     data.update(overrides)
@@ -36,12 +44,18 @@ def verdict_for(spec: TaskSpec) -> Verdict:
     """Resolved exactly when the patch is GOLD: enough to tell tasks' verdicts apart."""
     resolved = spec.patch == GOLD
     outcome = TestOutcome.PASSED if resolved else TestOutcome.FAILED
-    return Verdict(resolved=resolved, reward=float(resolved),
-                   fail_to_pass={t: outcome for t in spec.fail_to_pass},
-                   pass_to_pass={t: TestOutcome.PASSED for t in spec.pass_to_pass},
-                   apply_method=ApplyMethod.GIT_APPLY if spec.patch else ApplyMethod.EMPTY,
-                   integrity_violation=(), test_exit_code=0 if resolved else 1, timed_out=False,
-                   timings_s={"total": 0.01}, log_tail="")
+    return Verdict(
+        resolved=resolved,
+        reward=float(resolved),
+        fail_to_pass={t: outcome for t in spec.fail_to_pass},
+        pass_to_pass={t: TestOutcome.PASSED for t in spec.pass_to_pass},
+        apply_method=ApplyMethod.GIT_APPLY if spec.patch else ApplyMethod.EMPTY,
+        integrity_violation=(),
+        test_exit_code=0 if resolved else 1,
+        timed_out=False,
+        timings_s={"total": 0.01},
+        log_tail="",
+    )
 
 
 def score(spec, work_root):
@@ -49,8 +63,14 @@ def score(spec, work_root):
 
 
 def make_config(tmp_path, **overrides) -> ExecutorConfig:
-    values = dict(host="127.0.0.1", port=0, num_workers=2, work_dir=str(tmp_path / "work"),
-                  retry_backoff_s=0.0, shutdown_grace_s=5.0)
+    values = dict(
+        host="127.0.0.1",
+        port=0,
+        num_workers=2,
+        work_dir=str(tmp_path / "work"),
+        retry_backoff_s=0.0,
+        shutdown_grace_s=5.0,
+    )
     values.update(overrides)
     return ExecutorConfig(**values)
 
@@ -69,8 +89,10 @@ async def wait_done(http, url, task_id, headers=None, timeout_s=10.0):
 
 def serve_and(config, score_fn, scenario, image_stats=None):
     """Runs `scenario(http, server)` against a live server; returns what it returns."""
+
     async def main():
         async with running_server(config, score_fn, image_stats=image_stats) as server:
             async with aiohttp.ClientSession() as http:
                 return await scenario(http, server)
+
     return asyncio.run(main())

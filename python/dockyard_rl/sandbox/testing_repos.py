@@ -31,11 +31,19 @@ from collections.abc import Mapping
 
 from dockyard_rl.sandbox.task import RewardMode, TaskSpec
 
-_GIT_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8",
-            "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
-            "GIT_AUTHOR_NAME": "toy", "GIT_AUTHOR_EMAIL": "toy@localhost",
-            "GIT_COMMITTER_NAME": "toy", "GIT_COMMITTER_EMAIL": "toy@localhost",
-            "GIT_AUTHOR_DATE": "2025-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2025-01-01T00:00:00Z"}
+_GIT_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/nonexistent",
+    "LANG": "C.UTF-8",
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_CONFIG_GLOBAL": "/dev/null",
+    "GIT_AUTHOR_NAME": "toy",
+    "GIT_AUTHOR_EMAIL": "toy@localhost",
+    "GIT_COMMITTER_NAME": "toy",
+    "GIT_COMMITTER_EMAIL": "toy@localhost",
+    "GIT_AUTHOR_DATE": "2025-01-01T00:00:00Z",
+    "GIT_COMMITTER_DATE": "2025-01-01T00:00:00Z",
+}
 
 OPS_BASE = '''\
 """Small arithmetic helpers."""
@@ -59,10 +67,11 @@ def clamp(value, low, high):
 
 OPS_FIXED = OPS_BASE.replace("def mul(a, b):\n    return a + b", "def mul(a, b):\n    return a * b")
 
-OPS_WRONG = OPS_FIXED.replace("def sub(a, b):\n    return a - b",
-                              "def sub(a, b):\n    return b - a")
+OPS_WRONG = OPS_FIXED.replace(
+    "def sub(a, b):\n    return a - b", "def sub(a, b):\n    return b - a"
+)
 
-TEST_OPS_BASE = '''\
+TEST_OPS_BASE = """\
 import pytest
 
 from calc.ops import add, clamp, sub
@@ -84,16 +93,20 @@ class TestClamp:
 
     def test_outside(self):
         assert clamp(50, 0, 10) == 10
-'''
+"""
 
-TEST_OPS_FIXED = TEST_OPS_BASE.replace(
-    "from calc.ops import add, clamp, sub", "from calc.ops import add, clamp, mul, sub") + '''
+TEST_OPS_FIXED = (
+    TEST_OPS_BASE.replace(
+        "from calc.ops import add, clamp, sub", "from calc.ops import add, clamp, mul, sub"
+    )
+    + """
 
 def test_mul():
     assert mul(3, 4) == 12
-'''
+"""
+)
 
-TEST_MUL_TABLE = '''\
+TEST_MUL_TABLE = """\
 import pytest
 
 from calc.ops import mul
@@ -102,31 +115,40 @@ from calc.ops import mul
 @pytest.mark.parametrize("a, b", [(2, 3), (4, 5)], ids=["2 x 3", "4 x 5"])
 def test_table(a, b):
     assert mul(a, b) == a * b
-'''
+"""
 
-FAIL_TO_PASS = ("tests/test_ops.py::test_mul", "tests/test_mul_table.py::test_table[2 x 3]",
-                "tests/test_mul_table.py::test_table[4 x 5]")
-PASS_TO_PASS = ("tests/test_ops.py::test_add", "tests/test_ops.py::test_sub[five minus three]",
-                "tests/test_ops.py::test_sub[one minus one]",
-                "tests/test_ops.py::TestClamp::test_inside",
-                "tests/test_ops.py::TestClamp::test_outside")
+FAIL_TO_PASS = (
+    "tests/test_ops.py::test_mul",
+    "tests/test_mul_table.py::test_table[2 x 3]",
+    "tests/test_mul_table.py::test_table[4 x 5]",
+)
+PASS_TO_PASS = (
+    "tests/test_ops.py::test_add",
+    "tests/test_ops.py::test_sub[five minus three]",
+    "tests/test_ops.py::test_sub[one minus one]",
+    "tests/test_ops.py::TestClamp::test_inside",
+    "tests/test_ops.py::TestClamp::test_outside",
+)
 
-CONFLICTING_PATCH = '''\
+CONFLICTING_PATCH = (
+    '''\
 diff --git a/calc/ops.py b/calc/ops.py
 --- a/calc/ops.py
 +++ b/calc/ops.py
 @@ -1,3 +1,3 @@
 -"""Helpers that never existed."""
 +"""Helpers that never will."""
- 
- 
 '''
+    " \n"  # two context lines, blank in the file: a lone space each
+    " \n"
+)
 
 
 def git(cwd: pathlib.Path, *args: str) -> str:
     """Runs git with a fixed identity and dates (deterministic commit ids); returns stdout."""
-    return subprocess.run(["git", *args], cwd=cwd, env=_GIT_ENV, check=True, capture_output=True,
-                          text=True).stdout
+    return subprocess.run(
+        ["git", *args], cwd=cwd, env=_GIT_ENV, check=True, capture_output=True, text=True
+    ).stdout
 
 
 def _write(root: pathlib.Path, files: Mapping[str, str | None]) -> None:
@@ -151,13 +173,29 @@ class ToyRepo:
     fail_to_pass: tuple[str, ...] = FAIL_TO_PASS
     pass_to_pass: tuple[str, ...] = PASS_TO_PASS
 
-    def spec(self, patch: str, *, instance_id: str = "toy__calc-1",
-             reward_mode: RewardMode = RewardMode.BINARY, timeout_s: float | None = None,
-             test_command: str | None = None, task_id: str | None = None) -> TaskSpec:
-        return TaskSpec(instance_id=instance_id, repo=str(self.path), base_commit=self.base_commit,
-                        patch=patch, test_patch=self.test_patch, fail_to_pass=self.fail_to_pass,
-                        pass_to_pass=self.pass_to_pass, test_command=test_command,
-                        timeout_s=timeout_s, reward_mode=reward_mode, task_id=task_id)
+    def spec(
+        self,
+        patch: str,
+        *,
+        instance_id: str = "toy__calc-1",
+        reward_mode: RewardMode = RewardMode.BINARY,
+        timeout_s: float | None = None,
+        test_command: str | None = None,
+        task_id: str | None = None,
+    ) -> TaskSpec:
+        return TaskSpec(
+            instance_id=instance_id,
+            repo=str(self.path),
+            base_commit=self.base_commit,
+            patch=patch,
+            test_patch=self.test_patch,
+            fail_to_pass=self.fail_to_pass,
+            pass_to_pass=self.pass_to_pass,
+            test_command=test_command,
+            timeout_s=timeout_s,
+            reward_mode=reward_mode,
+            task_id=task_id,
+        )
 
     def patch_for(self, files: Mapping[str, str | None]) -> str:
         """A git-style unified diff from base_commit to base_commit + `files` (path -> new
@@ -178,22 +216,40 @@ def make_toy_repo(path: pathlib.Path) -> ToyRepo:
     """Creates the repository described in the module docstring at `path` (must not exist)."""
     path.mkdir(parents=True)
     git(path, "init", "--quiet", "--initial-branch=main")
-    _write(path, {"calc/__init__.py": "", "calc/ops.py": OPS_BASE.replace(
-        "\n\ndef mul(a, b):\n    return a + b\n", ""), "tests/test_ops.py": TEST_OPS_BASE})
+    _write(
+        path,
+        {
+            "calc/__init__.py": "",
+            "calc/ops.py": OPS_BASE.replace("\n\ndef mul(a, b):\n    return a + b\n", ""),
+            "tests/test_ops.py": TEST_OPS_BASE,
+        },
+    )
     git(path, "add", "-A")
     git(path, "commit", "--quiet", "-m", "initial")
     _write(path, {"calc/ops.py": OPS_BASE})
     git(path, "commit", "--quiet", "-am", "introduce mul")
     base_commit = git(path, "rev-parse", "HEAD").strip()
-    _write(path, {"calc/ops.py": OPS_FIXED, "tests/test_ops.py": TEST_OPS_FIXED,
-                  "tests/test_mul_table.py": TEST_MUL_TABLE})
+    _write(
+        path,
+        {
+            "calc/ops.py": OPS_FIXED,
+            "tests/test_ops.py": TEST_OPS_FIXED,
+            "tests/test_mul_table.py": TEST_MUL_TABLE,
+        },
+    )
     git(path, "add", "-A")
     git(path, "commit", "--quiet", "-m", "fix mul")
     fix_commit = git(path, "rev-parse", "HEAD").strip()
     git(path, "tag", "v1.0-fixed")
     gold_patch = git(path, "diff", base_commit, fix_commit, "--", "calc")
     test_patch = git(path, "diff", base_commit, fix_commit, "--", "tests")
-    repo = ToyRepo(path=path, base_commit=base_commit, fix_commit=fix_commit,
-                   gold_patch=gold_patch, test_patch=test_patch, wrong_patch="",
-                   conflicting_patch=CONFLICTING_PATCH)
+    repo = ToyRepo(
+        path=path,
+        base_commit=base_commit,
+        fix_commit=fix_commit,
+        gold_patch=gold_patch,
+        test_patch=test_patch,
+        wrong_patch="",
+        conflicting_patch=CONFLICTING_PATCH,
+    )
     return dataclasses.replace(repo, wrong_patch=repo.patch_for({"calc/ops.py": OPS_WRONG}))

@@ -110,14 +110,22 @@ MAX_VIOLATIONS = 200
 _GIT_TIMEOUT_S = 120
 
 # Git modes as `git ls-tree` prints them.
-_MODE_KINDS = {"100644": "file", "100755": "file", "100664": "file", "120000": "symlink",
-               "040000": "dir", "160000": "dir"}
+_MODE_KINDS = {
+    "100644": "file",
+    "100755": "file",
+    "100664": "file",
+    "120000": "symlink",
+    "040000": "dir",
+    "160000": "dir",
+}
 
-_CONFIG_ALWAYS = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml",
-                            ".pytest.toml"})
+_CONFIG_ALWAYS = frozenset(
+    {"conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml"}
+)
 _CONFIG_PARSED = frozenset({"pyproject.toml", "setup.cfg", "tox.ini"})
-_RUNNER_MODULES = frozenset({"pytest", "_pytest", "pluggy", "py", "iniconfig", "sitecustomize",
-                             "usercustomize"})
+_RUNNER_MODULES = frozenset(
+    {"pytest", "_pytest", "pluggy", "py", "iniconfig", "sitecustomize", "usercustomize"}
+)
 _RUNNER_PREFIX = "_dockyard_runner"
 # Longest first, so "x.cpython-311-x86_64-linux-gnu.so" loses its whole suffix, not just ".so".
 _MODULE_SUFFIXES = tuple(sorted(importlib.machinery.all_suffixes(), key=len, reverse=True))
@@ -134,8 +142,8 @@ class TreeAuditError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class TreeAudit:
-    violations: tuple[str, ...]   # sorted "path: reason" strings; empty = clean
-    num_bytes: int                # total bytes of regular files outside .git
+    violations: tuple[str, ...]  # sorted "path: reason" strings; empty = clean
+    num_bytes: int  # total bytes of regular files outside .git
     num_files: int
 
 
@@ -153,13 +161,14 @@ class BaseTree:
       tracked symlinks, and the base version of every changed path named *.py, pyproject.toml,
       setup.cfg or tox.ini. None for a blob larger than MAX_CHECKED_FILE_BYTES (not read).
     """
+
     worktree: pathlib.Path
     entries: Mapping[str, tuple[str, str]]
     changed: frozenset[str]
     base_contents: Mapping[str, bytes | None]
 
     def kind(self, path: str) -> str | None:
-        """"file" | "symlink" | "dir" for a path in HEAD, None when HEAD has no such path."""
+        """ "file" | "symlink" | "dir" for a path in HEAD, None when HEAD has no such path."""
         entry = self.entries.get(path)
         return None if entry is None else _MODE_KINDS.get(entry[0], "file")
 
@@ -183,8 +192,9 @@ def _git_bytes(worktree: pathlib.Path, *args: str, stdin: bytes | None = None) -
     """sandbox.apply.git in bytes mode: -z output carries file names that need not be UTF-8.
     Raises TreeAuditError when git fails (our own checkout: not the patch's doing)."""
     try:
-        result = apply_lib.git(worktree, *args, check=False, timeout=_GIT_TIMEOUT_S, text=False,
-                               input=stdin)
+        result = apply_lib.git(
+            worktree, *args, check=False, timeout=_GIT_TIMEOUT_S, text=False, input=stdin
+        )
     except (OSError, subprocess.TimeoutExpired) as error:
         raise TreeAuditError(f"git {args[0]} in {worktree}: {error}") from error
     if result.returncode != 0:
@@ -198,8 +208,9 @@ def _cat_blobs(worktree: pathlib.Path, object_ids: Iterable[str]) -> dict[str, b
     wanted = list(dict.fromkeys(object_ids))
     if not wanted:
         return {}
-    out = _git_bytes(worktree, "cat-file", "--batch",
-                     stdin="".join(f"{oid}\n" for oid in wanted).encode())
+    out = _git_bytes(
+        worktree, "cat-file", "--batch", stdin="".join(f"{oid}\n" for oid in wanted).encode()
+    )
     contents: dict[str, bytes | None] = {}
     position = 0
     for oid in wanted:
@@ -208,11 +219,11 @@ def _cat_blobs(worktree: pathlib.Path, object_ids: Iterable[str]) -> dict[str, b
         if not header:
             raise TreeAuditError(f"git cat-file --batch in {worktree}: truncated output")
         position = end + 1
-        if len(header) != 3:   # "<oid> missing"
+        if len(header) != 3:  # "<oid> missing"
             contents[oid] = None
             continue
         size = int(header[2])
-        contents[oid] = out[position:position + size]
+        contents[oid] = out[position : position + size]
         position += size + 1
     return contents
 
@@ -239,21 +250,38 @@ def base_tree_state(worktree: pathlib.Path) -> BaseTree:
         entries[path] = (mode, oid)
         if size != "-":
             sizes[path] = int(size)
-    diff = _git_bytes(worktree, "diff", "--no-renames", "--no-ext-diff", "--no-textconv",
-                      "--ignore-submodules=none", "--name-only", "-z", "HEAD")
+    diff = _git_bytes(
+        worktree,
+        "diff",
+        "--no-renames",
+        "--no-ext-diff",
+        "--no-textconv",
+        "--ignore-submodules=none",
+        "--name-only",
+        "-z",
+        "HEAD",
+    )
     changed = frozenset(os.fsdecode(raw) for raw in diff.split(b"\0") if raw)
     wanted = {path for path, (mode, _) in entries.items() if mode == "120000"}
-    wanted |= {path for path in changed if path in entries and _is_content_checked(path)
-               and _MODE_KINDS.get(entries[path][0]) in ("file", "symlink")}
+    wanted |= {
+        path
+        for path in changed
+        if path in entries
+        and _is_content_checked(path)
+        and _MODE_KINDS.get(entries[path][0]) in ("file", "symlink")
+    }
     readable = {path for path in wanted if sizes.get(path, 0) <= MAX_CHECKED_FILE_BYTES}
     blobs = _cat_blobs(worktree, (entries[path][1] for path in sorted(readable)))
-    base_contents = {path: (blobs.get(entries[path][1]) if path in readable else None)
-                     for path in wanted}
-    return BaseTree(worktree=worktree, entries=entries, changed=changed,
-                    base_contents=base_contents)
+    base_contents = {
+        path: (blobs.get(entries[path][1]) if path in readable else None) for path in wanted
+    }
+    return BaseTree(
+        worktree=worktree, entries=entries, changed=changed, base_contents=base_contents
+    )
 
 
 # --- rule helpers -------------------------------------------------------------------------------
+
 
 def _shown(path: str) -> str:
     """A path as printable text: bytes that are not UTF-8 as \\x escapes (the verdict is JSON)."""
@@ -266,7 +294,7 @@ def _module_name(name: str, kind: str) -> str | None:
         return name
     for suffix in _MODULE_SUFFIXES:
         if name.endswith(suffix) and len(name) > len(suffix):
-            return name[:-len(suffix)]
+            return name[: -len(suffix)]
     return None
 
 
@@ -290,13 +318,13 @@ def _pyproject_view(data: bytes) -> dict[str, object]:
         raise ValueError("not valid UTF-8") from error
     except tomllib.TOMLDecodeError as error:
         raise ValueError(f"invalid TOML: {error}") from error
-    except RecursionError as error:   # tomllib recurses into nested arrays and inline tables
+    except RecursionError as error:  # tomllib recurses into nested arrays and inline tables
         raise ValueError("nested too deeply") from error
-    return {"tool.pytest": _get(document, "tool", "pytest"),
-            "project.entry-points.pytest11": _get(document, "project", "entry-points",
-                                                  "pytest11"),
-            "tool.poetry.plugins.pytest11": _get(document, "tool", "poetry", "plugins",
-                                                 "pytest11")}
+    return {
+        "tool.pytest": _get(document, "tool", "pytest"),
+        "project.entry-points.pytest11": _get(document, "project", "entry-points", "pytest11"),
+        "tool.poetry.plugins.pytest11": _get(document, "tool", "poetry", "plugins", "pytest11"),
+    }
 
 
 def _ini_view_configparser(text: str) -> dict[str, object]:
@@ -310,13 +338,16 @@ def _ini_view_configparser(text: str) -> dict[str, object]:
     for section in ("tool:pytest", "pytest"):
         view[section] = dict(parser.items(section)) if parser.has_section(section) else None
     if parser.has_section("options.entry_points"):
-        view["pytest11"] = {key: value for key, value in parser.items("options.entry_points")
-                            if "pytest11" in key.lower()}
+        view["pytest11"] = {
+            key: value
+            for key, value in parser.items("options.entry_points")
+            if "pytest11" in key.lower()
+        }
     return view
 
 
 def _ini_view_iniconfig(text: str) -> dict[str, object]:
-    import iniconfig   # pytest's own ini parser; a dependency of pytest
+    import iniconfig  # pytest's own ini parser; a dependency of pytest
 
     try:
         parsed = iniconfig.IniConfig("config.ini", data=text)
@@ -326,8 +357,11 @@ def _ini_view_iniconfig(text: str) -> dict[str, object]:
     for section in ("tool:pytest", "pytest"):
         view[section] = dict(parsed[section].items()) if section in parsed else None
     if "options.entry_points" in parsed:
-        view["pytest11"] = {key: value for key, value in parsed["options.entry_points"].items()
-                            if "pytest11" in key.lower()}
+        view["pytest11"] = {
+            key: value
+            for key, value in parsed["options.entry_points"].items()
+            if "pytest11" in key.lower()
+        }
     return view
 
 
@@ -356,11 +390,13 @@ def _config_reasons(name: str, base: bytes | None, new: bytes | None) -> list[st
             except ValueError as error:
                 if version == "new":
                     return [f"pyproject.toml that pytest cannot read ({error})"]
-                views.append({})   # a broken base: pytest read nothing from it
+                views.append({})  # a broken base: pytest read nothing from it
         base_view, new_view = views
-        return [f"changes pytest configuration ({key})"
-                for key in sorted(set(base_view) | set(new_view))
-                if base_view.get(key) != new_view.get(key)]
+        return [
+            f"changes pytest configuration ({key})"
+            for key in sorted(set(base_view) | set(new_view))
+            if base_view.get(key) != new_view.get(key)
+        ]
     texts = []
     for version, data in (("base", base), ("new", new)):
         if data is None:
@@ -380,7 +416,7 @@ def _config_reasons(name: str, base: bytes | None, new: bytes | None) -> list[st
             try:
                 base_view = parse(base_text)
             except ValueError:
-                base_view = None   # unreadable by this parser: it cannot compare
+                base_view = None  # unreadable by this parser: it cannot compare
         new_view: dict[str, object] | None = {}
         if new_text is not None:
             try:
@@ -391,9 +427,11 @@ def _config_reasons(name: str, base: bytes | None, new: bytes | None) -> list[st
                 continue
         if base_view is None:
             continue
-        reasons += [f"changes pytest configuration ([{key}], read with {parser_name})"
-                    for key in sorted(set(base_view) | set(new_view))
-                    if base_view.get(key) != new_view.get(key)]
+        reasons += [
+            f"changes pytest configuration ([{key}], read with {parser_name})"
+            for key in sorted(set(base_view) | set(new_view))
+            if base_view.get(key) != new_view.get(key)
+        ]
     return reasons
 
 
@@ -433,10 +471,11 @@ def _hook_signature(tree: ast.Module) -> frozenset[tuple[str, ...]]:
         node, qual, binding = stack.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             if node.name.startswith("pytest_") or any(
-                    _terminal_name(d).endswith(("hookimpl", "hookspec"))
-                    for d in node.decorator_list):
-                signature.add(("def", qual + node.name,
-                               *(ast.dump(d) for d in node.decorator_list)))
+                _terminal_name(d).endswith(("hookimpl", "hookspec")) for d in node.decorator_list
+            ):
+                signature.add(
+                    ("def", qual + node.name, *(ast.dump(d) for d in node.decorator_list))
+                )
             stack.extend((child, f"{qual}{node.name}.", False) for child in node.body)
             continue
         if isinstance(node, ast.ClassDef):
@@ -446,7 +485,8 @@ def _hook_signature(tree: ast.Module) -> frozenset[tuple[str, ...]]:
             continue
         if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            def value(node=node) -> str:   # dumped only when it matters (dumps are slow)
+
+            def value(node=node) -> str:  # dumped only when it matters (dumps are slow)
                 return ast.dump(node.value) if node.value is not None else ""
 
             for target in targets:
@@ -464,13 +504,19 @@ def _hook_signature(tree: ast.Module) -> frozenset[tuple[str, ...]]:
                         signature.add(("bind", qual + name, value()))
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            if binding and any(alias.name == "*" or (alias.asname or alias.name.split(".")[0])
-                               .startswith("pytest_") for alias in node.names):
+            if binding and any(
+                alias.name == "*"
+                or (alias.asname or alias.name.split(".")[0]).startswith("pytest_")
+                for alias in node.names
+            ):
                 signature.add(("import", qual, ast.dump(node)))
             continue
         # Compound statements (if / try / with / for / while / match) keep their scope.
-        stack.extend((child, qual, binding) for child in ast.iter_child_nodes(node)
-                     if isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)))
+        stack.extend(
+            (child, qual, binding)
+            for child in ast.iter_child_nodes(node)
+            if isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case))
+        )
     return frozenset(signature)
 
 
@@ -491,7 +537,7 @@ def _hooks_reason(base: bytes | None, new: bytes | None) -> str | None:
             signatures.append(frozenset())
             continue
         try:
-            with warnings.catch_warnings():   # invalid escapes etc. are not our business
+            with warnings.catch_warnings():  # invalid escapes etc. are not our business
                 warnings.simplefilter("ignore")
                 tree = ast.parse(data)
             signatures.append(_hook_signature(tree))
@@ -510,6 +556,7 @@ def _hooks_reason(base: bytes | None, new: bytes | None) -> str | None:
 
 # --- the walk -----------------------------------------------------------------------------------
 
+
 class _Audit:
     def __init__(self, worktree: pathlib.Path, base: BaseTree, protected: frozenset[str]):
         self.worktree = worktree
@@ -518,7 +565,7 @@ class _Audit:
         self.violations: set[str] = set()
         self.num_bytes = 0
         self.num_files = 0
-        self.seen_changed: set[str] = set()   # paths of base.changed found on disk as files
+        self.seen_changed: set[str] = set()  # paths of base.changed found on disk as files
 
     def flag(self, path: str, reason: str) -> None:
         self.violations.add(f"{_shown(path)}: {reason}")
@@ -550,16 +597,18 @@ class _Audit:
             self.flag(path, "git attributes changed (they steer git's view of the tree)" + suffix)
         if lower.endswith((".pyc", ".pyo")) or "__pycache__" in parts:
             self.flag(path, "compiled bytecode" + suffix)
-        if (any(part.lower().endswith((".dist-info", ".egg-info")) for part in parts)
-                or lower.endswith((".egg-link", ".pth"))):
+        if any(
+            part.lower().endswith((".dist-info", ".egg-info")) for part in parts
+        ) or lower.endswith((".egg-link", ".pth")):
             self.flag(path, "package metadata read by the import system or pytest" + suffix)
         if lower in _CONFIG_ALWAYS:
             self.flag(path, "test runner configuration file" + suffix)
         if path in self.protected:
             self.flag(path, "protected test file" + suffix)
 
-    def module_rules(self, path: str, kind: str, dir_fd: int, name: str, is_new: bool,
-                     dir_is_package: bool) -> None:
+    def module_rules(
+        self, path: str, kind: str, dir_fd: int, name: str, is_new: bool, dir_is_package: bool
+    ) -> None:
         """Rule 4: modules shadowing the runner or, in non-package directories, the stdlib."""
         module = _module_name(name, kind)
         if module is None:
@@ -576,7 +625,7 @@ class _Audit:
         try:
             fd = _open_dir(dir_fd, name)
         except OSError:
-            return True   # cannot tell: conservative
+            return True  # cannot tell: conservative
         try:
             return not _INIT_NAMES.isdisjoint(os.listdir(fd))
         except OSError:
@@ -600,12 +649,11 @@ class _Audit:
                 if base is None:
                     self.flag(path, "base version too large to check")
                     return
-            else:   # base_tree_state captures every path git reports as changed
+            else:  # base_tree_state captures every path git reports as changed
                 self.flag(path, "base version was not captured (git did not report the change)")
                 return
         try:
-            reasons = ([_hooks_reason(base, new)] if is_python
-                       else _config_reasons(lower, base, new))
+            reasons = [_hooks_reason(base, new)] if is_python else _config_reasons(lower, base, new)
         except Exception as error:  # noqa: BLE001 - a parser's surprise is the patch's problem
             reasons = [f"could not be checked ({type(error).__name__})"]
         for reason in reasons:
@@ -639,11 +687,19 @@ class _Audit:
         finally:
             os.close(fd)
 
-    def entry(self, path: str, name: str, info: os.stat_result, dir_fd: int,
-              dir_is_package: bool) -> None:
+    def entry(
+        self, path: str, name: str, info: os.stat_result, dir_fd: int, dir_is_package: bool
+    ) -> None:
         mode = info.st_mode
-        kind = ("dir" if stat.S_ISDIR(mode) else "symlink" if stat.S_ISLNK(mode)
-                else "file" if stat.S_ISREG(mode) else "other")
+        kind = (
+            "dir"
+            if stat.S_ISDIR(mode)
+            else "symlink"
+            if stat.S_ISLNK(mode)
+            else "file"
+            if stat.S_ISREG(mode)
+            else "other"
+        )
         if kind == "file":
             self.num_files += 1
             self.num_bytes += info.st_size
@@ -663,11 +719,10 @@ class _Audit:
         self.name_rules(path)
         self.module_rules(path, kind, dir_fd, name, is_new, dir_is_package)
         if kind == "file":
-            new, error = self.read_file(dir_fd, name) if _is_content_checked(path) else (None,
-                                                                                        None)
+            new, error = self.read_file(dir_fd, name) if _is_content_checked(path) else (None, None)
             self.content_rules(path, new, error)
         elif self.base.kind(path) == "file":
-            self.content_rules(path, None, None)   # the file is gone (now a dir or a link)
+            self.content_rules(path, None, None)  # the file is gone (now a dir or a link)
 
     def removed(self) -> None:
         """Tracked paths git reports changed that the walk did not find as regular files."""
@@ -715,8 +770,9 @@ def _normalize(path: str) -> str | None:
     return path
 
 
-def audit_worktree(worktree: pathlib.Path, base: BaseTree, *,
-                   protected_test_files: Collection[str] = ()) -> TreeAudit:
+def audit_worktree(
+    worktree: pathlib.Path, base: BaseTree, *, protected_test_files: Collection[str] = ()
+) -> TreeAudit:
     """Walks `worktree` and applies the module docstring's rules against `base` (from
     `base_tree_state` on the same worktree). Never raises for what a patch can do to the tree;
     raises OSError only when `worktree` itself cannot be opened as a directory."""
@@ -730,15 +786,16 @@ def audit_worktree(worktree: pathlib.Path, base: BaseTree, *,
     if len(violations) > MAX_VIOLATIONS:
         extra = len(violations) - MAX_VIOLATIONS
         violations = violations[:MAX_VIOLATIONS] + [f"...: {extra} more violations not listed"]
-    return TreeAudit(violations=tuple(violations), num_bytes=audit.num_bytes,
-                     num_files=audit.num_files)
+    return TreeAudit(
+        violations=tuple(violations), num_bytes=audit.num_bytes, num_files=audit.num_files
+    )
 
 
 @dataclasses.dataclass
 class _Frame:
-    path: str                 # "" for the root
-    ident: tuple[int, int]    # (st_dev, st_ino), checked when the walk climbs back with ".."
-    pending: list[tuple[str, tuple[int, int]]]   # subdirectories still to visit
+    path: str  # "" for the root
+    ident: tuple[int, int]  # (st_dev, st_ino), checked when the walk climbs back with ".."
+    pending: list[tuple[str, tuple[int, int]]]  # subdirectories still to visit
 
 
 def _walk(audit: _Audit, root_fd: int) -> None:
@@ -811,5 +868,5 @@ def _list_dir(audit: _Audit, fd: int, path: str) -> list[tuple[str, tuple[int, i
         audit.entry(child_path, name, info, fd, dir_is_package)
         if stat.S_ISDIR(info.st_mode):
             subdirs.append((name, (info.st_dev, info.st_ino)))
-    subdirs.reverse()   # popped from the end: visit in name order
+    subdirs.reverse()  # popped from the end: visit in name order
     return subdirs

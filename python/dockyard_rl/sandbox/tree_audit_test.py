@@ -13,7 +13,7 @@ from dockyard_rl.sandbox.testing_repos import git, make_toy_repo
 
 PROTECTED = ("tests/test_ops.py", "tests/test_mul_table.py")
 
-PLUGIN_BASE = '''\
+PLUGIN_BASE = """\
 import pytest
 
 
@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(items):
 class Reporter:
     def pytest_runtest_logreport(self, report):
         self.last = report.nodeid
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +90,24 @@ def paths(result: tree_audit.TreeAudit) -> set[str]:
 
 # --- clean controls and totals ------------------------------------------------------------------
 
+
 def test_gold_patch_and_an_ordinary_edit_are_clean(toy, worktree):
     git_apply(worktree, toy.gold_patch)
-    write(worktree, {"calc/helpers.py": "def twice(x):\n    return 2 * x\n",
-                     "docs/notes.txt": "a note\n", "tests/data/input.json": "{}\n"})
+    write(
+        worktree,
+        {
+            "calc/helpers.py": "def twice(x):\n    return 2 * x\n",
+            "docs/notes.txt": "a note\n",
+            "tests/data/input.json": "{}\n",
+        },
+    )
     result = audit(worktree)
     assert result.violations == ()
-    on_disk = [p for p in worktree.rglob("*") if ".git" not in p.relative_to(worktree).parts
-               and p.is_file()]
+    on_disk = [
+        p
+        for p in worktree.rglob("*")
+        if ".git" not in p.relative_to(worktree).parts and p.is_file()
+    ]
     assert result.num_files == len(on_disk)
     assert result.num_bytes == sum(p.stat().st_size for p in on_disk)
 
@@ -113,28 +123,37 @@ def test_base_tree_state_sees_edits_and_deletions(worktree):
 
 def test_ignored_files_are_still_seen(worktree):
     commit(worktree, {".gitignore": "*.pyc\n__pycache__/\nbuild/\n"})
-    write(worktree, {"calc/__pycache__/ops.cpython-311.pyc": b"\x00pyc",
-                     "build/conftest.py": "import os\n"})
-    assert paths(audit(worktree)) == {"calc/__pycache__", "calc/__pycache__/ops.cpython-311.pyc",
-                                      "build/conftest.py"}
+    write(
+        worktree,
+        {"calc/__pycache__/ops.cpython-311.pyc": b"\x00pyc", "build/conftest.py": "import os\n"},
+    )
+    assert paths(audit(worktree)) == {
+        "calc/__pycache__",
+        "calc/__pycache__/ops.cpython-311.pyc",
+        "build/conftest.py",
+    }
 
 
 # --- rule 0: git attributes ---------------------------------------------------------------------
 
+
 def test_gitattributes_are_a_violation(worktree):
     write(worktree, {"calc/.gitattributes": "*.py eol=crlf\n"})
     assert audit(worktree).violations == (
-        "calc/.gitattributes: git attributes changed (they steer git's view of the tree)",)
+        "calc/.gitattributes: git attributes changed (they steer git's view of the tree)",
+    )
 
 
 # --- rule 1: symlinks and special files ---------------------------------------------------------
+
 
 def test_new_symlink_with_a_space_in_its_name_from_a_real_patch(worktree):
     patch = patch_from(worktree, lambda clone: os.symlink("/etc/passwd", clone / "my link"))
     assert "new file mode 120000" in patch
     git_apply(worktree, patch)
     assert audit(worktree).violations == (
-        "my link: symlink not in the base commit (-> /etc/passwd)",)
+        "my link: symlink not in the base commit (-> /etc/passwd)",
+    )
 
 
 def test_tracked_symlink_is_clean_until_it_is_repointed(worktree):
@@ -152,76 +171,129 @@ def test_symlinked_directory_is_not_followed(worktree, tmp_path):
     (outside / "conftest.py").write_text("import os\n")
     os.symlink(outside, worktree / "tests" / "linked")
     result = audit(worktree)
-    assert paths(result) == {"tests/linked"}   # nothing reported from the link's target
+    assert paths(result) == {"tests/linked"}  # nothing reported from the link's target
 
 
 def test_fifo_is_a_violation(worktree):
     os.mkfifo(worktree / "calc" / "pipe")
-    assert audit(worktree).violations == (
-        "calc/pipe: not a regular file, directory or symlink",)
+    assert audit(worktree).violations == ("calc/pipe: not a regular file, directory or symlink",)
 
 
 # --- rule 2: bytecode ---------------------------------------------------------------------------
 
+
 def test_bytecode_from_a_binary_patch(worktree):
     def change(clone):
-        write(clone, {"calc/ops.pyc": b"\xa7\r\r\n\x01\x00\x00\x00" + bytes(range(256)),
-                      "calc/__pycache__/x.cpython-311.opt-1.pyc": b"\x00\x01",
-                      "lib/old.pyo": b"\x00"})
+        write(
+            clone,
+            {
+                "calc/ops.pyc": b"\xa7\r\r\n\x01\x00\x00\x00" + bytes(range(256)),
+                "calc/__pycache__/x.cpython-311.opt-1.pyc": b"\x00\x01",
+                "lib/old.pyo": b"\x00",
+            },
+        )
+
     patch = patch_from(worktree, change)
     assert "GIT binary patch" in patch
     git_apply(worktree, patch)
-    assert paths(audit(worktree)) == {"calc/ops.pyc", "calc/__pycache__",
-                                      "calc/__pycache__/x.cpython-311.opt-1.pyc", "lib/old.pyo"}
+    assert paths(audit(worktree)) == {
+        "calc/ops.pyc",
+        "calc/__pycache__",
+        "calc/__pycache__/x.cpython-311.opt-1.pyc",
+        "lib/old.pyo",
+    }
 
 
 # --- rule 3: package metadata -------------------------------------------------------------------
 
+
 def test_package_metadata_is_a_violation(worktree):
     entry_points = "[pytest11]\nevil = calc.evil\n"
-    write(worktree, {"calc-1.0.dist-info/entry_points.txt": entry_points,
-                     "src/calc.egg-info/entry_points.txt": entry_points,
-                     "tests/boot.pth": "import calc.evil\n", "calc.egg-link": ".\n"})
+    write(
+        worktree,
+        {
+            "calc-1.0.dist-info/entry_points.txt": entry_points,
+            "src/calc.egg-info/entry_points.txt": entry_points,
+            "tests/boot.pth": "import calc.evil\n",
+            "calc.egg-link": ".\n",
+        },
+    )
     assert paths(audit(worktree)) == {
-        "calc-1.0.dist-info", "calc-1.0.dist-info/entry_points.txt", "src/calc.egg-info",
-        "src/calc.egg-info/entry_points.txt", "tests/boot.pth", "calc.egg-link"}
+        "calc-1.0.dist-info",
+        "calc-1.0.dist-info/entry_points.txt",
+        "src/calc.egg-info",
+        "src/calc.egg-info/entry_points.txt",
+        "tests/boot.pth",
+        "calc.egg-link",
+    }
 
 
 # --- rule 4: modules shadowing the runner or the standard library ------------------------------
 
-@pytest.mark.parametrize("name, flagged", [
-    ("pytest.py", "pytest.py"), ("tests/pytest.py", "tests/pytest.py"),
-    ("calc/_pytest/__init__.py", "calc/_pytest"), ("pluggy/__init__.py", "pluggy"),
-    ("py.py", "py.py"), ("iniconfig.py", "iniconfig.py"),
-    ("sitecustomize.py", "sitecustomize.py"), ("lib/usercustomize.py", "lib/usercustomize.py"),
-    ("_dockyard_runner_boot.py", "_dockyard_runner_boot.py"),
-    ("tests/pytest.cpython-311-x86_64-linux-gnu.so",
-     "tests/pytest.cpython-311-x86_64-linux-gnu.so"),
-    ("tests/pytest/data.txt", "tests/pytest")])
+
+@pytest.mark.parametrize(
+    "name, flagged",
+    [
+        ("pytest.py", "pytest.py"),
+        ("tests/pytest.py", "tests/pytest.py"),
+        ("calc/_pytest/__init__.py", "calc/_pytest"),
+        ("pluggy/__init__.py", "pluggy"),
+        ("py.py", "py.py"),
+        ("iniconfig.py", "iniconfig.py"),
+        ("sitecustomize.py", "sitecustomize.py"),
+        ("lib/usercustomize.py", "lib/usercustomize.py"),
+        ("_dockyard_runner_boot.py", "_dockyard_runner_boot.py"),
+        (
+            "tests/pytest.cpython-311-x86_64-linux-gnu.so",
+            "tests/pytest.cpython-311-x86_64-linux-gnu.so",
+        ),
+        ("tests/pytest/data.txt", "tests/pytest"),
+    ],
+)
 def test_modules_shadowing_the_runner(worktree, name, flagged):
     write(worktree, {name: "raise SystemExit(0)\n"})
     module = flagged.rpartition("/")[2].split(".")[0]
     assert audit(worktree).violations == (
-        f"{flagged}: shadows the test runner's module {module!r}",)
+        f"{flagged}: shadows the test runner's module {module!r}",
+    )
 
 
 def test_modules_shadowing_the_standard_library(worktree):
-    write(worktree, {"tests/json.py": "", "json.py": "",
-                     "tests/email/__init__.py": "",          # a regular package: shadows
-                     "tests/html/page.txt": "",              # a data directory: does not
-                     "calc/json.py": "",                     # inside a package: not on sys.path
-                     "tests/jsonish.py": ""})
+    write(
+        worktree,
+        {
+            "tests/json.py": "",
+            "json.py": "",
+            "tests/email/__init__.py": "",  # a regular package: shadows
+            "tests/html/page.txt": "",  # a data directory: does not
+            "calc/json.py": "",  # inside a package: not on sys.path
+            "tests/jsonish.py": "",
+        },
+    )
     result = audit(worktree)
     assert {v.split(": ")[0] for v in result.violations} == {
-        "tests/json.py", "json.py", "tests/email"}
+        "tests/json.py",
+        "json.py",
+        "tests/email",
+    }
     assert "json.py: shadows the standard-library module 'json'" in result.violations
 
 
 # --- rule 5: runner configuration ---------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["conftest.py", "tests/conftest.py", "a/b/c/conftest.py",
-                                  "pytest.ini", "tests/.pytest.ini", "pytest.toml",
-                                  "sub/.pytest.toml"])
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "conftest.py",
+        "tests/conftest.py",
+        "a/b/c/conftest.py",
+        "pytest.ini",
+        "tests/.pytest.ini",
+        "pytest.toml",
+        "sub/.pytest.toml",
+    ],
+)
 def test_runner_config_files_always_violate(worktree, name):
     write(worktree, {name: "\n"})
     assert audit(worktree).violations == (f"{name}: test runner configuration file",)
@@ -231,51 +303,68 @@ def test_removing_a_tracked_conftest_is_a_violation(worktree):
     commit(worktree, {"tests/conftest.py": "import os\n"})
     (worktree / "tests" / "conftest.py").unlink()
     assert audit(worktree).violations == (
-        "tests/conftest.py: test runner configuration file (removed)",)
+        "tests/conftest.py: test runner configuration file (removed)",
+    )
 
 
 def test_escaped_toml_key_in_a_subdirectory_pyproject(worktree):
     # The bug of issue 12: "\u0070ytest" is "pytest" to TOML, not to a substring check.
     pyproject = '[tool."\\u0070ytest".ini_options]\naddopts = "-p calc.evil"\n'
     assert "pytest" not in pyproject
-    patch = patch_from(worktree, lambda clone: write(clone, {"tests/sub/pyproject.toml":
-                                                             pyproject}))
+    patch = patch_from(
+        worktree, lambda clone: write(clone, {"tests/sub/pyproject.toml": pyproject})
+    )
     git_apply(worktree, patch)
     assert audit(worktree).violations == (
-        "tests/sub/pyproject.toml: changes pytest configuration (tool.pytest)",)
+        "tests/sub/pyproject.toml: changes pytest configuration (tool.pytest)",
+    )
 
 
-PYPROJECT_BASE = '''\
+PYPROJECT_BASE = """\
 [project]
 name = "calc"
 version = "1.0"
 
 [tool.pytest.ini_options]
 addopts = "-ra"
-'''
+"""
 
 
 def test_pyproject_edit_outside_the_pytest_table_is_clean(worktree):
     commit(worktree, {"pyproject.toml": PYPROJECT_BASE})
-    write(worktree, {"pyproject.toml": PYPROJECT_BASE.replace('"1.0"', '"1.1"')
-                     + '\n[tool.black]\nline-length = 100\n'})
+    write(
+        worktree,
+        {
+            "pyproject.toml": PYPROJECT_BASE.replace('"1.0"', '"1.1"')
+            + "\n[tool.black]\nline-length = 100\n"
+        },
+    )
     assert audit(worktree).violations == ()
 
 
-@pytest.mark.parametrize("edit, key", [
-    (lambda text: text.replace('"-ra"', '"-ra -p no:junitxml"'), "tool.pytest"),
-    (lambda text: text.replace("[tool.pytest.ini_options]\naddopts = \"-ra\"\n", ""),
-     "tool.pytest"),
-    (lambda text: text + '\n[tool.pytest]\nminversion = "9.0"\n', "tool.pytest"),
-    (lambda text: text + '\n[project.entry-points."pytest11"]\nevil = "calc.evil"\n',
-     "project.entry-points.pytest11"),
-    (lambda text: text + '\n[tool.poetry.plugins.pytest11]\nevil = "calc.evil"\n',
-     "tool.poetry.plugins.pytest11")])
+@pytest.mark.parametrize(
+    "edit, key",
+    [
+        (lambda text: text.replace('"-ra"', '"-ra -p no:junitxml"'), "tool.pytest"),
+        (
+            lambda text: text.replace('[tool.pytest.ini_options]\naddopts = "-ra"\n', ""),
+            "tool.pytest",
+        ),
+        (lambda text: text + '\n[tool.pytest]\nminversion = "9.0"\n', "tool.pytest"),
+        (
+            lambda text: text + '\n[project.entry-points."pytest11"]\nevil = "calc.evil"\n',
+            "project.entry-points.pytest11",
+        ),
+        (
+            lambda text: text + '\n[tool.poetry.plugins.pytest11]\nevil = "calc.evil"\n',
+            "tool.poetry.plugins.pytest11",
+        ),
+    ],
+)
 def test_pyproject_edit_inside_pytest_configuration_is_a_violation(worktree, edit, key):
     commit(worktree, {"pyproject.toml": PYPROJECT_BASE})
     write(worktree, {"pyproject.toml": edit(PYPROJECT_BASE)})
-    assert audit(worktree).violations == (
-        f"pyproject.toml: changes pytest configuration ({key})",)
+    assert audit(worktree).violations == (f"pyproject.toml: changes pytest configuration ({key})",)
 
 
 def test_pyproject_that_does_not_parse_is_a_violation(worktree):
@@ -283,18 +372,20 @@ def test_pyproject_that_does_not_parse_is_a_violation(worktree):
     write(worktree, {"pyproject.toml": PYPROJECT_BASE + "\n[broken\n"})
     (violation,) = audit(worktree).violations
     assert violation.startswith("pyproject.toml: pyproject.toml that pytest cannot read")
-    write(worktree, {"pyproject.toml": b"[project]\nname = \"\xff\"\n"})
+    write(worktree, {"pyproject.toml": b'[project]\nname = "\xff"\n'})
     assert audit(worktree).violations == (
-        "pyproject.toml: pyproject.toml that pytest cannot read (not valid UTF-8)",)
+        "pyproject.toml: pyproject.toml that pytest cannot read (not valid UTF-8)",
+    )
 
 
 def test_pyproject_nested_too_deeply_is_a_violation_not_an_error(worktree):
     write(worktree, {"sub/pyproject.toml": "a = " + "[" * 100_000 + "]" * 100_000 + "\n"})
     assert audit(worktree).violations == (
-        "sub/pyproject.toml: pyproject.toml that pytest cannot read (nested too deeply)",)
+        "sub/pyproject.toml: pyproject.toml that pytest cannot read (nested too deeply)",
+    )
 
 
-SETUP_CFG_BASE = '''\
+SETUP_CFG_BASE = """\
 [metadata]
 name = calc
 
@@ -303,22 +394,31 @@ packages = find:
 
 [tool:pytest]
 addopts = -ra
-'''
+"""
 
 
 def test_setup_cfg_and_tox_ini(worktree):
     commit(worktree, {"setup.cfg": SETUP_CFG_BASE, "tox.ini": "[tox]\nenvlist = py311\n"})
     write(worktree, {"setup.cfg": SETUP_CFG_BASE.replace("name = calc", "name = calc2")})
-    assert audit(worktree).violations == ()   # metadata only
-    write(worktree, {"setup.cfg": SETUP_CFG_BASE.replace("-ra", "-ra -p calc.evil"),
-                     "tox.ini": "[tox]\nenvlist = py311\n\n[pytest]\naddopts = -x\n",
-                     "sub/setup.cfg": "[options.entry_points]\npytest11 =\n  evil = calc.evil\n"})
+    assert audit(worktree).violations == ()  # metadata only
+    write(
+        worktree,
+        {
+            "setup.cfg": SETUP_CFG_BASE.replace("-ra", "-ra -p calc.evil"),
+            "tox.ini": "[tox]\nenvlist = py311\n\n[pytest]\naddopts = -x\n",
+            "sub/setup.cfg": "[options.entry_points]\npytest11 =\n  evil = calc.evil\n",
+        },
+    )
     result = audit(worktree)
     assert paths(result) == {"setup.cfg", "tox.ini", "sub/setup.cfg"}
-    assert ("setup.cfg: changes pytest configuration ([tool:pytest], read with configparser)"
-            in result.violations)
-    assert ("setup.cfg: changes pytest configuration ([tool:pytest], read with iniconfig)"
-            in result.violations)
+    assert (
+        "setup.cfg: changes pytest configuration ([tool:pytest], read with configparser)"
+        in result.violations
+    )
+    assert (
+        "setup.cfg: changes pytest configuration ([tool:pytest], read with iniconfig)"
+        in result.violations
+    )
     assert any("[pytest11]" in v for v in result.violations if v.startswith("sub/setup.cfg"))
 
 
@@ -331,58 +431,86 @@ def test_setup_cfg_that_does_not_parse_is_a_violation(worktree):
 
 # --- rule 6: plugin declarations and hooks ------------------------------------------------------
 
+
 def test_new_hook_in_a_non_test_module_is_a_violation(worktree):
-    patch = patch_from(worktree, lambda clone: write(clone, {"calc/report.py": (
-        "def pytest_runtest_makereport(item, call):\n    call.excinfo = None\n")}))
+    patch = patch_from(
+        worktree,
+        lambda clone: write(
+            clone,
+            {
+                "calc/report.py": (
+                    "def pytest_runtest_makereport(item, call):\n    call.excinfo = None\n"
+                )
+            },
+        ),
+    )
     git_apply(worktree, patch)
     assert audit(worktree).violations == (
-        "calc/report.py: pytest plugin declarations or hooks changed",)
+        "calc/report.py: pytest plugin declarations or hooks changed",
+    )
 
 
 def test_pytest_plugins_in_a_visible_test_module_is_a_violation(worktree):
-    write(worktree, {"tests/test_extra.py": 'pytest_plugins = ["calc.evil"]\n\n'
-                                            "def test_x():\n    pass\n"})
+    write(
+        worktree,
+        {"tests/test_extra.py": 'pytest_plugins = ["calc.evil"]\n\ndef test_x():\n    pass\n'},
+    )
     assert audit(worktree).violations == (
-        "tests/test_extra.py: pytest plugin declarations or hooks changed",)
+        "tests/test_extra.py: pytest plugin declarations or hooks changed",
+    )
 
 
 def test_plugin_repo_may_edit_a_hook_body_but_not_add_a_hook(worktree):
     commit(worktree, {"calc/plugin.py": PLUGIN_BASE})
-    write(worktree, {"calc/plugin.py": PLUGIN_BASE.replace("item.name", "item.nodeid")
-                     + "\n\ndef helper():\n    return 1\n"})
+    write(
+        worktree,
+        {
+            "calc/plugin.py": PLUGIN_BASE.replace("item.name", "item.nodeid")
+            + "\n\ndef helper():\n    return 1\n"
+        },
+    )
     assert audit(worktree).violations == ()
     for changed in [
-            PLUGIN_BASE + "\n\ndef pytest_sessionfinish(session, exitstatus):\n    pass\n",
-            PLUGIN_BASE.replace("tryfirst=True", "hookwrapper=True"),
-            PLUGIN_BASE.replace("    def pytest_runtest_logreport", "    def other"),
-            PLUGIN_BASE + "\nfrom calc.evil import pytest_configure\n",
-            PLUGIN_BASE + "\nfrom calc.evil import *\n",
-            PLUGIN_BASE + '\nglobals()["pytest_configure"] = print\n',
-            PLUGIN_BASE + "\n\ndef setup():\n    @pytest.hookimpl\n    def inner():\n"
-                          "        pass\n"]:
+        PLUGIN_BASE + "\n\ndef pytest_sessionfinish(session, exitstatus):\n    pass\n",
+        PLUGIN_BASE.replace("tryfirst=True", "hookwrapper=True"),
+        PLUGIN_BASE.replace("    def pytest_runtest_logreport", "    def other"),
+        PLUGIN_BASE + "\nfrom calc.evil import pytest_configure\n",
+        PLUGIN_BASE + "\nfrom calc.evil import *\n",
+        PLUGIN_BASE + '\nglobals()["pytest_configure"] = print\n',
+        PLUGIN_BASE + "\n\ndef setup():\n    @pytest.hookimpl\n    def inner():\n        pass\n",
+    ]:
         write(worktree, {"calc/plugin.py": changed})
         assert audit(worktree).violations == (
-            "calc/plugin.py: pytest plugin declarations or hooks changed",), changed
+            "calc/plugin.py: pytest plugin declarations or hooks changed",
+        ), changed
     (worktree / "calc" / "plugin.py").unlink()
     assert audit(worktree).violations == (
-        "calc/plugin.py: pytest plugin declarations or hooks changed",)
+        "calc/plugin.py: pytest plugin declarations or hooks changed",
+    )
 
 
 def test_hook_spelled_with_full_width_letters(worktree):
     # Python folds identifiers with NFKC: this defines pytest_configure.
-    write(worktree, {"calc/wide.py": "def \uff50\uff59test_configure(config):\n    pass\n",
-                     "calc/wide_broken.py": "def \uff50\uff59test_configure(:\n"})
+    write(
+        worktree,
+        {
+            "calc/wide.py": "def \uff50\uff59test_configure(config):\n    pass\n",
+            "calc/wide_broken.py": "def \uff50\uff59test_configure(:\n",
+        },
+    )
     assert paths(audit(worktree)) == {"calc/wide.py", "calc/wide_broken.py"}
 
 
 def test_files_that_do_not_parse_are_compared_by_hook_names(worktree):
-    write(worktree, {"calc/broken.py": "def broken(:\n    pass\n",
-                     "calc/latin.py": b"x = '\xe9'\n"})
+    write(
+        worktree, {"calc/broken.py": "def broken(:\n    pass\n", "calc/latin.py": b"x = '\xe9'\n"}
+    )
     assert audit(worktree).violations == ()
     write(worktree, {"calc/broken.py": "def pytest_configure(:\n    pass\n"})
     assert audit(worktree).violations == (
         "calc/broken.py: pytest plugin declarations or hooks changed (compared by name: does "
-        "not parse)",)
+        "not parse)",
+    )
 
 
 def test_oversized_python_file_is_a_violation(worktree):
@@ -391,6 +519,7 @@ def test_oversized_python_file_is_a_violation(worktree):
 
 
 # --- rule 7: protected test files ---------------------------------------------------------------
+
 
 def test_protected_test_files(toy, worktree):
     write(worktree, {"tests/test_ops.py": "def test_add():\n    pass\n"})
@@ -407,10 +536,12 @@ def test_protected_test_files(toy, worktree):
 def test_a_file_blocking_a_protected_directory(worktree):
     write(worktree, {"tests2": "not a directory\n"})
     assert audit(worktree, protected=("tests2/test_new.py",)).violations == (
-        "tests2: blocks protected test file tests2/test_new.py",)
+        "tests2: blocks protected test file tests2/test_new.py",
+    )
 
 
 # --- robustness ---------------------------------------------------------------------------------
+
 
 def _make_deep(root: pathlib.Path, depth: int) -> None:
     """root/d/d/.../d (`depth` levels) with a .pyc at the bottom; deeper than PATH_MAX allows to
@@ -450,20 +581,20 @@ def test_a_3000_level_deep_directory(worktree):
         _remove_deep(worktree / "calc")
     (violation,) = result.violations
     assert violation == "calc/" + "d/" * 3000 + "evil.pyc: compiled bytecode"
-    assert result.num_files == 3 + 1   # calc/__init__.py, ops.py, tests/test_ops.py, .pyc
+    assert result.num_files == 3 + 1  # calc/__init__.py, ops.py, tests/test_ops.py, .pyc
 
 
 def test_names_that_are_not_utf8(worktree):
     root = os.fsencode(worktree)
     with open(os.path.join(root, b"calc", b"data-\xff.txt"), "wb") as handle:
         handle.write(b"data\n")
-    commit(worktree, {})   # tracked in HEAD under a non-UTF-8 name: clean
+    commit(worktree, {})  # tracked in HEAD under a non-UTF-8 name: clean
     assert audit(worktree).violations == ()
     with open(os.path.join(root, b"calc", b"cache-\xfe.pyc"), "wb") as handle:
         handle.write(b"\x00")
     result = audit(worktree)
     assert result.violations == ("calc/cache-\\xfe.pyc: compiled bytecode",)
-    result.violations[0].encode("utf-8")   # printable in a JSON verdict
+    result.violations[0].encode("utf-8")  # printable in a JSON verdict
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads directories whatever their mode")
@@ -492,8 +623,9 @@ def test_base_tree_state_outside_a_repository_raises(tmp_path):
 
 
 def test_rename_onto_a_config_name_through_git_apply(worktree):
-    renamed = patch_from(worktree, lambda clone: (clone / "calc" / "ops.py").rename(
-        clone / "calc" / "conftest.py"))
+    renamed = patch_from(
+        worktree, lambda clone: (clone / "calc" / "ops.py").rename(clone / "calc" / "conftest.py")
+    )
     assert "rename to calc/conftest.py" in renamed
     git_apply(worktree, renamed)
     assert audit(worktree).violations == ("calc/conftest.py: test runner configuration file",)

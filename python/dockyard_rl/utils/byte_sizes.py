@@ -21,12 +21,17 @@ def parse_byte_size(value, key: str) -> int:
     units = ", ".join(_BYTE_UNITS)
     if is_int(value):
         size = value
-    elif isinstance(value, str) and (match := _BYTE_SIZE.fullmatch(value)) \
-            and match.group(2) in _BYTE_UNITS:
+    elif (
+        isinstance(value, str)
+        and (match := _BYTE_SIZE.fullmatch(value))
+        and match.group(2) in _BYTE_UNITS
+    ):
         size = int(float(match.group(1)) * _BYTE_UNITS[match.group(2)])
     else:
-        raise ValueError(f"{key}: must be an int of bytes or a string with a unit ({units}), "
-                         f"e.g. \"1GiB\" or \"512 MiB\", got {value!r}")
+        raise ValueError(
+            f"{key}: must be an int of bytes or a string with a unit ({units}), "
+            f'e.g. "1GiB" or "512 MiB", got {value!r}'
+        )
     if size <= 0:
         raise ValueError(f"{key}: must be > 0 bytes, got {value!r}")
     return size

@@ -90,32 +90,48 @@ class CheckpointingConfig:
     enabled: bool = True
     # A relative path is resolved by the caller against the run directory (`resolve_dir`).
     checkpoint_dir: str = "results/checkpoints"
-    save_period: int = 10                     # optimizer steps between saves
-    keep_top_k: int | None = 3                # null = keep all; else top k by metric + latest
+    save_period: int = 10  # optimizer steps between saves
+    keep_top_k: int | None = 3  # null = keep all; else top k by metric + latest
     metric_name: str | None = "val/resolve_rate"
     higher_is_better: bool = True
 
     def __post_init__(self):
         for name in ("enabled", "higher_is_better"):
-            require(isinstance(getattr(self, name), bool), name,
-                    f"must be true or false, got {getattr(self, name)!r}")
-        require(isinstance(self.checkpoint_dir, str) and bool(self.checkpoint_dir.strip()),
-                "checkpoint_dir", f"must be a directory path (absolute, or relative to the run "
-                                  f"directory), got {self.checkpoint_dir!r}")
-        require(is_int(self.save_period) and self.save_period >= 1, "save_period",
-                f"must be an integer >= 1 (optimizer steps between saves), got "
-                f"{self.save_period!r}; set enabled: false to turn checkpointing off")
-        require(self.keep_top_k is None or (is_int(self.keep_top_k) and self.keep_top_k >= 1),
-                "keep_top_k", f"must be an integer >= 1 or null (= keep every checkpoint), got "
-                              f"{self.keep_top_k!r}")
-        require(self.metric_name is None
-                or (isinstance(self.metric_name, str) and bool(self.metric_name.strip())),
-                "metric_name", f"must be a metric name (e.g. 'val/resolve_rate') or null, got "
-                               f"{self.metric_name!r}")
-        require(self.keep_top_k is None or self.metric_name is not None, "keep_top_k",
-                f"keeping the top {self.keep_top_k} checkpoints needs a metric to rank them: set "
-                f"checkpointing.metric_name (e.g. 'val/resolve_rate'), or keep_top_k: null to "
-                f"keep every checkpoint")
+            require(
+                isinstance(getattr(self, name), bool),
+                name,
+                f"must be true or false, got {getattr(self, name)!r}",
+            )
+        require(
+            isinstance(self.checkpoint_dir, str) and bool(self.checkpoint_dir.strip()),
+            "checkpoint_dir",
+            f"must be a directory path (absolute, or relative to the run "
+            f"directory), got {self.checkpoint_dir!r}",
+        )
+        require(
+            is_int(self.save_period) and self.save_period >= 1,
+            "save_period",
+            f"must be an integer >= 1 (optimizer steps between saves), got "
+            f"{self.save_period!r}; set enabled: false to turn checkpointing off",
+        )
+        require(
+            self.keep_top_k is None or (is_int(self.keep_top_k) and self.keep_top_k >= 1),
+            "keep_top_k",
+            f"must be an integer >= 1 or null (= keep every checkpoint), got {self.keep_top_k!r}",
+        )
+        require(
+            self.metric_name is None
+            or (isinstance(self.metric_name, str) and bool(self.metric_name.strip())),
+            "metric_name",
+            f"must be a metric name (e.g. 'val/resolve_rate') or null, got {self.metric_name!r}",
+        )
+        require(
+            self.keep_top_k is None or self.metric_name is not None,
+            "keep_top_k",
+            f"keeping the top {self.keep_top_k} checkpoints needs a metric to rank them: set "
+            f"checkpointing.metric_name (e.g. 'val/resolve_rate'), or keep_top_k: null to "
+            f"keep every checkpoint",
+        )
 
     def resolve_dir(self, run_dir: str | os.PathLike) -> pathlib.Path:
         """`checkpoint_dir` as an absolute path: kept when absolute, else under `run_dir`."""
@@ -144,8 +160,9 @@ def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
     if metrics is None:
         return {}
     if not isinstance(metrics, Mapping):
-        raise ValueError(f"metrics must be a mapping of name -> number, got "
-                         f"{type(metrics).__name__}")
+        raise ValueError(
+            f"metrics must be a mapping of name -> number, got {type(metrics).__name__}"
+        )
     result = {}
     for name, value in metrics.items():
         if not isinstance(name, str) or isinstance(value, bool):
@@ -188,8 +205,12 @@ def _write_json_durably(path: pathlib.Path, payload: Mapping[str, Any]) -> None:
     _fsync_path(path.parent)
 
 
-def publish_directory(directory: str | os.PathLike, write: Callable[[pathlib.Path], None], *,
-                      tmp_prefix: str | None = None) -> pathlib.Path:
+def publish_directory(
+    directory: str | os.PathLike,
+    write: Callable[[pathlib.Path], None],
+    *,
+    tmp_prefix: str | None = None,
+) -> pathlib.Path:
     """Writes the directory `directory` as one atomic step; returns its absolute path.
 
     `write(tmp)` fills a fresh temporary sibling directory (named `<tmp_prefix><random>`, by
@@ -244,8 +265,10 @@ class CheckpointManager:
         self.config = config
         self.root = pathlib.Path(root).absolute()
         if self.root.exists() and not self.root.is_dir():
-            raise ValueError(f"checkpointing.checkpoint_dir: {str(self.root)!r} exists and is "
-                             f"not a directory; point checkpoint_dir elsewhere")
+            raise ValueError(
+                f"checkpointing.checkpoint_dir: {str(self.root)!r} exists and is "
+                f"not a directory; point checkpoint_dir elsewhere"
+            )
         self.root.mkdir(parents=True, exist_ok=True)
         # Metrics recorded for a step before its checkpoint exists; merged in by save(step).
         self._pending_metrics: dict[int, dict[str, float]] = {}
@@ -261,12 +284,18 @@ class CheckpointManager:
         try:
             manifest = json.loads((path / MANIFEST_NAME).read_text(encoding="utf-8"))
             step = int(match.group(1))
-            if (not isinstance(manifest, dict) or manifest.get("complete") is not True
-                    or manifest.get("step") != step):
+            if (
+                not isinstance(manifest, dict)
+                or manifest.get("complete") is not True
+                or manifest.get("step") != step
+            ):
                 return None
-            return CheckpointInfo(step=step, path=path,
-                                  metrics=_check_metrics(manifest.get("metrics") or {}),
-                                  saved_at_unix=float(manifest.get("saved_at_unix", 0.0)))
+            return CheckpointInfo(
+                step=step,
+                path=path,
+                metrics=_check_metrics(manifest.get("metrics") or {}),
+                saved_at_unix=float(manifest.get("saved_at_unix", 0.0)),
+            )
         except (OSError, ValueError, TypeError):
             return None
 
@@ -297,8 +326,12 @@ class CheckpointManager:
 
     # Writing ------------------------------------------------------------------------------------
 
-    def save(self, step: int, write: Callable[[pathlib.Path], None],
-             metrics: Mapping[str, float] | None = None) -> pathlib.Path:
+    def save(
+        self,
+        step: int,
+        write: Callable[[pathlib.Path], None],
+        metrics: Mapping[str, float] | None = None,
+    ) -> pathlib.Path:
         """Writes checkpoint `step_<step>` atomically and applies retention; returns its path.
 
         `write(tmp)` fills the temporary directory `tmp` (e.g. `tmp / "policy"`,
@@ -317,24 +350,38 @@ class CheckpointManager:
         metrics = _check_metrics(metrics)
         latest = self.latest()
         if latest is not None and step <= latest.step:
-            raise ValueError(f"cannot save step {step}: {latest.path} is already saved and steps "
-                             f"must increase; resume from it (continue at step {latest.step + 1}) "
-                             f"or use a new checkpointing.checkpoint_dir")
+            raise ValueError(
+                f"cannot save step {step}: {latest.path} is already saved and steps "
+                f"must increase; resume from it (continue at step {latest.step + 1}) "
+                f"or use a new checkpointing.checkpoint_dir"
+            )
         self._clean_leftovers()
 
         def write_with_manifest(tmp: pathlib.Path) -> None:
             write(tmp)
             if (tmp / MANIFEST_NAME).exists():
-                raise ValueError(f"write() created {MANIFEST_NAME} in the checkpoint directory; "
-                                 f"that name is reserved for the completeness marker")
+                raise ValueError(
+                    f"write() created {MANIFEST_NAME} in the checkpoint directory; "
+                    f"that name is reserved for the completeness marker"
+                )
             merged = {**self._pending_metrics.get(step, {}), **metrics}
             # The marker goes last: its presence in step_<N> vouches for everything else.
-            _write_json_durably(tmp / MANIFEST_NAME, {
-                "format_version": FORMAT_VERSION, "step": step, "metrics": merged,
-                "saved_at_unix": time.time(), "complete": True})
+            _write_json_durably(
+                tmp / MANIFEST_NAME,
+                {
+                    "format_version": FORMAT_VERSION,
+                    "step": step,
+                    "metrics": merged,
+                    "saved_at_unix": time.time(),
+                    "complete": True,
+                },
+            )
 
-        final = publish_directory(self.root / f"step_{step}", write_with_manifest,
-                                  tmp_prefix=f"{_TMP_PREFIX}{step}-{os.getpid()}-")
+        final = publish_directory(
+            self.root / f"step_{step}",
+            write_with_manifest,
+            tmp_prefix=f"{_TMP_PREFIX}{step}-{os.getpid()}-",
+        )
         # Steps only grow, so metrics pending for this step or older ones can never be used.
         self._pending_metrics = {s: m for s, m in self._pending_metrics.items() if s > step}
         logger.info("saved checkpoint %s", final)
@@ -351,10 +398,16 @@ class CheckpointManager:
         infos = {info.step: info for info in self.list()}
         if step in infos:
             info = infos[step]
-            _write_json_durably(info.path / MANIFEST_NAME, {
-                "format_version": FORMAT_VERSION, "step": step,
-                "metrics": {**info.metrics, **metrics}, "saved_at_unix": info.saved_at_unix,
-                "complete": True})
+            _write_json_durably(
+                info.path / MANIFEST_NAME,
+                {
+                    "format_version": FORMAT_VERSION,
+                    "step": step,
+                    "metrics": {**info.metrics, **metrics},
+                    "saved_at_unix": info.saved_at_unix,
+                    "complete": True,
+                },
+            )
             self._apply_retention()
         elif not infos or step > max(infos):
             self._pending_metrics.setdefault(step, {}).update(metrics)
@@ -368,16 +421,19 @@ class CheckpointManager:
         if not infos:
             return
         # Best first: has the metric, then its (oriented) value, then the newer step.
-        ranked = sorted(infos, key=lambda i: (self._score(i) is not None,
-                                              self._score(i) or 0.0, i.step), reverse=True)
-        keep = {info.step for info in ranked[:self.config.keep_top_k]} | {infos[-1].step}
+        ranked = sorted(
+            infos,
+            key=lambda i: (self._score(i) is not None, self._score(i) or 0.0, i.step),
+            reverse=True,
+        )
+        keep = {info.step for info in ranked[: self.config.keep_top_k]} | {infos[-1].step}
         for info in infos:
             if info.step not in keep:
                 self._delete(info.path)
 
     def _delete(self, path: pathlib.Path) -> None:
         # Renamed away first so that no reader ever sees a half-deleted step_<N>.
-        trash = self.root / f"{_TRASH_PREFIX}{path.name[len('step_'):]}-{secrets.token_hex(4)}"
+        trash = self.root / f"{_TRASH_PREFIX}{path.name[len('step_') :]}-{secrets.token_hex(4)}"
         os.rename(path, trash)
         _fsync_path(self.root)
         shutil.rmtree(trash, ignore_errors=True)
@@ -389,8 +445,11 @@ class CheckpointManager:
                 logger.warning("removing %s: left over by an interrupted save or delete", path)
                 shutil.rmtree(path, ignore_errors=True)
             elif _STEP_DIR.match(path.name) and path.is_dir() and self._read(path) is None:
-                logger.warning("removing %s: it has no valid %s, so it is not a complete "
-                               "checkpoint", path, MANIFEST_NAME)
+                logger.warning(
+                    "removing %s: it has no valid %s, so it is not a complete checkpoint",
+                    path,
+                    MANIFEST_NAME,
+                )
                 self._delete(path)
 
 
@@ -411,12 +470,14 @@ class RngState:
     def capture(cls) -> RngState:
         try:
             import numpy as np
+
             numpy_state = np.random.get_state()
         except ImportError:
             numpy_state = None
         torch_cpu = torch_cuda = None
         try:
             import torch
+
             torch_cpu = torch.get_rng_state()
             # Only when already initialised: querying would create a CUDA context in a driver
             # that never uses the GPU, and an unused generator needs no saving.
@@ -424,24 +485,31 @@ class RngState:
                 torch_cuda = torch.cuda.get_rng_state_all()
         except ImportError:
             pass
-        return cls(python=random.getstate(), numpy=numpy_state, torch_cpu=torch_cpu,
-                   torch_cuda=torch_cuda)
+        return cls(
+            python=random.getstate(), numpy=numpy_state, torch_cpu=torch_cpu, torch_cuda=torch_cuda
+        )
 
     def restore(self) -> None:
         random.setstate(self.python)
         if self.numpy is not None:
             import numpy as np
+
             np.random.set_state(self.numpy)
         if self.torch_cpu is not None or self.torch_cuda is not None:
             import torch
+
             if self.torch_cpu is not None:
                 torch.set_rng_state(self.torch_cpu)
             if self.torch_cuda is not None and torch.cuda.is_available():
                 num_devices = torch.cuda.device_count()
                 if num_devices != len(self.torch_cuda):
-                    logger.warning("checkpoint has CUDA RNG states for %d devices, this process "
-                                   "sees %d; restoring the first %d", len(self.torch_cuda),
-                                   num_devices, min(num_devices, len(self.torch_cuda)))
+                    logger.warning(
+                        "checkpoint has CUDA RNG states for %d devices, this process "
+                        "sees %d; restoring the first %d",
+                        len(self.torch_cuda),
+                        num_devices,
+                        min(num_devices, len(self.torch_cuda)),
+                    )
                 for device, state in enumerate(self.torch_cuda[:num_devices]):
                     torch.cuda.set_rng_state(state, device)
 
@@ -478,18 +546,25 @@ class TrainerState:
             if not is_int(value) or value < 0:
                 raise ValueError(f"TrainerState.{name} must be an integer >= 0, got {value!r}")
         if not isinstance(self.sampler, Mapping):
-            raise ValueError(f"TrainerState.sampler must be PromptSampler.state_dict(), got "
-                             f"{type(self.sampler).__name__}")
+            raise ValueError(
+                f"TrainerState.sampler must be PromptSampler.state_dict(), got "
+                f"{type(self.sampler).__name__}"
+            )
         if not isinstance(self.rng, RngState):
-            raise ValueError(f"TrainerState.rng must be an RngState (RngState.capture()), got "
-                             f"{type(self.rng).__name__}")
+            raise ValueError(
+                f"TrainerState.rng must be an RngState (RngState.capture()), got "
+                f"{type(self.rng).__name__}"
+            )
         if not isinstance(self.config_text, str):
-            raise ValueError(f"TrainerState.config_text must be text, got "
-                             f"{type(self.config_text).__name__}")
+            raise ValueError(
+                f"TrainerState.config_text must be text, got {type(self.config_text).__name__}"
+            )
         for name in self.extras:
             if not isinstance(name, str) or not _EXTRA_NAME.match(name):
-                raise ValueError(f"TrainerState.extras: name {name!r} must match "
-                                 f"{_EXTRA_NAME.pattern} (it becomes a file name)")
+                raise ValueError(
+                    f"TrainerState.extras: name {name!r} must match "
+                    f"{_EXTRA_NAME.pattern} (it becomes a file name)"
+                )
 
 
 def save_trainer_state(directory: str | os.PathLike, state: TrainerState) -> None:
@@ -500,21 +575,36 @@ def save_trainer_state(directory: str | os.PathLike, state: TrainerState) -> Non
 
     directory = pathlib.Path(directory)
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise ValueError(f"trainer state directory {str(directory)!r} exists and is not empty; "
-                         f"save into a fresh directory (CheckpointManager.save gives one)")
+        raise ValueError(
+            f"trainer state directory {str(directory)!r} exists and is not empty; "
+            f"save into a fresh directory (CheckpointManager.save gives one)"
+        )
     (directory / _EXTRAS_DIR).mkdir(parents=True, exist_ok=True)
     with open(directory / _RNG_FILE, "wb") as handle:
         # Plain fields, not the class: the file stays readable if RngState moves.
-        pickle.dump({field.name: getattr(state.rng, field.name)
-                     for field in dataclasses.fields(RngState)}, handle,
-                    protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.dump(
+            {field.name: getattr(state.rng, field.name) for field in dataclasses.fields(RngState)},
+            handle,
+            protocol=pickle.HIGHEST_PROTOCOL,
+        )
     (directory / _CONFIG_FILE).write_text(state.config_text, encoding="utf-8")
     for name, payload in state.extras.items():
         torch.save(payload, directory / _EXTRAS_DIR / f"{name}.pt")
-    (directory / _STATE_FILE).write_text(json.dumps({
-        "format_version": FORMAT_VERSION, "step": state.step,
-        "weight_version": state.weight_version, "sampler": dict(state.sampler),
-        "extras": sorted(state.extras)}, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    (directory / _STATE_FILE).write_text(
+        json.dumps(
+            {
+                "format_version": FORMAT_VERSION,
+                "step": state.step,
+                "weight_version": state.weight_version,
+                "sampler": dict(state.sampler),
+                "extras": sorted(state.extras),
+            },
+            indent=2,
+            sort_keys=True,
+        )
+        + "\n",
+        encoding="utf-8",
+    )
 
 
 def load_trainer_state(directory: str | os.PathLike) -> TrainerState:
@@ -532,24 +622,38 @@ def load_trainer_state(directory: str | os.PathLike) -> TrainerState:
     try:
         meta = json.loads(state_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
-        raise ValueError(f"{state_file} is missing or unreadable ({error}); the directory is not "
-                         f"a trainer state written by save_trainer_state") from None
+        raise ValueError(
+            f"{state_file} is missing or unreadable ({error}); the directory is not "
+            f"a trainer state written by save_trainer_state"
+        ) from None
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{state_file}: format_version {meta.get('format_version')!r}, this "
-                         f"code reads {FORMAT_VERSION}")
+        raise ValueError(
+            f"{state_file}: format_version {meta.get('format_version')!r}, this "
+            f"code reads {FORMAT_VERSION}"
+        )
     try:
         with open(directory / _RNG_FILE, "rb") as handle:
             rng = RngState(**pickle.load(handle))
         config_text = (directory / _CONFIG_FILE).read_text(encoding="utf-8")
-        extras = {name: torch.load(directory / _EXTRAS_DIR / f"{name}.pt", map_location="cpu",
-                                   weights_only=False)
-                  for name in meta["extras"]}
-        return TrainerState(step=meta["step"], weight_version=meta["weight_version"],
-                            sampler=meta["sampler"], rng=rng, config_text=config_text,
-                            extras=extras)
+        extras = {
+            name: torch.load(
+                directory / _EXTRAS_DIR / f"{name}.pt", map_location="cpu", weights_only=False
+            )
+            for name in meta["extras"]
+        }
+        return TrainerState(
+            step=meta["step"],
+            weight_version=meta["weight_version"],
+            sampler=meta["sampler"],
+            rng=rng,
+            config_text=config_text,
+            extras=extras,
+        )
     except (OSError, KeyError, TypeError, pickle.UnpicklingError, EOFError) as error:
-        raise ValueError(f"trainer state in {directory} is incomplete or malformed: "
-                         f"{type(error).__name__}: {error}") from None
+        raise ValueError(
+            f"trainer state in {directory} is incomplete or malformed: "
+            f"{type(error).__name__}: {error}"
+        ) from None
 
 
 # --- prompt order -------------------------------------------------------------------------------
@@ -570,11 +674,13 @@ class PromptSampler:
     """
 
     def __init__(self, num_prompts: int, batch_size: int, seed: int):
-        for name, value, low in (("num_prompts", num_prompts, 1), ("batch_size", batch_size, 1),
-                                 ("seed", seed, 0)):
+        for name, value, low in (
+            ("num_prompts", num_prompts, 1),
+            ("batch_size", batch_size, 1),
+            ("seed", seed, 0),
+        ):
             if not is_int(value) or value < low:
-                raise ValueError(f"PromptSampler {name} must be an integer >= {low}, got "
-                                 f"{value!r}")
+                raise ValueError(f"PromptSampler {name} must be an integer >= {low}, got {value!r}")
         self.num_prompts = num_prompts
         self.batch_size = batch_size
         self.seed = seed
@@ -609,7 +715,7 @@ class PromptSampler:
             if self._order is None:
                 self._order = self.permutation(self._epoch)
             take = min(self.batch_size - len(batch), self.num_prompts - self._position)
-            batch.extend(self._order[self._position:self._position + take])
+            batch.extend(self._order[self._position : self._position + take])
             self._position += take
             if self._position == self.num_prompts:
                 self._epoch, self._position, self._order = self._epoch + 1, 0, None
@@ -622,9 +728,14 @@ class PromptSampler:
         return self.next_batch()
 
     def state_dict(self) -> dict[str, int]:
-        return {"format_version": FORMAT_VERSION, "seed": self.seed,
-                "num_prompts": self.num_prompts, "batch_size": self.batch_size,
-                "epoch": self._epoch, "position": self._position}
+        return {
+            "format_version": FORMAT_VERSION,
+            "seed": self.seed,
+            "num_prompts": self.num_prompts,
+            "batch_size": self.batch_size,
+            "epoch": self._epoch,
+            "position": self._position,
+        }
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Continues where the sampler that wrote `state` stopped.
@@ -637,13 +748,18 @@ class PromptSampler:
         if missing:
             raise ValueError(f"sampler state lacks {missing}; not a PromptSampler.state_dict()")
         if state["seed"] != self.seed or state["num_prompts"] != self.num_prompts:
-            raise ValueError(f"sampler state was written for seed {state['seed']} over "
-                             f"{state['num_prompts']} prompts, this run has seed {self.seed} over "
-                             f"{self.num_prompts}: resuming would change the prompt order; keep "
-                             f"the dataset and its seed, or start a new run")
+            raise ValueError(
+                f"sampler state was written for seed {state['seed']} over "
+                f"{state['num_prompts']} prompts, this run has seed {self.seed} over "
+                f"{self.num_prompts}: resuming would change the prompt order; keep "
+                f"the dataset and its seed, or start a new run"
+            )
         epoch, position = state["epoch"], state["position"]
-        if not (is_int(epoch) and epoch >= 0 and is_int(position)
-                and 0 <= position < self.num_prompts):
-            raise ValueError(f"sampler state has epoch {epoch!r}, position {position!r}; expected "
-                             f"integers with epoch >= 0 and 0 <= position < {self.num_prompts}")
+        if not (
+            is_int(epoch) and epoch >= 0 and is_int(position) and 0 <= position < self.num_prompts
+        ):
+            raise ValueError(
+                f"sampler state has epoch {epoch!r}, position {position!r}; expected "
+                f"integers with epoch >= 0 and 0 <= position < {self.num_prompts}"
+            )
         self._epoch, self._position, self._order = epoch, position, None

@@ -17,11 +17,19 @@ import pytest
 import torch
 
 from dockyard_rl.utils import checkpoint
-from dockyard_rl.utils.checkpoint import (MANIFEST_NAME, CheckpointingConfig, CheckpointManager,
-                                          PromptSampler, RngState, TrainerState,
-                                          load_trainer_state, publish_directory,
-                                          save_trainer_state)
+from dockyard_rl.utils.checkpoint import (
+    MANIFEST_NAME,
+    CheckpointingConfig,
+    CheckpointManager,
+    PromptSampler,
+    RngState,
+    TrainerState,
+    load_trainer_state,
+    publish_directory,
+    save_trainer_state,
+)
 from dockyard_rl.utils.config import from_dict
+
 
 def config(**overrides) -> CheckpointingConfig:
     return from_dict(CheckpointingConfig, overrides, "checkpointing")
@@ -31,6 +39,7 @@ def write_payload(step: int):
     def write(tmp: pathlib.Path) -> None:
         (tmp / "policy").mkdir()
         (tmp / "policy" / "weights.bin").write_bytes(bytes([step % 256]) * 1000)
+
     return write
 
 
@@ -51,19 +60,25 @@ def test_defaults_are_valid_and_rank_by_resolve_rate():
     assert cfg.higher_is_better and cfg.save_period >= 1
 
 
-@pytest.mark.parametrize("overrides, pattern", [
-    ({"keep_top_k": 2, "metric_name": None},
-     r"^checkpointing\.keep_top_k: .*needs a metric.*checkpointing\.metric_name.*keep_top_k: null"),
-    ({"save_period": 0}, r"^checkpointing\.save_period: must be an integer >= 1"),
-    ({"save_period": 2.5}, r"^checkpointing\.save_period: must be an integer >= 1"),
-    ({"keep_top_k": 0}, r"^checkpointing\.keep_top_k: must be an integer >= 1 or null"),
-    ({"keep_top_k": True}, r"^checkpointing\.keep_top_k: must be an integer >= 1 or null"),
-    ({"metric_name": ""}, r"^checkpointing\.metric_name: must be a metric name"),
-    ({"checkpoint_dir": " "}, r"^checkpointing\.checkpoint_dir: must be a directory path"),
-    ({"enabled": "yes"}, r"^checkpointing\.enabled: must be true or false"),
-    ({"higher_is_better": 1}, r"^checkpointing\.higher_is_better: must be true or false"),
-    ({"keep_top_k_": 1}, r"^checkpointing: unknown key\(s\) 'keep_top_k_'"),
-])
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        (
+            {"keep_top_k": 2, "metric_name": None},
+            r"^checkpointing\.keep_top_k: .*needs a metric.*checkpointing\.metric_name"
+            r".*keep_top_k: null",
+        ),
+        ({"save_period": 0}, r"^checkpointing\.save_period: must be an integer >= 1"),
+        ({"save_period": 2.5}, r"^checkpointing\.save_period: must be an integer >= 1"),
+        ({"keep_top_k": 0}, r"^checkpointing\.keep_top_k: must be an integer >= 1 or null"),
+        ({"keep_top_k": True}, r"^checkpointing\.keep_top_k: must be an integer >= 1 or null"),
+        ({"metric_name": ""}, r"^checkpointing\.metric_name: must be a metric name"),
+        ({"checkpoint_dir": " "}, r"^checkpointing\.checkpoint_dir: must be a directory path"),
+        ({"enabled": "yes"}, r"^checkpointing\.enabled: must be true or false"),
+        ({"higher_is_better": 1}, r"^checkpointing\.higher_is_better: must be true or false"),
+        ({"keep_top_k_": 1}, r"^checkpointing: unknown key\(s\) 'keep_top_k_'"),
+    ],
+)
 def test_config_errors_name_the_key(overrides, pattern):
     with pytest.raises(ValueError, match=pattern):
         config(**overrides)
@@ -199,8 +214,9 @@ def test_sigkill_at_any_moment_leaves_only_complete_checkpoints(tmp_path):
     previous_latest = 0
     num_kills_mid_save = 0
     for _ in range(6):
-        process = subprocess.Popen([sys.executable, str(script), str(root)], env=env,
-                                   stdout=subprocess.PIPE, text=True)
+        process = subprocess.Popen(
+            [sys.executable, str(script), str(root)], env=env, stdout=subprocess.PIPE, text=True
+        )
         process.stdout.readline()  # at least one save finished in this run
         time.sleep(rng.uniform(0.0, 0.15))
         process.send_signal(signal.SIGKILL)
@@ -230,6 +246,7 @@ def write_files(content: bytes):
         (tmp / "sub").mkdir()
         (tmp / "model.bin").write_bytes(content)
         (tmp / "sub" / "state.json").write_bytes(content)
+
     return write
 
 
@@ -244,7 +261,8 @@ def test_publish_directory_writes_replaces_and_leaves_nothing_behind(tmp_path):
 
 
 def test_publish_directory_fsyncs_every_file_before_the_rename_and_the_parent_after(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     events = []
     real_fsync, real_rename = os.fsync, os.rename
 
@@ -261,8 +279,11 @@ def test_publish_directory_fsyncs_every_file_before_the_rename_and_the_parent_af
     target = tmp_path / "ckpt"
     publish_directory(target, write_files(b"x"))
     publish_at = events.index(("rename", str(target)))
-    synced_before = {pathlib.Path(path).relative_to(tmp_path).parts[1:]
-                     for kind, path in events[:publish_at] if kind == "fsync"}
+    synced_before = {
+        pathlib.Path(path).relative_to(tmp_path).parts[1:]
+        for kind, path in events[:publish_at]
+        if kind == "fsync"
+    }
     assert {("model.bin",), ("sub", "state.json"), ("sub",), ()} <= synced_before
     assert ("fsync", str(tmp_path)) in events[publish_at:]
 
@@ -301,19 +322,19 @@ def test_top_k_with_metrics_given_before_during_and_after_saving(tmp_path):
     manager = CheckpointManager(config(keep_top_k=2, metric_name="val/resolve_rate"), tmp_path)
     metric = "val/resolve_rate"
     manager.save(1, write_payload(1), metrics={metric: 0.5})
-    manager.save(2, write_payload(2))                 # validation comes later
+    manager.save(2, write_payload(2))  # validation comes later
     assert steps(manager) == [1, 2]
-    manager.record_metrics(2, {metric: 0.1})          # after the save
+    manager.record_metrics(2, {metric: 0.1})  # after the save
     manager.save(3, write_payload(3), metrics={metric: 0.7})
-    assert steps(manager) == [1, 3]                   # top 2 = {3: 0.7, 1: 0.5}
-    manager.record_metrics(4, {metric: 0.2})          # before the save
+    assert steps(manager) == [1, 3]  # top 2 = {3: 0.7, 1: 0.5}
+    manager.record_metrics(4, {metric: 0.2})  # before the save
     manager.save(4, write_payload(4))
     assert manager.latest().metrics == {metric: 0.2}
-    assert steps(manager) == [1, 3, 4]                # top 2 + the latest
-    manager.save(5, write_payload(5))                 # no metric yet: ranks last, kept as latest
+    assert steps(manager) == [1, 3, 4]  # top 2 + the latest
+    manager.save(5, write_payload(5))  # no metric yet: ranks last, kept as latest
     assert steps(manager) == [1, 3, 5]
     manager.record_metrics(5, {metric: 0.9, "val/mean_reward": 1.5})
-    assert steps(manager) == [3, 5]                   # 5 (0.9) and 3 (0.7); 1 falls out
+    assert steps(manager) == [3, 5]  # 5 (0.9) and 3 (0.7); 1 falls out
     manager.save(6, write_payload(6), metrics={metric: 0.0})
     assert steps(manager) == [3, 5, 6]
     assert manager.best().step == 5
@@ -324,8 +345,9 @@ def test_top_k_with_metrics_given_before_during_and_after_saving(tmp_path):
 
 
 def test_lower_is_better(tmp_path):
-    manager = CheckpointManager(config(keep_top_k=2, metric_name="val/loss",
-                                       higher_is_better=False), tmp_path)
+    manager = CheckpointManager(
+        config(keep_top_k=2, metric_name="val/loss", higher_is_better=False), tmp_path
+    )
     for step, loss in enumerate([3.0, 1.0, 2.0, 0.5, 4.0, 5.0], start=1):
         manager.save(step, write_payload(step), metrics={"val/loss": loss})
     assert steps(manager) == [2, 4, 6]  # 0.5 and 1.0 are best; 6 is the latest
@@ -369,7 +391,7 @@ def test_keep_all(tmp_path):
 
 def test_metrics_for_an_unsaved_older_step_are_dropped(tmp_path):
     manager = CheckpointManager(config(keep_top_k=2, metric_name="m"), tmp_path)
-    manager.record_metrics(1, {"m": 1.0})   # validation at step 1, no save at step 1
+    manager.record_metrics(1, {"m": 1.0})  # validation at step 1, no save at step 1
     manager.save(2, write_payload(2))
     manager.record_metrics(1, {"m": 1.0})
     assert manager.latest().metrics == {}
@@ -381,8 +403,12 @@ def test_metrics_for_an_unsaved_older_step_are_dropped(tmp_path):
 
 
 def draw() -> tuple:
-    return (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist(),
-            torch.randint(0, 1000, (2,)).tolist())
+    return (
+        random.random(),
+        np.random.rand(3).tolist(),
+        torch.rand(3).tolist(),
+        torch.randint(0, 1000, (2,)).tolist(),
+    )
 
 
 def test_trainer_state_round_trip_continues_the_rng_streams(tmp_path):
@@ -393,9 +419,14 @@ def test_trainer_state_round_trip_continues_the_rng_streams(tmp_path):
     sampler = PromptSampler(num_prompts=5, batch_size=2, seed=7)
     next(sampler)
     buffer = {"trajectories": [torch.arange(4), {"reward": 1.0}], "versions": [3, 4]}
-    state = TrainerState(step=12, weight_version=12, sampler=sampler.state_dict(),
-                         rng=RngState.capture(), config_text="grpo:\n  val_period: 5\n",
-                         extras={"replay_buffer": buffer, "collector": {"in_flight": [1, 2]}})
+    state = TrainerState(
+        step=12,
+        weight_version=12,
+        sampler=sampler.state_dict(),
+        rng=RngState.capture(),
+        config_text="grpo:\n  val_period: 5\n",
+        extras={"replay_buffer": buffer, "collector": {"in_flight": [1, 2]}},
+    )
     expected = [draw() for _ in range(3)]
 
     save_trainer_state(tmp_path / "trainer_state", state)
@@ -410,10 +441,18 @@ def test_trainer_state_round_trip_continues_the_rng_streams(tmp_path):
     assert torch.equal(loaded.extras["replay_buffer"]["trajectories"][0], torch.arange(4))
     assert loaded.extras["replay_buffer"]["versions"] == [3, 4]
     assert loaded.extras["collector"] == {"in_flight": [1, 2]}
-    files = sorted(str(p.relative_to(tmp_path / "trainer_state"))
-                   for p in (tmp_path / "trainer_state").rglob("*") if p.is_file())
-    assert files == ["config.yaml", "extras/collector.pt", "extras/replay_buffer.pt", "rng.pkl",
-                     "trainer_state.json"]
+    files = sorted(
+        str(p.relative_to(tmp_path / "trainer_state"))
+        for p in (tmp_path / "trainer_state").rglob("*")
+        if p.is_file()
+    )
+    assert files == [
+        "config.yaml",
+        "extras/collector.pt",
+        "extras/replay_buffer.pt",
+        "rng.pkl",
+        "trainer_state.json",
+    ]
 
 
 def test_trainer_state_errors(tmp_path):
@@ -519,16 +558,19 @@ def train(root: pathlib.Path, num_steps: int, crash_at: int | None = None) -> li
         if step == crash_at:
             return consumed
         if cfg.should_save(step):
-            state = TrainerState(step=step, weight_version=step, sampler=sampler.state_dict(),
-                                 rng=RngState.capture())
-            manager.save(step, lambda tmp: save_trainer_state(tmp / "trainer_state", state))
+            state = TrainerState(
+                step=step, weight_version=step, sampler=sampler.state_dict(), rng=RngState.capture()
+            )
+            manager.save(
+                step, lambda tmp, state=state: save_trainer_state(tmp / "trainer_state", state)
+            )
             manager.record_metrics(step, {"val/resolve_rate": 1.0 / step})
     return consumed
 
 
 def test_a_crashed_run_resumes_exactly(tmp_path):
     uninterrupted = train(tmp_path / "a", 9)
-    crashed = train(tmp_path / "b", 9, crash_at=7)    # killed during step 7: last save was 6
+    crashed = train(tmp_path / "b", 9, crash_at=7)  # killed during step 7: last save was 6
     resumed = train(tmp_path / "b", 9)
-    assert [s for s, _, _ in resumed] == [7, 8, 9]    # no step repeated or skipped
-    assert crashed[:6] + resumed == uninterrupted     # same prompts, same random numbers
+    assert [s for s, _, _ in resumed] == [7, 8, 9]  # no step repeated or skipped
+    assert crashed[:6] + resumed == uninterrupted  # same prompts, same random numbers

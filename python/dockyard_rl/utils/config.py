@@ -3,8 +3,8 @@
 Every config section is a frozen dataclass whose fields hold the defaults (the one place they
 live) and whose `__post_init__` validates values with `ValueError`s that name the key and the
 fix. `from_dict` turns a mapping into such a dataclass, recursing into nested dataclass fields
-(also optional ones, `X | None`: null keeps None), and rejects unknown keys with the valid ones listed, so a typo fails at start-up instead of being
-silently ignored.
+(also optional ones, `X | None`: null keeps None), and rejects unknown keys with the valid ones
+listed, so a typo fails at start-up instead of being silently ignored.
 
     @dataclasses.dataclass(frozen=True)
     class ClipConfig:
@@ -37,13 +37,17 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, key_path: str) -> T:
         raise TypeError(f"{cls!r} is not a dataclass")
     data = {} if data is None else data
     if not isinstance(data, Mapping):
-        raise ValueError(f"{key_path}: expected a mapping of keys to values, got "
-                         f"{type(data).__name__} ({data!r})")
+        raise ValueError(
+            f"{key_path}: expected a mapping of keys to values, got "
+            f"{type(data).__name__} ({data!r})"
+        )
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(f"{key_path}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys: "
-                         f"{', '.join(sorted(fields))}")
+        raise ValueError(
+            f"{key_path}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys: "
+            f"{', '.join(sorted(fields))}"
+        )
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():
@@ -55,8 +59,9 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, key_path: str) -> T:
         return cls(**kwargs)
     except ValueError as error:
         message = str(error)
-        raise ValueError(message if message.startswith(key_path) else f"{key_path}.{message}") \
-            from None
+        raise ValueError(
+            message if message.startswith(key_path) else f"{key_path}.{message}"
+        ) from None
 
 
 def is_int(value: Any) -> bool:
@@ -77,8 +82,11 @@ def optional_dataclass(hint: Any) -> type | None:
         return hint
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         members = [m for m in typing.get_args(hint) if m is not type(None)]
-        if len(members) == 1 and isinstance(members[0], type) \
-                and dataclasses.is_dataclass(members[0]):
+        if (
+            len(members) == 1
+            and isinstance(members[0], type)
+            and dataclasses.is_dataclass(members[0])
+        ):
             return members[0]
     return None
 

@@ -40,7 +40,9 @@ def test_an_optional_nested_section_is_built_or_stays_none():
 
 
 def test_unknown_key_lists_valid_keys():
-    with pytest.raises(ValueError, match=r"section\.inner: unknown key\(s\) 'epsilom'; valid keys: epsilon"):
+    with pytest.raises(
+        ValueError, match=r"section\.inner: unknown key\(s\) 'epsilom'; valid keys: epsilon"
+    ):
         from_dict(Outer, {"inner": {"epsilom": 1}}, "section")
 
 

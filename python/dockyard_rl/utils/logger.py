@@ -17,9 +17,10 @@ resume, so never put a timestamp in them):
   (so one line per step for the train metrics and one per validation), flat keys
   `{"step": 3, "time": <unix s>, "train/reward_mean": 0.4, "timing/generate_s": 12.1, ...}`.
   Each line is written whole, flushed and fsynced, so a crash loses at most the line being
-  written; a torn last line is skipped when read and dropped on the next start. NaN/inf values are written as
-  null and listed under `"nonfinite": {"train/loss": "nan"}`: the run goes on, the value is
-  flagged (here, in a warning and on the console) instead of silently becoming a number.
+  written; a torn last line is skipped when read and dropped on the next start. NaN/inf values
+  are written as null and listed under `"nonfinite": {"train/loss": "nan"}`: the run goes on,
+  the value is flagged (here, in a warning and on the console) instead of silently becoming a
+  number.
 - `run_dir/config.json`: the hyperparameters given to `log_hyperparams`.
 - `run_dir/tensorboard/`: scalar event files (tensorboard's own writer; no torch import).
 - `run_dir/wandb/`: W&B's offline run (mode "offline" needs no network; `wandb sync` uploads it).
@@ -71,9 +72,9 @@ _log = logging.getLogger(__name__)
 
 # Stages of a GRPO step, always present in the breakdown (0.0 when a step had none of it).
 STAGES = ("generate", "score", "logprobs", "train", "weight_sync", "buffer_wait")
-REWARD_KEY = "reward_mean"         # mean training / validation reward of the step
+REWARD_KEY = "reward_mean"  # mean training / validation reward of the step
 RESOLVE_RATE_KEY = "resolve_rate"  # fraction of samples whose patch made the tests pass
-APPLY_RATE_KEY = "apply_rate"      # fraction of samples whose patch applied
+APPLY_RATE_KEY = "apply_rate"  # fraction of samples whose patch applied
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
@@ -84,8 +85,14 @@ TIMING_PREFIX = "timing"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _METRIC_RE = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")  # "loss", "loss/clip_frac"
 _WANDB_MODES = ("offline", "online", "disabled")
-_STAGE_ABBREVIATIONS = {"generate": "gen", "score": "score", "logprobs": "lp", "train": "train",
-                        "weight_sync": "sync", "buffer_wait": "wait"}
+_STAGE_ABBREVIATIONS = {
+    "generate": "gen",
+    "score": "score",
+    "logprobs": "lp",
+    "train": "train",
+    "weight_sync": "sync",
+    "buffer_wait": "wait",
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -98,20 +105,31 @@ class WandbConfig:
 
     enabled: bool = False
     project: str = "dockyard_rl"
-    name: str | None = None        # the W&B run's display name; null = the Logger's run name
-    mode: str = "offline"          # offline (files under run_dir/wandb) | online | disabled
+    name: str | None = None  # the W&B run's display name; null = the Logger's run name
+    mode: str = "offline"  # offline (files under run_dir/wandb) | online | disabled
 
     def __post_init__(self):
-        require(isinstance(self.enabled, bool), "enabled",
-                f"must be true or false, got {self.enabled!r}")
-        require(_is_name(self.project), "project",
-                f"must be a non-empty name of letters, digits, '_', '.', '-', "
-                f"got {self.project!r}")
-        require(self.name is None or (isinstance(self.name, str) and bool(self.name)), "name",
-                f"must be a non-empty string or null (= the run name), got {self.name!r}")
-        require(self.mode in _WANDB_MODES, "mode",
-                f"must be one of {', '.join(_WANDB_MODES)} (offline needs no network), "
-                f"got {self.mode!r}")
+        require(
+            isinstance(self.enabled, bool),
+            "enabled",
+            f"must be true or false, got {self.enabled!r}",
+        )
+        require(
+            _is_name(self.project),
+            "project",
+            f"must be a non-empty name of letters, digits, '_', '.', '-', got {self.project!r}",
+        )
+        require(
+            self.name is None or (isinstance(self.name, str) and bool(self.name)),
+            "name",
+            f"must be a non-empty string or null (= the run name), got {self.name!r}",
+        )
+        require(
+            self.mode in _WANDB_MODES,
+            "mode",
+            f"must be one of {', '.join(_WANDB_MODES)} (offline needs no network), "
+            f"got {self.mode!r}",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,50 +139,76 @@ class MlflowConfig:
     enabled: bool = False
     tracking_uri: str | None = None  # null = file store <log_dir>/mlruns (absolute file:// URI)
     experiment_name: str = "dockyard_rl"
-    run_name: str | None = None      # null = the Logger's run name
+    run_name: str | None = None  # null = the Logger's run name
 
     def __post_init__(self):
-        require(isinstance(self.enabled, bool), "enabled",
-                f"must be true or false, got {self.enabled!r}")
-        require(self.tracking_uri is None
-                or (isinstance(self.tracking_uri, str) and bool(self.tracking_uri)),
-                "tracking_uri", f"must be a URI (file:///abs/path/mlruns, http://host:5000) or "
-                                f"null (= <log_dir>/mlruns), got {self.tracking_uri!r}")
-        require(isinstance(self.experiment_name, str) and bool(self.experiment_name.strip()),
-                "experiment_name", f"must be a non-empty string, got {self.experiment_name!r}")
-        require(self.run_name is None or (isinstance(self.run_name, str) and bool(self.run_name)),
-                "run_name", f"must be a non-empty string or null (= the run name), "
-                            f"got {self.run_name!r}")
+        require(
+            isinstance(self.enabled, bool),
+            "enabled",
+            f"must be true or false, got {self.enabled!r}",
+        )
+        require(
+            self.tracking_uri is None
+            or (isinstance(self.tracking_uri, str) and bool(self.tracking_uri)),
+            "tracking_uri",
+            f"must be a URI (file:///abs/path/mlruns, http://host:5000) or "
+            f"null (= <log_dir>/mlruns), got {self.tracking_uri!r}",
+        )
+        require(
+            isinstance(self.experiment_name, str) and bool(self.experiment_name.strip()),
+            "experiment_name",
+            f"must be a non-empty string, got {self.experiment_name!r}",
+        )
+        require(
+            self.run_name is None or (isinstance(self.run_name, str) and bool(self.run_name)),
+            "run_name",
+            f"must be a non-empty string or null (= the run name), got {self.run_name!r}",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class LoggerConfig:
     """The `logger` section; build with `from_dict(LoggerConfig, data, "logger")`."""
 
-    log_dir: str = "results/logs"   # each run writes to <log_dir>/<run name>/
-    console: bool = True            # progress bar (a TTY) or one line per logged step (a log file)
+    log_dir: str = "results/logs"  # each run writes to <log_dir>/<run name>/
+    console: bool = True  # progress bar (a TTY) or one line per logged step (a log file)
     tensorboard: bool = True
     jsonl: bool = True
-    plot: bool = True               # metrics.png at finish(), drawn from metrics.jsonl
-    log_every: int = 1              # train metrics to console/TensorBoard/W&B/MLflow every N steps
+    plot: bool = True  # metrics.png at finish(), drawn from metrics.jsonl
+    log_every: int = 1  # train metrics to console/TensorBoard/W&B/MLflow every N steps
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
     mlflow: MlflowConfig = dataclasses.field(default_factory=MlflowConfig)
 
     def __post_init__(self):
-        require(isinstance(self.log_dir, str) and bool(self.log_dir), "log_dir",
-                f"must be a directory path, got {self.log_dir!r}")
+        require(
+            isinstance(self.log_dir, str) and bool(self.log_dir),
+            "log_dir",
+            f"must be a directory path, got {self.log_dir!r}",
+        )
         for key in ("console", "tensorboard", "jsonl", "plot"):
             value = getattr(self, key)
             require(isinstance(value, bool), key, f"must be true or false, got {value!r}")
-        require(is_int(self.log_every) and self.log_every >= 1, "log_every",
-                f"must be an integer >= 1 (1 = every step), got {self.log_every!r}")
-        require(not self.plot or self.jsonl, "plot",
-                "the plot is drawn from metrics.jsonl, so it needs jsonl: true; set "
-                "logger.jsonl: true or logger.plot: false")
-        require(isinstance(self.wandb, WandbConfig), "wandb",
-                f"must be a mapping of W&B settings, got {self.wandb!r}")
-        require(isinstance(self.mlflow, MlflowConfig), "mlflow",
-                f"must be a mapping of MLflow settings, got {self.mlflow!r}")
+        require(
+            is_int(self.log_every) and self.log_every >= 1,
+            "log_every",
+            f"must be an integer >= 1 (1 = every step), got {self.log_every!r}",
+        )
+        require(
+            not self.plot or self.jsonl,
+            "plot",
+            "the plot is drawn from metrics.jsonl, so it needs jsonl: true; set "
+            "logger.jsonl: true or logger.plot: false",
+        )
+        require(
+            isinstance(self.wandb, WandbConfig),
+            "wandb",
+            f"must be a mapping of W&B settings, got {self.wandb!r}",
+        )
+        require(
+            isinstance(self.mlflow, MlflowConfig),
+            "mlflow",
+            f"must be a mapping of MLflow settings, got {self.mlflow!r}",
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,8 +234,10 @@ class StepTimer:
     def stage(self, name: str) -> Iterator[None]:
         _check_name(name, "stage")
         if self._active is not None:
-            raise RuntimeError(f"timer stage {name!r} started inside stage {self._active!r}; "
-                               f"stages must not nest (the time would be counted twice)")
+            raise RuntimeError(
+                f"timer stage {name!r} started inside stage {self._active!r}; "
+                f"stages must not nest (the time would be counted twice)"
+            )
         self._active = name
         start = self._clock()
         try:
@@ -270,8 +316,9 @@ class _JsonlWriter:
             return 0
         rows = read_jsonl(self._path)
         kept = [row for row in rows if row["step"] <= step]
-        _atomic_write_text(self._path, "".join(json.dumps(row, allow_nan=False) + "\n"
-                                               for row in kept))
+        _atomic_write_text(
+            self._path, "".join(json.dumps(row, allow_nan=False) + "\n" for row in kept)
+        )
         return len(rows) - len(kept)
 
     def write(self, row: dict[str, Any]) -> None:
@@ -303,17 +350,26 @@ class _TensorBoardBackend:
         self._writer = EventFileWriter(str(log_dir), max_queue_size=100, flush_secs=10)
         # TensorBoard drops every event of a step >= first_step seen before this START: the
         # steps a crashed run logged after its last checkpoint, or an older run's curves.
-        self._writer.add_event(event_pb2.Event(
-            wall_time=time.time(), step=first_step,
-            session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+        self._writer.add_event(
+            event_pb2.Event(
+                wall_time=time.time(),
+                step=first_step,
+                session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START),
+            )
+        )
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         from tensorboard.compat.proto import summary_pb2
 
-        summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=key, simple_value=value)
-                                             for key, value in metrics.items()])
-        self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=step,
-                                                     summary=summary))
+        summary = summary_pb2.Summary(
+            value=[
+                summary_pb2.Summary.Value(tag=key, simple_value=value)
+                for key, value in metrics.items()
+            ]
+        )
+        self._writer.add_event(
+            self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary)
+        )
         self._writer.flush()
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
@@ -322,15 +378,21 @@ class _TensorBoardBackend:
 
         text = "```\n" + json.dumps(params, indent=2, sort_keys=True, default=str) + "\n```"
         tensor = tensor_pb2.TensorProto(
-            dtype=types_pb2.DT_STRING, string_val=[text.encode()],
+            dtype=types_pb2.DT_STRING,
+            string_val=[text.encode()],
             tensor_shape=tensor_shape_pb2.TensorShapeProto(
-                dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=1)]))
+                dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=1)]
+            ),
+        )
         metadata = summary_pb2.SummaryMetadata(
-            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))
-        summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(
-            tag="config", metadata=metadata, tensor=tensor)])
-        self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=0,
-                                                     summary=summary))
+            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text")
+        )
+        summary = summary_pb2.Summary(
+            value=[summary_pb2.Summary.Value(tag="config", metadata=metadata, tensor=tensor)]
+        )
+        self._writer.add_event(
+            self._event_pb2.Event(wall_time=time.time(), step=0, summary=summary)
+        )
         self._writer.flush()
 
     def close(self) -> None:
@@ -344,9 +406,15 @@ class _WandbBackend:
         import wandb
 
         self._run = wandb.init(
-            project=config.project, name=config.name or run_name, id=run_id, dir=str(run_dir),
-            mode=config.mode, resume="allow", reinit="create_new",
-            settings=wandb.Settings(silent=True, console="off"))
+            project=config.project,
+            name=config.name or run_name,
+            id=run_id,
+            dir=str(run_dir),
+            mode=config.mode,
+            resume="allow",
+            reinit="create_new",
+            settings=wandb.Settings(silent=True, console="off"),
+        )
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         # W&B refuses steps below its current one (a resumed run re-logging a step): it warns.
@@ -365,8 +433,7 @@ class _MlflowBackend:
     # MLflow rejects longer params (its limit has changed across versions; this fits all).
     _MAX_PARAM_CHARS = 500
 
-    def __init__(self, config: MlflowConfig, tracking_uri: str, run_id: str | None,
-                 run_name: str):
+    def __init__(self, config: MlflowConfig, tracking_uri: str, run_id: str | None, run_name: str):
         if tracking_uri.startswith("file:") or "://" not in tracking_uri:
             # MLflow 3 keeps its file store in maintenance mode and refuses to open one unless
             # this is set. We keep it: it needs nothing but a folder (no database packages),
@@ -379,41 +446,60 @@ class _MlflowBackend:
 
         self._client = MlflowClient(tracking_uri=tracking_uri)
         experiment = self._client.get_experiment_by_name(config.experiment_name)
-        experiment_id = (experiment.experiment_id if experiment is not None
-                         else self._client.create_experiment(config.experiment_name))
+        experiment_id = (
+            experiment.experiment_id
+            if experiment is not None
+            else self._client.create_experiment(config.experiment_name)
+        )
         self.run_id = None
         if run_id is not None:
             try:
                 self._client.update_run(run_id, status="RUNNING")
                 self.run_id = run_id
             except MlflowException as error:  # the store was moved or deleted since
-                _log.warning("MLflow run %s of the resumed run is not in %s (%s); starting a "
-                             "new MLflow run", run_id, tracking_uri, error)
+                _log.warning(
+                    "MLflow run %s of the resumed run is not in %s (%s); starting a new MLflow run",
+                    run_id,
+                    tracking_uri,
+                    error,
+                )
         if self.run_id is None:
             self.run_id = self._client.create_run(
-                experiment_id, run_name=config.run_name or run_name).info.run_id
+                experiment_id, run_name=config.run_name or run_name
+            ).info.run_id
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         from mlflow.entities import Metric
 
         timestamp_ms = int(time.time() * 1000)
-        self._client.log_batch(self.run_id, metrics=[
-            Metric(key, value, timestamp_ms, step) for key, value in metrics.items()])
+        self._client.log_batch(
+            self.run_id,
+            metrics=[Metric(key, value, timestamp_ms, step) for key, value in metrics.items()],
+        )
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
 
         logged = self._client.get_run(self.run_id).data.params
-        new = [Param(key, value) for key, value in (
-            (key, str(value)[:self._MAX_PARAM_CHARS]) for key, value in _flatten(params).items())
-            if logged.get(key) != value]
+        new = [
+            Param(key, value)
+            for key, value in (
+                (key, str(value)[: self._MAX_PARAM_CHARS])
+                for key, value in _flatten(params).items()
+            )
+            if logged.get(key) != value
+        ]
         changed = sorted(param.key for param in new if param.key in logged)
         if changed:  # MLflow params are immutable; a resumed run with new values keeps the old.
-            _log.warning("MLflow run %s already has different values for %s; keeping the old "
-                         "ones (MLflow params cannot change)", self.run_id, ", ".join(changed))
+            _log.warning(
+                "MLflow run %s already has different values for %s; keeping the old "
+                "ones (MLflow params cannot change)",
+                self.run_id,
+                ", ".join(changed),
+            )
         new = [param for param in new if param.key not in logged]
         for start in range(0, len(new), 100):  # MLflow's batch limit is 100 params
-            self._client.log_batch(self.run_id, params=new[start:start + 100])
+            self._client.log_batch(self.run_id, params=new[start : start + 100])
         self._client.log_dict(self.run_id, dict(params), CONFIG_FILE)
 
     def close(self) -> None:
@@ -432,8 +518,13 @@ class _Console:
         if sys.stderr.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=initial_step, unit="step",
-                             dynamic_ncols=True, file=sys.stderr)
+            self._bar = tqdm(
+                total=total_steps,
+                initial=initial_step,
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
         self._step = initial_step
 
     def update(self, step: int, text: str) -> None:
@@ -457,12 +548,18 @@ class _Console:
 
 def _progress_text(row: Mapping[str, float], nonfinite: Mapping[str, str]) -> str:
     parts = []
-    for label, key in (("reward", f"train/{REWARD_KEY}"), ("resolve", f"train/{RESOLVE_RATE_KEY}"),
-                       ("val_resolve", f"val/{RESOLVE_RATE_KEY}")):
+    for label, key in (
+        ("reward", f"train/{REWARD_KEY}"),
+        ("resolve", f"train/{RESOLVE_RATE_KEY}"),
+        ("val_resolve", f"val/{RESOLVE_RATE_KEY}"),
+    ):
         if isinstance(row.get(key), float):
             parts.append(f"{label}={row[key]:.3f}")
-    times = [f"{_STAGE_ABBREVIATIONS[stage]} {row[key]:.1f}s" for stage in STAGES
-             if row.get(key := f"{TIMING_PREFIX}/{stage}_s")]
+    times = [
+        f"{_STAGE_ABBREVIATIONS[stage]} {row[key]:.1f}s"
+        for stage in STAGES
+        if row.get(key := f"{TIMING_PREFIX}/{stage}_s")
+    ]
     if times:
         parts.append("| " + " ".join(times))
     if nonfinite:
@@ -488,22 +585,32 @@ class Logger:
     for a run name that is not a plain directory name.
     """
 
-    def __init__(self, config: LoggerConfig, run_name: str, total_steps: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        config: LoggerConfig,
+        run_name: str,
+        total_steps: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         if not isinstance(config, LoggerConfig):
             raise ValueError(f"logger: expected a LoggerConfig, got {type(config).__name__}")
         if not _is_name(run_name) or run_name in (".", ".."):
-            raise ValueError(f"run name {run_name!r} must be a non-empty directory name of "
-                             f"letters, digits, '_', '.', '-' (it names <logger.log_dir>/<run>)")
+            raise ValueError(
+                f"run name {run_name!r} must be a non-empty directory name of "
+                f"letters, digits, '_', '.', '-' (it names <logger.log_dir>/<run>)"
+            )
         for enabled, module, key, distribution in (
-                (config.wandb.enabled, "wandb", "logger.wandb.enabled", "wandb"),
-                (config.mlflow.enabled, "mlflow", "logger.mlflow.enabled", "mlflow-skinny"),
-                (config.plot, "matplotlib", "logger.plot", "matplotlib")):
+            (config.wandb.enabled, "wandb", "logger.wandb.enabled", "wandb"),
+            (config.mlflow.enabled, "mlflow", "logger.mlflow.enabled", "mlflow-skinny"),
+            (config.plot, "matplotlib", "logger.plot", "matplotlib"),
+        ):
             if enabled and importlib.util.find_spec(module) is None:
-                raise ValueError(f"{key}: is true but the {module!r} package is not installed in "
-                                 f"this environment (requirements/*.lock.txt pins it: use the "
-                                 f"project's venv, or pip install {distribution}); "
-                                 f"or set {key}: false")
+                raise ValueError(
+                    f"{key}: is true but the {module!r} package is not installed in "
+                    f"this environment (requirements/*.lock.txt pins it: use the "
+                    f"project's venv, or pip install {distribution}); "
+                    f"or set {key}: false"
+                )
         if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 0):
             raise ValueError(f"total_steps must be an integer >= 0 or None, got {total_steps!r}")
         self.config = config
@@ -553,14 +660,16 @@ class Logger:
         if dataclasses.is_dataclass(params) and not isinstance(params, type):
             params = dataclasses.asdict(params)
         if not isinstance(params, Mapping):
-            raise ValueError(f"log_hyperparams: expected a mapping or a dataclass, "
-                             f"got {type(params).__name__}")
+            raise ValueError(
+                f"log_hyperparams: expected a mapping or a dataclass, got {type(params).__name__}"
+            )
         # JSON round trip: plain types only, so every backend can store it.
         params = json.loads(json.dumps(dict(params), default=str))
         with self._lock:
             self._hyperparams = params
-            _atomic_write_text(self.run_dir / CONFIG_FILE,
-                               json.dumps(params, indent=2, sort_keys=True) + "\n")
+            _atomic_write_text(
+                self.run_dir / CONFIG_FILE, json.dumps(params, indent=2, sort_keys=True) + "\n"
+            )
             if self._opened:
                 self._send_hyperparams()
 
@@ -582,8 +691,10 @@ class Logger:
         row: dict[str, float] = {}
         for name, value in metrics.items():
             if not (isinstance(name, str) and _METRIC_RE.match(name)):
-                raise ValueError(f"metric name {name!r} (prefix {prefix!r}) must be made of "
-                                 f"letters, digits, '_', '.', '-', with '/' only between parts")
+                raise ValueError(
+                    f"metric name {name!r} (prefix {prefix!r}) must be made of "
+                    f"letters, digits, '_', '.', '-', with '/' only between parts"
+                )
             row[f"{prefix}/{name}"] = _to_float(f"{prefix}/{name}", value)
         with self._lock:
             if self._finished:
@@ -597,12 +708,16 @@ class Logger:
             nonfinite = {key: str(value) for key, value in row.items() if not math.isfinite(value)}
             if nonfinite:
                 self.num_nonfinite += len(nonfinite)
-                _log.warning("step %d: non-finite metric(s) %s", step,
-                             ", ".join(f"{k}={v}" for k, v in sorted(nonfinite.items())))
+                _log.warning(
+                    "step %d: non-finite metric(s) %s",
+                    step,
+                    ", ".join(f"{k}={v}" for k, v in sorted(nonfinite.items())),
+                )
             if self._jsonl is not None:
                 json_row: dict[str, Any] = {"step": step, "time": round(time.time(), 3)}
-                json_row.update({key: None if key in nonfinite else value
-                                 for key, value in row.items()})
+                json_row.update(
+                    {key: None if key in nonfinite else value for key, value in row.items()}
+                )
                 if nonfinite:
                     json_row["nonfinite"] = nonfinite
                 self._jsonl.write(json_row)
@@ -627,17 +742,18 @@ class Logger:
                 return self.plot_path if self.config.plot and self.plot_path.exists() else None
             self._finished = True
             errors = []
-            for close in ([self._console.close] if self._console is not None else []) + \
-                    [backend.close for backend in self._backends] + \
-                    ([self._jsonl.close] if self._jsonl is not None else []):
+            for close in (
+                ([self._console.close] if self._console is not None else [])
+                + [backend.close for backend in self._backends]
+                + ([self._jsonl.close] if self._jsonl is not None else [])
+            ):
                 try:
                     close()
                 except Exception as error:  # noqa: BLE001 - close the rest, then re-raise
                     errors.append(error)
             plot_path = None
             if self.config.plot:
-                plot_path = plot_metrics(self.metrics_path, self.plot_path,
-                                         title=self.run_name)
+                plot_path = plot_metrics(self.metrics_path, self.plot_path, title=self.run_name)
             if errors:
                 raise errors[0]
             return plot_path
@@ -656,17 +772,23 @@ class Logger:
         if self._jsonl is not None:
             num_dropped = self._jsonl.truncate_after(first_step - 1)
             if num_dropped:
-                _log.info("%s: dropped %d row(s) of steps >= %d (logged after the resume point)",
-                          self.metrics_path, num_dropped, first_step)
+                _log.info(
+                    "%s: dropped %d row(s) of steps >= %d (logged after the resume point)",
+                    self.metrics_path,
+                    num_dropped,
+                    first_step,
+                )
         run_ids = self._run_ids(resuming=self._resume_step is not None)
         if self.config.tensorboard:
             self._backends.append(_TensorBoardBackend(self.run_dir / "tensorboard", first_step))
         if self.config.wandb.enabled:
-            self._backends.append(_WandbBackend(self.config.wandb, self.run_dir,
-                                                run_ids["wandb"], self.run_name))
+            self._backends.append(
+                _WandbBackend(self.config.wandb, self.run_dir, run_ids["wandb"], self.run_name)
+            )
         if self.config.mlflow.enabled:
-            backend = _MlflowBackend(self.config.mlflow, self.mlflow_tracking_uri,
-                                     run_ids.get("mlflow"), self.run_name)
+            backend = _MlflowBackend(
+                self.config.mlflow, self.mlflow_tracking_uri, run_ids.get("mlflow"), self.run_name
+            )
             run_ids["mlflow"] = backend.run_id
             self._backends.append(backend)
         _atomic_write_text(self.run_dir / RUN_IDS_FILE, json.dumps(run_ids, indent=2) + "\n")
@@ -699,8 +821,10 @@ class Logger:
                 getattr(backend, method)(*args)
             except Exception as error:  # noqa: BLE001 - any failure of an optional side channel
                 self._backends.remove(backend)
-                message = (f"logger: the {type(backend).__name__} backend failed in {method} "
-                           f"({type(error).__name__}: {error}); it is off for the rest of the run")
+                message = (
+                    f"logger: the {type(backend).__name__} backend failed in {method} "
+                    f"({type(error).__name__}: {error}); it is off for the rest of the run"
+                )
                 _log.warning(message)
                 if self._console is not None:
                     self._console.message(message)
@@ -716,8 +840,9 @@ class Logger:
 # The PNG
 
 
-def plot_metrics(metrics_path: str | os.PathLike, plot_path: str | os.PathLike,
-                 title: str = "") -> pathlib.Path:
+def plot_metrics(
+    metrics_path: str | os.PathLike, plot_path: str | os.PathLike, title: str = ""
+) -> pathlib.Path:
     """Draws training reward, training resolve rate and validation curves from metrics.jsonl.
 
     Uses matplotlib's Agg canvas directly (no pyplot, no global backend switch, no display).
@@ -748,11 +873,17 @@ def plot_metrics(metrics_path: str | os.PathLike, plot_path: str | os.PathLike,
             steps = sorted(series[key])
             values = [series[key][s] for s in steps]
             style = {"marker": "o", "markersize": 4} if key.startswith("val/") else {}
-            line, = ax.plot(steps, values, label=key, alpha=0.5 if len(steps) > 20 else 1, **style)
+            (line,) = ax.plot(
+                steps, values, label=key, alpha=0.5 if len(steps) > 20 else 1, **style
+            )
             if not key.startswith("val/") and len(steps) > 20:
                 window = max(2, len(steps) // 10)
-                ax.plot(steps[window - 1:], _moving_average(values, window),
-                        color=line.get_color(), label=f"{key} (mean of {window})")
+                ax.plot(
+                    steps[window - 1 :],
+                    _moving_average(values, window),
+                    color=line.get_color(),
+                    label=f"{key} (mean of {window})",
+                )
             drawn = True
         if drawn:
             ax.legend(fontsize="small")
@@ -796,13 +927,13 @@ def _flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def _to_float(key: str, value: Any) -> float:
     # Accepts Python/NumPy numbers and 0-d tensors (anything with __float__ but not bool/str).
     if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
-        raise ValueError(f"metric {key!r}: expected a real number, got {type(value).__name__} "
-                         f"({value!r})")
+        raise ValueError(
+            f"metric {key!r}: expected a real number, got {type(value).__name__} ({value!r})"
+        )
     try:
         return float(value)
     except (TypeError, ValueError, RuntimeError) as error:  # RuntimeError: a tensor of size > 1
-        raise ValueError(f"metric {key!r}: cannot convert {value!r} to a float ({error})") \
-            from None
+        raise ValueError(f"metric {key!r}: cannot convert {value!r} to a float ({error})") from None
 
 
 def _is_name(value: Any) -> bool:
@@ -811,8 +942,10 @@ def _is_name(value: Any) -> bool:
 
 def _check_name(name: Any, what: str) -> None:
     if not _is_name(name):
-        raise ValueError(f"{what} {name!r} must be a non-empty name of letters, digits, '_', "
-                         f"'.', '-' (a '/' is added between prefix and name)")
+        raise ValueError(
+            f"{what} {name!r} must be a non-empty name of letters, digits, '_', "
+            f"'.', '-' (a '/' is added between prefix and name)"
+        )
 
 
 def _atomic_write_text(path: pathlib.Path, text: str) -> None:

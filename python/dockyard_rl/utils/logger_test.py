@@ -18,16 +18,20 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from dockyard_rl.utils import logger as logger_lib
 from dockyard_rl.utils.config import from_dict
-from dockyard_rl.utils.logger import (REWARD_KEY, STAGES, Logger, LoggerConfig, StepTimer,
-                                      read_jsonl)
+from dockyard_rl.utils.logger import REWARD_KEY, STAGES, Logger, LoggerConfig, StepTimer, read_jsonl
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 requires_matplotlib = pytest.mark.skipif(
-    not HAS_MATPLOTLIB, reason="matplotlib is not installed (not in this lock yet)")
+    not HAS_MATPLOTLIB, reason="matplotlib is not installed (not in this lock yet)"
+)
 requires_wandb = pytest.mark.skipif(
-    importlib.util.find_spec("wandb") is None, reason="wandb is not installed (not in this lock yet)")
+    importlib.util.find_spec("wandb") is None,
+    reason="wandb is not installed (not in this lock yet)",
+)
 requires_mlflow = pytest.mark.skipif(
-    importlib.util.find_spec("mlflow") is None, reason="mlflow is not installed (not in this lock yet)")
+    importlib.util.find_spec("mlflow") is None,
+    reason="mlflow is not installed (not in this lock yet)",
+)
 
 
 def make_config(tmp_path, **overrides) -> LoggerConfig:
@@ -65,40 +69,62 @@ def test_default_config_is_valid_and_offline():
     assert not config.mlflow.enabled and config.mlflow.tracking_uri is None
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"log_every": 0}, r"^logger\.log_every: must be an integer >= 1"),
-    ({"log_every": True}, r"^logger\.log_every: must be an integer >= 1"),
-    ({"console": "yes"}, r"^logger\.console: must be true or false"),
-    ({"log_dir": ""}, r"^logger\.log_dir: must be a directory path"),
-    ({"jsonl": False}, r"^logger\.plot: .*needs jsonl: true; set logger\.jsonl: true or "
-                       r"logger\.plot: false"),
-    ({"wandb": {"mode": "cloud"}}, r"^logger\.wandb\.mode: must be one of offline, online, "
-                                   r"disabled"),
-    ({"wandb": {"enabled": 1}}, r"^logger\.wandb\.enabled: must be true or false"),
-    ({"wandb": {"project": "a b"}}, r"^logger\.wandb\.project: must be a non-empty name"),
-    ({"wandb": {"entity": "me"}}, r"^logger\.wandb: unknown key\(s\) 'entity'; valid keys: "
-                                  r"enabled, mode, name, project"),
-    ({"mlflow": {"tracking_uri": ""}}, r"^logger\.mlflow\.tracking_uri: must be a URI"),
-    ({"mlflow": {"experiment_name": " "}}, r"^logger\.mlflow\.experiment_name: must be"),
-    ({"log_interval": 5}, r"^logger: unknown key\(s\) 'log_interval'; valid keys: console, jsonl, "
-                          r"log_dir, log_every, mlflow, plot, tensorboard, wandb"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"log_every": 0}, r"^logger\.log_every: must be an integer >= 1"),
+        ({"log_every": True}, r"^logger\.log_every: must be an integer >= 1"),
+        ({"console": "yes"}, r"^logger\.console: must be true or false"),
+        ({"log_dir": ""}, r"^logger\.log_dir: must be a directory path"),
+        (
+            {"jsonl": False},
+            r"^logger\.plot: .*needs jsonl: true; set logger\.jsonl: true or "
+            r"logger\.plot: false",
+        ),
+        (
+            {"wandb": {"mode": "cloud"}},
+            r"^logger\.wandb\.mode: must be one of offline, online, "
+            r"disabled",
+        ),
+        ({"wandb": {"enabled": 1}}, r"^logger\.wandb\.enabled: must be true or false"),
+        ({"wandb": {"project": "a b"}}, r"^logger\.wandb\.project: must be a non-empty name"),
+        (
+            {"wandb": {"entity": "me"}},
+            r"^logger\.wandb: unknown key\(s\) 'entity'; valid keys: "
+            r"enabled, mode, name, project",
+        ),
+        ({"mlflow": {"tracking_uri": ""}}, r"^logger\.mlflow\.tracking_uri: must be a URI"),
+        ({"mlflow": {"experiment_name": " "}}, r"^logger\.mlflow\.experiment_name: must be"),
+        (
+            {"log_interval": 5},
+            r"^logger: unknown key\(s\) 'log_interval'; valid keys: console, jsonl, "
+            r"log_dir, log_every, mlflow, plot, tensorboard, wandb",
+        ),
+    ],
+)
 def test_config_errors_name_the_key(data, message):
     with pytest.raises(ValueError, match=message):
         from_dict(LoggerConfig, data, "logger")
 
 
-@pytest.mark.parametrize("module, overrides, key", [
-    ("wandb", {"wandb": {"enabled": True}}, "logger.wandb.enabled"),
-    ("mlflow", {"mlflow": {"enabled": True}}, "logger.mlflow.enabled"),
-    ("matplotlib", {"plot": True}, "logger.plot"),
-])
-def test_missing_backend_package_is_a_setup_error_naming_the_key(tmp_path, monkeypatch, module,
-                                                                  overrides, key):
+@pytest.mark.parametrize(
+    "module, overrides, key",
+    [
+        ("wandb", {"wandb": {"enabled": True}}, "logger.wandb.enabled"),
+        ("mlflow", {"mlflow": {"enabled": True}}, "logger.mlflow.enabled"),
+        ("matplotlib", {"plot": True}, "logger.plot"),
+    ],
+)
+def test_missing_backend_package_is_a_setup_error_naming_the_key(
+    tmp_path, monkeypatch, module, overrides, key
+):
     # sys.modules[name] = None is how Python itself marks a module as not importable.
     monkeypatch.setitem(sys.modules, module, None)
-    with pytest.raises(ValueError, match=rf"^{key}: is true but the '{module}' package is not "
-                                         rf"installed.*or set {key}: false$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{key}: is true but the '{module}' package is not "
+        rf"installed.*or set {key}: false$",
+    ):
         Logger(make_config(tmp_path, **overrides), "run")
     assert not (tmp_path / "logs").exists()  # nothing was created before the error
 
@@ -160,9 +186,13 @@ def test_stage_times_join_the_train_row_each_step(tmp_path):
     logger.finish()
     rows = read_jsonl(logger.metrics_path)
     assert [row["timing/train_s"] for row in rows[:2]] == [1.0, 2.0]
-    assert all(row["timing/generate_s"] == 2.0 and row["timing/weight_sync_s"] == 0.5
-               and row["timing/score_s"] == 0.0 and row["timing/buffer_wait_s"] == 0.0
-               for row in rows[:2])
+    assert all(
+        row["timing/generate_s"] == 2.0
+        and row["timing/weight_sync_s"] == 0.5
+        and row["timing/score_s"] == 0.0
+        and row["timing/buffer_wait_s"] == 0.0
+        for row in rows[:2]
+    )
     assert rows[1]["timing/total_s"] == 4.0
     assert not any(key.startswith("timing/") for key in rows[2])
     assert scalars(logger.run_dir, "timing/train_s") == [(1, 1.0), (2, 2.0)]
@@ -180,12 +210,18 @@ def test_jsonl_one_strict_json_line_per_call_flushed_as_written(tmp_path):
     assert len(lines) == 1
     logger.log_metrics(1, {"reward": 0.75, "loss/clip_fraction": 0.1}, prefix="val")
     logger.finish()
-    rows = [json.loads(line, parse_constant=pytest.fail)  # NaN/Infinity would not be JSON
-            for line in logger.metrics_path.read_text().splitlines()]
+    rows = [
+        json.loads(line, parse_constant=pytest.fail)  # NaN/Infinity would not be JSON
+        for line in logger.metrics_path.read_text().splitlines()
+    ]
     assert rows[0]["step"] == 1 and rows[0]["train/reward"] == 0.5
     assert rows[0]["train/resolve_rate"] == 0.25 and rows[0]["train/count"] == 3.0
-    assert rows[1] == {"step": 1, "time": rows[1]["time"], "val/reward": 0.75,
-                       "val/loss/clip_fraction": 0.1}
+    assert rows[1] == {
+        "step": 1,
+        "time": rows[1]["time"],
+        "val/reward": 0.75,
+        "val/loss/clip_fraction": 0.1,
+    }
     config = json.loads((logger.run_dir / "config.json").read_text())
     assert config == {"grpo": {"num_prompts_per_step": 4}}
 
@@ -207,13 +243,16 @@ def test_nonfinite_metrics_are_logged_and_flagged_not_raised(tmp_path, caplog, c
     assert math.isnan(scalars(logger.run_dir, "train/loss")[0][1])
 
 
-@pytest.mark.parametrize("metrics, message", [
-    ({"reward": "high"}, r"metric 'train/reward': expected a real number, got str"),
-    ({"reward": None}, r"metric 'train/reward': expected a real number, got NoneType"),
-    ({"reward": np.ones(2)}, r"metric 'train/reward': cannot convert"),
-    ({"a b": 1.0}, r"metric name 'a b'"),
-    ({"/x": 1.0}, r"metric name '/x'"),
-])
+@pytest.mark.parametrize(
+    "metrics, message",
+    [
+        ({"reward": "high"}, r"metric 'train/reward': expected a real number, got str"),
+        ({"reward": None}, r"metric 'train/reward': expected a real number, got NoneType"),
+        ({"reward": np.ones(2)}, r"metric 'train/reward': cannot convert"),
+        ({"a b": 1.0}, r"metric name 'a b'"),
+        ({"/x": 1.0}, r"metric name '/x'"),
+    ],
+)
 def test_bad_metrics_raise_value_error(tmp_path, metrics, message):
     logger = Logger(make_config(tmp_path, plot=False), "run")
     with pytest.raises(ValueError, match=message):
@@ -259,14 +298,20 @@ def test_resume_from_drops_rows_after_the_checkpoint_and_appends(tmp_path):
         logger.log_metrics(step, {"reward": step})
     logger.finish()
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert [(row["step"], row["train/reward"]) for row in train_rows(run_dir / "metrics.jsonl")] \
-        == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 4.0), (5, 5.0), (6, 6.0)]
+    assert [
+        (row["step"], row["train/reward"]) for row in train_rows(run_dir / "metrics.jsonl")
+    ] == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 4.0), (5, 5.0), (6, 6.0)]
     assert [row["step"] for row in rows if "val/resolve_rate" in row] == [2]  # step 4's is gone
     assert all(json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
     # TensorBoard: the START event at step 4 hides the crashed run's steps 4 and 5.
-    assert scalars(run_dir, "train/reward") == [(1, pytest.approx(0.1)), (2, pytest.approx(0.2)),
-                                                (3, pytest.approx(0.3)), (4, 4.0), (5, 5.0),
-                                                (6, 6.0)]
+    assert scalars(run_dir, "train/reward") == [
+        (1, pytest.approx(0.1)),
+        (2, pytest.approx(0.2)),
+        (3, pytest.approx(0.3)),
+        (4, 4.0),
+        (5, 5.0),
+        (6, 6.0),
+    ]
     assert scalars(run_dir, "val/resolve_rate") == [(2, pytest.approx(0.02))]
 
 
@@ -304,10 +349,18 @@ def test_tensorboard_scalars_and_config_text(tmp_path):
     accumulator = EventAccumulator(str(logger.run_dir / "tensorboard"))
     accumulator.Reload()
     tags = accumulator.Tags()
-    assert {"train/reward", "train/resolve_rate", "val/resolve_rate",
-            "timing/generate_s", "timing/total_s"} <= set(tags["scalars"])
-    assert [(e.step, e.value) for e in accumulator.Scalars("train/reward")] == \
-        [(1, 0.25), (2, 0.5), (3, 0.75)]
+    assert {
+        "train/reward",
+        "train/resolve_rate",
+        "val/resolve_rate",
+        "timing/generate_s",
+        "timing/total_s",
+    } <= set(tags["scalars"])
+    assert [(e.step, e.value) for e in accumulator.Scalars("train/reward")] == [
+        (1, 0.25),
+        (2, 0.5),
+        (3, 0.75),
+    ]
     assert [(e.step, e.value) for e in accumulator.Scalars("val/resolve_rate")] == [(3, 0.5)]
     config_text = accumulator.Tensors("config")[0].tensor_proto.string_val[0].decode()
     assert '"ratio_clip_low": 0.2' in config_text
@@ -329,8 +382,12 @@ def test_log_every_thins_backends_but_not_jsonl(tmp_path, capsys):
 
 def test_console_line_shows_reward_resolve_rate_and_stage_times(tmp_path, capsys):
     clock = FakeClock()
-    logger = Logger(make_config(tmp_path, plot=False, console=True, tensorboard=False), "run",
-                    total_steps=10, clock=clock)
+    logger = Logger(
+        make_config(tmp_path, plot=False, console=True, tensorboard=False),
+        "run",
+        total_steps=10,
+        clock=clock,
+    )
     with logger.timer("generate"):
         clock.now += 12.34
     with logger.timer("weight_sync"):
@@ -375,16 +432,23 @@ def test_finish_writes_a_png_covering_a_resumed_run(tmp_path):
     logger = Logger(make_config(tmp_path, plot=True), "run")
     logger.resume_from(25)
     for step in range(26, 41):
-        logger.log_metrics(step, {"reward": step / 40, "resolve_rate": step / 80,
-                                  "apply_rate": 0.9, "loss": float("nan")})
+        logger.log_metrics(
+            step,
+            {
+                "reward": step / 40,
+                "resolve_rate": step / 80,
+                "apply_rate": 0.9,
+                "loss": float("nan"),
+            },
+        )
         if step % 5 == 0:
-            logger.log_metrics(step, {"resolve_rate": step / 70, "reward": step / 50},
-                               prefix="val")
+            logger.log_metrics(step, {"resolve_rate": step / 70, "reward": step / 50}, prefix="val")
     path = logger.finish()
     assert path == logger.run_dir / "metrics.png"
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     from matplotlib.image import imread
+
     height, width = imread(str(path)).shape[:2]
     assert (width, height) == (1500, 420)
     assert not list(logger.run_dir.glob("*.tmp"))
@@ -402,8 +466,11 @@ def test_plot_with_no_metrics_still_writes_a_png(tmp_path):
 @pytest.fixture
 def no_network_wandb(tmp_path, monkeypatch):
     # W&B's own settings and caches go under tmp_path (HOME may be read-only under Bazel).
-    for variable, folder in (("WANDB_CONFIG_DIR", "wandb_config"), ("WANDB_CACHE_DIR", "cache"),
-                             ("WANDB_DATA_DIR", "data")):
+    for variable, folder in (
+        ("WANDB_CONFIG_DIR", "wandb_config"),
+        ("WANDB_CACHE_DIR", "cache"),
+        ("WANDB_DATA_DIR", "data"),
+    ):
         monkeypatch.setenv(variable, str(tmp_path / folder))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)

@@ -6,8 +6,9 @@ import pytest
 
 from dockyard_rl.utils import process_memory
 
-pytestmark = pytest.mark.skipif(not pathlib.Path("/proc/self/status").exists(),
-                                reason="no /proc/self/status (not Linux)")
+pytestmark = pytest.mark.skipif(
+    not pathlib.Path("/proc/self/status").exists(), reason="no /proc/self/status (not Linux)"
+)
 
 
 def test_status_bytes_reads_sizes_in_bytes():

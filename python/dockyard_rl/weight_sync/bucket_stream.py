@@ -9,9 +9,9 @@ import torch
 from dockyard_rl.kernels import refit_packer
 
 
-def iter_manifest_buckets(manifest: refit_packer.Manifest,
-                          named_tensors: Iterable[tuple[str, torch.Tensor]]
-                          ) -> Iterable[tuple[int, dict[str, torch.Tensor]]]:
+def iter_manifest_buckets(
+    manifest: refit_packer.Manifest, named_tensors: Iterable[tuple[str, torch.Tensor]]
+) -> Iterable[tuple[int, dict[str, torch.Tensor]]]:
     """Groups a stream of (name, tensor) in manifest order into (bucket index, bucket's tensors):
     the in-process path for policies that export through `iter_refit_weights`."""
     entries = iter(named_tensors)
@@ -20,8 +20,10 @@ def iter_manifest_buckets(manifest: refit_packer.Manifest,
         for entry in manifest.bucket_entries(b):
             name, tensor = next(entries, (None, None))
             if name != entry.name:
-                raise ValueError(f"the policy yielded {name!r} where the manifest expects "
-                                 f"{entry.name!r}; iter_refit_weights must follow "
-                                 "prepare_refit_info's order")
+                raise ValueError(
+                    f"the policy yielded {name!r} where the manifest expects "
+                    f"{entry.name!r}; iter_refit_weights must follow "
+                    "prepare_refit_info's order"
+                )
             named[name] = tensor
         yield b, named

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from dockyard_rl.kernels import refit_packer
-from dockyard_rl.weight_sync.push import PushWeightSynchronizer
 from dockyard_rl.weight_sync.interfaces import BucketSender
+from dockyard_rl.weight_sync.push import PushWeightSynchronizer
 
 TRANSPORT = "collective"
 
@@ -52,19 +52,28 @@ class CollectiveWeightSynchronizer(PushWeightSynchronizer):
         engines = self.generation.open_weight_receiver(TRANSPORT)
         world_size = 1 + sum(engine["num_workers"] for engine in engines)
         endpoint = self.policy.open_weight_sender(
-            session, TRANSPORT, self.manifest.to_dict(),
-            {"world_size": world_size, "timeout_s": self.config.peer_timeout_s})
+            session,
+            TRANSPORT,
+            self.manifest.to_dict(),
+            {"world_size": world_size, "timeout_s": self.config.peer_timeout_s},
+        )
         specs, rank_offset = [], 1
         for engine in engines:
-            specs.append({"transport": TRANSPORT, "session": session, **endpoint,
-                          "world_size": world_size, "rank_offset": rank_offset,
-                          "timeout_s": self.config.peer_timeout_s})
+            specs.append(
+                {
+                    "transport": TRANSPORT,
+                    "session": session,
+                    **endpoint,
+                    "world_size": world_size,
+                    "rank_offset": rank_offset,
+                    "timeout_s": self.config.peer_timeout_s,
+                }
+            )
             rank_offset += engine["num_workers"]
         return specs
 
 
-def _make_group(store, rank: int, world_size: int, timeout_s: float,
-                device: torch.device):
+def _make_group(store, rank: int, world_size: int, timeout_s: float, device: torch.device):
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         from torch._C._distributed_c10d import ProcessGroupNCCL
@@ -86,8 +95,10 @@ def _broadcast(group, tensor: torch.Tensor):
 
 
 def _peer_error(where: str, error: BaseException) -> TimeoutError:
-    return TimeoutError(f"collective transport: {where} failed; a peer died or stopped answering "
-                        f"({type(error).__name__}: {error})")
+    return TimeoutError(
+        f"collective transport: {where} failed; a peer died or stopped answering "
+        f"({type(error).__name__}: {error})"
+    )
 
 
 class CollectiveBucketSender(BucketSender):
@@ -102,13 +113,20 @@ class CollectiveBucketSender(BucketSender):
         self._device = torch.device(options.get("device", "cpu"))
         self._address = options.get("address") or _node_ip()
         # Port 0: the OS picks a free port, so two sessions never collide.
-        self._tcp_store = TCPStore(self._address, 0, self._world_size, is_master=True,
-                                   timeout=datetime.timedelta(seconds=self._timeout_s),
-                                   wait_for_workers=False)
+        self._tcp_store = TCPStore(
+            self._address,
+            0,
+            self._world_size,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=self._timeout_s),
+            wait_for_workers=False,
+        )
         self._store = PrefixStore(options["session"], self._tcp_store)
         self._group = None
-        self._buffers = [torch.empty(manifest.max_bucket_size, dtype=torch.uint8,
-                                     device=self._device) for _ in range(self.num_buffers)]
+        self._buffers = [
+            torch.empty(manifest.max_bucket_size, dtype=torch.uint8, device=self._device)
+            for _ in range(self.num_buffers)
+        ]
         self._in_flight: list[Any] = [None] * self.num_buffers
 
     def endpoint(self) -> dict[str, Any]:
@@ -118,8 +136,9 @@ class CollectiveBucketSender(BucketSender):
         super().begin(manifest, version)
         if self._group is None:
             try:  # blocks until every engine worker joined (or the timeout)
-                self._group = _make_group(self._store, 0, self._world_size, self._timeout_s,
-                                          self._device)
+                self._group = _make_group(
+                    self._store, 0, self._world_size, self._timeout_s, self._device
+                )
             except RuntimeError as error:
                 raise _peer_error("forming the group with the engine workers", error) from error
 
@@ -159,8 +178,9 @@ def create_sender(manifest: refit_packer.Manifest, options: dict[str, Any]) -> B
 _RECEIVER_GROUP: dict[str, Any] = {}
 
 
-def receive_buckets(manifest: refit_packer.Manifest, spec: dict[str, Any], worker_rank: int,
-                    device: torch.device) -> list[torch.Tensor]:
+def receive_buckets(
+    manifest: refit_packer.Manifest, spec: dict[str, Any], worker_rank: int, device: torch.device
+) -> list[torch.Tensor]:
     """Engine worker side: joins the session's group (once) and receives every bucket.
 
     `worker_rank` is the worker's tensor-parallel rank within its engine. Raises TimeoutError
@@ -173,14 +193,24 @@ def receive_buckets(manifest: refit_packer.Manifest, spec: dict[str, Any], worke
     try:
         if group is None:
             _RECEIVER_GROUP.clear()  # a new session replaces a broken one
-            store = TCPStore(spec["master_addr"], int(spec["master_port"]),
-                             int(spec["world_size"]), is_master=False,
-                             timeout=datetime.timedelta(seconds=float(spec["timeout_s"])))
-            group = _make_group(PrefixStore(session, store), int(spec["rank_offset"]) + worker_rank,
-                                int(spec["world_size"]), float(spec["timeout_s"]), device)
+            store = TCPStore(
+                spec["master_addr"],
+                int(spec["master_port"]),
+                int(spec["world_size"]),
+                is_master=False,
+                timeout=datetime.timedelta(seconds=float(spec["timeout_s"])),
+            )
+            group = _make_group(
+                PrefixStore(session, store),
+                int(spec["rank_offset"]) + worker_rank,
+                int(spec["world_size"]),
+                float(spec["timeout_s"]),
+                device,
+            )
             _RECEIVER_GROUP[session] = group
-        buckets = [torch.empty(size, dtype=torch.uint8, device=device)
-                   for size in manifest.bucket_sizes]
+        buckets = [
+            torch.empty(size, dtype=torch.uint8, device=device) for size in manifest.bucket_sizes
+        ]
         works = [_broadcast(group, bucket) for bucket in buckets]
         for work in works:
             work.wait()

@@ -42,21 +42,35 @@ class WeightSyncConfig:
     http_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
-        require(self.transport in TRANSPORTS, "transport",
-                f"must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
-        object.__setattr__(self, "bucket_size_bytes",
-                           parse_byte_size(self.bucket_size_bytes, "bucket_size_bytes"))
-        require(self.bucket_size_bytes % BUCKET_ALIGNMENT == 0, "bucket_size_bytes",
-                f"must be a multiple of {BUCKET_ALIGNMENT} bytes (the refit packer's alignment), "
-                f"got {self.bucket_size_bytes}; e.g. 64MiB")
+        require(
+            self.transport in TRANSPORTS,
+            "transport",
+            f"must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}",
+        )
+        object.__setattr__(
+            self, "bucket_size_bytes", parse_byte_size(self.bucket_size_bytes, "bucket_size_bytes")
+        )
+        require(
+            self.bucket_size_bytes % BUCKET_ALIGNMENT == 0,
+            "bucket_size_bytes",
+            f"must be a multiple of {BUCKET_ALIGNMENT} bytes (the refit packer's alignment), "
+            f"got {self.bucket_size_bytes}; e.g. 64MiB",
+        )
         for key in ("sync_timeout_s", "wake_timeout_s", "peer_timeout_s"):
             value = getattr(self, key)
-            require(isinstance(value, (int, float)) and not isinstance(value, bool)
-                    and value > 0, key,
-                    f"must be a number of seconds > 0 (a sync must never wait forever), got "
-                    f"{value!r}")
-        require(self.peer_timeout_s <= self.sync_timeout_s, "peer_timeout_s",
-                f"must be <= sync_timeout_s ({self.sync_timeout_s}), got {self.peer_timeout_s}")
-        require(isinstance(self.http_host, str) and bool(self.http_host.strip()), "http_host",
-                f"must be the address the engines' HTTP endpoints bind, e.g. 127.0.0.1 or "
-                f"0.0.0.0, got {self.http_host!r}")
+            require(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+                key,
+                f"must be a number of seconds > 0 (a sync must never wait forever), got {value!r}",
+            )
+        require(
+            self.peer_timeout_s <= self.sync_timeout_s,
+            "peer_timeout_s",
+            f"must be <= sync_timeout_s ({self.sync_timeout_s}), got {self.peer_timeout_s}",
+        )
+        require(
+            isinstance(self.http_host, str) and bool(self.http_host.strip()),
+            "http_host",
+            f"must be the address the engines' HTTP endpoints bind, e.g. 127.0.0.1 or "
+            f"0.0.0.0, got {self.http_host!r}",
+        )

@@ -10,15 +10,18 @@ def test_defaults_and_byte_sizes():
     assert config.transport == "auto" and config.bucket_size_bytes == 64 << 20
 
 
-@pytest.mark.parametrize("data, message", [
-    ({"transport": "nccl"}, "weight_sync.transport: must be one of auto, collective"),
-    ({"bucket_size_bytes": 1000}, "weight_sync.bucket_size_bytes: must be a multiple of 256"),
-    ({"bucket_size_bytes": "1GB"}, "weight_sync.bucket_size_bytes"),
-    ({"sync_timeout_s": 0}, "weight_sync.sync_timeout_s: must be a number of seconds > 0"),
-    ({"peer_timeout_s": 500}, "weight_sync.peer_timeout_s: must be <= sync_timeout_s"),
-    ({"http_host": " "}, "weight_sync.http_host"),
-    ({"bogus": 1}, "unknown key(s) 'bogus'"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"transport": "nccl"}, "weight_sync.transport: must be one of auto, collective"),
+        ({"bucket_size_bytes": 1000}, "weight_sync.bucket_size_bytes: must be a multiple of 256"),
+        ({"bucket_size_bytes": "1GB"}, "weight_sync.bucket_size_bytes"),
+        ({"sync_timeout_s": 0}, "weight_sync.sync_timeout_s: must be a number of seconds > 0"),
+        ({"peer_timeout_s": 500}, "weight_sync.peer_timeout_s: must be <= sync_timeout_s"),
+        ({"http_host": " "}, "weight_sync.http_host"),
+        ({"bogus": 1}, "unknown key(s) 'bogus'"),
+    ],
+)
 def test_bad_values_name_the_key(data, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         from_dict(WeightSyncConfig, data, "weight_sync")

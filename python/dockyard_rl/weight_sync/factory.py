@@ -10,8 +10,8 @@ which only the operator knows about. Modules are imported lazily, by name.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 import types
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from dockyard_rl.weight_sync.config import WeightSyncConfig
@@ -33,13 +33,16 @@ TRANSPORTS = {
 def transport_module(transport: str) -> types.ModuleType:
     """The module implementing `transport` (its sender / receiver functions)."""
     if transport not in TRANSPORTS:
-        raise ValueError(f"weight_sync.transport: unknown transport {transport!r}; valid: "
-                         f"{', '.join(TRANSPORTS)} (or auto)")
+        raise ValueError(
+            f"weight_sync.transport: unknown transport {transport!r}; valid: "
+            f"{', '.join(TRANSPORTS)} (or auto)"
+        )
     return importlib.import_module(TRANSPORTS[transport][0])
 
 
-def resolve_transport(config: WeightSyncConfig, sender_node_id: str | None,
-                      engine_node_ids: list[str]) -> str:
+def resolve_transport(
+    config: WeightSyncConfig, sender_node_id: str | None, engine_node_ids: list[str]
+) -> str:
     """The transport `config.transport` means for this topology (module docstring)."""
     if config.transport != "auto":
         return config.transport
@@ -47,19 +50,23 @@ def resolve_transport(config: WeightSyncConfig, sender_node_id: str | None,
     return "ipc_zmq" if same_node else "collective"
 
 
-def create_weight_synchronizer(config: WeightSyncConfig, policy: PolicyInterface,
-                               generation: GenerationInterface) -> WeightSynchronizer:
+def create_weight_synchronizer(
+    config: WeightSyncConfig, policy: PolicyInterface, generation: GenerationInterface
+) -> WeightSynchronizer:
     """The synchronizer of the configured (or, for auto, topology-chosen) transport.
 
     Raises:
         ValueError: an unknown transport, or the engine rejects the trainer's refit info.
     """
     if not isinstance(config, WeightSyncConfig):
-        raise ValueError(f"create_weight_synchronizer needs a WeightSyncConfig, got "
-                         f"{type(config).__name__}; build it with from_dict(WeightSyncConfig, "
-                         "yaml['weight_sync'], 'weight_sync')")
-    transport = resolve_transport(config, policy.weight_sender_node_id(),
-                                  generation.engine_node_ids())
+        raise ValueError(
+            f"create_weight_synchronizer needs a WeightSyncConfig, got "
+            f"{type(config).__name__}; build it with from_dict(WeightSyncConfig, "
+            "yaml['weight_sync'], 'weight_sync')"
+        )
+    transport = resolve_transport(
+        config, policy.weight_sender_node_id(), generation.engine_node_ids()
+    )
     module = transport_module(transport)
     synchronizer: Callable[..., WeightSynchronizer] = getattr(module, TRANSPORTS[transport][1])
     return synchronizer(config, policy, generation)

@@ -46,8 +46,8 @@ from typing import Any
 import torch
 
 from dockyard_rl.kernels import refit_packer
-from dockyard_rl.weight_sync.push import PushWeightSynchronizer
 from dockyard_rl.weight_sync.interfaces import BucketSender
+from dockyard_rl.weight_sync.push import PushWeightSynchronizer
 
 TRANSPORT = "http"
 CHECKSUM_HEADER = "X-Dockyard-Sha256"
@@ -61,11 +61,18 @@ class HttpWeightSynchronizer(PushWeightSynchronizer):
     def _open_session(self, session: str) -> list[dict[str, Any]]:
         engines = self.generation.open_weight_receiver(TRANSPORT, host=self.config.http_host)
         self.policy.open_weight_sender(
-            session, TRANSPORT, self.manifest.to_dict(),
-            {"engines": [{"url": e["url"], "token": e["token"]} for e in engines],
-             "timeout_s": self.config.peer_timeout_s})
-        return [{"transport": TRANSPORT, "session": session,
-                 "timeout_s": self.config.peer_timeout_s} for _ in engines]
+            session,
+            TRANSPORT,
+            self.manifest.to_dict(),
+            {
+                "engines": [{"url": e["url"], "token": e["token"]} for e in engines],
+                "timeout_s": self.config.peer_timeout_s,
+            },
+        )
+        return [
+            {"transport": TRANSPORT, "session": session, "timeout_s": self.config.peer_timeout_s}
+            for _ in engines
+        ]
 
 
 class HttpBucketSender(BucketSender):
@@ -79,9 +86,12 @@ class HttpBucketSender(BucketSender):
         self._timeout_s = float(options["timeout_s"])
         self._http = requests.Session()
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self.num_buffers * len(self._engines), thread_name_prefix="refit-http")
-        self._buffers = [torch.empty(manifest.max_bucket_size, dtype=torch.uint8)
-                         for _ in range(self.num_buffers)]
+            max_workers=self.num_buffers * len(self._engines), thread_name_prefix="refit-http"
+        )
+        self._buffers = [
+            torch.empty(manifest.max_bucket_size, dtype=torch.uint8)
+            for _ in range(self.num_buffers)
+        ]
         self._in_flight: list[list[concurrent.futures.Future]] = [[] for _ in self._buffers]
 
     def buffer(self, bucket_index: int) -> torch.Tensor:
@@ -94,31 +104,44 @@ class HttpBucketSender(BucketSender):
         digest = hashlib.sha256(data).hexdigest()
         self._in_flight[bucket_index % self.num_buffers] = [
             self._pool.submit(self._put, engine, bucket_index, data, digest)
-            for engine in self._engines]
+            for engine in self._engines
+        ]
 
     def finish(self) -> None:
         for slot in range(self.num_buffers):
             self._wait(slot)
 
-    def _put(self, engine: dict[str, str], bucket_index: int, data: memoryview,
-             digest: str) -> None:
+    def _put(
+        self, engine: dict[str, str], bucket_index: int, data: memoryview, digest: str
+    ) -> None:
         import requests
 
         url = f"{engine['url']}/v1/weights/{self.version}/buckets/{bucket_index}"
         try:
             response = self._http.put(
-                url, data=data, timeout=self._timeout_s,
-                headers={"Authorization": f"Bearer {engine['token']}", CHECKSUM_HEADER: digest,
-                         "Content-Type": "application/octet-stream"})
+                url,
+                data=data,
+                timeout=self._timeout_s,
+                headers={
+                    "Authorization": f"Bearer {engine['token']}",
+                    CHECKSUM_HEADER: digest,
+                    "Content-Type": "application/octet-stream",
+                },
+            )
         except requests.RequestException as error:
-            raise TimeoutError(f"http transport: PUT {url} failed ({type(error).__name__}: "
-                               f"{error}); the engine died or stopped answering") from error
+            raise TimeoutError(
+                f"http transport: PUT {url} failed ({type(error).__name__}: "
+                f"{error}); the engine died or stopped answering"
+            ) from error
         if 400 <= response.status_code < 500:
-            raise ValueError(f"http transport: the engine refused bucket {bucket_index} "
-                             f"({response.status_code}): {response.text}")
+            raise ValueError(
+                f"http transport: the engine refused bucket {bucket_index} "
+                f"({response.status_code}): {response.text}"
+            )
         if response.status_code != 200:
-            raise RuntimeError(f"http transport: PUT {url} answered {response.status_code}: "
-                               f"{response.text}")
+            raise RuntimeError(
+                f"http transport: PUT {url} answered {response.status_code}: {response.text}"
+            )
 
     def _wait(self, slot: int) -> None:
         futures, self._in_flight[slot] = self._in_flight[slot], []
@@ -181,12 +204,14 @@ class HttpBucketReceiver:
             self._progress.clear()
             remaining = self._last_arrival + timeout_s - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"http transport: no bucket arrived for {timeout_s:g}s "
-                                   f"({len(self._received)} of {manifest.num_buckets} received); "
-                                   "the trainer died or stopped sending")
+                raise TimeoutError(
+                    f"http transport: no bucket arrived for {timeout_s:g}s "
+                    f"({len(self._received)} of {manifest.num_buckets} received); "
+                    "the trainer died or stopped sending"
+                )
             try:
                 await asyncio.wait_for(self._progress.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         self.cancel()
 
@@ -201,20 +226,26 @@ class HttpBucketReceiver:
         except ValueError:
             raise web.HTTPBadRequest(text="version and bucket index must be integers") from None
         if manifest is None or version != self._version:
-            raise web.HTTPConflict(text=f"no update of weight version {version} is pending "
-                                        f"(pending: {self._version})")
+            raise web.HTTPConflict(
+                text=f"no update of weight version {version} is pending (pending: {self._version})"
+            )
         if not 0 <= index < manifest.num_buckets:
-            raise web.HTTPBadRequest(text=f"bucket index {index} is not in "
-                                          f"[0, {manifest.num_buckets})")
+            raise web.HTTPBadRequest(
+                text=f"bucket index {index} is not in [0, {manifest.num_buckets})"
+            )
         size = manifest.bucket_sizes[index]
         if request.content_length != size:
-            raise web.HTTPBadRequest(text=f"bucket {index} must be {size} bytes, got "
-                                          f"Content-Length {request.content_length}")
+            raise web.HTTPBadRequest(
+                text=f"bucket {index} must be {size} bytes, got "
+                f"Content-Length {request.content_length}"
+            )
         data = await request.read()
         expected = request.headers.get(CHECKSUM_HEADER, "")
         if hashlib.sha256(data).hexdigest() != expected:
-            raise web.HTTPBadRequest(text=f"bucket {index}: sha256 mismatch (header "
-                                          f"{CHECKSUM_HEADER}={expected!r}); resend it")
+            raise web.HTTPBadRequest(
+                text=f"bucket {index}: sha256 mismatch (header "
+                f"{CHECKSUM_HEADER}={expected!r}); resend it"
+            )
         await self._deliver(index, data)
         if self._manifest is manifest:  # not cancelled meanwhile
             self._received.add(index)
@@ -229,5 +260,7 @@ class HttpBucketReceiver:
 
 
 def receive_buckets(*_args, **_kwargs):
-    raise RuntimeError("http transport: buckets arrive at the engine's HTTP endpoint, not "
-                       "through the worker (HttpBucketReceiver)")
+    raise RuntimeError(
+        "http transport: buckets arrive at the engine's HTTP endpoint, not "
+        "through the worker (HttpBucketReceiver)"
+    )

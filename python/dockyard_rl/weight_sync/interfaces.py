@@ -101,8 +101,7 @@ class WeightSynchronizer(abc.ABC):
         sync.prepare_for_generation()     # no-op when READY
     """
 
-    def __init__(self, *, sync_timeout_s: float, wake_timeout_s: float,
-                 initial_version: int = 0):
+    def __init__(self, *, sync_timeout_s: float, wake_timeout_s: float, initial_version: int = 0):
         """
         Args:
             sync_timeout_s: deadline for one `_transfer_weights` call, seconds > 0.
@@ -113,15 +112,21 @@ class WeightSynchronizer(abc.ABC):
         Raises:
             ValueError: a timeout is not a positive number or initial_version is negative.
         """
-        for name, value in (("sync_timeout_s", sync_timeout_s),
-                            ("wake_timeout_s", wake_timeout_s)):
+        for name, value in (("sync_timeout_s", sync_timeout_s), ("wake_timeout_s", wake_timeout_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{name} must be a number of seconds > 0 (a sync must never "
-                                 f"wait forever), got {value!r}")
-        if isinstance(initial_version, bool) or not isinstance(initial_version, int) \
-                or initial_version < 0:
-            raise ValueError(f"initial_version must be an integer >= 0 (the weight version "
-                             f"the engine starts from), got {initial_version!r}")
+                raise ValueError(
+                    f"{name} must be a number of seconds > 0 (a sync must never "
+                    f"wait forever), got {value!r}"
+                )
+        if (
+            isinstance(initial_version, bool)
+            or not isinstance(initial_version, int)
+            or initial_version < 0
+        ):
+            raise ValueError(
+                f"initial_version must be an integer >= 0 (the weight version "
+                f"the engine starts from), got {initial_version!r}"
+            )
         self._sync_timeout_s = float(sync_timeout_s)
         self._wake_timeout_s = float(wake_timeout_s)
         self._lock = threading.Lock()
@@ -210,8 +215,10 @@ class WeightSynchronizer(abc.ABC):
         with self._lock:
             if self._state is SyncState.SYNCING:
                 raise self._order_error(
-                    "mark_stale()", "a sync is in progress; wait for sync_weights() to return "
-                    "before the next optimizer step changes the weights")
+                    "mark_stale()",
+                    "a sync is in progress; wait for sync_weights() to return "
+                    "before the next optimizer step changes the weights",
+                )
             self._trainer_version += 1
             if self._state is not SyncState.FAILED:
                 self._state = SyncState.STALE
@@ -241,9 +248,9 @@ class WeightSynchronizer(abc.ABC):
             if self._state not in (SyncState.STALE, SyncState.FAILED):
                 hint = {
                     SyncState.READY: "the engine already holds the current weights; call "
-                                     "mark_stale() after an optimizer step first",
+                    "mark_stale() after an optimizer step first",
                     SyncState.SYNCED: "weights are already transferred; call "
-                                      "prepare_for_generation() next",
+                    "prepare_for_generation() next",
                     SyncState.SYNCING: "another sync_weights() call is in progress",
                 }[self._state]
                 raise self._order_error("sync_weights()", hint)
@@ -287,8 +294,11 @@ class WeightSynchronizer(abc.ABC):
             if self._state is SyncState.READY:
                 return
             if self._state is not SyncState.SYNCED:
-                hint = ("a sync is in progress" if self._state is SyncState.SYNCING else
-                        "the engine's weights are out of date; call sync_weights() first")
+                hint = (
+                    "a sync is in progress"
+                    if self._state is SyncState.SYNCING
+                    else "the engine's weights are out of date; call sync_weights() first"
+                )
                 raise self._order_error("prepare_for_generation()", hint)
             self._check_no_running_hook_locked()
             version = self._engine_version
@@ -338,26 +348,28 @@ class WeightSynchronizer(abc.ABC):
         return WeightSyncOrderError(
             f"{type(self).__name__}.{call} called in state {self._state.value}: {hint}. "
             f"Expected order: {EXPECTED_ORDER} (trainer_version={self._trainer_version}, "
-            f"engine_version={self._engine_version})")
+            f"engine_version={self._engine_version})"
+        )
 
     def _check_no_running_hook_locked(self) -> None:
         if self._hook_thread is not None and self._hook_thread.is_alive():
             raise WeightSyncError(
                 f"the previous {self._hook_thread.name} timed out and is still running (asked "
                 f"to abort); retry once it has returned, so two transfers never write into the "
-                f"engine at once")
+                f"engine at once"
+            )
 
     @staticmethod
     def _check_timeout(timeout_s: float | None, default: float) -> float:
         if timeout_s is None:
             return default
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
-                or timeout_s <= 0:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
             raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
         return float(timeout_s)
 
-    def _run_hook(self, hook: Callable[[int], None], version: int, timeout_s: float,
-                  name: str) -> None:
+    def _run_hook(
+        self, hook: Callable[[int], None], version: int, timeout_s: float, name: str
+    ) -> None:
         """Runs `hook(version)` in a daemon thread and waits at most `timeout_s` for it."""
         outcome: dict[str, BaseException] = {}
 
@@ -380,16 +392,19 @@ class WeightSynchronizer(abc.ABC):
             raise WeightSyncTimeoutError(
                 f"{type(self).__name__}.{name} for weight version {version} did not finish "
                 f"within {timeout_s:g}s; the engine's weights are not trusted until a sync "
-                f"succeeds (raise the timeout if the model is large, or check the transport)")
+                f"succeeds (raise the timeout if the model is large, or check the transport)"
+            )
         if "error" in outcome:
             error = outcome["error"]
             if isinstance(error, TimeoutError):
                 # The transport's own deadline: a peer died or went silent mid-transfer.
                 raise WeightSyncTimeoutError(
-                    f"{type(self).__name__}.{name} for weight version {version} timed out: "
-                    f"{error}") from error
-            raise WeightSyncError(f"{type(self).__name__}.{name} for weight version {version} "
-                                  f"failed: {type(error).__name__}: {error}") from error
+                    f"{type(self).__name__}.{name} for weight version {version} timed out: {error}"
+                ) from error
+            raise WeightSyncError(
+                f"{type(self).__name__}.{name} for weight version {version} "
+                f"failed: {type(error).__name__}: {error}"
+            ) from error
 
 
 class BucketSender(abc.ABC):
@@ -410,8 +425,10 @@ class BucketSender(abc.ABC):
         """Starts one sync of `manifest` at weight `version` (the session may outlive a
         manifest: the trainer's refit layout never changes, but it is re-checked)."""
         if manifest.to_dict() != self.manifest.to_dict():
-            raise ValueError("the manifest changed since the session was opened; close the "
-                             "session and open a new one")
+            raise ValueError(
+                "the manifest changed since the session was opened; close the "
+                "session and open a new one"
+            )
         self.version = version
 
     @abc.abstractmethod
@@ -431,5 +448,5 @@ class BucketSender(abc.ABC):
         """What the engine side needs to reach this sender (plain data)."""
         return {}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: a no-op for senders holding nothing
         """Releases the session's resources. Idempotent."""

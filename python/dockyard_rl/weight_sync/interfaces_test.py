@@ -7,9 +7,14 @@ import time
 import pytest
 import torch
 
-from dockyard_rl.weight_sync.interfaces import (EXPECTED_ORDER, SyncState, WeightSyncError,
-                                                WeightSynchronizer, WeightSyncOrderError,
-                                                WeightSyncTimeoutError)
+from dockyard_rl.weight_sync.interfaces import (
+    EXPECTED_ORDER,
+    SyncState,
+    WeightSyncError,
+    WeightSynchronizer,
+    WeightSyncOrderError,
+    WeightSyncTimeoutError,
+)
 
 
 class DictCopyWeightSynchronizer(WeightSynchronizer):
@@ -45,8 +50,10 @@ class DictCopyWeightSynchronizer(WeightSynchronizer):
             for index, (name, source) in enumerate(self.trainer_weights.items()):
                 target = self.engine_weights[name]
                 if target.shape != source.shape or target.dtype != source.dtype:
-                    raise ValueError(f"{name}: engine {tuple(target.shape)} {target.dtype} vs "
-                                     f"trainer {tuple(source.shape)} {source.dtype}")
+                    raise ValueError(
+                        f"{name}: engine {tuple(target.shape)} {target.dtype} vs "
+                        f"trainer {tuple(source.shape)} {source.dtype}"
+                    )
                 target.copy_(source)
                 if self.fail_next_transfer and index == 0:
                     self.fail_next_transfer = False
@@ -67,9 +74,11 @@ class DictCopyWeightSynchronizer(WeightSynchronizer):
 
 def make_weights(seed):
     generator = torch.Generator().manual_seed(seed)
-    return {"embed.weight": torch.randn(8, 4, generator=generator),
-            "layers.0.mlp.weight": torch.randn(4, 4, generator=generator),
-            "lm_head.bias": torch.randn(8, generator=generator)}
+    return {
+        "embed.weight": torch.randn(8, 4, generator=generator),
+        "layers.0.mlp.weight": torch.randn(4, 4, generator=generator),
+        "lm_head.bias": torch.randn(8, generator=generator),
+    }
 
 
 def optimizer_step(weights, seed):
@@ -161,11 +170,14 @@ def _to_state(sync, state):
     assert sync.state is state
 
 
-@pytest.mark.parametrize("state, call, fragment", [
-    (SyncState.READY, "sync_weights", "call mark_stale() after an optimizer step first"),
-    (SyncState.SYNCED, "sync_weights", "call prepare_for_generation() next"),
-    (SyncState.STALE, "prepare_for_generation", "call sync_weights() first"),
-])
+@pytest.mark.parametrize(
+    "state, call, fragment",
+    [
+        (SyncState.READY, "sync_weights", "call mark_stale() after an optimizer step first"),
+        (SyncState.SYNCED, "sync_weights", "call prepare_for_generation() next"),
+        (SyncState.STALE, "prepare_for_generation", "call sync_weights() first"),
+    ],
+)
 def test_illegal_transitions_name_state_and_expected_order(sync, state, call, fragment):
     _to_state(sync, state)
     versions = (sync.trainer_version, sync.engine_version)
@@ -192,9 +204,11 @@ def test_calls_during_an_in_progress_sync_are_refused(sync):
         while sync.state is not SyncState.SYNCING:
             assert time.monotonic() < deadline
             time.sleep(0.005)
-        for call, fragment in (("mark_stale", "a sync is in progress"),
-                               ("sync_weights", "another sync_weights() call is in progress"),
-                               ("prepare_for_generation", "a sync is in progress")):
+        for call, fragment in (
+            ("mark_stale", "a sync is in progress"),
+            ("sync_weights", "another sync_weights() call is in progress"),
+            ("prepare_for_generation", "a sync is in progress"),
+        ):
             with pytest.raises(WeightSyncOrderError, match="called in state SYNCING") as info:
                 getattr(sync, call)()
             assert fragment in str(info.value) and EXPECTED_ORDER in str(info.value)
@@ -266,8 +280,9 @@ def test_transfer_timeout_raises_and_retry_waits_for_the_stuck_hook(sync):
 
 def test_wake_failure_and_timeout_keep_synced_for_retry():
     trainer = make_weights(3)
-    sync = DictCopyWeightSynchronizer(trainer, {n: t.clone() for n, t in trainer.items()},
-                                      wake_timeout_s=0.2)
+    sync = DictCopyWeightSynchronizer(
+        trainer, {n: t.clone() for n, t in trainer.items()}, wake_timeout_s=0.2
+    )
     sync.mark_stale()
     sync.sync_weights()
     sync.fail_next_wake = True
@@ -291,10 +306,12 @@ def test_initial_version_and_constructor_validation():
     sync = DictCopyWeightSynchronizer(trainer, engine, initial_version=7)
     assert (sync.trainer_version, sync.engine_version) == (7, 7)
     assert sync.mark_stale() == 8
-    for kwargs, match in (({"sync_timeout_s": 0}, "sync_timeout_s"),
-                          ({"wake_timeout_s": -1.0}, "wake_timeout_s"),
-                          ({"sync_timeout_s": None}, "sync_timeout_s"),
-                          ({"initial_version": -1}, "initial_version")):
+    for kwargs, match in (
+        ({"sync_timeout_s": 0}, "sync_timeout_s"),
+        ({"wake_timeout_s": -1.0}, "wake_timeout_s"),
+        ({"sync_timeout_s": None}, "sync_timeout_s"),
+        ({"initial_version": -1}, "initial_version"),
+    ):
         with pytest.raises(ValueError, match=match):
             DictCopyWeightSynchronizer(trainer, engine, **kwargs)
     with pytest.raises(ValueError, match="timeout_s"):
@@ -323,7 +340,7 @@ def test_concurrent_readers_during_cycles(sync):
 
     thread = threading.Thread(target=reader)
     thread.start()
-    for step in range(1, 21):
+    for _ in range(1, 21):
         sync.mark_stale()
         sync.sync_weights()
         sync.prepare_for_generation()
@@ -339,6 +356,7 @@ def test_concurrent_readers_during_cycles(sync):
 def test_a_transport_timeout_is_a_weight_sync_timeout_and_the_retry_succeeds():
     """A hook raising TimeoutError (a transport whose peer died) -> WeightSyncTimeoutError,
     state FAILED; the next sync_weights() retries."""
+
     class PeerDiesOnce(WeightSynchronizer):
         attempts = 0
 

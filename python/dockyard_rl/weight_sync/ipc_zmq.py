@@ -47,8 +47,8 @@ from typing import Any
 import torch
 
 from dockyard_rl.kernels import refit_packer
-from dockyard_rl.weight_sync.push import PushWeightSynchronizer
 from dockyard_rl.weight_sync.interfaces import BucketSender
+from dockyard_rl.weight_sync.push import PushWeightSynchronizer
 
 TRANSPORT = "ipc_zmq"
 SHM_DIR = "/dev/shm"
@@ -62,11 +62,23 @@ class IpcZmqWeightSynchronizer(PushWeightSynchronizer):
     def _open_session(self, session: str) -> list[dict[str, Any]]:
         engines = self.generation.open_weight_receiver(TRANSPORT)
         endpoint = self.policy.open_weight_sender(
-            session, TRANSPORT, self.manifest.to_dict(),
-            {"num_receivers": sum(engine["num_workers"] for engine in engines),
-             "timeout_s": self.config.peer_timeout_s})
-        return [{"transport": TRANSPORT, "session": session, **endpoint,
-                 "timeout_s": self.config.peer_timeout_s} for _ in engines]
+            session,
+            TRANSPORT,
+            self.manifest.to_dict(),
+            {
+                "num_receivers": sum(engine["num_workers"] for engine in engines),
+                "timeout_s": self.config.peer_timeout_s,
+            },
+        )
+        return [
+            {
+                "transport": TRANSPORT,
+                "session": session,
+                **endpoint,
+                "timeout_s": self.config.peer_timeout_s,
+            }
+            for _ in engines
+        ]
 
 
 def _zmq_context():
@@ -132,7 +144,8 @@ class IpcZmqBucketSender(BucketSender):
 
             torch.cuda.current_stream(self._device).synchronize()  # packed before announced
             announcement["handle"] = base64.b64encode(
-                pickle.dumps(reduce_tensor(self._segments[bucket_index]))).decode()
+                pickle.dumps(reduce_tensor(self._segments[bucket_index]))
+            ).decode()
         else:
             announcement["path"] = self._paths[bucket_index]
         for identity in self._receivers:
@@ -145,16 +158,20 @@ class IpcZmqBucketSender(BucketSender):
         while len(acked) < len(self._receivers):
             identity, message = self._receive("a worker's acknowledgement")
             if "error" in message:
-                raise RuntimeError(f"ipc_zmq transport: an engine worker failed to map the "
-                                   f"buckets: {message['error']}")
+                raise RuntimeError(
+                    f"ipc_zmq transport: an engine worker failed to map the "
+                    f"buckets: {message['error']}"
+                )
             if message.get("ack") == self.manifest.num_buckets:
                 acked.add(identity)
 
     def _receive(self, what: str) -> tuple[bytes, dict[str, Any]]:
         if not self._socket.poll(self._timeout_ms):
-            raise TimeoutError(f"ipc_zmq transport: no message from the engine workers within "
-                               f"{self._timeout_ms / 1000:g}s while waiting for {what}; an "
-                               "engine died or stopped answering")
+            raise TimeoutError(
+                f"ipc_zmq transport: no message from the engine workers within "
+                f"{self._timeout_ms / 1000:g}s while waiting for {what}; an "
+                "engine died or stopped answering"
+            )
         identity, payload = self._socket.recv_multipart()
         return identity, _loads(payload)
 
@@ -175,8 +192,9 @@ def create_sender(manifest: refit_packer.Manifest, options: dict[str, Any]) -> B
     return IpcZmqBucketSender(manifest, options)
 
 
-def receive_buckets(manifest: refit_packer.Manifest, spec: dict[str, Any], worker_rank: int,
-                    device: torch.device) -> list[torch.Tensor]:
+def receive_buckets(
+    manifest: refit_packer.Manifest, spec: dict[str, Any], worker_rank: int, device: torch.device
+) -> list[torch.Tensor]:
     """Engine worker side: says hello, maps every announced bucket, acknowledges.
 
     Raises TimeoutError when the trainer stays silent for `spec["timeout_s"]`, ValueError for an
@@ -193,16 +211,20 @@ def receive_buckets(manifest: refit_packer.Manifest, spec: dict[str, Any], worke
         socket.send(_dumps({"hello": spec["session"], "version": spec["version"]}))
         while True:
             if not socket.poll(timeout_ms):
-                raise TimeoutError(f"ipc_zmq transport: the trainer sent nothing for "
-                                   f"{timeout_ms / 1000:g}s; it died or stopped answering")
+                raise TimeoutError(
+                    f"ipc_zmq transport: the trainer sent nothing for "
+                    f"{timeout_ms / 1000:g}s; it died or stopped answering"
+                )
             message = _loads(socket.recv())
             if "done" in message:
                 break
             try:
                 b, size = int(message["bucket"]), int(message["size"])
                 if not 0 <= b < manifest.num_buckets or size != manifest.bucket_sizes[b]:
-                    raise ValueError(f"announced bucket {b} of {size} bytes does not match the "
-                                     f"manifest ({manifest.num_buckets} buckets)")
+                    raise ValueError(
+                        f"announced bucket {b} of {size} bytes does not match the "
+                        f"manifest ({manifest.num_buckets} buckets)"
+                    )
                 buckets[b] = _map_bucket(message, size, device)
             except Exception as error:
                 socket.send(_dumps({"error": f"{type(error).__name__}: {error}"}))

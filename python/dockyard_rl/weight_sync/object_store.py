@@ -13,8 +13,8 @@ import time
 from typing import Any
 
 from dockyard_rl.kernels import refit_packer
-from dockyard_rl.weight_sync.push import PushWeightSynchronizer
 from dockyard_rl.weight_sync.bucket_stream import iter_manifest_buckets
+from dockyard_rl.weight_sync.push import PushWeightSynchronizer
 
 TRANSPORT = "object_store"
 
@@ -47,5 +47,6 @@ class ObjectStoreWeightSynchronizer(PushWeightSynchronizer):
             "last_transfer_gb_per_s": manifest.total_bytes / seconds / 1e9,
             "last_pack_seconds": pack_seconds,
             "last_engine_load_seconds": max(
-                s["load_seconds"] for s in self.generation.last_update_stats),
+                s["load_seconds"] for s in self.generation.last_update_stats
+            ),
         }

@@ -59,16 +59,19 @@ class PushWeightSynchronizer(WeightSynchronizer):
     transport: ClassVar[str]
 
     def __init__(self, config: WeightSyncConfig, policy, generation):
-        super().__init__(sync_timeout_s=config.sync_timeout_s,
-                         wake_timeout_s=config.wake_timeout_s,
-                         initial_version=generation.weight_version)
+        super().__init__(
+            sync_timeout_s=config.sync_timeout_s,
+            wake_timeout_s=config.wake_timeout_s,
+            initial_version=generation.weight_version,
+        )
         self.config = config
         self.policy = policy
         self.generation = generation
         refit_info = policy.prepare_refit_info()
         asyncio.run(generation.prepare_refit_info(refit_info))
-        self.manifest = refit_packer.plan_buckets(refit_info,
-                                                  bucket_size_bytes=config.bucket_size_bytes)
+        self.manifest = refit_packer.plan_buckets(
+            refit_info, bucket_size_bytes=config.bucket_size_bytes
+        )
         self._session: str | None = None
         self._receive_specs: list[dict[str, Any]] = []
         self._last: dict[str, Any] = {}
@@ -94,9 +97,11 @@ class PushWeightSynchronizer(WeightSynchronizer):
         except BaseException as error:
             self._close_session()
             if _is_peer_loss(error):
-                raise TimeoutError(f"{self.transport} transport: a peer died or stopped "
-                                   f"answering during the sync of weight version {version} "
-                                   f"({type(error).__name__}: {error})") from error
+                raise TimeoutError(
+                    f"{self.transport} transport: a peer died or stopped "
+                    f"answering during the sync of weight version {version} "
+                    f"({type(error).__name__}: {error})"
+                ) from error
             raise
 
     def _wake_engine(self, version: int) -> None:
@@ -107,10 +112,14 @@ class PushWeightSynchronizer(WeightSynchronizer):
         generation = self.generation
         start = time.monotonic()
         await generation.begin_weight_update(manifest_dict, version)
-        send = asyncio.ensure_future(asyncio.to_thread(
-            self.policy.send_weights, self._session, manifest_dict, version))
-        receive = asyncio.ensure_future(generation.finish_weight_update(
-            [{**spec, "version": version} for spec in self._receive_specs]))
+        send = asyncio.ensure_future(
+            asyncio.to_thread(self.policy.send_weights, self._session, manifest_dict, version)
+        )
+        receive = asyncio.ensure_future(
+            generation.finish_weight_update(
+                [{**spec, "version": version} for spec in self._receive_specs]
+            )
+        )
         done, _ = await asyncio.wait({send, receive}, return_when=asyncio.FIRST_EXCEPTION)
         failed = [task for task in done if task.exception() is not None]
         if failed:
@@ -133,10 +142,18 @@ class PushWeightSynchronizer(WeightSynchronizer):
 
     def metrics(self) -> dict[str, Any]:
         """The base class's counters plus this transport's last transfer figures."""
-        keys = ("last_sync_bytes", "last_transfer_seconds", "last_transfer_gb_per_s",
-                "last_pack_seconds", "last_engine_load_seconds")
-        return {**super().metrics(), "transport": self.transport,
-                **{key: self._last.get(key, 0) for key in keys}}
+        keys = (
+            "last_sync_bytes",
+            "last_transfer_seconds",
+            "last_transfer_gb_per_s",
+            "last_pack_seconds",
+            "last_engine_load_seconds",
+        )
+        return {
+            **super().metrics(),
+            "transport": self.transport,
+            **{key: self._last.get(key, 0) for key in keys},
+        }
 
     def _close_session(self) -> None:
         session, self._session = self._session, None
@@ -153,12 +170,18 @@ class PushWeightSynchronizer(WeightSynchronizer):
 
 def _is_peer_loss(error: BaseException) -> bool:
     """A dead or silent peer, as opposed to a bad request: worth a retry after a restart."""
-    if isinstance(error, (TimeoutError, ConnectionError, ray.exceptions.RayActorError,
-                          ray.exceptions.GetTimeoutError)):
+    if isinstance(
+        error,
+        (
+            TimeoutError,
+            ConnectionError,
+            ray.exceptions.RayActorError,
+            ray.exceptions.GetTimeoutError,
+        ),
+    ):
         return True
     # Ray's task errors keep the original in `cause`; our own wrappers chain it.
     cause = getattr(error, "cause", None)
     if not isinstance(cause, BaseException):
         cause = error.__cause__
     return cause is not None and cause is not error and _is_peer_loss(cause)
-

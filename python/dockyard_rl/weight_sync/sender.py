@@ -47,8 +47,9 @@ _SESSIONS: dict[str, _Session] = {}
 _SESSIONS_LOCK = threading.Lock()
 
 
-def open_session(session: str, transport: str, manifest_dict: Mapping[str, Any],
-                 options: Mapping[str, Any]) -> dict[str, Any]:
+def open_session(
+    session: str, transport: str, manifest_dict: Mapping[str, Any], options: Mapping[str, Any]
+) -> dict[str, Any]:
     """Creates the sender of `transport` for `session` (idempotent); returns its endpoint.
 
     Raises:
@@ -62,7 +63,8 @@ def open_session(session: str, transport: str, manifest_dict: Mapping[str, Any],
             module = factory.transport_module(transport)
             _SESSIONS[session] = _Session(
                 module.create_sender(manifest, {**options, "session": session}),
-                refit_packer.PackPlan.from_manifest(manifest))
+                refit_packer.PackPlan.from_manifest(manifest),
+            )
         return _SESSIONS[session].sender.endpoint()
 
 
@@ -74,8 +76,12 @@ def close_session(session: str) -> None:
         closing.sender.close()
 
 
-def send_weights(session: str, manifest: refit_packer.Manifest, version: int,
-                 buckets: Iterable[tuple[int, Mapping[str, torch.Tensor]]]) -> dict[str, float]:
+def send_weights(
+    session: str,
+    manifest: refit_packer.Manifest,
+    version: int,
+    buckets: Iterable[tuple[int, Mapping[str, torch.Tensor]]],
+) -> dict[str, float]:
     """Packs and sends every bucket through `session`'s sender; returns timing figures.
 
     `buckets` yields (bucket index, name -> full tensor of that bucket) in bucket order; the
@@ -84,8 +90,10 @@ def send_weights(session: str, manifest: refit_packer.Manifest, version: int,
     """
     with _SESSIONS_LOCK:
         if session not in _SESSIONS:
-            raise KeyError(f"weight-sync session {session!r} is not open in this process; "
-                           "open_weight_sender must run first on the sending rank")
+            raise KeyError(
+                f"weight-sync session {session!r} is not open in this process; "
+                "open_weight_sender must run first on the sending rank"
+            )
         sender, pack_plan = _SESSIONS[session].sender, _SESSIONS[session].pack_plan
     start = time.monotonic()
     sender.begin(manifest, version)
@@ -93,8 +101,7 @@ def send_weights(session: str, manifest: refit_packer.Manifest, version: int,
     expected = 0
     for bucket_index, named in buckets:
         if bucket_index != expected:
-            raise ValueError(f"buckets must come in order: got {bucket_index}, expected "
-                             f"{expected}")
+            raise ValueError(f"buckets must come in order: got {bucket_index}, expected {expected}")
         out = sender.buffer(bucket_index)
         packing = time.monotonic()
         # The sender's buffers decide the device (e.g. CPU buckets for HTTP from a GPU trainer).
@@ -106,5 +113,8 @@ def send_weights(session: str, manifest: refit_packer.Manifest, version: int,
     if expected != manifest.num_buckets:
         raise ValueError(f"got {expected} buckets but the manifest has {manifest.num_buckets}")
     sender.finish()
-    return {"send_seconds": time.monotonic() - start, "pack_seconds": pack_seconds,
-            "num_bytes": float(manifest.total_bytes)}
+    return {
+        "send_seconds": time.monotonic() - start,
+        "pack_seconds": pack_seconds,
+        "num_bytes": float(manifest.total_bytes),
+    }

@@ -33,9 +33,16 @@ def _report(buckets: list[torch.Tensor], return_bytes: bool):
     return sum(bucket.numel() for bucket in buckets)
 
 
-def receiver_main(transport: str, manifest_dict: dict[str, Any], spec: dict[str, Any],
-                  num_syncs: int, results, return_bytes: bool, device: str = "cpu",
-                  ready=None) -> None:
+def receiver_main(
+    transport: str,
+    manifest_dict: dict[str, Any],
+    spec: dict[str, Any],
+    num_syncs: int,
+    results,
+    return_bytes: bool,
+    device: str = "cpu",
+    ready=None,
+) -> None:
     """The body of one receiver process (module docstring); puts its pid on `ready` once the
     transport is imported."""
     from dockyard_rl.weight_sync import factory
@@ -50,15 +57,21 @@ def receiver_main(transport: str, manifest_dict: dict[str, Any], spec: dict[str,
             return
         for version in range(1, num_syncs + 1):
             start = time.monotonic()
-            buckets = module.receive_buckets(manifest, {**spec, "version": version}, 0,
-                                             torch.device(device))
+            buckets = module.receive_buckets(
+                manifest, {**spec, "version": version}, 0, torch.device(device)
+            )
             results.put(("ok", _report(buckets, return_bytes), time.monotonic() - start))
     except BaseException as error:  # reported to the parent
         results.put(("error", f"{type(error).__name__}: {error}", 0.0))
 
 
-async def _serve_http(manifest: refit_packer.Manifest, spec: dict[str, Any], num_syncs: int,
-                      results, return_bytes: bool) -> None:
+async def _serve_http(
+    manifest: refit_packer.Manifest,
+    spec: dict[str, Any],
+    num_syncs: int,
+    results,
+    return_bytes: bool,
+) -> None:
     from dockyard_rl.weight_sync.http_push import HttpBucketReceiver
 
     buckets: dict[int, torch.Tensor] = {}
@@ -81,15 +94,35 @@ async def _serve_http(manifest: refit_packer.Manifest, spec: dict[str, Any], num
         await receiver.stop()
 
 
-def start_receivers(transport: str, manifest: refit_packer.Manifest, specs: list[dict[str, Any]],
-                    *, num_syncs: int = 1, return_bytes: bool = True, device: str = "cpu"):
+def start_receivers(
+    transport: str,
+    manifest: refit_packer.Manifest,
+    specs: list[dict[str, Any]],
+    *,
+    num_syncs: int = 1,
+    return_bytes: bool = True,
+    device: str = "cpu",
+):
     """Spawns one receiver process per spec and waits until each is ready (module docstring);
     returns (processes, results queue)."""
     results, ready = SPAWN.Queue(), SPAWN.Queue()
-    processes = [SPAWN.Process(target=receiver_main, daemon=True,
-                               args=(transport, manifest.to_dict(), spec, num_syncs, results,
-                                     return_bytes, device, ready))
-                 for spec in specs]
+    processes = [
+        SPAWN.Process(
+            target=receiver_main,
+            daemon=True,
+            args=(
+                transport,
+                manifest.to_dict(),
+                spec,
+                num_syncs,
+                results,
+                return_bytes,
+                device,
+                ready,
+            ),
+        )
+        for spec in specs
+    ]
     for process in processes:
         process.start()
     for _ in processes:

@@ -30,8 +30,13 @@ SPAWN = testing.SPAWN
 
 def _weights() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    shapes = {"embed.weight": (64, 32), "layers.0.q.weight": (32, 32), "layers.0.norm": (32,),
-              "layers.1.q.weight": (32, 32), "head.weight": (64, 32)}
+    shapes = {
+        "embed.weight": (64, 32),
+        "layers.0.q.weight": (32, 32),
+        "layers.0.norm": (32,),
+        "layers.1.q.weight": (32, 32),
+        "head.weight": (64, 32),
+    }
     return {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
 
 
@@ -47,8 +52,9 @@ def _expected_buckets() -> list[bytes]:
 def _send(session: str, version: int = 1, device: str = "cpu") -> dict:
     manifest = _manifest()
     weights = {name: tensor.to(device) for name, tensor in _weights().items()}
-    return sender.send_weights(session, manifest, version,
-                               iter_manifest_buckets(manifest, weights.items()))
+    return sender.send_weights(
+        session, manifest, version, iter_manifest_buckets(manifest, weights.items())
+    )
 
 
 def _dying_receiver(spec: dict, die_after: int) -> None:
@@ -57,10 +63,20 @@ def _dying_receiver(spec: dict, die_after: int) -> None:
 
     from torch.distributed import PrefixStore, TCPStore
 
-    store = TCPStore(spec["master_addr"], spec["master_port"], spec["world_size"],
-                     is_master=False, timeout=datetime.timedelta(seconds=10))
-    group = collective._make_group(PrefixStore(spec["session"], store), spec["rank_offset"],
-                                   spec["world_size"], 10.0, torch.device("cpu"))
+    store = TCPStore(
+        spec["master_addr"],
+        spec["master_port"],
+        spec["world_size"],
+        is_master=False,
+        timeout=datetime.timedelta(seconds=10),
+    )
+    group = collective._make_group(
+        PrefixStore(spec["session"], store),
+        spec["rank_offset"],
+        spec["world_size"],
+        10.0,
+        torch.device("cpu"),
+    )
     for size in _manifest().bucket_sizes[:die_after]:
         collective._broadcast(group, torch.empty(size, dtype=torch.uint8)).wait()
     os._exit(3)
@@ -90,12 +106,24 @@ def _sender_process(transport: str, session: str, options: dict, endpoint_queue,
 
 def _collective_session(num_engines: int) -> tuple[str, list[dict]]:
     session = f"test-{uuid.uuid4().hex[:8]}"
-    endpoint = sender.open_session(session, "collective", _manifest().to_dict(),
-                                   {"world_size": 1 + num_engines, "timeout_s": PEER_TIMEOUT_S,
-                                    "address": "127.0.0.1"})
-    specs = [{"transport": "collective", "session": session, **endpoint,
-              "world_size": 1 + num_engines, "rank_offset": 1 + i, "timeout_s": PEER_TIMEOUT_S,
-              "version": 1} for i in range(num_engines)]
+    endpoint = sender.open_session(
+        session,
+        "collective",
+        _manifest().to_dict(),
+        {"world_size": 1 + num_engines, "timeout_s": PEER_TIMEOUT_S, "address": "127.0.0.1"},
+    )
+    specs = [
+        {
+            "transport": "collective",
+            "session": session,
+            **endpoint,
+            "world_size": 1 + num_engines,
+            "rank_offset": 1 + i,
+            "timeout_s": PEER_TIMEOUT_S,
+            "version": 1,
+        }
+        for i in range(num_engines)
+    ]
     return session, specs
 
 
@@ -138,13 +166,27 @@ def test_collective_engine_killed_mid_transfer_raises_then_a_new_session_works()
 def test_collective_trainer_killed_mid_transfer_makes_the_engine_raise():
     session = f"test-{uuid.uuid4().hex[:8]}"
     endpoints = SPAWN.Queue()
-    trainer = SPAWN.Process(target=_sender_process, args=(
-        "collective", session, {"world_size": 2, "timeout_s": PEER_TIMEOUT_S,
-                                "address": "127.0.0.1"}, endpoints, 1))
+    trainer = SPAWN.Process(
+        target=_sender_process,
+        args=(
+            "collective",
+            session,
+            {"world_size": 2, "timeout_s": PEER_TIMEOUT_S, "address": "127.0.0.1"},
+            endpoints,
+            1,
+        ),
+    )
     trainer.start()
     endpoint = endpoints.get(timeout=60)
-    spec = {"transport": "collective", "session": session, **endpoint, "world_size": 2,
-            "rank_offset": 1, "timeout_s": PEER_TIMEOUT_S, "version": 1}
+    spec = {
+        "transport": "collective",
+        "session": session,
+        **endpoint,
+        "world_size": 2,
+        "rank_offset": 1,
+        "timeout_s": PEER_TIMEOUT_S,
+        "version": 1,
+    }
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="receiving the buckets"):
         collective.receive_buckets(_manifest(), spec, 0, torch.device("cpu"))
@@ -157,10 +199,22 @@ def test_collective_trainer_killed_mid_transfer_makes_the_engine_raise():
 
 def _ipc_session(num_engines: int) -> tuple[str, list[dict]]:
     session = f"test-{uuid.uuid4().hex[:8]}"
-    endpoint = sender.open_session(session, "ipc_zmq", _manifest().to_dict(),
-                                   {"num_receivers": num_engines, "timeout_s": PEER_TIMEOUT_S})
-    return session, [{"transport": "ipc_zmq", "session": session, **endpoint,
-                      "timeout_s": PEER_TIMEOUT_S, "version": 1} for _ in range(num_engines)]
+    endpoint = sender.open_session(
+        session,
+        "ipc_zmq",
+        _manifest().to_dict(),
+        {"num_receivers": num_engines, "timeout_s": PEER_TIMEOUT_S},
+    )
+    return session, [
+        {
+            "transport": "ipc_zmq",
+            "session": session,
+            **endpoint,
+            "timeout_s": PEER_TIMEOUT_S,
+            "version": 1,
+        }
+        for _ in range(num_engines)
+    ]
 
 
 def test_ipc_zmq_engines_map_the_trainers_segments_and_close_unlinks_them():
@@ -169,8 +223,9 @@ def test_ipc_zmq_engines_map_the_trainers_segments_and_close_unlinks_them():
         processes, results = _start_receivers("ipc_zmq", specs)
         _send(session)
         outcomes = [results.get(timeout=60) for _ in processes]
-        assert all(status == "ok" and buckets == _expected_buckets()
-                   for status, buckets, _ in outcomes), outcomes
+        assert all(
+            status == "ok" and buckets == _expected_buckets() for status, buckets, _ in outcomes
+        ), outcomes
         segments = [p for p in os.listdir(ipc_zmq.SHM_DIR) if session in p]
         assert len(segments) == _manifest().num_buckets
     finally:
@@ -205,11 +260,18 @@ def test_ipc_zmq_engine_that_dies_makes_the_sender_raise_then_a_new_session_work
 def test_ipc_zmq_trainer_killed_mid_transfer_makes_the_engine_raise():
     session = f"test-{uuid.uuid4().hex[:8]}"
     endpoints = SPAWN.Queue()
-    trainer = SPAWN.Process(target=_sender_process, args=(
-        "ipc_zmq", session, {"num_receivers": 1, "timeout_s": PEER_TIMEOUT_S}, endpoints, 1))
+    trainer = SPAWN.Process(
+        target=_sender_process,
+        args=("ipc_zmq", session, {"num_receivers": 1, "timeout_s": PEER_TIMEOUT_S}, endpoints, 1),
+    )
     trainer.start()
-    spec = {"transport": "ipc_zmq", "session": session, **endpoints.get(timeout=60),
-            "timeout_s": PEER_TIMEOUT_S, "version": 1}
+    spec = {
+        "transport": "ipc_zmq",
+        "session": session,
+        **endpoints.get(timeout=60),
+        "timeout_s": PEER_TIMEOUT_S,
+        "version": 1,
+    }
     with pytest.raises(TimeoutError, match="trainer sent nothing"):
         ipc_zmq.receive_buckets(_manifest(), spec, 0, torch.device("cpu"))
     trainer.join(30)
@@ -261,9 +323,15 @@ def endpoint():
 
 def _http_session(engines: list[_EngineEndpoint]) -> str:
     session = f"test-{uuid.uuid4().hex[:8]}"
-    sender.open_session(session, "http", _manifest().to_dict(), {
-        "engines": [{"url": e.receiver.url, "token": e.receiver.token} for e in engines],
-        "timeout_s": PEER_TIMEOUT_S})
+    sender.open_session(
+        session,
+        "http",
+        _manifest().to_dict(),
+        {
+            "engines": [{"url": e.receiver.url, "token": e.receiver.token} for e in engines],
+            "timeout_s": PEER_TIMEOUT_S,
+        },
+    )
     return session
 
 
@@ -272,7 +340,8 @@ def test_http_pushes_every_bucket_with_its_checksum(endpoint):
     session = _http_session([endpoint])
     try:
         waiting = asyncio.run_coroutine_threadsafe(
-            endpoint.receiver.wait_complete(PEER_TIMEOUT_S), endpoint.loop)
+            endpoint.receiver.wait_complete(PEER_TIMEOUT_S), endpoint.loop
+        )
         _send(session, version=1)
         waiting.result(30)
     finally:
@@ -284,8 +353,10 @@ def test_http_refuses_bad_requests_with_a_reason(endpoint):
     endpoint.expect(version=1)
     url = f"{endpoint.receiver.url}/v1/weights/1/buckets/0"
     data = _expected_buckets()[0]
-    good = {"Authorization": f"Bearer {endpoint.receiver.token}",
-            http_push.CHECKSUM_HEADER: hashlib.sha256(data).hexdigest()}
+    good = {
+        "Authorization": f"Bearer {endpoint.receiver.token}",
+        http_push.CHECKSUM_HEADER: hashlib.sha256(data).hexdigest(),
+    }
     cases = [
         ({**good, "Authorization": "Bearer wrong"}, url, data, 401, "token"),
         ({**good, http_push.CHECKSUM_HEADER: "0" * 64}, url, data, 400, "sha256 mismatch"),
@@ -305,8 +376,12 @@ def test_http_engine_gone_makes_the_sender_raise_and_a_silent_trainer_the_engine
     with pytest.raises(TimeoutError, match="no bucket arrived"):
         endpoint.run(endpoint.receiver.wait_complete(1.0))
     session = f"test-{uuid.uuid4().hex[:8]}"
-    sender.open_session(session, "http", _manifest().to_dict(), {
-        "engines": [{"url": "http://127.0.0.1:9", "token": "x"}], "timeout_s": PEER_TIMEOUT_S})
+    sender.open_session(
+        session,
+        "http",
+        _manifest().to_dict(),
+        {"engines": [{"url": "http://127.0.0.1:9", "token": "x"}], "timeout_s": PEER_TIMEOUT_S},
+    )
     try:
         with pytest.raises(TimeoutError, match="http transport"):
             _send(session)
@@ -331,14 +406,22 @@ NO_GPU = "needs a CUDA GPU (NCCL group, CUDA IPC handles); this machine has none
 def test_cuda_buckets_reach_the_engine_bit_for_bit(transport):
     session = f"test-{uuid.uuid4().hex[:8]}"
     options = {"timeout_s": 60.0, "device": "cuda"}
-    options.update({"world_size": 2, "address": "127.0.0.1"} if transport == "collective"
-                   else {"num_receivers": 1})
+    options.update(
+        {"world_size": 2, "address": "127.0.0.1"}
+        if transport == "collective"
+        else {"num_receivers": 1}
+    )
     endpoint = sender.open_session(session, transport, _manifest().to_dict(), options)
-    spec = {"transport": transport, "session": session, **endpoint, "world_size": 2,
-            "rank_offset": 1, "timeout_s": 60.0}
+    spec = {
+        "transport": transport,
+        "session": session,
+        **endpoint,
+        "world_size": 2,
+        "rank_offset": 1,
+        "timeout_s": 60.0,
+    }
     try:
-        processes, results = testing.start_receivers(transport, _manifest(), [spec],
-                                                     device="cuda")
+        processes, results = testing.start_receivers(transport, _manifest(), [spec], device="cuda")
         _send(session, device="cuda")
         status, buckets, _ = results.get(timeout=120)
         assert status == "ok" and buckets == _expected_buckets()

@@ -5,8 +5,16 @@ be scored inside that image (tests/task_images_test.py).
 """
 
 SYNODIC_MONTH_DAYS = 29.530588853
-PHASES = ("new", "waxing crescent", "first quarter", "waxing gibbous", "full",
-          "waning gibbous", "last quarter", "waning crescent")
+PHASES = (
+    "new",
+    "waxing crescent",
+    "first quarter",
+    "waxing gibbous",
+    "full",
+    "waning gibbous",
+    "last quarter",
+    "waning crescent",
+)
 
 
 def phase_index(days_since_new_moon: float) -> int:

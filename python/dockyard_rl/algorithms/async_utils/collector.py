@@ -42,8 +42,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from dockyard_rl.algorithms.async_utils.replay_buffer import (AsyncGRPOConfig, BufferClosedError,
-                                                              GroupRecord, ReplayBuffer)
+from dockyard_rl.algorithms.async_utils.replay_buffer import (
+    AsyncGRPOConfig,
+    BufferClosedError,
+    GroupRecord,
+    ReplayBuffer,
+)
 from dockyard_rl.algorithms.rollouts import Rollout, RolloutRunner
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.utils.checkpoint import PromptSampler
@@ -64,10 +68,19 @@ def split_groups(rollout: Rollout) -> list[Rollout]:
         result = EnvironmentResult(
             rewards_B=rollout.rewards_B[part].clone(),
             sample_mask_B=rollout.sample_mask_B[part].clone(),
-            metadata=rollout.result.metadata[part], metrics={})
-        groups.append(Rollout([instance], n, rollout.samples[part], result,
-                              generate_seconds=rollout.generate_seconds / len(rollout.instances),
-                              score_seconds=rollout.score_seconds / len(rollout.instances)))
+            metadata=rollout.result.metadata[part],
+            metrics={},
+        )
+        groups.append(
+            Rollout(
+                [instance],
+                n,
+                rollout.samples[part],
+                result,
+                generate_seconds=rollout.generate_seconds / len(rollout.instances),
+                score_seconds=rollout.score_seconds / len(rollout.instances),
+            )
+        )
     return groups
 
 
@@ -84,10 +97,19 @@ class TrajectoryCollector:
         buffered: a checkpoint's buffered groups, as `snapshot` returned them.
     """
 
-    def __init__(self, runner: RolloutRunner, instances: Sequence[SweInstance],
-                 sampler_state: dict[str, Any], *, num_prompts: int, num_samples: int,
-                 seed: int, buffer_config: AsyncGRPOConfig, redo: Sequence[int] = (),
-                 buffered: Sequence[dict[str, Any]] = ()):
+    def __init__(
+        self,
+        runner: RolloutRunner,
+        instances: Sequence[SweInstance],
+        sampler_state: dict[str, Any],
+        *,
+        num_prompts: int,
+        num_samples: int,
+        seed: int,
+        buffer_config: AsyncGRPOConfig,
+        redo: Sequence[int] = (),
+        buffered: Sequence[dict[str, Any]] = (),
+    ):
         self._runner = runner
         self._instances = list(instances)
         self._num_prompts, self._num_samples = num_prompts, num_samples
@@ -95,26 +117,27 @@ class TrajectoryCollector:
         self._sampler.load_state_dict(sampler_state)
         self._buffer = ReplayBuffer(buffer_config)
         for record in buffered:
-            self._buffer.push(record["group"], record["weight_version"],
-                              prompt_id=record["prompt_id"])
+            self._buffer.push(
+                record["group"], record["weight_version"], prompt_id=record["prompt_id"]
+            )
         # Guards the prompt bookkeeping; never held while waiting, so snapshot() is quick.
         self._state_lock = threading.Lock()
-        self._in_flight: list[int] = []      # prompts generated but not yet in the buffer
-        self._redo = list(redo)              # prompts to hand out first
+        self._in_flight: list[int] = []  # prompts generated but not yet in the buffer
+        self._redo = list(redo)  # prompts to hand out first
         self._generation_lock = threading.Lock()  # held while a round generates
         self._stop = threading.Event()
         self._error: str | None = None
         self._round = 0
-        self._thread = threading.Thread(target=self._main, name="trajectory-collector",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._main, name="trajectory-collector", daemon=True)
 
     # ------------------------------------------------------------------- the trainer's calls
 
     def start(self) -> None:
         self._thread.start()
 
-    def sample(self, num_groups: int, trainer_version: int,
-               timeout_s: float) -> list[GroupRecord] | None:
+    def sample(
+        self, num_groups: int, trainer_version: int, timeout_s: float
+    ) -> list[GroupRecord] | None:
         """`num_groups` groups no older than the age bound for `trainer_version`, or None after
         `timeout_s` without enough. Raises RuntimeError when the loop has died."""
         self._check_alive()
@@ -135,14 +158,23 @@ class TrajectoryCollector:
     def snapshot(self) -> dict[str, Any]:
         """What a checkpoint holds (module docstring), taken atomically."""
         with self._state_lock:
-            return {"sampler": self._sampler.state_dict(),
-                    "in_flight": list(self._in_flight) + list(self._redo),
-                    "buffer": [{"group": r.payload, "weight_version": r.weight_version,
-                                "prompt_id": r.prompt_id} for r in self._buffer.snapshot()]}
+            return {
+                "sampler": self._sampler.state_dict(),
+                "in_flight": list(self._in_flight) + list(self._redo),
+                "buffer": [
+                    {
+                        "group": r.payload,
+                        "weight_version": r.weight_version,
+                        "prompt_id": r.prompt_id,
+                    }
+                    for r in self._buffer.snapshot()
+                ],
+            }
 
     def metrics(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self._buffer.metrics().items()
-                if isinstance(v, (int, float))}
+        return {
+            k: float(v) for k, v in self._buffer.metrics().items() if isinstance(v, (int, float))
+        }
 
     def stop(self, timeout_s: float = 300.0) -> None:
         self._stop.set()
@@ -159,10 +191,10 @@ class TrajectoryCollector:
         with self._state_lock:
             # Stale groups were dropped by the buffer: their prompts go round again.
             self._redo += [dropped.prompt_id for dropped in self._buffer.pop_dropped()]
-            batch = self._redo[:self._num_prompts]
-            self._redo = self._redo[self._num_prompts:]
+            batch = self._redo[: self._num_prompts]
+            self._redo = self._redo[self._num_prompts :]
             while len(batch) < self._num_prompts:
-                batch += self._sampler.next_batch()[:self._num_prompts - len(batch)]
+                batch += self._sampler.next_batch()[: self._num_prompts - len(batch)]
             self._in_flight = list(batch)
             return batch
 
@@ -186,9 +218,13 @@ class TrajectoryCollector:
                 indices = self._next_round()
                 self._round += 1
                 with self._generation_lock:
-                    rollout = loop.run_until_complete(self._runner.run(
-                        [self._instances[i] for i in indices], num_samples=self._num_samples,
-                        global_step=_ROUND_OFFSET + self._round))
+                    rollout = loop.run_until_complete(
+                        self._runner.run(
+                            [self._instances[i] for i in indices],
+                            num_samples=self._num_samples,
+                            global_step=_ROUND_OFFSET + self._round,
+                        )
+                    )
                 for index, group in zip(indices, split_groups(rollout)):
                     self._push(index, group)
         except BufferClosedError:
@@ -200,8 +236,14 @@ class TrajectoryCollector:
             loop.close()
 
 
-def start_collector(runner: RolloutRunner, instances: Sequence[SweInstance],
-                    sampler_state: dict[str, Any], *, cluster_config, **kwargs: Any):
+def start_collector(
+    runner: RolloutRunner,
+    instances: Sequence[SweInstance],
+    sampler_state: dict[str, Any],
+    *,
+    cluster_config,
+    **kwargs: Any,
+):
     """Starts a `TrajectoryCollector` actor on this (the driver's) node and returns its handle;
     `kwargs` go to the constructor. Ray must be running."""
     import ray
@@ -209,11 +251,17 @@ def start_collector(runner: RolloutRunner, instances: Sequence[SweInstance],
 
     from dockyard_rl.cluster.bootstrap import fleet_runtime_env
 
-    return ray.remote(TrajectoryCollector).options(
-        num_cpus=0,
-        # The trainer's sample / pause / snapshot / stop calls wait concurrently with each other.
-        max_concurrency=8,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(
-            ray.get_runtime_context().get_node_id(), soft=False),
-        runtime_env=fleet_runtime_env("driver", cluster_config),
-    ).remote(runner, instances, sampler_state, **kwargs)
+    return (
+        ray.remote(TrajectoryCollector)
+        .options(
+            num_cpus=0,
+            # The trainer's sample / pause / snapshot / stop calls wait concurrently with each
+            # other.
+            max_concurrency=8,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                ray.get_runtime_context().get_node_id(), soft=False
+            ),
+            runtime_env=fleet_runtime_env("driver", cluster_config),
+        )
+        .remote(runner, instances, sampler_state, **kwargs)
+    )

@@ -67,24 +67,48 @@ class ScriptedRunner:
         version, fail = await self.script.begin_round.remote(list(instances))
         if fail:
             raise RuntimeError("the executor is unreachable")
-        samples = [GenerationSample(
-            prompt_index=p, sample_index=s, prompt_token_ids=(1, 2), response_token_ids=(3,),
-            response_logprobs=(-0.5,), response_text="x", finish_reason="stop", stop_reason=None,
-            weight_versions=(version,), oldest_weight_version=version, engine_index=0)
-            for p in range(len(instances)) for s in range(num_samples)]
+        samples = [
+            GenerationSample(
+                prompt_index=p,
+                sample_index=s,
+                prompt_token_ids=(1, 2),
+                response_token_ids=(3,),
+                response_logprobs=(-0.5,),
+                response_text="x",
+                finish_reason="stop",
+                stop_reason=None,
+                weight_versions=(version,),
+                oldest_weight_version=version,
+                engine_index=0,
+            )
+            for p in range(len(instances))
+            for s in range(num_samples)
+        ]
         size = len(samples)
-        result = EnvironmentResult(rewards_B=torch.ones(size), sample_mask_B=torch.ones(size),
-                                   metadata=tuple({} for _ in range(size)), metrics={})
+        result = EnvironmentResult(
+            rewards_B=torch.ones(size),
+            sample_mask_B=torch.ones(size),
+            metadata=tuple({} for _ in range(size)),
+            metrics={},
+        )
         return Rollout(list(instances), num_samples, samples, result)
 
 
 def _collector(ray, script, *, sampler_state=None, max_buffer_groups=4, **kwargs):
     sampler = PromptSampler(len(INSTANCES), NUM_PROMPTS, SEED)
     handle = start_collector(
-        ScriptedRunner(script), INSTANCES, sampler_state or sampler.state_dict(),
-        cluster_config=ClusterConfig(), num_prompts=NUM_PROMPTS, num_samples=NUM_SAMPLES,
-        seed=SEED, buffer_config=AsyncGRPOConfig(max_trajectory_age_steps=1,
-                                                 max_buffer_groups=max_buffer_groups), **kwargs)
+        ScriptedRunner(script),
+        INSTANCES,
+        sampler_state or sampler.state_dict(),
+        cluster_config=ClusterConfig(),
+        num_prompts=NUM_PROMPTS,
+        num_samples=NUM_SAMPLES,
+        seed=SEED,
+        buffer_config=AsyncGRPOConfig(
+            max_trajectory_age_steps=1, max_buffer_groups=max_buffer_groups
+        ),
+        **kwargs,
+    )
     ray.get(handle.start.remote())
     return handle
 
@@ -164,8 +188,13 @@ def test_a_snapshot_resumes_the_same_prompt_order(ray_runtime):
         continued = [r.prompt_id for _ in range(4) for r in _sample(ray, first, 2, 0)]
     finally:
         _stop(ray, first)
-    resumed = _collector(ray, script, sampler_state=snapshot["sampler"],
-                         redo=snapshot["in_flight"], buffered=snapshot["buffer"])
+    resumed = _collector(
+        ray,
+        script,
+        sampler_state=snapshot["sampler"],
+        redo=snapshot["in_flight"],
+        buffered=snapshot["buffer"],
+    )
     try:
         assert [r.prompt_id for _ in range(4) for r in _sample(ray, resumed, 2, 0)] == continued
     finally:
@@ -178,22 +207,39 @@ def test_a_failed_round_surfaces_in_sample(ray_runtime):
     ray.get(script.set.remote(fail=True))
     handle = _collector(ray, script)
     try:
-        with pytest.raises(Exception, match="trajectory collector failed: RuntimeError: the "
-                                            "executor is unreachable"):
+        with pytest.raises(
+            Exception,
+            match="trajectory collector failed: RuntimeError: the executor is unreachable",
+        ):
             ray.get(handle.sample.remote(1, 0, 30.0))
     finally:
         _stop(ray, handle)
 
 
 def test_split_groups_keeps_each_prompt_whole():
-    samples = [GenerationSample(
-        prompt_index=p, sample_index=s, prompt_token_ids=(1,), response_token_ids=(2,),
-        response_logprobs=(-1.0,), response_text=f"{p}{s}", finish_reason="stop",
-        stop_reason=None, weight_versions=(0,), oldest_weight_version=0, engine_index=0)
-        for p in range(2) for s in range(2)]
-    result = EnvironmentResult(rewards_B=torch.tensor([1.0, 0.0, -1.0, 1.0]),
-                               sample_mask_B=torch.tensor([1.0, 1.0, 0.0, 1.0]),
-                               metadata=tuple({"i": i} for i in range(4)), metrics={})
+    samples = [
+        GenerationSample(
+            prompt_index=p,
+            sample_index=s,
+            prompt_token_ids=(1,),
+            response_token_ids=(2,),
+            response_logprobs=(-1.0,),
+            response_text=f"{p}{s}",
+            finish_reason="stop",
+            stop_reason=None,
+            weight_versions=(0,),
+            oldest_weight_version=0,
+            engine_index=0,
+        )
+        for p in range(2)
+        for s in range(2)
+    ]
+    result = EnvironmentResult(
+        rewards_B=torch.tensor([1.0, 0.0, -1.0, 1.0]),
+        sample_mask_B=torch.tensor([1.0, 1.0, 0.0, 1.0]),
+        metadata=tuple({"i": i} for i in range(4)),
+        metrics={},
+    )
     groups = split_groups(Rollout(["a", "b"], 2, samples, result, generate_seconds=2.0))
     assert [g.instances for g in groups] == [["a"], ["b"]]
     assert [s.response_text for s in groups[1].samples] == ["10", "11"]

@@ -95,21 +95,30 @@ class AsyncGRPOConfig:
     sample_timeout_s: float | None = 1800.0
 
     def __post_init__(self):
-        require(is_int(self.max_trajectory_age_steps) and self.max_trajectory_age_steps >= 0,
-                "max_trajectory_age_steps",
-                f"must be an integer >= 0 (0 = on-policy, 1 = one-step-off), got "
-                f"{self.max_trajectory_age_steps!r}")
-        require(is_int(self.max_buffer_groups) and self.max_buffer_groups > 0,
-                "max_buffer_groups",
-                f"must be an integer > 0 (capacity in groups; at least the number of prompts "
-                f"per step), got {self.max_buffer_groups!r}")
-        require(isinstance(self.in_flight_weight_updates, bool), "in_flight_weight_updates",
-                f"must be true or false, got {self.in_flight_weight_updates!r}")
+        require(
+            is_int(self.max_trajectory_age_steps) and self.max_trajectory_age_steps >= 0,
+            "max_trajectory_age_steps",
+            f"must be an integer >= 0 (0 = on-policy, 1 = one-step-off), got "
+            f"{self.max_trajectory_age_steps!r}",
+        )
+        require(
+            is_int(self.max_buffer_groups) and self.max_buffer_groups > 0,
+            "max_buffer_groups",
+            f"must be an integer > 0 (capacity in groups; at least the number of prompts "
+            f"per step), got {self.max_buffer_groups!r}",
+        )
+        require(
+            isinstance(self.in_flight_weight_updates, bool),
+            "in_flight_weight_updates",
+            f"must be true or false, got {self.in_flight_weight_updates!r}",
+        )
         for key in ("push_timeout_s", "sample_timeout_s"):
             value = getattr(self, key)
-            require(value is None or (is_number(value) and value > 0), key,
-                    f"must be a number of seconds > 0, or null to wait indefinitely; got "
-                    f"{value!r}")
+            require(
+                value is None or (is_number(value) and value > 0),
+                key,
+                f"must be a number of seconds > 0, or null to wait indefinitely; got {value!r}",
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,13 +164,16 @@ class ReplayBuffer:
 
     def __init__(self, config: AsyncGRPOConfig):
         if not isinstance(config, AsyncGRPOConfig):
-            raise ValueError(f"ReplayBuffer needs an AsyncGRPOConfig (YAML section async_grpo), "
-                             f"got {type(config).__name__}")
+            raise ValueError(
+                f"ReplayBuffer needs an AsyncGRPOConfig (YAML section async_grpo), "
+                f"got {type(config).__name__}"
+            )
         self._config = config
         self._cond = threading.Condition()
         self._groups: collections.deque[GroupRecord] = collections.deque()
         self._dropped: collections.deque[DroppedGroup] = collections.deque(
-            maxlen=_MAX_DROPPED_RECORDS)
+            maxlen=_MAX_DROPPED_RECORDS
+        )
         self._current_step = 0
         self._closed = False
         self._num_pushed = 0
@@ -176,8 +188,13 @@ class ReplayBuffer:
     def config(self) -> AsyncGRPOConfig:
         return self._config
 
-    def push(self, payload: Any, weight_version: int | Sequence[int], prompt_id: Any = None,
-             timeout: float | None = _FROM_CONFIG) -> bool:
+    def push(
+        self,
+        payload: Any,
+        weight_version: int | Sequence[int],
+        prompt_id: Any = None,
+        timeout: float | None = _FROM_CONFIG,
+    ) -> bool:
         """Adds one whole group; blocks while the buffer is full.
 
         Args:
@@ -220,7 +237,8 @@ class ReplayBuffer:
                         f"ReplayBuffer.push timed out after {timeout}s: the buffer stayed full "
                         f"({self._config.max_buffer_groups} groups, async_grpo.max_buffer_groups)"
                         f"; the trainer is not sampling — raise async_grpo.push_timeout_s or "
-                        f"check the trainer")
+                        f"check the trainer"
+                    )
                 self._cond.wait(remaining)
             self._push_wait_seconds += time.monotonic() - wait_start
             if self._closed:
@@ -231,14 +249,21 @@ class ReplayBuffer:
             if self._is_stale(version, self._current_step):
                 self._record_drop(prompt_id, version, push_index)
                 return False
-            self._groups.append(GroupRecord(payload=payload, prompt_id=prompt_id,
-                                            weight_version=version, push_index=push_index,
-                                            push_time_s=time.monotonic()))
+            self._groups.append(
+                GroupRecord(
+                    payload=payload,
+                    prompt_id=prompt_id,
+                    weight_version=version,
+                    push_index=push_index,
+                    push_time_s=time.monotonic(),
+                )
+            )
             self._cond.notify_all()
             return True
 
-    def sample(self, num_groups: int, current_step: int,
-               timeout: float | None = _FROM_CONFIG) -> list[GroupRecord]:
+    def sample(
+        self, num_groups: int, current_step: int, timeout: float | None = _FROM_CONFIG
+    ) -> list[GroupRecord]:
         """Removes and returns exactly `num_groups` groups fresh enough for `current_step`, FIFO.
 
         First advances the buffer to `current_step` (evicting groups the strict bound now
@@ -264,7 +289,8 @@ class ReplayBuffer:
             raise ValueError(
                 f"num_groups must be an integer in [1, {self._config.max_buffer_groups}] "
                 f"(async_grpo.max_buffer_groups); got {num_groups!r}. Raise max_buffer_groups "
-                f"to at least the number of prompts per step")
+                f"to at least the number of prompts per step"
+            )
         timeout = self._config.sample_timeout_s if timeout is _FROM_CONFIG else timeout
         deadline = _deadline(timeout, "sample")
         with self._cond:
@@ -278,7 +304,8 @@ class ReplayBuffer:
                     self._sample_wait_seconds += time.monotonic() - wait_start
                     raise BufferClosedError(
                         f"ReplayBuffer is closed and holds {len(self._groups)} group(s); "
-                        f"sample() asked for {num_groups}")
+                        f"sample() asked for {num_groups}"
+                    )
                 remaining = _remaining(deadline)
                 if remaining is not None and remaining <= 0:
                     self._sample_wait_seconds += time.monotonic() - wait_start
@@ -286,7 +313,8 @@ class ReplayBuffer:
                         f"ReplayBuffer.sample timed out after {timeout}s with {len(self._groups)}"
                         f" of {num_groups} fresh groups for step {current_step} "
                         f"({self._num_dropped_stale} dropped as stale so far); the collectors "
-                        f"are too slow or dead; check them, or raise async_grpo.sample_timeout_s")
+                        f"are too slow or dead; check them, or raise async_grpo.sample_timeout_s"
+                    )
                 self._cond.wait(remaining)
             self._sample_wait_seconds += time.monotonic() - wait_start
             now = time.monotonic()
@@ -374,11 +402,13 @@ class ReplayBuffer:
                 "num_groups_consumed": num_consumed,
                 "num_groups_dropped_stale": self._num_dropped_stale,
                 "consumed_age_histogram": ages,
-                "consumed_age_mean": (sum(a * n for a, n in ages.items()) / num_consumed
-                                      if num_consumed else 0.0),
+                "consumed_age_mean": (
+                    sum(a * n for a, n in ages.items()) / num_consumed if num_consumed else 0.0
+                ),
                 "consumed_age_max": max(ages) if ages else 0,
-                "consumed_seconds_in_buffer_mean": (self._consumed_seconds_in_buffer
-                                                    / num_consumed if num_consumed else 0.0),
+                "consumed_seconds_in_buffer_mean": (
+                    self._consumed_seconds_in_buffer / num_consumed if num_consumed else 0.0
+                ),
                 "push_wait_seconds_total": self._push_wait_seconds,
                 "sample_wait_seconds_total": self._sample_wait_seconds,
                 "closed": self._closed,
@@ -392,16 +422,21 @@ class ReplayBuffer:
         elif isinstance(weight_version, Sequence) and not isinstance(weight_version, str):
             versions = list(weight_version)
         else:
-            raise ValueError(f"weight_version must be an int or a sequence of per-sample ints, "
-                             f"got {weight_version!r}")
+            raise ValueError(
+                f"weight_version must be an int or a sequence of per-sample ints, "
+                f"got {weight_version!r}"
+            )
         if not versions or not all(is_int(v) and v >= 0 for v in versions):
-            raise ValueError(f"weight_version(s) must be integers >= 0 (weight version k = "
-                             f"weights after k optimizer steps), got {weight_version!r}")
+            raise ValueError(
+                f"weight_version(s) must be integers >= 0 (weight version k = "
+                f"weights after k optimizer steps), got {weight_version!r}"
+            )
         if not self._config.in_flight_weight_updates and len(set(versions)) > 1:
             raise ValueError(
                 f"a group mixes weight versions {sorted(set(versions))} but "
                 f"async_grpo.in_flight_weight_updates is false; set it to true if the engine "
-                f"receives weights mid-generation, otherwise the collector mislabels samples")
+                f"receives weights mid-generation, otherwise the collector mislabels samples"
+            )
         # With in-flight updates the oldest version bounds the age of every sample.
         return min(versions)
 
@@ -410,9 +445,11 @@ class ReplayBuffer:
 
     def _advance_locked(self, current_step: int) -> int:
         if not is_int(current_step) or current_step < self._current_step:
-            raise ValueError(f"current_step must be an integer >= the last step seen "
-                             f"({self._current_step}); steps never go backwards, got "
-                             f"{current_step!r}")
+            raise ValueError(
+                f"current_step must be an integer >= the last step seen "
+                f"({self._current_step}); steps never go backwards, got "
+                f"{current_step!r}"
+            )
         self._current_step = current_step
         kept = collections.deque()
         num_evicted = 0
@@ -428,20 +465,25 @@ class ReplayBuffer:
         return num_evicted
 
     def _check_no_future_versions_locked(self, current_step: int) -> None:
-        future = sorted({g.weight_version for g in self._groups
-                         if g.weight_version > current_step})
+        future = sorted({g.weight_version for g in self._groups if g.weight_version > current_step})
         if future:
             raise ValueError(
                 f"sample(current_step={current_step}): buffered group(s) have newer weight "
                 f"version(s) {future}; current_step must be the trainer's weight version (the "
                 f"number of optimizer steps done), and collectors must report the version that "
-                f"generated each group")
+                f"generated each group"
+            )
 
     def _record_drop(self, prompt_id: Any, version: int, push_index: int) -> None:
         self._num_dropped_stale += 1
-        self._dropped.append(DroppedGroup(prompt_id=prompt_id, weight_version=version,
-                                          push_index=push_index,
-                                          dropped_at_step=self._current_step))
+        self._dropped.append(
+            DroppedGroup(
+                prompt_id=prompt_id,
+                weight_version=version,
+                push_index=push_index,
+                dropped_at_step=self._current_step,
+            )
+        )
 
 
 def create_replay_buffer_actor(config: AsyncGRPOConfig, num_producers: int, **actor_options):

@@ -9,16 +9,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dockyard_rl.algorithms.async_utils.replay_buffer import (AsyncGRPOConfig, BufferClosedError,
-                                                              ReplayBuffer,
-                                                              create_replay_buffer_actor)
+from dockyard_rl.algorithms.async_utils.replay_buffer import (
+    AsyncGRPOConfig,
+    BufferClosedError,
+    ReplayBuffer,
+    create_replay_buffer_actor,
+)
 from dockyard_rl.cluster.local_ray import init_local_ray
 from dockyard_rl.utils.config import from_dict
 
 
 def make_buffer(max_age=1, capacity=8, **kwargs):
-    return ReplayBuffer(AsyncGRPOConfig(max_trajectory_age_steps=max_age,
-                                        max_buffer_groups=capacity, **kwargs))
+    return ReplayBuffer(
+        AsyncGRPOConfig(max_trajectory_age_steps=max_age, max_buffer_groups=capacity, **kwargs)
+    )
 
 
 def wait_until(predicate, timeout=5.0):
@@ -33,24 +37,34 @@ def wait_until(predicate, timeout=5.0):
 
 
 def test_config_from_yaml_dict():
-    cfg = from_dict(AsyncGRPOConfig, {"max_trajectory_age_steps": 0, "max_buffer_groups": 4,
-                                      "push_timeout_s": 2.5, "sample_timeout_s": None},
-                    "async_grpo")
+    cfg = from_dict(
+        AsyncGRPOConfig,
+        {
+            "max_trajectory_age_steps": 0,
+            "max_buffer_groups": 4,
+            "push_timeout_s": 2.5,
+            "sample_timeout_s": None,
+        },
+        "async_grpo",
+    )
     assert cfg.max_trajectory_age_steps == 0
     assert cfg.max_buffer_groups == 4
     assert cfg.push_timeout_s == 2.5
     assert cfg.sample_timeout_s is None
 
 
-@pytest.mark.parametrize("data, key", [
-    ({"max_trajectory_age_steps": -1}, "async_grpo.max_trajectory_age_steps"),
-    ({"max_trajectory_age_steps": 1.5}, "async_grpo.max_trajectory_age_steps"),
-    ({"max_trajectory_age_steps": True}, "async_grpo.max_trajectory_age_steps"),
-    ({"max_buffer_groups": 0}, "async_grpo.max_buffer_groups"),
-    ({"in_flight_weight_updates": "yes"}, "async_grpo.in_flight_weight_updates"),
-    ({"push_timeout_s": 0}, "async_grpo.push_timeout_s"),
-    ({"sample_timeout_s": -3}, "async_grpo.sample_timeout_s"),
-])
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        ({"max_trajectory_age_steps": -1}, "async_grpo.max_trajectory_age_steps"),
+        ({"max_trajectory_age_steps": 1.5}, "async_grpo.max_trajectory_age_steps"),
+        ({"max_trajectory_age_steps": True}, "async_grpo.max_trajectory_age_steps"),
+        ({"max_buffer_groups": 0}, "async_grpo.max_buffer_groups"),
+        ({"in_flight_weight_updates": "yes"}, "async_grpo.in_flight_weight_updates"),
+        ({"push_timeout_s": 0}, "async_grpo.push_timeout_s"),
+        ({"sample_timeout_s": -3}, "async_grpo.sample_timeout_s"),
+    ],
+)
 def test_config_rejects_bad_values_naming_the_key(data, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         from_dict(AsyncGRPOConfig, data, "async_grpo")
@@ -148,11 +162,14 @@ def test_group_from_a_future_version_is_a_step_counting_error():
 # The property: over random interleavings of pushes, step advances and samples, every consumed
 # group satisfies step <= v + max_age (never later), stale groups are never returned, groups come
 # back whole and in FIFO order, and the buffer matches a plain-list reference model exactly.
-_ops = st.lists(st.one_of(
-    st.tuples(st.just("push"), st.integers(0, 4)),      # push a group of version step - k
-    st.tuples(st.just("advance"), st.integers(0, 2)),   # trainer advances by k steps
-    st.tuples(st.just("sample"), st.integers(1, 3)),    # sample k groups
-), max_size=60)
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("push"), st.integers(0, 4)),  # push a group of version step - k
+        st.tuples(st.just("advance"), st.integers(0, 2)),  # trainer advances by k steps
+        st.tuples(st.just("sample"), st.integers(1, 3)),  # sample k groups
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
@@ -173,8 +190,10 @@ def test_property_age_bound_fifo_and_accounting(max_age, capacity, ops):
                 with pytest.raises(TimeoutError):
                     buffer.push(payload, weight_version=version, prompt_id=num_pushed, timeout=0)
                 continue
-            assert buffer.push(payload, weight_version=version, prompt_id=num_pushed,
-                               timeout=0) is fresh
+            assert (
+                buffer.push(payload, weight_version=version, prompt_id=num_pushed, timeout=0)
+                is fresh
+            )
             pushed_versions[num_pushed] = version
             if fresh:
                 model.append((num_pushed, version))
@@ -268,7 +287,8 @@ def test_sample_blocks_until_enough_groups_arrive():
     buffer = make_buffer(capacity=4)
     result = {}
     consumer = threading.Thread(
-        target=lambda: result.update(groups=buffer.sample(3, current_step=0, timeout=10)))
+        target=lambda: result.update(groups=buffer.sample(3, current_step=0, timeout=10))
+    )
     consumer.start()
     for i in range(3):
         time.sleep(0.02)
@@ -321,8 +341,7 @@ def test_eviction_on_step_advance_unblocks_a_producer():
     buffer = make_buffer(max_age=0, capacity=1)
     buffer.push("old", weight_version=0)
     done = threading.Event()
-    producer = threading.Thread(
-        target=lambda: (buffer.push("new", weight_version=1), done.set()))
+    producer = threading.Thread(target=lambda: (buffer.push("new", weight_version=1), done.set()))
     producer.start()
     assert not done.wait(0.1)
     assert buffer.advance_step(1) == 1
@@ -358,7 +377,8 @@ def test_close_wakes_blocked_producer_and_consumer():
     producer = threading.Thread(target=call, args=(lambda: buffer.push("b", 0, timeout=None),))
     consumer_buffer = make_buffer()
     consumer = threading.Thread(
-        target=call, args=(lambda: consumer_buffer.sample(1, current_step=0, timeout=None),))
+        target=call, args=(lambda: consumer_buffer.sample(1, current_step=0, timeout=None),)
+    )
     producer.start()
     consumer.start()
     time.sleep(0.1)
@@ -403,8 +423,12 @@ def test_concurrent_producers_one_consumer_lose_and_duplicate_nothing():
                 with version_lock:
                     # Some groups come from an older engine (a slow generation), so drops happen.
                     version = max(0, published["version"] - rng.choice([0, 0, 0, 1, 2]))
-                buffer.push({"producer": producer_id, "n": n}, weight_version=version,
-                            prompt_id=(producer_id, n), timeout=10)
+                buffer.push(
+                    {"producer": producer_id, "n": n},
+                    weight_version=version,
+                    prompt_id=(producer_id, n),
+                    timeout=10,
+                )
                 if rng.random() < 0.3:
                     time.sleep(0.001)
         except Exception as error:  # surfaced by the assertion below
@@ -437,8 +461,9 @@ def test_concurrent_producers_one_consumer_lose_and_duplicate_nothing():
 
     everything = consumed + dropped
     assert len(everything) == len(set(everything)), "a group was returned or dropped twice"
-    assert set(everything) == {(p, n) for p in range(num_producers)
-                               for n in range(groups_per_producer)}
+    assert set(everything) == {
+        (p, n) for p in range(num_producers) for n in range(groups_per_producer)
+    }
     assert step > 10
     metrics = buffer.metrics()
     assert metrics["num_groups_pushed"] == num_producers * groups_per_producer
@@ -463,28 +488,28 @@ def test_as_threaded_ray_actor(ray_runtime):
     ray = ray_runtime
     num_producers, groups_per_producer, groups_per_step = 2, 12, 3
     buffer = create_replay_buffer_actor(
-        AsyncGRPOConfig(max_trajectory_age_steps=1, max_buffer_groups=4), num_producers)
+        AsyncGRPOConfig(max_trajectory_age_steps=1, max_buffer_groups=4), num_producers
+    )
 
     @ray.remote(num_cpus=1)
     def produce(handle, producer_id):
         for n in range(groups_per_producer):
             # Blocks inside the actor whenever the buffer is full (capacity 4 < 24 groups).
-            ray.get(handle.push.remote({"tokens": [producer_id, n]}, 0,
-                                       (producer_id, n), 30))
+            ray.get(handle.push.remote({"tokens": [producer_id, n]}, 0, (producer_id, n), 30))
         return producer_id
 
     producer_refs = [produce.remote(buffer, i) for i in range(num_producers)]
     # Let the producers fill the buffer and block on back-pressure.
-    wait_until(lambda: ray.get(buffer.metrics.remote())["push_wait_seconds_total"] > 0,
-               timeout=20)
+    wait_until(lambda: ray.get(buffer.metrics.remote())["push_wait_seconds_total"] > 0, timeout=20)
     consumed = []
     for _ in range(num_producers * groups_per_producer // groups_per_step):
         groups = ray.get(buffer.sample.remote(groups_per_step, 1, 20))
         assert all(g.weight_version == 0 for g in groups)
         consumed += [g.prompt_id for g in groups]
     assert sorted(ray.get(producer_refs, timeout=20)) == list(range(num_producers))
-    assert sorted(consumed) == [(p, n) for p in range(num_producers)
-                                for n in range(groups_per_producer)]
+    assert sorted(consumed) == [
+        (p, n) for p in range(num_producers) for n in range(groups_per_producer)
+    ]
     # Each producer's groups keep their order (FIFO per producer).
     for p in range(num_producers):
         assert [n for q, n in consumed if q == p] == list(range(groups_per_producer))

@@ -14,17 +14,19 @@ fails only if all NUM_RUNS runs of the flaky test agree (module constant P_NO_FL
 
 import json
 import logging
-import pathlib
 import types
 
 import pytest
 
 from dockyard_rl.data.datasets import load_jsonl
-from dockyard_rl.data.synthesis import (synthesize_swe_tasks, task_synthesis, testing_sdists,
-                                        validate_swe_tasks)
+from dockyard_rl.data.synthesis import (
+    synthesize_swe_tasks,
+    task_synthesis,
+    testing_sdists,
+    validate_swe_tasks,
+)
 from dockyard_rl.sandbox.client import TaskResult
-from dockyard_rl.sandbox.task import (ApplyMethod, FailureKind, TaskStatus, TestOutcome,
-                                      Verdict)
+from dockyard_rl.sandbox.task import ApplyMethod, FailureKind, TaskStatus, TestOutcome, Verdict
 from dockyard_rl.utils.config import from_dict
 
 FLAKY = testing_sdists.FLAKY_TEST
@@ -34,7 +36,7 @@ FLAKY = testing_sdists.FLAKY_TEST
 # two validated instances): a chance failure about once in 480,000 runs of it.
 NUM_RUNS = 35
 _P = testing_sdists.FLAKY_FAIL_PROBABILITY
-P_NO_FLIP = (1 - _P) ** NUM_RUNS + _P ** NUM_RUNS
+P_NO_FLIP = (1 - _P) ** NUM_RUNS + _P**NUM_RUNS
 assert P_NO_FLIP < 1e-6
 
 
@@ -60,10 +62,24 @@ def synthesis(tmp_path_factory):
     try:
         # One window of one candidate: the first mutant that qualifies is the only one validated
         # (each validation runs the mutant NUM_RUNS - 1 more times).
-        code = synthesize_swe_tasks.main([
-            "--packages", str(archive), "--out", str(out), "--max-tasks-per-package", "1",
-            "--window-size", "1", "--num-baseline-runs", str(NUM_RUNS), "--workers", "2",
-            "--log-level", "WARNING"])
+        code = synthesize_swe_tasks.main(
+            [
+                "--packages",
+                str(archive),
+                "--out",
+                str(out),
+                "--max-tasks-per-package",
+                "1",
+                "--window-size",
+                "1",
+                "--num-baseline-runs",
+                str(NUM_RUNS),
+                "--workers",
+                "2",
+                "--log-level",
+                "WARNING",
+            ]
+        )
     finally:
         synthesis_logger.removeHandler(log)
     return types.SimpleNamespace(root=root, out=out, code=code, messages=log.messages)
@@ -87,66 +103,122 @@ def test_validation_finds_flaky_tests_and_writes_a_cleaned_set(synthesis, tmp_pa
     # As a set made with too few baseline runs (or a published one) might have them: the flaky
     # test in one task's PASS_TO_PASS, and in another's FAIL_TO_PASS.
     in_p2p = {**row, "PASS_TO_PASS": [*row["PASS_TO_PASS"], FLAKY]}
-    in_f2p = {**row, "instance_id": row["instance_id"] + "_f2p",
-              "FAIL_TO_PASS": [*row["FAIL_TO_PASS"], FLAKY]}
+    in_f2p = {
+        **row,
+        "instance_id": row["instance_id"] + "_f2p",
+        "FAIL_TO_PASS": [*row["FAIL_TO_PASS"], FLAKY],
+    }
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(r) + "\n" for r in (in_p2p, in_f2p)))
     report, cleaned = tmp_path / "report.json", tmp_path / "cleaned.jsonl"
     # The flaky test fails in some gold run (else it would not flip), so neither is valid.
-    assert validate_swe_tasks.main(["--tasks", str(tasks), "--gold-runs", str(NUM_RUNS),
-                                    "--workers", "2", "--report", str(report),
-                                    "--write-cleaned", str(cleaned)]) == 1
+    assert (
+        validate_swe_tasks.main(
+            [
+                "--tasks",
+                str(tasks),
+                "--gold-runs",
+                str(NUM_RUNS),
+                "--workers",
+                "2",
+                "--report",
+                str(report),
+                "--write-cleaned",
+                str(cleaned),
+            ]
+        )
+        == 1
+    )
     summary = json.loads(report.read_text())
     p2p_id, f2p_id = in_p2p["instance_id"], in_f2p["instance_id"]
     assert summary["flaky_tests"] == {p2p_id: [FLAKY], f2p_id: [FLAKY]}
     assert summary["num_tasks"] == 2 and summary["num_valid"] == 0
     assert set(summary["problems"]) == {p2p_id, f2p_id}
     assert all("gold patch did not resolve" in p for p in summary["problems"].values())
-    assert summary["cleaned"] == {"path": str(cleaned), "num_written": 1,
-                                  "dropped": {f2p_id: f"FAIL_TO_PASS test(s) flaky: {[FLAKY]}"}}
+    assert summary["cleaned"] == {
+        "path": str(cleaned),
+        "num_written": 1,
+        "dropped": {f2p_id: f"FAIL_TO_PASS test(s) flaky: {[FLAKY]}"},
+    }
     out = capsys.readouterr().out
     assert f"FLAKY {p2p_id}" in out and f"DROPPED {f2p_id}" in out
     # The cleaned set is the synthesized task again, and it validates.
     assert load_jsonl(cleaned) == load_jsonl(synthesis.out / "tasks.jsonl")
-    assert validate_swe_tasks.main(["--tasks", str(cleaned), "--gold-runs", "2",
-                                    "--workers", "2", "--report", str(report)]) == 0
+    assert (
+        validate_swe_tasks.main(
+            ["--tasks", str(cleaned), "--gold-runs", "2", "--workers", "2", "--report", str(report)]
+        )
+        == 0
+    )
     assert json.loads(report.read_text())["flaky_tests"] == {}
 
 
 def _result(outcomes: dict[str, TestOutcome], kind: FailureKind) -> TaskResult:
     resolved = kind is FailureKind.NONE
-    verdict = Verdict(resolved=resolved, reward=float(resolved), fail_to_pass={},
-                      pass_to_pass=outcomes, apply_method=ApplyMethod.GIT_APPLY,
-                      integrity_violation=(), test_exit_code=0 if resolved else 1,
-                      timed_out=kind is FailureKind.TIMEOUT, timings_s={}, log_tail="",
-                      failure_kind=kind)
-    return TaskResult(task_id="t", status=TaskStatus.FINISHED, verdict=verdict, error=None,
-                      attempts=1)
+    verdict = Verdict(
+        resolved=resolved,
+        reward=float(resolved),
+        fail_to_pass={},
+        pass_to_pass=outcomes,
+        apply_method=ApplyMethod.GIT_APPLY,
+        integrity_violation=(),
+        test_exit_code=0 if resolved else 1,
+        timed_out=kind is FailureKind.TIMEOUT,
+        timings_s={},
+        log_tail="",
+        failure_kind=kind,
+    )
+    return TaskResult(
+        task_id="t", status=TaskStatus.FINISHED, verdict=verdict, error=None, attempts=1
+    )
 
 
 def test_a_flip_is_passed_versus_not_passed_in_trusted_runs():
-    passed, failed, error, missing = (TestOutcome.PASSED, TestOutcome.FAILED, TestOutcome.ERROR,
-                                      TestOutcome.MISSING)
-    runs = [_result({"a": passed, "b": failed, "c": passed}, FailureKind.TESTS_FAILED),
-            _result({"a": passed, "b": error, "c": failed}, FailureKind.TESTS_FAILED),
-            # Untrusted runs report every test missing: they say nothing about "a".
-            _result({"a": missing, "b": missing, "c": missing}, FailureKind.TIMEOUT),
-            _result({"a": missing, "b": missing, "c": missing}, FailureKind.REPORT_UNTRUSTED)]
+    passed, failed, error, missing = (
+        TestOutcome.PASSED,
+        TestOutcome.FAILED,
+        TestOutcome.ERROR,
+        TestOutcome.MISSING,
+    )
+    runs = [
+        _result({"a": passed, "b": failed, "c": passed}, FailureKind.TESTS_FAILED),
+        _result({"a": passed, "b": error, "c": failed}, FailureKind.TESTS_FAILED),
+        # Untrusted runs report every test missing: they say nothing about "a".
+        _result({"a": missing, "b": missing, "c": missing}, FailureKind.TIMEOUT),
+        _result({"a": missing, "b": missing, "c": missing}, FailureKind.REPORT_UNTRUSTED),
+    ]
     assert validate_swe_tasks._flaky_tests(runs) == ("c",)
     assert validate_swe_tasks._flaky_tests(runs[:1]) == ()
 
 
 def test_settings_that_cannot_show_a_flaky_test_are_refused(tmp_path, capsys):
     assert task_synthesis.SynthesisConfig().num_baseline_runs == 3
-    with pytest.raises(ValueError, match=r"^synthesis\.search\.num_baseline_runs: must be an "
-                                         r"integer >= 2"):
-        from_dict(task_synthesis.TaskSynthesisConfig,
-                  {"packages": ["x==1"], "search": {"num_baseline_runs": 1}}, "synthesis")
+    with pytest.raises(
+        ValueError,
+        match=r"^synthesis\.search\.num_baseline_runs: must be an "
+        r"integer >= 2",
+    ):
+        from_dict(
+            task_synthesis.TaskSynthesisConfig,
+            {"packages": ["x==1"], "search": {"num_baseline_runs": 1}},
+            "synthesis",
+        )
     with pytest.raises(ValueError, match="num_baseline_runs"):
         task_synthesis.SynthesisConfig(num_baseline_runs=True)
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("")
-    assert validate_swe_tasks.main(["--tasks", str(tasks), "--gold-runs", "1",
-                                    "--write-cleaned", str(tmp_path / "c.jsonl")]) == 2
+    assert (
+        validate_swe_tasks.main(
+            [
+                "--tasks",
+                str(tasks),
+                "--gold-runs",
+                "1",
+                "--write-cleaned",
+                str(tmp_path / "c.jsonl"),
+            ]
+        )
+        == 2
+    )
     assert "--write-cleaned needs --gold-runs >= 2" in capsys.readouterr().err
     assert not (tmp_path / "c.jsonl").exists()

@@ -412,8 +412,14 @@ class _SiteCollector(cst.CSTVisitor):
     def _add_operator_flip(self, kind: str, node, new_op, parent, here) -> None:
         """A site replacing `node`'s binary/boolean operator with `new_op` (parenthesised as
         needed, see _flip_binary_like)."""
-        self._add(kind, node.operator, f"`{_op_text(node.operator)}` -> `{_OP_TEXT[new_op]}`",
-                  node, here, functools.partial(_flip_binary_like, node, new_op, parent))
+        self._add(
+            kind,
+            node.operator,
+            f"`{_op_text(node.operator)}` -> `{_OP_TEXT[new_op]}`",
+            node,
+            here,
+            functools.partial(_flip_binary_like, node, new_op, parent),
+        )
 
     def _collect_comparison(self, node: cst.ComparisonTarget, here) -> None:
         new_op = _COMPARISON_FLIPS[type(node.operator)]
@@ -482,9 +488,7 @@ class _SiteCollector(cst.CSTVisitor):
         self._watch(candidate, node)
 
     def _collect_swap(self, node: cst.Call, here) -> None:
-        positional = [
-            i for i, arg in enumerate(node.args) if arg.keyword is None and not arg.star
-        ]
+        positional = [i for i, arg in enumerate(node.args) if arg.keyword is None and not arg.star]
         if len(positional) < 2:
             return
         i, j = positional[0], positional[1]
@@ -774,17 +778,17 @@ def _slice_bound_plus_one(bound: cst.BaseExpression) -> cst.BaseExpression:
     if isinstance(bound, cst.BinaryOperation) and isinstance(bound.right, cst.Integer):
         k = int(bound.right.value.replace("_", ""), 0)
         if isinstance(bound.operator, cst.Add):
-            return bound.with_changes(right=bound.right.with_changes(value=_bump_integer(
-                bound.right.value, +1)))
+            return bound.with_changes(
+                right=bound.right.with_changes(value=_bump_integer(bound.right.value, +1))
+            )
         if isinstance(bound.operator, cst.Subtract) and k == 1:
             left = bound.left
             # `x[:(n - 1)]` -> `x[:(n)]`: keep the outer parentheses around what is left.
-            return left.with_changes(
-                lpar=[*bound.lpar, *left.lpar], rpar=[*left.rpar, *bound.rpar]
-            )
+            return left.with_changes(lpar=[*bound.lpar, *left.lpar], rpar=[*left.rpar, *bound.rpar])
         if isinstance(bound.operator, cst.Subtract) and k > 1:
-            return bound.with_changes(right=bound.right.with_changes(value=_bump_integer(
-                bound.right.value, -1)))
+            return bound.with_changes(
+                right=bound.right.with_changes(value=_bump_integer(bound.right.value, -1))
+            )
     left = bound if _precedence(bound) >= _ARITH else _paren(bound)
     return cst.BinaryOperation(
         left=left,

@@ -498,9 +498,7 @@ def _changed_original_lines(before: str, after: str) -> tuple[int, int]:
     while prefix < min(len(old), len(new)) and old[prefix] == new[prefix]:
         prefix += 1
     suffix = 0
-    while (
-        suffix < min(len(old), len(new)) - prefix and old[-1 - suffix] == new[-1 - suffix]
-    ):
+    while suffix < min(len(old), len(new)) - prefix and old[-1 - suffix] == new[-1 - suffix]:
         suffix += 1
     return prefix + 1, len(old) - suffix
 

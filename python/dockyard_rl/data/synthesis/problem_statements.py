@@ -54,8 +54,9 @@ def failure_messages(log: str) -> dict[str, list[str]]:
         else:
             summary = _SUMMARY_RE.match(raw_line)
         if summary and summary.group("message"):
-            messages.setdefault(summary.group("node_id"),
-                                [_ADDRESS_RE.sub("0x...", summary.group("message"))])
+            messages.setdefault(
+                summary.group("node_id"), [_ADDRESS_RE.sub("0x...", summary.group("message"))]
+            )
             continue
         if current is not None and raw_line.startswith("E "):
             current.append(_ADDRESS_RE.sub("0x...", raw_line[1:].strip())[:_MAX_LINE_CHARS])
@@ -68,8 +69,15 @@ def failure_messages(log: str) -> dict[str, list[str]]:
     return messages
 
 
-def write_problem_statement(package: str, version: str, failing_tests: Sequence[str], log: str,
-                            *, max_tests: int = 5, max_lines: int = 6) -> str:
+def write_problem_statement(
+    package: str,
+    version: str,
+    failing_tests: Sequence[str],
+    log: str,
+    *,
+    max_tests: int = 5,
+    max_lines: int = 6,
+) -> str:
     """An issue-like report of `failing_tests` (node ids) from the log of the run where they
     failed. Deterministic: the same inputs give the same text."""
     if not failing_tests:
@@ -79,11 +87,16 @@ def write_problem_statement(package: str, version: str, failing_tests: Sequence[
     if len(failing_tests) == 1:
         title = f"{package} {version}: `{names[0]}` fails"
     else:
-        title = (f"{package} {version}: `{names[0]}` and {len(failing_tests) - 1} other "
-                 f"test{'s' if len(failing_tests) > 2 else ''} fail")
-    lines = [title, "",
-             f"With the current code of {package}, these tests fail; they are expected to pass:",
-             ""]
+        title = (
+            f"{package} {version}: `{names[0]}` and {len(failing_tests) - 1} other "
+            f"test{'s' if len(failing_tests) > 2 else ''} fail"
+        )
+    lines = [
+        title,
+        "",
+        f"With the current code of {package}, these tests fail; they are expected to pass:",
+        "",
+    ]
     for node_id in failing_tests[:max_tests]:
         lines.append(f"- `{node_id}`")
         error = messages.get(headline_of(node_id)) or messages.get(node_id) or []
@@ -94,8 +107,10 @@ def write_problem_statement(package: str, version: str, failing_tests: Sequence[
             lines.append("  ```")
     if len(failing_tests) > max_tests:
         lines.append(f"- ... and {len(failing_tests) - max_tests} more")
-    lines += ["",
-              "The other tests that passed before still pass. These tests are not in the "
-              "checkout; they will be run against your change. Fix the library code (not the "
-              "tests) so that they pass without breaking the others."]
+    lines += [
+        "",
+        "The other tests that passed before still pass. These tests are not in the "
+        "checkout; they will be run against your change. Fix the library code (not the "
+        "tests) so that they pass without breaking the others.",
+    ]
     return "\n".join(lines) + "\n"

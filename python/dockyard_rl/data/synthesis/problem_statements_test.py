@@ -40,8 +40,12 @@ def test_failure_messages():
 
 
 def test_statement_names_tests_and_errors_but_not_the_code():
-    failing = ["tests/test_core.py::test_clamp[42-10]", "tests/test_core.py::TestMedian::test_even",
-               "tests/test_other.py::test_only_in_summary", "tests/test_core.py::test_unknown"]
+    failing = [
+        "tests/test_core.py::test_clamp[42-10]",
+        "tests/test_core.py::TestMedian::test_even",
+        "tests/test_other.py::test_only_in_summary",
+        "tests/test_core.py::test_unknown",
+    ]
     text = problem_statements.write_problem_statement("toystats", "1.0", failing, LOG)
     assert text.startswith("toystats 1.0: `test_clamp[42-10]` and 3 other tests fail\n")
     for node_id in failing:
@@ -53,24 +57,28 @@ def test_statement_names_tests_and_errors_but_not_the_code():
 
 
 def test_memory_addresses_are_masked():
-    log = ("______ test_tokens ______\n"
-           "E   assert 6 == 1\n"
-           "E    +  where 6 = len([<Identifier 'foo' at 0x7F7B6FE3E3D0>])\n"
-           "=== short test summary info ===\n"
-           "FAILED t.py::test_other - <built-in method at 0x7f7dff5e74b0>\n")
+    log = (
+        "______ test_tokens ______\n"
+        "E   assert 6 == 1\n"
+        "E    +  where 6 = len([<Identifier 'foo' at 0x7F7B6FE3E3D0>])\n"
+        "=== short test summary info ===\n"
+        "FAILED t.py::test_other - <built-in method at 0x7f7dff5e74b0>\n"
+    )
     messages = problem_statements.failure_messages(log)
     assert messages["test_tokens"][1] == "+  where 6 = len([<Identifier 'foo' at 0x...>])"
     assert messages["t.py::test_other"] == ["<built-in method at 0x...>"]
 
 
 def test_same_test_name_in_two_files_falls_back_to_the_summary():
-    log = ("______ test_f ______\n"
-           "E   ValueError: from file a\n"
-           "______ test_f ______\n"
-           "E   ValueError: from file b\n"
-           "=== short test summary info ===\n"
-           "FAILED tests/test_a.py::test_f - ValueError: from file a\n"
-           "FAILED tests/test_b.py::test_f - ValueError: from file b\n")
+    log = (
+        "______ test_f ______\n"
+        "E   ValueError: from file a\n"
+        "______ test_f ______\n"
+        "E   ValueError: from file b\n"
+        "=== short test summary info ===\n"
+        "FAILED tests/test_a.py::test_f - ValueError: from file a\n"
+        "FAILED tests/test_b.py::test_f - ValueError: from file b\n"
+    )
     text = problem_statements.write_problem_statement("p", "1", ["tests/test_a.py::test_f"], log)
     assert "from file a" in text and "from file b" not in text
 

@@ -57,8 +57,22 @@ _PIP_TIMEOUT_S = 900
 # A fixed date keeps commit ids a function of content only (reproducible task ids).
 _FIXED_DATE = "1700000000 +0000"
 _TEST_DIR_NAMES = {"test", "tests", "testing"}
-_NON_SOURCE_TOP_DIRS = {"doc", "docs", "example", "examples", "benchmark", "benchmarks", "bench",
-                        "script", "scripts", "tools", "build", "dist", "ci", ".github"}
+_NON_SOURCE_TOP_DIRS = {
+    "doc",
+    "docs",
+    "example",
+    "examples",
+    "benchmark",
+    "benchmarks",
+    "bench",
+    "script",
+    "scripts",
+    "tools",
+    "build",
+    "dist",
+    "ci",
+    ".github",
+}
 _NON_SOURCE_TOP_FILES = {"setup.py", "noxfile.py", "fabfile.py", "tasks.py", "conf.py"}
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tar.xz", ".zip")
 
@@ -71,20 +85,24 @@ def is_test_module(path: str) -> bool:
     """Whether repository path `path` (a .py file) is part of the test suite."""
     parts = pathlib.PurePosixPath(path).parts
     name = parts[-1]
-    return (any(part in _TEST_DIR_NAMES for part in parts[:-1]) or name == "conftest.py"
-            or (name.startswith("test_") and name.endswith(".py")) or name.endswith("_test.py"))
+    return (
+        any(part in _TEST_DIR_NAMES for part in parts[:-1])
+        or name == "conftest.py"
+        or (name.startswith("test_") and name.endswith(".py"))
+        or name.endswith("_test.py")
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class PackageLayout:
     """An unpacked sdist: its metadata and which files play which role."""
 
-    name: str                        # the distribution's name from PKG-INFO, e.g. "sqlparse"
+    name: str  # the distribution's name from PKG-INFO, e.g. "sqlparse"
     version: str
-    root: pathlib.Path               # the unpacked tree (what `pristine` commits)
-    source_files: tuple[str, ...]    # repository paths of the modules mutations may touch
-    test_files: tuple[str, ...]      # non-empty test modules (held out of `screening`)
-    test_paths: tuple[str, ...]      # what pytest is pointed at: test folders or loose test files
+    root: pathlib.Path  # the unpacked tree (what `pristine` commits)
+    source_files: tuple[str, ...]  # repository paths of the modules mutations may touch
+    test_files: tuple[str, ...]  # non-empty test modules (held out of `screening`)
+    test_paths: tuple[str, ...]  # what pytest is pointed at: test folders or loose test files
     import_paths: tuple[str, ...] = ()  # folders to put on sys.path: ("src",) for a src layout
 
     @property
@@ -122,33 +140,56 @@ def fetch_sdist(requirement: str, download_dir: pathlib.Path) -> pathlib.Path:
     if requirement.startswith(BUNDLED_PREFIX):
         from dockyard_rl.data.synthesis import testing_sdists
 
-        name = requirement[len(BUNDLED_PREFIX):]
+        name = requirement[len(BUNDLED_PREFIX) :]
         if name not in testing_sdists.BUNDLED:
-            raise SdistError(f"{requirement}: no bundled package {name!r}; bundled: "
-                             f"{', '.join(BUNDLED_PREFIX + n for n in testing_sdists.BUNDLED)}")
+            raise SdistError(
+                f"{requirement}: no bundled package {name!r}; bundled: "
+                f"{', '.join(BUNDLED_PREFIX + n for n in testing_sdists.BUNDLED)}"
+            )
         return testing_sdists.BUNDLED[name](download_dir)
     candidate = pathlib.Path(requirement).expanduser()
     if requirement.endswith(ARCHIVE_SUFFIXES):
         if not candidate.is_file():
-            raise SdistError(f"{requirement}: looks like an sdist archive path but no such file "
-                             f"exists")
+            raise SdistError(
+                f"{requirement}: looks like an sdist archive path but no such file exists"
+            )
         return candidate.resolve()
     download_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pip-", dir=download_dir) as staging:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                   "--disable-pip-version-check", "--dest", staging, requirement]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--disable-pip-version-check",
+            "--dest",
+            staging,
+            requirement,
+        ]
         try:
-            result = subprocess.run(command, capture_output=True, text=True,
-                                    timeout=_PIP_TIMEOUT_S, stdin=subprocess.DEVNULL)
+            result = subprocess.run(
+                command,
+                capture_output=True,
+                text=True,
+                timeout=_PIP_TIMEOUT_S,
+                stdin=subprocess.DEVNULL,
+            )
         except subprocess.TimeoutExpired:
-            raise SdistError(f"{requirement}: pip download did not finish in "
-                             f"{_PIP_TIMEOUT_S} s (is the package index reachable?)") from None
+            raise SdistError(
+                f"{requirement}: pip download did not finish in "
+                f"{_PIP_TIMEOUT_S} s (is the package index reachable?)"
+            ) from None
         archives = [p for p in pathlib.Path(staging).iterdir() if p.name.endswith(ARCHIVE_SUFFIXES)]
         if result.returncode != 0 or len(archives) != 1:
-            raise SdistError(f"{requirement}: pip download of the source distribution failed "
-                             f"(exit {result.returncode}); is the name right and does the "
-                             f"package publish an sdist? pip said:\n"
-                             f"{(result.stdout + result.stderr).strip()[-3000:]}")
+            raise SdistError(
+                f"{requirement}: pip download of the source distribution failed "
+                f"(exit {result.returncode}); is the name right and does the "
+                f"package publish an sdist? pip said:\n"
+                f"{(result.stdout + result.stderr).strip()[-3000:]}"
+            )
         target = download_dir / archives[0].name
         shutil.move(str(archives[0]), target)
     return target
@@ -189,8 +230,9 @@ def _read_metadata(root: pathlib.Path) -> tuple[str, str]:
 def unpack_sdist(archive: pathlib.Path, extract_dir: pathlib.Path) -> PackageLayout:
     """Unpacks `archive` under `extract_dir` (replacing an earlier unpack of the same archive)
     and sorts its files by role. Raises SdistError when it has no tests or no source modules."""
-    target = extract_dir / re.sub(r"(\.tar\.gz|\.tgz|\.tar\.bz2|\.tar\.xz|\.zip)$", "",
-                                  archive.name)
+    target = extract_dir / re.sub(
+        r"(\.tar\.gz|\.tgz|\.tar\.bz2|\.tar\.xz|\.zip)$", "", archive.name
+    )
     if target.exists():
         shutil.rmtree(target)
     target.mkdir(parents=True)
@@ -208,22 +250,27 @@ def unpack_sdist(archive: pathlib.Path, extract_dir: pathlib.Path) -> PackageLay
         if is_test_module(relative):
             if path.stat().st_size > 0:
                 test_files.append(relative)
-            test_dir = next((i for i, part in enumerate(parts[:-1]) if part in _TEST_DIR_NAMES),
-                            None)
+            test_dir = next(
+                (i for i, part in enumerate(parts[:-1]) if part in _TEST_DIR_NAMES), None
+            )
             if test_dir is not None:
-                test_dirs.add("/".join(parts[:test_dir + 1]))
+                test_dirs.add("/".join(parts[: test_dir + 1]))
             elif parts[-1] != "conftest.py":
                 loose_tests.append(relative)
-        elif (parts[0] not in _NON_SOURCE_TOP_DIRS and not parts[0].endswith(".egg-info")
-              and not (len(parts) == 1 and parts[0] in _NON_SOURCE_TOP_FILES)):
+        elif (
+            parts[0] not in _NON_SOURCE_TOP_DIRS
+            and not parts[0].endswith(".egg-info")
+            and not (len(parts) == 1 and parts[0] in _NON_SOURCE_TOP_FILES)
+        ):
             source_files.append(relative)
     # A test folder inside another test folder is covered by the outer one.
-    dirs = sorted(d for d in test_dirs
-                  if not any(d.startswith(other + "/") for other in test_dirs))
+    dirs = sorted(d for d in test_dirs if not any(d.startswith(other + "/") for other in test_dirs))
     test_paths = dirs + [f for f in loose_tests if not any(f.startswith(d + "/") for d in dirs)]
     if not test_files or not test_paths:
-        raise SdistError(f"{name} {version}: the sdist ships no test modules, so no task can be "
-                         f"checked; pick a package whose sdist includes its tests")
+        raise SdistError(
+            f"{name} {version}: the sdist ships no test modules, so no task can be "
+            f"checked; pick a package whose sdist includes its tests"
+        )
     if not source_files:
         raise SdistError(f"{name} {version}: no source modules found outside the tests")
     # A src layout keeps the import packages under src/: the tests import them only with src on
@@ -234,9 +281,15 @@ def unpack_sdist(archive: pathlib.Path, extract_dir: pathlib.Path) -> PackageLay
         # pytest reads `pythonpath` relative to the folder of the config file it picked.
         config_dir = _pytest_config_dir(root, test_paths)
         import_paths = (os.path.relpath(root / "src", config_dir),)
-    return PackageLayout(name=name, version=version, root=root,
-                         source_files=tuple(source_files), test_files=tuple(test_files),
-                         test_paths=tuple(test_paths), import_paths=import_paths)
+    return PackageLayout(
+        name=name,
+        version=version,
+        root=root,
+        source_files=tuple(source_files),
+        test_files=tuple(test_files),
+        test_paths=tuple(test_paths),
+        import_paths=import_paths,
+    )
 
 
 def _pytest_config_dir(root: pathlib.Path, test_paths: list[str]) -> pathlib.Path:
@@ -245,13 +298,19 @@ def _pytest_config_dir(root: pathlib.Path, test_paths: list[str]) -> pathlib.Pat
     ancestor = pathlib.Path(os.path.commonpath([str(root / p) for p in test_paths]))
     if ancestor.is_file():
         ancestor = ancestor.parent
-    sections = {"pytest.ini": None, ".pytest.ini": None, "pyproject.toml": "[tool.pytest",
-                "tox.ini": "[pytest]", "setup.cfg": "[tool:pytest]"}
+    sections = {
+        "pytest.ini": None,
+        ".pytest.ini": None,
+        "pyproject.toml": "[tool.pytest",
+        "tox.ini": "[pytest]",
+        "setup.cfg": "[tool:pytest]",
+    }
     for folder in (ancestor, *ancestor.parents):
         for file_name, section in sections.items():
             candidate = folder / file_name
-            if candidate.is_file() and (section is None
-                                        or section in candidate.read_text(errors="replace")):
+            if candidate.is_file() and (
+                section is None or section in candidate.read_text(errors="replace")
+            ):
                 return folder
         if folder == root:
             break
@@ -268,7 +327,7 @@ class SdistRepository:
         self.screening = screening
 
     @classmethod
-    def create(cls, path: pathlib.Path, layout: PackageLayout) -> "SdistRepository":
+    def create(cls, path: pathlib.Path, layout: PackageLayout) -> SdistRepository:
         """Creates (or re-creates) the repository at `path` from `layout.root`."""
         path = path.resolve()
         if path.exists():
@@ -280,22 +339,26 @@ class SdistRepository:
             # -f: commit exactly what the sdist ships, whatever its .gitignore says.
             _git(path, "--work-tree", str(layout.root), "add", "-A", "-f", ".", index=index)
             tree = _git(path, "write-tree", index=index).strip()
-        pristine = _git(path, "commit-tree", tree, "-m",
-                        f"{layout.name} {layout.version} (sdist as released)").strip()
+        pristine = _git(
+            path, "commit-tree", tree, "-m", f"{layout.name} {layout.version} (sdist as released)"
+        ).strip()
         _git(path, "update-ref", "refs/heads/main", pristine)
         _git(path, "symbolic-ref", "HEAD", "refs/heads/main")
         repo = cls(path, layout, pristine, screening="")
         repo.screening = repo.commit_files(
-            pristine, {name: None for name in layout.test_files},
+            pristine,
+            {name: None for name in layout.test_files},
             f"{layout.name} {layout.version} without its test modules (screening base)",
-            ref="refs/dockyard/screening")
+            ref="refs/dockyard/screening",
+        )
         return repo
 
     def read(self, commit: str, path: str) -> str:
         return _git(self.path, "cat-file", "blob", f"{commit}:{path}")
 
-    def commit_files(self, parent: str, changes: dict[str, str | None], message: str,
-                     ref: str | None = None) -> str:
+    def commit_files(
+        self, parent: str, changes: dict[str, str | None], message: str, ref: str | None = None
+    ) -> str:
         """A new commit on top of `parent` with `changes` (path -> new text, None = delete);
         points `ref` at it when given. Returns the commit id."""
         with tempfile.TemporaryDirectory(prefix="index-") as scratch:
@@ -311,8 +374,13 @@ class SdistRepository:
                 mode = staged.split()[0] if staged else "100644"
                 blob = _git(self.path, "hash-object", "-w", "--stdin", stdin=text).strip()
                 entries.append(f"{mode} {blob}\t{file_path}")
-            _git(self.path, "update-index", "--index-info", index=index,
-                 stdin="".join(entry + "\n" for entry in entries))
+            _git(
+                self.path,
+                "update-index",
+                "--index-info",
+                index=index,
+                stdin="".join(entry + "\n" for entry in entries),
+            )
             tree = _git(self.path, "write-tree", index=index).strip()
         commit = _git(self.path, "commit-tree", tree, "-p", parent, "-m", message).strip()
         if ref is not None:
@@ -321,8 +389,17 @@ class SdistRepository:
 
     def diff(self, old: str, new: str, paths: list[str] | tuple[str, ...] | None = None) -> str:
         """`git diff old new [-- paths]`: a unified diff that turns `old` into `new`."""
-        return _git(self.path, "diff", "--no-color", "--no-ext-diff", "--no-renames", old, new,
-                    "--", *(paths or ()))
+        return _git(
+            self.path,
+            "diff",
+            "--no-color",
+            "--no-ext-diff",
+            "--no-renames",
+            old,
+            new,
+            "--",
+            *(paths or ()),
+        )
 
     @property
     def screening_test_patch(self) -> str:
@@ -330,26 +407,43 @@ class SdistRepository:
         return self.diff(self.screening, self.pristine, self.layout.test_files)
 
 
-def _git(repo: pathlib.Path | None, *args: str, index: str | None = None,
-         stdin: str | None = None) -> str:
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8",
-           "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null",
-           "GIT_AUTHOR_NAME": "dockyard", "GIT_AUTHOR_EMAIL": "dockyard@localhost",
-           "GIT_COMMITTER_NAME": "dockyard", "GIT_COMMITTER_EMAIL": "dockyard@localhost",
-           "GIT_AUTHOR_DATE": _FIXED_DATE, "GIT_COMMITTER_DATE": _FIXED_DATE,
-           # File names are names, never patterns ("[x].py" must not match "x.py").
-           "GIT_LITERAL_PATHSPECS": "1"}
+def _git(
+    repo: pathlib.Path | None, *args: str, index: str | None = None, stdin: str | None = None
+) -> str:
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": "/nonexistent",
+        "LANG": "C.UTF-8",
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_CONFIG_GLOBAL": "/dev/null",
+        "GIT_AUTHOR_NAME": "dockyard",
+        "GIT_AUTHOR_EMAIL": "dockyard@localhost",
+        "GIT_COMMITTER_NAME": "dockyard",
+        "GIT_COMMITTER_EMAIL": "dockyard@localhost",
+        "GIT_AUTHOR_DATE": _FIXED_DATE,
+        "GIT_COMMITTER_DATE": _FIXED_DATE,
+        # File names are names, never patterns ("[x].py" must not match "x.py").
+        "GIT_LITERAL_PATHSPECS": "1",
+    }
     if index is not None:
         env["GIT_INDEX_FILE"] = index
     command = ["git", *(["--git-dir", str(repo)] if repo is not None else []), *args]
     try:
-        result = subprocess.run(command, env=env, capture_output=True, text=True,
-                                errors="surrogateescape", input=stdin,
-                                stdin=None if stdin is not None else subprocess.DEVNULL,
-                                timeout=_GIT_TIMEOUT_S)
+        result = subprocess.run(
+            command,
+            env=env,
+            capture_output=True,
+            text=True,
+            errors="surrogateescape",
+            input=stdin,
+            stdin=None if stdin is not None else subprocess.DEVNULL,
+            timeout=_GIT_TIMEOUT_S,
+        )
     except (subprocess.TimeoutExpired, OSError) as error:
         raise SdistError(f"git {' '.join(args[:2])} failed: {error}") from error
     if result.returncode != 0:
-        raise SdistError(f"git {' '.join(args)} failed (exit {result.returncode}): "
-                         f"{result.stderr.strip()[-2000:]}")
+        raise SdistError(
+            f"git {' '.join(args)} failed (exit {result.returncode}): "
+            f"{result.stderr.strip()[-2000:]}"
+        )
     return result.stdout

@@ -54,11 +54,14 @@ logger = logging.getLogger("synthesize_swe_tasks")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="synthesize_swe_tasks",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--packages", required=True,
-                        help="comma-separated PyPI requirements, local sdist archive paths "
-                             "or bundled:toystats")
+    parser = argparse.ArgumentParser(
+        prog="synthesize_swe_tasks", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--packages",
+        required=True,
+        help="comma-separated PyPI requirements, local sdist archive paths or bundled:toystats",
+    )
     parser.add_argument("--out", required=True, type=pathlib.Path, help="output directory")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--max-tasks-per-package", type=int)
@@ -66,30 +69,50 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-tasks-per-function", type=int)
     parser.add_argument("--max-fail-fraction", type=float)
     parser.add_argument("--num-gold-runs", type=int)
-    parser.add_argument("--num-baseline-runs", type=int,
-                        help="runs of the unmutated suite (default 3, at least 2): a test must "
-                             "pass in every one to be used; each kept mutant runs as often")
-    parser.add_argument("--window-size", type=int,
-                        help="screenings in flight at once (default 4; the tasks found depend on "
-                             "it, so keep it fixed to reproduce a set)")
-    parser.add_argument("--kinds", help=f"comma-separated subset of "
-                                        f"{','.join(mutations.MUTATION_KINDS)}")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                        help="scoring workers of the in-process executor (default: CPU count)")
+    parser.add_argument(
+        "--num-baseline-runs",
+        type=int,
+        help="runs of the unmutated suite (default 3, at least 2): a test must "
+        "pass in every one to be used; each kept mutant runs as often",
+    )
+    parser.add_argument(
+        "--window-size",
+        type=int,
+        help="screenings in flight at once (default 4; the tasks found depend on "
+        "it, so keep it fixed to reproduce a set)",
+    )
+    parser.add_argument(
+        "--kinds", help=f"comma-separated subset of {','.join(mutations.MUTATION_KINDS)}"
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="scoring workers of the in-process executor (default: CPU count)",
+    )
     parser.add_argument("--executor-url", help="use this running executor instead of starting one")
-    parser.add_argument("--force", action="store_true",
-                        help="redo packages that an earlier run already finished")
-    parser.add_argument("--log-level", default="INFO",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument(
+        "--force", action="store_true", help="redo packages that an earlier run already finished"
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
     return parser.parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace) -> task_synthesis.SynthesisConfig:
     """Flags -> a validated SynthesisConfig; ValueError names the flag's key."""
     data: dict[str, Any] = {}
-    for key in ("seed", "max_tasks_per_package", "max_candidates_per_package",
-                "max_tasks_per_function", "max_fail_fraction", "num_gold_runs",
-                "num_baseline_runs", "window_size"):
+    for key in (
+        "seed",
+        "max_tasks_per_package",
+        "max_candidates_per_package",
+        "max_tasks_per_function",
+        "max_fail_fraction",
+        "num_gold_runs",
+        "num_baseline_runs",
+        "window_size",
+    ):
         if getattr(args, key) is not None:
             data[key] = getattr(args, key)
     if args.kinds:
@@ -114,21 +137,28 @@ def _write_jsonl(path: pathlib.Path, rows: list[dict[str, Any]]) -> None:
 
 
 def format_report(summaries: list[dict[str, Any]], total_s: float) -> str:
-    header = (f"{'package':<14}{'version':<10}{'tasks':>6}{'screened':>9}{'flaky':>6}"
-              f"{'time s':>8}  {'F2P min/med/mean/max':<22}{'P2P min/med/max':<18}")
+    header = (
+        f"{'package':<14}{'version':<10}{'tasks':>6}{'screened':>9}{'flaky':>6}"
+        f"{'time s':>8}  {'F2P min/med/mean/max':<22}{'P2P min/med/max':<18}"
+    )
     lines = [header, "-" * len(header)]
     for s in summaries:
         if "error" in s:
-            lines.append(f"{s['package']:<14}{'':<10}{0:>6}{'':>9}{'':>6}{'':>8}  skipped: "
-                         f"{s['error'].splitlines()[0][:80]}")
+            lines.append(
+                f"{s['package']:<14}{'':<10}{0:>6}{'':>9}{'':>6}{'':>8}  skipped: "
+                f"{s['error'].splitlines()[0][:80]}"
+            )
             continue
         f2p, p2p = s["fail_to_pass"], s["pass_to_pass"]
-        f2p_text = (f"{f2p['min']}/{f2p['median']}/{f2p['mean']}/{f2p['max']}"
-                    if f2p["count"] else "-")
+        f2p_text = (
+            f"{f2p['min']}/{f2p['median']}/{f2p['mean']}/{f2p['max']}" if f2p["count"] else "-"
+        )
         p2p_text = f"{p2p['min']}/{p2p['median']}/{p2p['max']}" if p2p["count"] else "-"
-        lines.append(f"{s['package']:<14}{s['version']:<10}{s['num_tasks']:>6}"
-                     f"{s['num_screened']:>9}{s['num_flaky_tests']:>6}{s['seconds']:>8.0f}  "
-                     f"{f2p_text:<22}{p2p_text:<18}")
+        lines.append(
+            f"{s['package']:<14}{s['version']:<10}{s['num_tasks']:>6}"
+            f"{s['num_screened']:>9}{s['num_flaky_tests']:>6}{s['seconds']:>8.0f}  "
+            f"{f2p_text:<22}{p2p_text:<18}"
+        )
     total = sum(s.get("num_tasks", 0) for s in summaries)
     lines.append(f"total: {total} validated tasks in {total_s:.0f} s")
     return "\n".join(lines)
@@ -160,17 +190,23 @@ def _write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
     _write_atomically(path, json.dumps(data, indent=2) + "\n")
 
 
-async def _run(args: argparse.Namespace, config: task_synthesis.SynthesisConfig,
-               out: pathlib.Path) -> int:
+async def _run(
+    args: argparse.Namespace, config: task_synthesis.SynthesisConfig, out: pathlib.Path
+) -> int:
     requirements = requirements_of(args.packages)
     (out / "tasks").mkdir(parents=True, exist_ok=True)
     report_path = out / "report.json"
     previous = _read_report(report_path)
     settings = _settings(config)
-    reuse = {s["requirement"]: s for s in previous.get("packages", [])
-             if previous.get("settings") == settings and not args.force and "error" not in s
-             and (out / "tasks" / f"{s['slug']}.jsonl").is_file()
-             and (out / "repos" / f"{s['slug']}.git").is_dir()}
+    reuse = {
+        s["requirement"]: s
+        for s in previous.get("packages", [])
+        if previous.get("settings") == settings
+        and not args.force
+        and "error" not in s
+        and (out / "tasks" / f"{s['slug']}.jsonl").is_file()
+        and (out / "repos" / f"{s['slug']}.git").is_dir()
+    }
     reserved_repo_names = {s["slug"] for s in reuse.values()}
     summaries: list[dict[str, Any]] = []
     rows_by_package: dict[str, list[dict[str, Any]]] = {}
@@ -178,30 +214,45 @@ async def _run(args: argparse.Namespace, config: task_synthesis.SynthesisConfig,
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="synthesis-"))
     try:
         # A large log keeps every failure block for the problem statements.
-        async with executor_url(args.executor_url, work_dir=scratch / "executor",
-                                num_workers=args.workers, max_log_bytes=1024 * 1024) as url, \
-                ExecutorClient(url, auth_token=token_from_environment() if args.executor_url
-                               else None) as client:
-            paths = task_synthesis.SynthesisPaths(repos_dir=out / "repos",
-                                                  sdist_dir=out / "sdists", scratch_dir=scratch)
+        async with (
+            executor_url(
+                args.executor_url,
+                work_dir=scratch / "executor",
+                num_workers=args.workers,
+                max_log_bytes=1024 * 1024,
+            ) as url,
+            ExecutorClient(
+                url, auth_token=token_from_environment() if args.executor_url else None
+            ) as client,
+        ):
+            paths = task_synthesis.SynthesisPaths(
+                repos_dir=out / "repos", sdist_dir=out / "sdists", scratch_dir=scratch
+            )
             for requirement in requirements:
                 if requirement in reuse:
                     summary = reuse[requirement]
-                    logger.info("%s: done by an earlier run, reusing %d tasks", requirement,
-                                summary["num_tasks"])
+                    logger.info(
+                        "%s: done by an earlier run, reusing %d tasks",
+                        requirement,
+                        summary["num_tasks"],
+                    )
                     rows_by_package[requirement] = [
-                        json.loads(line) for line in
-                        (out / "tasks" / f"{summary['slug']}.jsonl").read_text().splitlines()]
+                        json.loads(line)
+                        for line in (out / "tasks" / f"{summary['slug']}.jsonl")
+                        .read_text()
+                        .splitlines()
+                    ]
                     summaries.append(summary)
                     continue
                 try:
                     result = await task_synthesis.synthesize_package(
-                        requirement, config, client, paths,
-                        reserved_repo_names=reserved_repo_names)
+                        requirement, config, client, paths, reserved_repo_names=reserved_repo_names
+                    )
                 except (task_synthesis.PackageSkipped, sdist_repos.SdistError) as error:
                     logger.error("%s: skipped: %s", requirement, error)
-                    summaries.append({"requirement": requirement, "package": requirement,
-                                      "error": str(error)})
+                    summaries.append(
+                        {"requirement": requirement, "package": requirement, "error": str(error)}
+                    )
                     continue
                 slug = pathlib.Path(result.repo).name.removesuffix(".git")
                 _write_jsonl(out / "tasks" / f"{slug}.jsonl", result.tasks)
@@ -213,31 +264,42 @@ async def _run(args: argparse.Namespace, config: task_synthesis.SynthesisConfig,
     all_rows = [row for requirement in requirements for row in rows_by_package.get(requirement, [])]
     _write_jsonl(out / "tasks.jsonl", all_rows)
     total_s = time.monotonic() - start
-    report = {"settings": settings, "packages": summaries, "seconds": round(total_s, 1),
-              "num_tasks": len(all_rows),
-              "fail_to_pass": task_synthesis.distribution(
-                  [len(r["FAIL_TO_PASS"]) for r in all_rows]),
-              "pass_to_pass": task_synthesis.distribution(
-                  [len(r["PASS_TO_PASS"]) for r in all_rows])}
+    report = {
+        "settings": settings,
+        "packages": summaries,
+        "seconds": round(total_s, 1),
+        "num_tasks": len(all_rows),
+        "fail_to_pass": task_synthesis.distribution([len(r["FAIL_TO_PASS"]) for r in all_rows]),
+        "pass_to_pass": task_synthesis.distribution([len(r["PASS_TO_PASS"]) for r in all_rows]),
+    }
     _write_json(report_path, report)
     print(format_report(summaries, total_s))
     print(f"wrote {out / 'tasks.jsonl'} and {report_path}")
     return 0 if all("error" not in s and s["num_tasks"] > 0 for s in summaries) else 1
 
 
-def synthesize(packages: list[str], config: task_synthesis.SynthesisConfig, out: pathlib.Path, *,
-               workers: int, executor_url: str | None = None, force: bool = False) -> int:
+def synthesize(
+    packages: list[str],
+    config: task_synthesis.SynthesisConfig,
+    out: pathlib.Path,
+    *,
+    workers: int,
+    executor_url: str | None = None,
+    force: bool = False,
+) -> int:
     """The command's work from Python (e.g. a training run making its task set once): same
     output, same resume rules, same exit status as `main`."""
-    args = argparse.Namespace(packages=",".join(packages), workers=workers,
-                              executor_url=executor_url, force=force)
+    args = argparse.Namespace(
+        packages=",".join(packages), workers=workers, executor_url=executor_url, force=force
+    )
     return asyncio.run(_run(args, config, pathlib.Path(out)))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     # The executor's own per-request logs would drown the progress lines.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     out = caller_path(args.out)
@@ -246,8 +308,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.workers < 1:
             raise ValueError(f"--workers: must be >= 1, got {args.workers}")
         if not [p for p in args.packages.split(",") if p.strip()]:
-            raise ValueError("--packages: name at least one package (e.g. sqlparse,boltons) or "
-                             "sdist archive path")
+            raise ValueError(
+                "--packages: name at least one package (e.g. sqlparse,boltons) or "
+                "sdist archive path"
+            )
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out: {out} exists and is not a directory")
     except ValueError as error:

@@ -19,17 +19,42 @@ import pytest
 import unidiff
 
 from dockyard_rl.data.datasets import load_jsonl
-from dockyard_rl.data.synthesis import (mutations, synthesize_swe_tasks, test_holdout, testing_sdists,
-                                        validate_swe_tasks)
+from dockyard_rl.data.synthesis import (
+    mutations,
+    synthesize_swe_tasks,
+    test_holdout,
+    testing_sdists,
+    validate_swe_tasks,
+)
 
 NUM_TASKS = 4
-_COMPARED = ("instance_id", "base_commit", "patch", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS",
-             "problem_statement", "test_command")
+_COMPARED = (
+    "instance_id",
+    "base_commit",
+    "patch",
+    "test_patch",
+    "FAIL_TO_PASS",
+    "PASS_TO_PASS",
+    "problem_statement",
+    "test_command",
+)
 
 
 def _args(archive, out, num_tasks):
-    return ["--packages", str(archive), "--out", str(out), "--max-tasks-per-package",
-            str(num_tasks), "--workers", "2", "--seed", "3", "--log-level", "WARNING"]
+    return [
+        "--packages",
+        str(archive),
+        "--out",
+        str(out),
+        "--max-tasks-per-package",
+        str(num_tasks),
+        "--workers",
+        "2",
+        "--seed",
+        "3",
+        "--log-level",
+        "WARNING",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +67,9 @@ def run(tmp_path_factory):
 
 
 def _git(repo, *args):
-    return subprocess.run(["git", "--git-dir", str(repo), *args], capture_output=True, text=True,
-                          check=True).stdout
+    return subprocess.run(
+        ["git", "--git-dir", str(repo), *args], capture_output=True, text=True, check=True
+    ).stdout
 
 
 def _rows(path):
@@ -63,8 +89,10 @@ def test_tasks_are_valid_held_out_swe_instances(run):
         assert instance.environment_setup_commit == pristine
         assert instance.FAIL_TO_PASS and instance.PASS_TO_PASS
         assert not set(instance.FAIL_TO_PASS) & set(instance.PASS_TO_PASS)
-        assert _git(repo, "rev-parse", f"refs/tasks/{instance.instance_id}").strip() \
+        assert (
+            _git(repo, "rev-parse", f"refs/tasks/{instance.instance_id}").strip()
             == instance.base_commit
+        )
         gold_files = {f.path for f in unidiff.PatchSet(instance.patch)}
         test_files = {f.path for f in unidiff.PatchSet(instance.test_patch)}
         assert gold_files == {row["synthesis"]["file"]}
@@ -75,11 +103,15 @@ def test_tasks_are_valid_held_out_swe_instances(run):
             path, _, name = test_holdout.split_node_id(node_id)
             assert f"def {name}(" not in _git(repo, "show", f"{instance.base_commit}:{path}")
             assert f"def {name}(" in _git(repo, "show", f"{pristine}:{path}")
-        assert _git(repo, "diff", instance.base_commit, pristine, "--", *sorted(test_files)) \
+        assert (
+            _git(repo, "diff", instance.base_commit, pristine, "--", *sorted(test_files))
             == instance.test_patch
+        )
         # The gold patch is the exact reverse of the mutation.
-        assert _git(repo, "diff", instance.base_commit, pristine, "--", *sorted(gold_files)) \
+        assert (
+            _git(repo, "diff", instance.base_commit, pristine, "--", *sorted(gold_files))
             == instance.patch
+        )
         statement = instance.problem_statement
         for node_id in instance.FAIL_TO_PASS[:5]:
             assert f"`{node_id}`" in statement
@@ -100,8 +132,21 @@ def test_tasks_are_valid_held_out_swe_instances(run):
 def test_validator_confirms_every_task_and_catches_broken_ones(run, tmp_path, capsys):
     # A fresh executor (new mirrors, new work dir) scores gold and empty patches again.
     report = tmp_path / "validation.json"
-    assert validate_swe_tasks.main(["--tasks", str(run.out / "tasks.jsonl"), "--gold-runs", "1",
-                                    "--workers", "2", "--report", str(report)]) == 0
+    assert (
+        validate_swe_tasks.main(
+            [
+                "--tasks",
+                str(run.out / "tasks.jsonl"),
+                "--gold-runs",
+                "1",
+                "--workers",
+                "2",
+                "--report",
+                str(report),
+            ]
+        )
+        == 0
+    )
     summary = json.loads(report.read_text())
     assert summary["num_valid"] == summary["num_tasks"] == NUM_TASKS
     assert "total: 4 of 4 valid" in capsys.readouterr().out
@@ -139,25 +184,56 @@ def test_src_layout_package(tmp_path):
     (instance,) = load_jsonl(out / "tasks.jsonl")
     assert "pythonpath=../src" in instance.test_command
     assert {f.path for f in unidiff.PatchSet(instance.patch)} <= {
-        "src/toystats/__init__.py", "src/toystats/core.py", "src/toystats/window.py"}
+        "src/toystats/__init__.py",
+        "src/toystats/core.py",
+        "src/toystats/window.py",
+    }
 
 
 def test_bad_settings_exit_2_naming_the_key(tmp_path, capsys):
     archive = testing_sdists.make_toy_sdist(tmp_path)
-    assert synthesize_swe_tasks.main(["--packages", str(archive), "--out", str(tmp_path / "o"),
-                                      "--kinds", "flip_comparison,nope"]) == 2
+    assert (
+        synthesize_swe_tasks.main(
+            [
+                "--packages",
+                str(archive),
+                "--out",
+                str(tmp_path / "o"),
+                "--kinds",
+                "flip_comparison,nope",
+            ]
+        )
+        == 2
+    )
     assert "mutation_kinds" in capsys.readouterr().err
-    assert synthesize_swe_tasks.main(["--packages", str(archive), "--out", str(tmp_path / "o"),
-                                      "--max-tasks-per-package", "0"]) == 2
+    assert (
+        synthesize_swe_tasks.main(
+            [
+                "--packages",
+                str(archive),
+                "--out",
+                str(tmp_path / "o"),
+                "--max-tasks-per-package",
+                "0",
+            ]
+        )
+        == 2
+    )
     assert "max_tasks_per_package" in capsys.readouterr().err
-    assert synthesize_swe_tasks.main(["--packages", str(archive), "--out", str(tmp_path / "o"),
-                                      "--num-baseline-runs", "1"]) == 2
+    assert (
+        synthesize_swe_tasks.main(
+            ["--packages", str(archive), "--out", str(tmp_path / "o"), "--num-baseline-runs", "1"]
+        )
+        == 2
+    )
     assert "num_baseline_runs" in capsys.readouterr().err
     assert synthesize_swe_tasks.main(["--packages", " , ", "--out", str(tmp_path / "o")]) == 2
     assert "--packages" in capsys.readouterr().err
     (tmp_path / "a_file").write_text("")
-    assert synthesize_swe_tasks.main(["--packages", str(archive), "--out",
-                                      str(tmp_path / "a_file")]) == 2
+    assert (
+        synthesize_swe_tasks.main(["--packages", str(archive), "--out", str(tmp_path / "a_file")])
+        == 2
+    )
     assert "not a directory" in capsys.readouterr().err
 
 
@@ -171,9 +247,13 @@ def _tar(path, files):
 
 
 def test_unusable_packages_are_reported_and_the_run_goes_on(tmp_path, monkeypatch):
-    no_tests = _tar(tmp_path / "notests-1.0.tar.gz", {
-        "notests-1.0/PKG-INFO": "Name: notests\nVersion: 1.0\n",
-        "notests-1.0/notests.py": "def f():\n    return 1\n"})
+    no_tests = _tar(
+        tmp_path / "notests-1.0.tar.gz",
+        {
+            "notests-1.0/PKG-INFO": "Name: notests\nVersion: 1.0\n",
+            "notests-1.0/notests.py": "def f():\n    return 1\n",
+        },
+    )
     corrupt = tmp_path / "corrupt-1.0.tar.gz"
     corrupt.write_bytes(b"\x1f\x8b not really gzip")
     toy = testing_sdists.make_toy_sdist(tmp_path / "a")
@@ -183,9 +263,17 @@ def test_unusable_packages_are_reported_and_the_run_goes_on(tmp_path, monkeypatc
     out = tmp_path / "out"
     packages = ",".join([str(no_tests), str(corrupt), relative_toy, str(toy), str(same_toy)])
     assert synthesize_swe_tasks.requirements_of(packages) == [
-        str(no_tests), str(corrupt), str(toy), str(same_toy)]
-    assert synthesize_swe_tasks.main(["--packages", packages, "--out", str(out),
-                                      "--max-tasks-per-package", "1"]) == 1
+        str(no_tests),
+        str(corrupt),
+        str(toy),
+        str(same_toy),
+    ]
+    assert (
+        synthesize_swe_tasks.main(
+            ["--packages", packages, "--out", str(out), "--max-tasks-per-package", "1"]
+        )
+        == 1
+    )
     report = json.loads((out / "report.json").read_text())
     errors = {p["requirement"]: p.get("error", "") for p in report["packages"]}
     assert "ships no test modules" in errors[str(no_tests)]

@@ -56,7 +56,8 @@ class _TestRemover(cst.CSTTransformer):
         if isinstance(body, cst.IndentedBlock) and not body.body:
             # Every method was held out: keep a valid, empty class.
             return updated_node.with_changes(
-                body=body.with_changes(body=[cst.SimpleStatementLine([cst.Pass()])]))
+                body=body.with_changes(body=[cst.SimpleStatementLine([cst.Pass()])])
+            )
         return updated_node
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
@@ -90,6 +91,8 @@ def remove_tests(source: str, node_ids: Iterable[str]) -> str:
     updated = module.visit(remover)
     missing = [node_id for node_id in node_ids if split_node_id(node_id)[1:] not in remover.found]
     if missing:
-        raise HoldoutError(f"no definition in the module for {missing[:5]} (inherited, generated "
-                           f"or plugin-collected tests cannot be held out)")
+        raise HoldoutError(
+            f"no definition in the module for {missing[:5]} (inherited, generated "
+            f"or plugin-collected tests cannot be held out)"
+        )
     return updated.code

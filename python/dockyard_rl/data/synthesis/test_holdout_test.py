@@ -4,7 +4,7 @@ import pytest
 
 from dockyard_rl.data.synthesis import test_holdout
 
-MODULE = '''import pytest
+MODULE = """import pytest
 
 
 @pytest.mark.parametrize("x", [1, 2])
@@ -29,12 +29,15 @@ class TestGroup:
     class TestInner:
         def test_d(self):
             assert True
-'''
+"""
 
 
 def test_split_node_id():
-    assert test_holdout.split_node_id("t/x.py::A::B::test_f[1-a b]") == ("t/x.py", ("A", "B"),
-                                                                         "test_f")
+    assert test_holdout.split_node_id("t/x.py::A::B::test_f[1-a b]") == (
+        "t/x.py",
+        ("A", "B"),
+        "test_f",
+    )
     assert test_holdout.split_node_id("x.py::test_g") == ("x.py", (), "test_g")
     with pytest.raises(test_holdout.HoldoutError):
         test_holdout.split_node_id("x.py")
@@ -48,8 +51,9 @@ def test_removes_function_with_decorators_and_all_parametrizations():
 
 
 def test_removes_methods_and_keeps_classes_valid():
-    out = test_holdout.remove_tests(MODULE, ["t.py::TestGroup::test_c",
-                                             "t.py::TestGroup::TestInner::test_d"])
+    out = test_holdout.remove_tests(
+        MODULE, ["t.py::TestGroup::test_c", "t.py::TestGroup::TestInner::test_d"]
+    )
     assert "def test_c" not in out and "def test_d" not in out
     assert "def helper" in out and "class TestInner:" in out
     namespace = {}

@@ -32,12 +32,12 @@ NAME, VERSION = "toystats", "1.0"
 
 _FILES = {
     "PKG-INFO": f"Metadata-Version: 2.1\nName: {NAME}\nVersion: {VERSION}\n"
-                f"Summary: small statistics helpers\n",
+    f"Summary: small statistics helpers\n",
     "pyproject.toml": f'[project]\nname = "{NAME}"\nversion = "{VERSION}"\n',
     "README.md": "# toystats\n\nSmall statistics helpers.\n",
     "docs/conf.py": "project = 'toystats'\n",
     "toystats/__init__.py": "from toystats.core import clamp, mean, median, running_max\n"
-                            "from toystats.window import Window\n",
+    "from toystats.window import Window\n",
     "toystats/core.py": '''"""Core helpers."""
 
 
@@ -101,7 +101,7 @@ class Window:
     # An ini file inside tests/ moves pytest's default rootdir there (node ids would lose their
     # "tests/" prefix): the synthesizer must pin --rootdir.
     "tests/pytest.ini": "[pytest]\nmarkers =\n    slow: a slow test\n",
-    "tests/conftest.py": '''import pathlib
+    "tests/conftest.py": """import pathlib
 
 import pytest
 
@@ -110,9 +110,9 @@ import pytest
 def samples():
     path = pathlib.Path(__file__).parent / "data" / "samples.txt"
     return [int(line) for line in path.read_text().split()]
-''',
+""",
     "tests/data/samples.txt": "3\n1\n4\n1\n5\n9\n2\n6\n",
-    "tests/test_core.py": '''import pytest
+    "tests/test_core.py": """import pytest
 
 from toystats import clamp, mean, median, running_max
 
@@ -153,8 +153,8 @@ def test_running_max():
 
 def test_running_max_empty():
     assert running_max([]) == []
-''',
-    "tests/test_window.py": '''import pytest
+""",
+    "tests/test_window.py": """import pytest
 
 from toystats import Window
 
@@ -180,7 +180,7 @@ def test_full():
 def test_bad_size():
     with pytest.raises(ValueError):
         Window(0)
-''',
+""",
 }
 
 
@@ -188,7 +188,7 @@ CALC_NAME = "pocketcalc"
 
 _CALC_FILES = {
     "PKG-INFO": f"Metadata-Version: 2.1\nName: {CALC_NAME}\nVersion: {VERSION}\n"
-                f"Summary: one-line arithmetic helpers\n",
+    f"Summary: one-line arithmetic helpers\n",
     "pyproject.toml": f'[project]\nname = "{CALC_NAME}"\nversion = "{VERSION}"\n',
     "README.md": "# pocketcalc\n\nOne-line arithmetic helpers.\n",
     "pocketcalc/__init__.py": "from pocketcalc.calc import *  # noqa: F401,F403\n",
@@ -255,7 +255,8 @@ def maximum(a, b):
     return b
 ''',
     "tests/__init__.py": "",
-    "tests/test_calc.py": '''from pocketcalc.calc import (absolute, add, average, double, first, increment,
+    "tests/test_calc.py": """\
+from pocketcalc.calc import (absolute, add, average, double, first, increment,
                              is_adult, is_even, is_positive, last, maximum, multiply, square,
                              subtract)
 
@@ -334,7 +335,7 @@ def test_maximum():
 
 def test_maximum_first():
     assert maximum(9, 2) == 9
-''',
+""",
 }
 
 
@@ -344,7 +345,7 @@ FLAKY_FAIL_PROBABILITY = 1 / 3
 
 _FLAKY_FILES = {
     "PKG-INFO": f"Metadata-Version: 2.1\nName: {FLAKY_NAME}\nVersion: {VERSION}\n"
-                f"Summary: arithmetic helpers with a flaky test\n",
+    f"Summary: arithmetic helpers with a flaky test\n",
     "pyproject.toml": f'[project]\nname = "{FLAKY_NAME}"\nversion = "{VERSION}"\n',
     "flakycalc/__init__.py": "",
     "flakycalc/calc.py": '''"""Arithmetic helpers, one line each."""
@@ -362,7 +363,7 @@ def is_positive(x):
     return x > 0
 ''',
     "tests/__init__.py": "",
-    "tests/test_calc.py": '''from flakycalc.calc import add, is_positive, subtract
+    "tests/test_calc.py": """from flakycalc.calc import add, is_positive, subtract
 
 
 def test_add():
@@ -379,19 +380,19 @@ def test_is_positive():
 
 def test_is_positive_zero():
     assert not is_positive(0)
-''',
+""",
     # Each sandboxed run starts from a fresh copy of the repository with the same environment
     # (the runner even pins PYTHONHASHSEED=0), so nothing in the files, the environment or
     # hash() differs between runs. os.urandom does: it reads the kernel's random generator
     # (getrandom(2), which the sandbox does not filter) anew in every process.
-    "tests/test_draw.py": '''import os
+    "tests/test_draw.py": """import os
 import random
 
 
 def test_fails_one_run_in_three():
     draw = random.Random(os.urandom(16)).randrange(3)
     assert draw != 0, "the one-in-three draw came up"
-''',
+""",
 }
 
 
@@ -411,12 +412,15 @@ def make_flaky_sdist(dest_dir: pathlib.Path) -> pathlib.Path:
     return _write_sdist(dest_dir, FLAKY_NAME, _FLAKY_FILES)
 
 
-def _write_sdist(dest_dir: pathlib.Path, name: str, files: dict[str, str], *,
-                 src_layout: bool = False) -> pathlib.Path:
+def _write_sdist(
+    dest_dir: pathlib.Path, name: str, files: dict[str, str], *, src_layout: bool = False
+) -> pathlib.Path:
     dest_dir.mkdir(parents=True, exist_ok=True)
     archive = dest_dir / f"{name}-{VERSION}.tar.gz"
-    files = {(f"src/{path}" if src_layout and path.startswith(f"{name}/") else path): text
-             for path, text in files.items()}
+    files = {
+        (f"src/{path}" if src_layout and path.startswith(f"{name}/") else path): text
+        for path, text in files.items()
+    }
     with tarfile.open(archive, "w:gz") as tarred:
         for path, text in sorted(files.items()):
             data = text.encode()

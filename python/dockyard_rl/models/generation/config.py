@@ -74,44 +74,82 @@ class GenerationConfig:
     recompute_kv_cache_after_weight_updates: bool = False
 
     def __post_init__(self) -> None:
-        require(self.backend in BACKENDS, "backend",
-                f"unknown backend {self.backend!r}; valid: {', '.join(BACKENDS)}")
-        require(isinstance(self.model, str) and bool(self.model), "model",
-                f"must be a zoo name or a checkpoint directory, got {self.model!r}")
+        require(
+            self.backend in BACKENDS,
+            "backend",
+            f"unknown backend {self.backend!r}; valid: {', '.join(BACKENDS)}",
+        )
+        require(
+            isinstance(self.model, str) and bool(self.model),
+            "model",
+            f"must be a zoo name or a checkpoint directory, got {self.model!r}",
+        )
         require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
-        require(is_int(self.max_model_len) and self.max_model_len >= 2, "max_model_len",
-                f"must be an int >= 2, got {self.max_model_len!r}")
+        require(
+            is_int(self.max_model_len) and self.max_model_len >= 2,
+            "max_model_len",
+            f"must be an int >= 2, got {self.max_model_len!r}",
+        )
         if self.kv_cache_memory_bytes is not None:
-            object.__setattr__(self, "kv_cache_memory_bytes",
-                               parse_byte_size(self.kv_cache_memory_bytes, "kv_cache_memory_bytes"))
-        require(is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
-                "gpu_memory_utilization",
-                f"must be in (0, 1] (about 0.3 on CPU), got {self.gpu_memory_utilization!r}")
+            object.__setattr__(
+                self,
+                "kv_cache_memory_bytes",
+                parse_byte_size(self.kv_cache_memory_bytes, "kv_cache_memory_bytes"),
+            )
+        require(
+            is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            f"must be in (0, 1] (about 0.3 on CPU), got {self.gpu_memory_utilization!r}",
+        )
         for key in ("tensor_parallel_size", "num_engines"):
             value = getattr(self, key)
             require(is_int(value) and value >= 1, key, f"must be an int >= 1, got {value!r}")
-        for key in ("enforce_eager", "enable_prefix_caching",
-                    "recompute_kv_cache_after_weight_updates"):
+        for key in (
+            "enforce_eager",
+            "enable_prefix_caching",
+            "recompute_kv_cache_after_weight_updates",
+        ):
             value = getattr(self, key)
             require(isinstance(value, bool), key, f"must be true or false, got {value!r}")
-        require(is_number(self.temperature) and self.temperature >= 0, "temperature",
-                f"must be a number >= 0 (0 = greedy), got {self.temperature!r}")
-        require(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
-                f"must be in (0, 1] (1 = no nucleus filtering), got {self.top_p!r}")
-        require(is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
-                f"must be an int >= 1, or 0 (or -1) for no top-k filtering, got {self.top_k!r}")
-        require(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
-                f"must be an int >= 1, got {self.max_tokens!r}")
-        require(self.max_tokens < self.max_model_len, "max_tokens",
-                f"({self.max_tokens}) must be below max_model_len ({self.max_model_len}) to leave "
-                "room for the prompt; lower max_tokens or raise max_model_len")
+        require(
+            is_number(self.temperature) and self.temperature >= 0,
+            "temperature",
+            f"must be a number >= 0 (0 = greedy), got {self.temperature!r}",
+        )
+        require(
+            is_number(self.top_p) and 0 < self.top_p <= 1,
+            "top_p",
+            f"must be in (0, 1] (1 = no nucleus filtering), got {self.top_p!r}",
+        )
+        require(
+            is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
+            "top_k",
+            f"must be an int >= 1, or 0 (or -1) for no top-k filtering, got {self.top_k!r}",
+        )
+        require(
+            is_int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            f"must be an int >= 1, got {self.max_tokens!r}",
+        )
+        require(
+            self.max_tokens < self.max_model_len,
+            "max_tokens",
+            f"({self.max_tokens}) must be below max_model_len ({self.max_model_len}) to leave "
+            "room for the prompt; lower max_tokens or raise max_model_len",
+        )
         # YAML gives a list (or one string); store an immutable tuple of non-empty strings.
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        require(isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop),
-                "stop", f"must be a list of non-empty strings, got {self.stop!r}")
+        require(
+            isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop),
+            "stop",
+            f"must be a list of non-empty strings, got {self.stop!r}",
+        )
         object.__setattr__(self, "stop", tuple(stop))
-        require(self.seed is None or (is_int(self.seed) and self.seed >= 0), "seed",
-                f"must be null or an int >= 0, got {self.seed!r}")
+        require(
+            self.seed is None or (is_int(self.seed) and self.seed >= 0),
+            "seed",
+            f"must be null or an int >= 0, got {self.seed!r}",
+        )
 
     def with_sampling_overrides(self, overrides: dict[str, Any] | None) -> GenerationConfig:
         """A copy with some sampling keys replaced, validated like the YAML.
@@ -123,12 +161,15 @@ class GenerationConfig:
         if not overrides:
             return self
         if not isinstance(overrides, dict):
-            raise ValueError(f"generation: sampling overrides must be a dict, got "
-                             f"{type(overrides).__name__}")
+            raise ValueError(
+                f"generation: sampling overrides must be a dict, got {type(overrides).__name__}"
+            )
         unknown = sorted(set(overrides) - set(SAMPLING_KEYS))
         if unknown:
-            raise ValueError(f"generation: {', '.join(map(repr, unknown))} cannot be overridden "
-                             f"per call; sampling keys: {', '.join(SAMPLING_KEYS)}")
+            raise ValueError(
+                f"generation: {', '.join(map(repr, unknown))} cannot be overridden "
+                f"per call; sampling keys: {', '.join(SAMPLING_KEYS)}"
+            )
         try:
             return dataclasses.replace(self, **overrides)
         except ValueError as error:

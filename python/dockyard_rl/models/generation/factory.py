@@ -30,14 +30,19 @@ def create_generation(cfg: GenerationConfig, **options: Any) -> GenerationInterf
             this build (the message lists what is).
     """
     if not isinstance(cfg, GenerationConfig):
-        raise ValueError(f"create_generation needs a GenerationConfig, got "
-                         f"{type(cfg).__name__}; build it with from_dict(GenerationConfig, "
-                         "yaml['generation'], 'generation')")
+        raise ValueError(
+            f"create_generation needs a GenerationConfig, got "
+            f"{type(cfg).__name__}; build it with from_dict(GenerationConfig, "
+            "yaml['generation'], 'generation')"
+        )
     if cfg.backend not in GENERATION_BACKENDS:
-        raise ValueError(f"generation.backend: {cfg.backend!r} is not available in this build "
-                         f"(valid names: {', '.join(BACKENDS)}; built: "
-                         f"{', '.join(GENERATION_BACKENDS)}); use backend: vllm")
+        raise ValueError(
+            f"generation.backend: {cfg.backend!r} is not available in this build "
+            f"(valid names: {', '.join(BACKENDS)}; built: "
+            f"{', '.join(GENERATION_BACKENDS)}); use backend: vllm"
+        )
     module_name, class_name = GENERATION_BACKENDS[cfg.backend]
-    backend: Callable[..., GenerationInterface] = getattr(importlib.import_module(module_name),
-                                                          class_name)
+    backend: Callable[..., GenerationInterface] = getattr(
+        importlib.import_module(module_name), class_name
+    )
     return backend(cfg, **options)

@@ -71,7 +71,9 @@ class GenerationSample:
 
     def __post_init__(self) -> None:
         assert len(self.response_token_ids) == len(self.response_logprobs), (
-            len(self.response_token_ids), len(self.response_logprobs))
+            len(self.response_token_ids),
+            len(self.response_logprobs),
+        )
         assert self.finish_reason in FINISH_REASONS, self.finish_reason
 
 
@@ -168,8 +170,9 @@ class GenerationInterface(abc.ABC):
     # (which receives and loads) | abort_weight_update.
 
     @abc.abstractmethod
-    def open_weight_receiver(self, transport: str, *, host: str = "127.0.0.1",
-                             max_bucket_bytes: int = 1 << 30) -> list[dict[str, Any]]:
+    def open_weight_receiver(
+        self, transport: str, *, host: str = "127.0.0.1", max_bucket_bytes: int = 1 << 30
+    ) -> list[dict[str, Any]]:
         """Per engine, what `transport` needs to reach it: at least "num_workers" (its
         tensor-parallel ranks, each of which receives the buckets) and "node_id" (its Ray node);
         for "http" also the "url" and "token" of its endpoint (bound on `host`; started on the
@@ -180,8 +183,13 @@ class GenerationInterface(abc.ABC):
         """The Ray node id of every engine, for the transport choice (weight_sync/factory.py)."""
 
     @abc.abstractmethod
-    async def begin_weight_update(self, manifest_dict: Mapping[str, Any], version: int, *,
-                                  recompute_kv_cache: bool | None = None) -> None:
+    async def begin_weight_update(
+        self,
+        manifest_dict: Mapping[str, Any],
+        version: int,
+        *,
+        recompute_kv_cache: bool | None = None,
+    ) -> None:
         """Checks the manifest and version as `update_weights_from_buckets` does, then pauses
         every engine and opens a pending update of `version`.
 
@@ -190,8 +198,9 @@ class GenerationInterface(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def finish_weight_update(self, receive_specs: Sequence[Mapping[str, Any]]
-                                   ) -> list[dict[str, float]]:
+    async def finish_weight_update(
+        self, receive_specs: Sequence[Mapping[str, Any]]
+    ) -> list[dict[str, float]]:
         """Engine i receives the buckets as `receive_specs[i]` says (the transport's spec),
         loads them, labels the version and resumes; returns per-engine timing figures
         (at least "load_seconds").

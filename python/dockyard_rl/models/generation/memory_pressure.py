@@ -32,14 +32,15 @@ from dockyard_rl.models.generation.vllm_worker_extension import VllmWorkerExtens
 
 BALLAST_BYTES_ENV = "DOCKYARD_TEST_WORKER_BALLAST_BYTES"
 BALLAST_WORKER_EXTENSION_CLS = (
-    "dockyard_rl.models.generation.memory_pressure.BallastWorkerExtension")
+    "dockyard_rl.models.generation.memory_pressure.BallastWorkerExtension"
+)
 
 
 def _allocate(num_bytes: int) -> bytearray | None:
     if num_bytes <= 0:
         return None
     ballast = bytearray(num_bytes)
-    ballast[::mmap.PAGESIZE] = b"\x01" * len(range(0, num_bytes, mmap.PAGESIZE))
+    ballast[:: mmap.PAGESIZE] = b"\x01" * len(range(0, num_bytes, mmap.PAGESIZE))
     return ballast
 
 
@@ -55,8 +56,9 @@ def squeeze_bytes(fraction_of_total: float = 0.5, leave_available: int = 6 << 30
     """`fraction_of_total` of this machine's memory, but leaving at least `leave_available` bytes
     of what is available now (for the engines and the test itself); 0 when nothing is left."""
     memory = psutil.virtual_memory()
-    return max(0, min(int(fraction_of_total * memory.total),
-                      int(memory.available) - leave_available))
+    return max(
+        0, min(int(fraction_of_total * memory.total), int(memory.available) - leave_available)
+    )
 
 
 _HOLDER = """
@@ -77,12 +79,17 @@ class HeldMemory:
         start = time.monotonic()
         self._process = subprocess.Popen(
             [sys.executable, "-c", _HOLDER, str(num_bytes)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         line = self._process.stdout.readline()  # "" if it died (e.g. out of memory)
         if line.strip() != "held":
             self.release()
-            raise RuntimeError(f"the memory holder did not take {num_bytes} bytes (exit code "
-                               f"{self._process.returncode})")
+            raise RuntimeError(
+                f"the memory holder did not take {num_bytes} bytes (exit code "
+                f"{self._process.returncode})"
+            )
         self.seconds_to_take = time.monotonic() - start
 
     @property
@@ -124,6 +131,8 @@ def process_tree_rss(pid: int) -> dict[int, int]:
 def describe_squeeze(squeeze: HeldMemory, budget_description: str) -> str:
     """One line for a test's log: what the helper holds, what is left, the engine's budget."""
     memory = psutil.virtual_memory()
-    return (f"another process holds {format_bytes(squeeze.rss_bytes())} of "
-            f"{format_bytes(memory.total)} (taken in {squeeze.seconds_to_take:.1f} s); "
-            f"{format_bytes(memory.available)} available now; {budget_description}")
+    return (
+        f"another process holds {format_bytes(squeeze.rss_bytes())} of "
+        f"{format_bytes(memory.total)} (taken in {squeeze.seconds_to_take:.1f} s); "
+        f"{format_bytes(memory.available)} available now; {budget_description}"
+    )

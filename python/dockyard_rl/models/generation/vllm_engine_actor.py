@@ -72,8 +72,8 @@ class VllmEngineActor:
     All methods are coroutines on the actor's event loop, so generation requests, weight updates
     and pauses interleave; one weight update at a time is pending (between
     `begin_weight_update` and `finish_weight_update` / `abort_weight_update`), and `_no_update`
-    holds new requests back while it runs (so a request's admission version is exact for requests that
-    arrive during an update).
+    holds new requests back while it runs (so a request's admission version is exact for requests
+    that arrive during an update).
     """
 
     def __init__(self, engine_kwargs: dict[str, Any], engine_index: int, initial_version: int):
@@ -97,8 +97,14 @@ class VllmEngineActor:
         # The worker group gives every actor torch's env:// variables (RANK, MASTER_ADDR, ...);
         # vLLM's processes form their own groups and must not see this engine's rank among
         # the engines.
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                     "MASTER_PORT"):
+        for name in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        ):
             os.environ.pop(name, None)
         # vLLM's Ray executor compares its own host IP with Ray's node IP (127.0.0.1 on a local
         # cluster, which vLLM would not guess).
@@ -117,17 +123,24 @@ class VllmEngineActor:
         (model_dtype, *_) = await self._llm.collective_rpc("dockyard_model_dtype")
         return {"model_dtype": model_dtype, "start_seconds": time.monotonic() - start}
 
-    async def generate_sample(self, prompt_token_ids: list[int], sampling: dict[str, Any],
-                              request_id: str, prompt_index: int,
-                              sample_index: int) -> GenerationSample:
+    async def generate_sample(
+        self,
+        prompt_token_ids: list[int],
+        sampling: dict[str, Any],
+        request_id: str,
+        prompt_index: int,
+        sample_index: int,
+    ) -> GenerationSample:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         llm = self._engine()
         await self._no_update.wait()
         if self._weights_error is not None:
-            raise RuntimeError(f"engine {self._engine_index}: {self._weights_error}; push "
-                               "weights again before generating")
+            raise RuntimeError(
+                f"engine {self._engine_index}: {self._weights_error}; push "
+                "weights again before generating"
+            )
         admitted_version = self._version
         params = SamplingParams(
             n=1,
@@ -140,8 +153,7 @@ class VllmEngineActor:
             logprobs=0,  # the sampled token's log-prob only
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        prompt = {"prompt_token_ids": list(prompt_token_ids),
-                  "cache_salt": f"w{admitted_version}"}
+        prompt = {"prompt_token_ids": list(prompt_token_ids), "cache_salt": f"w{admitted_version}"}
         final = None
         async for output in llm.generate(prompt, params, request_id):
             final = output
@@ -150,10 +162,13 @@ class VllmEngineActor:
         token_ids = tuple(int(t) for t in completion.token_ids)
         logprobs = tuple(
             float(position[token].logprob)
-            for token, position in zip(token_ids, completion.logprobs or ()))
+            for token, position in zip(token_ids, completion.logprobs or ())
+        )
         if completion.finish_reason not in _FINISH_REASONS:
-            raise RuntimeError(f"engine {self._engine_index}: request {request_id} ended with "
-                               f"finish reason {completion.finish_reason!r}")
+            raise RuntimeError(
+                f"engine {self._engine_index}: request {request_id} ended with "
+                f"finish reason {completion.finish_reason!r}"
+            )
         spans = completion.weight_versions or ()
         versions = sorted({int(span.version) for span in spans if span.end > span.start})
         return GenerationSample(
@@ -170,25 +185,37 @@ class VllmEngineActor:
             engine_index=self._engine_index,
         )
 
-    async def update_weights(self, manifest_dict: dict, buckets: list[torch.Tensor],
-                             version: int, recompute_kv_cache: bool) -> dict[str, float]:
+    async def update_weights(
+        self,
+        manifest_dict: dict,
+        buckets: list[torch.Tensor],
+        version: int,
+        recompute_kv_cache: bool,
+    ) -> dict[str, float]:
         """The object_store path in one call: begin, the buckets as bytes, finish."""
         await self.begin_weight_update(manifest_dict, version, recompute_kv_cache)
         return await self.finish_weight_update({"transport": "object_store"}, buckets)
 
-    async def begin_weight_update(self, manifest_dict: dict, version: int,
-                                  recompute_kv_cache: bool) -> None:
+    async def begin_weight_update(
+        self, manifest_dict: dict, version: int, recompute_kv_cache: bool
+    ) -> None:
         """Pauses the scheduler (requests kept) and starts a pending update in the workers.
         Exactly one `finish_weight_update` or `abort_weight_update` must follow."""
         llm = self._engine()
         if self._pending is not None:
-            raise RuntimeError(f"engine {self._engine_index}: the update to version "
-                               f"{self._pending['version']} is still pending; finish or abort it")
+            raise RuntimeError(
+                f"engine {self._engine_index}: the update to version "
+                f"{self._pending['version']} is still pending; finish or abort it"
+            )
         if version <= self._version:
-            raise ValueError(f"weight version {version} is not newer than the engine's "
-                             f"{self._version}")
-        self._pending = {"version": version, "start": time.monotonic(),
-                         "recompute": recompute_kv_cache}
+            raise ValueError(
+                f"weight version {version} is not newer than the engine's {self._version}"
+            )
+        self._pending = {
+            "version": version,
+            "start": time.monotonic(),
+            "recompute": recompute_kv_cache,
+        }
         self._no_update.clear()
         try:
             # clear_cache=True also drops the KV cache of running requests (vLLM preempts
@@ -203,8 +230,9 @@ class VllmEngineActor:
             await self.abort_weight_update()
             raise
 
-    async def finish_weight_update(self, receive: dict[str, Any],
-                                   buckets: list[torch.Tensor] | None = None) -> dict[str, float]:
+    async def finish_weight_update(
+        self, receive: dict[str, Any], buckets: list[torch.Tensor] | None = None
+    ) -> dict[str, float]:
         """Receives the buckets the way `receive["transport"]` says, loads them, labels the new
         version, resets the prefix cache and resumes. On a receive failure the pending update
         is dropped (model untouched); on a load failure the engine refuses to generate until an
@@ -212,8 +240,9 @@ class VllmEngineActor:
         llm = self._engine()
         pending = self._pending
         if pending is None:
-            raise RuntimeError(f"engine {self._engine_index}: finish_weight_update without "
-                               "begin_weight_update")
+            raise RuntimeError(
+                f"engine {self._engine_index}: finish_weight_update without begin_weight_update"
+            )
         try:
             transport = receive["transport"]
             if transport == "object_store":
@@ -234,8 +263,10 @@ class VllmEngineActor:
         except BaseException:
             # The reload may have stopped half-way: abort the requests that ran on these weights
             # and refuse new ones until an update succeeds.
-            self._weights_error = f"weight update failed while loading (version {self._version} " \
-                                  "was partly overwritten)"
+            self._weights_error = (
+                f"weight update failed while loading (version {self._version} "
+                "was partly overwritten)"
+            )
             await llm.pause_generation(mode="abort", clear_cache=True)
             await self._end_update()
             raise
@@ -247,14 +278,17 @@ class VllmEngineActor:
             # Returns False while running requests hold blocks (in-flight update without
             # recompute); the cache salt covers that case (module docstring).
             prefix_cache_reset = await llm.reset_prefix_cache(
-                reset_running_requests=pending.get("recompute", False))
+                reset_running_requests=pending.get("recompute", False)
+            )
         finally:
             await self._end_update()
-        return {"pause_seconds": pending.get("paused", pending["start"]) - pending["start"],
-                "receive_seconds": received - pending.get("paused", pending["start"]),
-                "load_seconds": loaded - received,
-                "total_seconds": time.monotonic() - pending["start"],
-                "prefix_cache_reset": float(prefix_cache_reset)}
+        return {
+            "pause_seconds": pending.get("paused", pending["start"]) - pending["start"],
+            "receive_seconds": received - pending.get("paused", pending["start"]),
+            "load_seconds": loaded - received,
+            "total_seconds": time.monotonic() - pending["start"],
+            "prefix_cache_reset": float(prefix_cache_reset),
+        }
 
     async def abort_weight_update(self) -> None:
         """Drops a pending update (the model keeps its weights) and resumes. Idempotent."""
@@ -275,13 +309,16 @@ class VllmEngineActor:
         finally:
             self._no_update.set()
 
-    async def open_weight_receiver(self, transport: str, host: str,
-                                   max_bucket_bytes: int) -> dict[str, Any]:
+    async def open_weight_receiver(
+        self, transport: str, host: str, max_bucket_bytes: int
+    ) -> dict[str, Any]:
         """What the driver needs to connect a transport to this engine (plain data)."""
         import ray
 
-        info: dict[str, Any] = {"num_workers": self._engine_kwargs["tensor_parallel_size"],
-                                "node_id": ray.get_runtime_context().get_node_id()}
+        info: dict[str, Any] = {
+            "num_workers": self._engine_kwargs["tensor_parallel_size"],
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
         if transport == "http":
             from dockyard_rl.weight_sync.http_push import HttpBucketReceiver
 
@@ -322,8 +359,9 @@ class VllmEngineActor:
 
     def _engine(self):
         if self._llm is None:
-            raise RuntimeError(f"engine {self._engine_index} is not running (not started or "
-                               "shut down)")
+            raise RuntimeError(
+                f"engine {self._engine_index} is not running (not started or shut down)"
+            )
         return self._llm
 
 
@@ -350,54 +388,78 @@ class EngineClient:
         # A copy starts with nothing in flight of its own.
         return {**self.__dict__, "_num_in_flight": [0] * len(self.actors)}
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], num_samples_per_prompt: int, *,
-                 sampling_overrides: Mapping[str, Any] | None = None
-                 ) -> AsyncIterator[GenerationSample]:
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        num_samples_per_prompt: int,
+        *,
+        sampling_overrides: Mapping[str, Any] | None = None,
+    ) -> AsyncIterator[GenerationSample]:
         """`GenerationInterface.generate`, validated eagerly (a plain function returning the
         async generator), so a bad call raises here, before any request exists."""
         if self.closed:
             raise RuntimeError("the engines were shut down")
         config = self.config.with_sampling_overrides(
-            dict(sampling_overrides) if sampling_overrides else None)
+            dict(sampling_overrides) if sampling_overrides else None
+        )
         prompts = self._check_prompts(prompt_token_ids, config)
-        if isinstance(num_samples_per_prompt, bool) or not isinstance(num_samples_per_prompt, int) \
-                or num_samples_per_prompt < 1:
-            raise ValueError(f"num_samples_per_prompt must be an int >= 1, got "
-                             f"{num_samples_per_prompt!r}")
-        sampling = {key: getattr(config, key)
-                    for key in ("temperature", "top_p", "top_k", "max_tokens", "stop", "seed")}
+        if (
+            isinstance(num_samples_per_prompt, bool)
+            or not isinstance(num_samples_per_prompt, int)
+            or num_samples_per_prompt < 1
+        ):
+            raise ValueError(
+                f"num_samples_per_prompt must be an int >= 1, got {num_samples_per_prompt!r}"
+            )
+        sampling = {
+            key: getattr(config, key)
+            for key in ("temperature", "top_p", "top_k", "max_tokens", "stop", "seed")
+        }
         return self._generate(prompts, num_samples_per_prompt, sampling)
 
     def _check_prompts(self, prompt_token_ids, config: GenerationConfig) -> list[list[int]]:
-        if isinstance(prompt_token_ids, (str, bytes)) \
-                or not isinstance(prompt_token_ids, Sequence) or len(prompt_token_ids) == 0:
-            raise ValueError("prompt_token_ids must be a non-empty list of prompts, each a list of "
-                             "token ids (tokenize with the chat template first)")
+        if (
+            isinstance(prompt_token_ids, (str, bytes))
+            or not isinstance(prompt_token_ids, Sequence)
+            or len(prompt_token_ids) == 0
+        ):
+            raise ValueError(
+                "prompt_token_ids must be a non-empty list of prompts, each a list of "
+                "token ids (tokenize with the chat template first)"
+            )
         max_prompt_len = config.max_model_len - config.max_tokens
         prompts = []
         for i, prompt in enumerate(prompt_token_ids):
             if isinstance(prompt, torch.Tensor):
                 prompt = prompt.tolist()
             if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence) or not prompt:
-                raise ValueError(f"prompt_token_ids[{i}] must be a non-empty list of token ids, "
-                                 f"got {type(prompt).__name__}")
+                raise ValueError(
+                    f"prompt_token_ids[{i}] must be a non-empty list of token ids, "
+                    f"got {type(prompt).__name__}"
+                )
             ids = list(prompt)
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
-                   or not 0 <= t < self.vocab_size]
+            bad = [
+                t
+                for t in ids
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
+            ]
             if bad:
                 bad = bad[0]
-                raise ValueError(f"prompt_token_ids[{i}]: {bad!r} is not a token id in "
-                                 f"[0, {self.vocab_size})")
+                raise ValueError(
+                    f"prompt_token_ids[{i}]: {bad!r} is not a token id in [0, {self.vocab_size})"
+                )
             if len(ids) > max_prompt_len:
                 raise ValueError(
                     f"prompt_token_ids[{i}] has {len(ids)} tokens, more than max_model_len - "
                     f"max_tokens = {max_prompt_len}; shorten the prompt or raise "
-                    "generation.max_model_len")
+                    "generation.max_model_len"
+                )
             prompts.append(ids)
         return prompts
 
-    async def _generate(self, prompts: list[list[int]], num_samples: int,
-                        sampling: dict[str, Any]) -> AsyncIterator[GenerationSample]:
+    async def _generate(
+        self, prompts: list[list[int]], num_samples: int, sampling: dict[str, Any]
+    ) -> AsyncIterator[GenerationSample]:
         pending: dict[asyncio.Future, tuple[int, ray.ObjectRef]] = {}
         try:
             for prompt_index, prompt in enumerate(prompts):
@@ -407,7 +469,8 @@ class EngineClient:
                 for sample_index in range(num_samples):
                     request_id = f"p{prompt_index}-s{sample_index}-{uuid.uuid4().hex}"
                     ref = self.actors[engine].generate_sample.remote(
-                        prompt, sampling, request_id, prompt_index, sample_index)
+                        prompt, sampling, request_id, prompt_index, sample_index
+                    )
                     pending[asyncio.ensure_future(await_ref(ref))] = (engine, ref)
             while pending:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)

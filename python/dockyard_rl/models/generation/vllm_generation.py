@@ -86,8 +86,7 @@ from dockyard_rl.weight_sync.manifest_check import check_manifest_against_refit_
 
 logger = logging.getLogger(__name__)
 
-WORKER_EXTENSION_CLS = (
-    "dockyard_rl.models.generation.vllm_worker_extension.VllmWorkerExtension")
+WORKER_EXTENSION_CLS = "dockyard_rl.models.generation.vllm_worker_extension.VllmWorkerExtension"
 
 # Environment of the engine actors and, through inheritance, of vLLM's processes.
 _ENGINE_ENV = {
@@ -105,16 +104,19 @@ def ensure_ray() -> None:
     init_local_ray(log_to_driver=True)
 
 
-def checkpoint_refit_info(model_dir: pathlib.Path,
-                          dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
+def checkpoint_refit_info(
+    model_dir: pathlib.Path, dtype: str
+) -> dict[str, tuple[tuple[int, ...], str]]:
     """HF name -> (shape, dtype) of every tensor in the checkpoint's safetensors files, with the
     engine's dtype: the default expected refit info. Reads only the file headers."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"model directory {str(model_dir)!r} has no *.safetensors files; the "
-                         "vLLM backend needs a safetensors checkpoint")
+        raise ValueError(
+            f"model directory {str(model_dir)!r} has no *.safetensors files; the "
+            "vLLM backend needs a safetensors checkpoint"
+        )
     info: dict[str, tuple[tuple[int, ...], str]] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
@@ -142,25 +144,36 @@ class VllmGeneration(GenerationInterface):
             `generation.kv_cache_memory_bytes`), or the engine's model dtype differs from `dtype`.
     """
 
-    def __init__(self, config: GenerationConfig, *, initial_weight_version: int = 0,
-                 engine_start_timeout_s: float = 900.0,
-                 worker_extension_cls: str = WORKER_EXTENSION_CLS,
-                 engine_env: Mapping[str, str] | None = None,
-                 cluster_config: ClusterConfig | None = None):
+    def __init__(
+        self,
+        config: GenerationConfig,
+        *,
+        initial_weight_version: int = 0,
+        engine_start_timeout_s: float = 900.0,
+        worker_extension_cls: str = WORKER_EXTENSION_CLS,
+        engine_env: Mapping[str, str] | None = None,
+        cluster_config: ClusterConfig | None = None,
+    ):
         if not isinstance(config, GenerationConfig):
-            raise ValueError(f"VllmGeneration needs a GenerationConfig, got "
-                             f"{type(config).__name__}; build it with "
-                             "from_dict(GenerationConfig, yaml['generation'], 'generation')")
+            raise ValueError(
+                f"VllmGeneration needs a GenerationConfig, got "
+                f"{type(config).__name__}; build it with "
+                "from_dict(GenerationConfig, yaml['generation'], 'generation')"
+            )
         if config.backend != "vllm":
             raise ValueError(
                 f"generation.backend: {config.backend!r} is not implemented on this build (SGLang "
-                "is planned for GPU clusters); use backend: vllm")
+                "is planned for GPU clusters); use backend: vllm"
+            )
         if not isinstance(initial_weight_version, int) or initial_weight_version < 0:
-            raise ValueError(f"initial_weight_version must be an int >= 0, got "
-                             f"{initial_weight_version!r}")
+            raise ValueError(
+                f"initial_weight_version must be an int >= 0, got {initial_weight_version!r}"
+            )
         if not isinstance(worker_extension_cls, str) or "." not in worker_extension_cls:
-            raise ValueError(f"worker_extension_cls must be a qualified class name "
-                             f"(module.Class), got {worker_extension_cls!r}")
+            raise ValueError(
+                f"worker_extension_cls must be a qualified class name "
+                f"(module.Class), got {worker_extension_cls!r}"
+            )
         engine_env = dict(engine_env or {})
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in engine_env.items()):
             raise ValueError(f"engine_env must map names to strings, got {engine_env!r}")
@@ -177,7 +190,8 @@ class VllmGeneration(GenerationInterface):
         self._vocab_size = int(hf_config["vocab_size"])
         self._checkpoint_info = checkpoint_refit_info(self._model_dir, config.dtype)
         self._expected_refit_info: dict[str, tuple[tuple[int, ...], str]] = dict(
-            self._checkpoint_info)
+            self._checkpoint_info
+        )
         self._version = initial_weight_version
         self._ready = True
         self._closed = False
@@ -189,13 +203,17 @@ class VllmGeneration(GenerationInterface):
         if config.tensor_parallel_size > 1 and num_gpus == 0:
             raise ValueError(
                 f"generation.tensor_parallel_size: {config.tensor_parallel_size} needs GPUs, but "
-                "the Ray cluster has none; use tensor_parallel_size: 1 on CPU")
+                "the Ray cluster has none; use tensor_parallel_size: 1 on CPU"
+            )
         itemsize = torch.empty(0, dtype=refit_packer.DTYPES[config.dtype]).element_size()
         self.memory_budget = plan_memory(
-            config, on_gpu=num_gpus > 0,
-            weight_bytes=sum(math.prod(shape) * itemsize
-                             for shape, _ in self._checkpoint_info.values()),
-            kv_bytes_per_token=kv_cache_bytes_per_token(hf_config, config.dtype))
+            config,
+            on_gpu=num_gpus > 0,
+            weight_bytes=sum(
+                math.prod(shape) * itemsize for shape, _ in self._checkpoint_info.values()
+            ),
+            kv_bytes_per_token=kv_cache_bytes_per_token(hf_config, config.dtype),
+        )
         logger.info("%s", self.memory_budget.describe())
         engine_kwargs = dict(
             model=str(self._model_dir),
@@ -236,8 +254,10 @@ class VllmGeneration(GenerationInterface):
         for index, info in enumerate(infos):
             if info["model_dtype"] != config.dtype:
                 self.shutdown()
-                raise ValueError(f"generation.dtype: engine {index} loaded the model in "
-                                 f"{info['model_dtype']}, not {config.dtype}")
+                raise ValueError(
+                    f"generation.dtype: engine {index} loaded the model in "
+                    f"{info['model_dtype']}, not {config.dtype}"
+                )
         self.engine_start_seconds = max(info["start_seconds"] for info in infos)
 
     def _start_group(self, engine_kwargs: dict, num_gpus: int) -> WorkerGroup:
@@ -251,11 +271,17 @@ class VllmGeneration(GenerationInterface):
             kwargs["distributed_executor_backend"] = "ray"
         version = self._version
         return WorkerGroup(
-            VllmEngineActor, self._config.num_engines, "inference", self._cluster_config,
-            bundle=bundle, bundles_per_worker=tp,
+            VllmEngineActor,
+            self._config.num_engines,
+            "inference",
+            self._cluster_config,
+            bundle=bundle,
+            bundles_per_worker=tp,
             # Many generate calls wait concurrently on one engine.
-            max_concurrency=10_000, runtime_env={"env_vars": self._engine_env},
-            worker_args=lambda info: ((kwargs, info.rank, version), {}))
+            max_concurrency=10_000,
+            runtime_env={"env_vars": self._engine_env},
+            worker_args=lambda info: ((kwargs, info.rank, version), {}),
+        )
 
     # ------------------------------------------------------------------------------ properties
 
@@ -278,17 +304,23 @@ class VllmGeneration(GenerationInterface):
 
     # ------------------------------------------------------------------------------ generation
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], num_samples_per_prompt: int, *,
-                 sampling_overrides: Mapping[str, Any] | None = None
-                 ) -> AsyncIterator[GenerationSample]:
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        num_samples_per_prompt: int,
+        *,
+        sampling_overrides: Mapping[str, Any] | None = None,
+    ) -> AsyncIterator[GenerationSample]:
         # Validate eagerly (a plain function returning the async generator), so a bad call
         # raises here, before any request exists.
         self._check_open()
         if not self._ready:
-            raise RuntimeError("generate() after finish_generation(): call "
-                               "prepare_for_generation() first")
-        return self._client.generate(prompt_token_ids, num_samples_per_prompt,
-                                     sampling_overrides=sampling_overrides)
+            raise RuntimeError(
+                "generate() after finish_generation(): call prepare_for_generation() first"
+            )
+        return self._client.generate(
+            prompt_token_ids, num_samples_per_prompt, sampling_overrides=sampling_overrides
+        )
 
     def client(self) -> EngineClient:
         """A picklable client of these engines, for another process that generates for this
@@ -332,49 +364,79 @@ class VllmGeneration(GenerationInterface):
                 raise ValueError(f"refit_info[{name!r}] must be (shape, dtype), got {value!r}")
             shape, dtype = tuple(value[0]), dtype_name(value[1])
             if name not in self._checkpoint_info:
-                raise ValueError(f"refit_info: the engine's model has no weight {name!r}; the "
-                                 "trainer and the engine must run the same architecture")
+                raise ValueError(
+                    f"refit_info: the engine's model has no weight {name!r}; the "
+                    "trainer and the engine must run the same architecture"
+                )
             if shape != self._checkpoint_info[name][0]:
-                raise ValueError(f"refit_info: {name!r} has shape {shape} but the engine's model "
-                                 f"has {self._checkpoint_info[name][0]}")
+                raise ValueError(
+                    f"refit_info: {name!r} has shape {shape} but the engine's model "
+                    f"has {self._checkpoint_info[name][0]}"
+                )
             # vLLM's loaders cast on copy, so any floating dtype the packer knows can be sent.
             if dtype not in refit_packer.DTYPES or not refit_packer.DTYPES[dtype].is_floating_point:
-                raise ValueError(f"refit_info: {name!r} has dtype {dtype}; send floating-point "
-                                 "weights")
+                raise ValueError(
+                    f"refit_info: {name!r} has dtype {dtype}; send floating-point weights"
+                )
             declared[name] = (shape, dtype)
         missing = sorted(set(self._checkpoint_info) - set(declared))
         if missing:
-            raise ValueError(f"refit_info: {len(missing)} weight(s) of the engine's model are not "
-                             f"sent, e.g. {missing[0]!r}; send every weight")
+            raise ValueError(
+                f"refit_info: {len(missing)} weight(s) of the engine's model are not "
+                f"sent, e.g. {missing[0]!r}; send every weight"
+            )
         self._expected_refit_info = declared
 
-    async def update_weights_from_buckets(self, manifest_dict: Mapping[str, Any],
-                                          buckets: Sequence[torch.Tensor], version: int, *,
-                                          recompute_kv_cache: bool | None = None) -> None:
+    async def update_weights_from_buckets(
+        self,
+        manifest_dict: Mapping[str, Any],
+        buckets: Sequence[torch.Tensor],
+        version: int,
+        *,
+        recompute_kv_cache: bool | None = None,
+    ) -> None:
         self._check_open()
         recompute_kv_cache = self._recompute_kv_cache(recompute_kv_cache)
         # Every check before any engine is touched.
         manifest = self._checked_manifest(manifest_dict)
         if not isinstance(buckets, Sequence) or len(buckets) != manifest.num_buckets:
-            raise ValueError(f"got {len(buckets) if isinstance(buckets, Sequence) else buckets!r} "
-                             f"buckets but the manifest has {manifest.num_buckets}")
+            raise ValueError(
+                f"got {len(buckets) if isinstance(buckets, Sequence) else buckets!r} "
+                f"buckets but the manifest has {manifest.num_buckets}"
+            )
         for b, bucket in enumerate(buckets):
-            if not isinstance(bucket, torch.Tensor) or bucket.dtype != torch.uint8 \
-                    or bucket.dim() != 1 or bucket.numel() != manifest.bucket_sizes[b]:
+            if (
+                not isinstance(bucket, torch.Tensor)
+                or bucket.dtype != torch.uint8
+                or bucket.dim() != 1
+                or bucket.numel() != manifest.bucket_sizes[b]
+            ):
                 raise ValueError(
                     f"bucket {b} must be a 1-D uint8 tensor of {manifest.bucket_sizes[b]} bytes, "
                     f"got {getattr(bucket, 'dtype', type(bucket).__name__)} of shape "
-                    f"{tuple(getattr(bucket, 'shape', ()))}")
+                    f"{tuple(getattr(bucket, 'shape', ()))}"
+                )
         async with self._update_lock:
             self._check_new_version(version)
             manifest_plain = manifest.to_dict()
             buckets_ref = ray.put([bucket.detach().cpu() for bucket in buckets])
-            await self._on_every_engine(version, [
-                a.update_weights.remote(manifest_plain, buckets_ref, version, recompute_kv_cache)
-                for a in self._actors])
+            await self._on_every_engine(
+                version,
+                [
+                    a.update_weights.remote(
+                        manifest_plain, buckets_ref, version, recompute_kv_cache
+                    )
+                    for a in self._actors
+                ],
+            )
 
-    async def begin_weight_update(self, manifest_dict: Mapping[str, Any], version: int, *,
-                                  recompute_kv_cache: bool | None = None) -> None:
+    async def begin_weight_update(
+        self,
+        manifest_dict: Mapping[str, Any],
+        version: int,
+        *,
+        recompute_kv_cache: bool | None = None,
+    ) -> None:
         """Starts an update that a push transport delivers (weight_sync/push.py): checks the
         manifest against the expected refit info and the version, then pauses every engine and
         opens a pending update in its workers. `finish_weight_update` or `abort_weight_update`
@@ -384,20 +446,28 @@ class VllmGeneration(GenerationInterface):
         manifest = self._checked_manifest(manifest_dict)
         self._check_new_version(version)
         if self._pending_version is not None:
-            raise RuntimeError(f"the update to version {self._pending_version} is still pending; "
-                               "finish or abort it first")
+            raise RuntimeError(
+                f"the update to version {self._pending_version} is still pending; "
+                "finish or abort it first"
+            )
         self._pending_version = version
         results = await asyncio.gather(
-            *[await_ref(a.begin_weight_update.remote(manifest.to_dict(), version,
-                                                      recompute_kv_cache))
-              for a in self._actors], return_exceptions=True)
+            *[
+                await_ref(
+                    a.begin_weight_update.remote(manifest.to_dict(), version, recompute_kv_cache)
+                )
+                for a in self._actors
+            ],
+            return_exceptions=True,
+        )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await self.abort_weight_update()
             raise errors[0]
 
-    async def finish_weight_update(self, receive_specs: Sequence[Mapping[str, Any]]
-                                   ) -> list[dict[str, float]]:
+    async def finish_weight_update(
+        self, receive_specs: Sequence[Mapping[str, Any]]
+    ) -> list[dict[str, float]]:
         """Each engine receives its buckets (`receive_specs[i]` for engine i, from the
         transport), loads them and resumes. Returns each engine's timing figures.
 
@@ -411,28 +481,41 @@ class VllmGeneration(GenerationInterface):
         if version is None:
             raise RuntimeError("finish_weight_update without begin_weight_update")
         if len(receive_specs) != len(self._actors):
-            raise ValueError(f"got {len(receive_specs)} receive specs for "
-                             f"{len(self._actors)} engines")
+            raise ValueError(
+                f"got {len(receive_specs)} receive specs for {len(self._actors)} engines"
+            )
         try:
-            return await self._on_every_engine(version, [
-                a.finish_weight_update.remote(dict(spec))
-                for a, spec in zip(self._actors, receive_specs)])
+            return await self._on_every_engine(
+                version,
+                [
+                    a.finish_weight_update.remote(dict(spec))
+                    for a, spec in zip(self._actors, receive_specs)
+                ],
+            )
         finally:
             self._pending_version = None
 
     async def abort_weight_update(self) -> None:
         """Drops the pending update on every engine (models untouched). Idempotent."""
         self._pending_version = None
-        await asyncio.gather(*[await_ref(a.abort_weight_update.remote())
-                               for a in self._actors], return_exceptions=True)
+        await asyncio.gather(
+            *[await_ref(a.abort_weight_update.remote()) for a in self._actors],
+            return_exceptions=True,
+        )
 
-    def open_weight_receiver(self, transport: str, *, host: str = "127.0.0.1",
-                             max_bucket_bytes: int = 1 << 30) -> list[dict[str, Any]]:
+    def open_weight_receiver(
+        self, transport: str, *, host: str = "127.0.0.1", max_bucket_bytes: int = 1 << 30
+    ) -> list[dict[str, Any]]:
         """Per engine: what a transport needs to reach it ({"num_workers", "node_id"}, plus
         "url" and "token" of its HTTP endpoint for transport http, started on first call)."""
         self._check_open()
-        return ray.get([a.open_weight_receiver.remote(transport, host, max_bucket_bytes)
-                        for a in self._actors], timeout=120)
+        return ray.get(
+            [
+                a.open_weight_receiver.remote(transport, host, max_bucket_bytes)
+                for a in self._actors
+            ],
+            timeout=120,
+        )
 
     def engine_node_ids(self) -> list[str]:
         """The Ray node id of every engine actor (for the transport choice)."""
@@ -440,13 +523,14 @@ class VllmGeneration(GenerationInterface):
         return ray.get([a.node_id.remote() for a in self._actors], timeout=120)
 
     async def _on_every_engine(self, version: int, refs: list) -> list[dict[str, float]]:
-        results = await asyncio.gather(*[await_ref(ref) for ref in refs],
-                                       return_exceptions=True)
+        results = await asyncio.gather(*[await_ref(ref) for ref in refs], return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            raise RuntimeError(f"weight update to version {version} failed on "
-                               f"{len(errors)} of {len(self._actors)} engine(s); their weights "
-                               f"are not trusted until an update succeeds") from errors[0]
+            raise RuntimeError(
+                f"weight update to version {version} failed on "
+                f"{len(errors)} of {len(self._actors)} engine(s); their weights "
+                f"are not trusted until an update succeeds"
+            ) from errors[0]
         self._version = version
         self.last_update_stats = results
         return results
@@ -455,9 +539,11 @@ class VllmGeneration(GenerationInterface):
         if recompute_kv_cache is None:
             return self._config.recompute_kv_cache_after_weight_updates
         if not isinstance(recompute_kv_cache, bool):
-            raise ValueError(f"recompute_kv_cache must be None (the config's "
-                             f"recompute_kv_cache_after_weight_updates) or a bool, got "
-                             f"{recompute_kv_cache!r}")
+            raise ValueError(
+                f"recompute_kv_cache must be None (the config's "
+                f"recompute_kv_cache_after_weight_updates) or a bool, got "
+                f"{recompute_kv_cache!r}"
+            )
         return recompute_kv_cache
 
     def _checked_manifest(self, manifest_dict: Mapping[str, Any]) -> refit_packer.Manifest:
@@ -467,8 +553,10 @@ class VllmGeneration(GenerationInterface):
 
     def _check_new_version(self, version: Any) -> None:
         if isinstance(version, bool) or not isinstance(version, int) or version <= self._version:
-            raise ValueError(f"version must be an int larger than the engine's current weight "
-                             f"version {self._version}, got {version!r}")
+            raise ValueError(
+                f"version must be an int larger than the engine's current weight "
+                f"version {self._version}, got {version!r}"
+            )
 
     # ------------------------------------------------------------------------------ lifecycle
 

@@ -32,8 +32,11 @@ import torch
 
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models.generation.config import GenerationConfig
-from dockyard_rl.models.generation.memory_pressure import (HeldMemory, describe_squeeze,
-                                                           squeeze_bytes)
+from dockyard_rl.models.generation.memory_pressure import (
+    HeldMemory,
+    describe_squeeze,
+    squeeze_bytes,
+)
 from dockyard_rl.models.generation.vllm_generation import VllmGeneration, ensure_ray
 
 CONFIG = GenerationConfig(
@@ -96,17 +99,20 @@ def original_weights(engine):
 
 @pytest.fixture(scope="module")
 def chat_prompts(tokenizer):
-    questions = ["What is the capital of France?", "Name a prime number.",
-                 "Say hello in Spanish."]
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
-                                           add_generation_prompt=True, tokenize=False)
-             for q in questions]
+    questions = ["What is the capital of France?", "Name a prime number.", "Say hello in Spanish."]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in questions
+    ]
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
 
 
 def _collect(loop, iterator):
     async def drain():
         return [sample async for sample in iterator]
+
     return loop.run_until_complete(drain())
 
 
@@ -117,13 +123,18 @@ def _by_index(samples):
 def _push(loop, engine, named, version, bucket_size_bytes=64 << 20):
     manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(named), bucket_size_bytes)
     buckets = [refit_packer.pack_bucket(named, manifest, b) for b in range(manifest.num_buckets)]
-    loop.run_until_complete(engine.update_weights_from_buckets(manifest.to_dict(), buckets,
-                                                               version))
+    loop.run_until_complete(
+        engine.update_weights_from_buckets(manifest.to_dict(), buckets, version)
+    )
 
 
 def _greedy(loop, engine, prompts, max_tokens=8):
-    samples = _collect(loop, engine.generate(prompts, 1, sampling_overrides={
-        "temperature": 0.0, "max_tokens": max_tokens}))
+    samples = _collect(
+        loop,
+        engine.generate(
+            prompts, 1, sampling_overrides={"temperature": 0.0, "max_tokens": max_tokens}
+        ),
+    )
     return [s for _, s in sorted(_by_index(samples).items())]
 
 
@@ -132,15 +143,22 @@ def _assert_logprobs_equal(samples, expected_samples):
     and the batches an engine step sees (requests arrive one Ray call at a time; a prompt's first
     block may come from the prefix cache) differ from run to run by ~1e-6."""
     for sample, expected in zip(samples, expected_samples, strict=True):
-        torch.testing.assert_close(torch.tensor(sample.response_logprobs),
-                                   torch.tensor(expected.response_logprobs), rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor(sample.response_logprobs),
+            torch.tensor(expected.response_logprobs),
+            rtol=0,
+            atol=1e-4,
+        )
 
 
 def _perturbed(weights):
     generator = torch.Generator().manual_seed(0)
-    return {name: (w + 0.05 * w.std() * torch.randn(w.shape, generator=generator)).contiguous()
-            if "mlp" in name or "self_attn" in name else w
-            for name, w in weights.items()}
+    return {
+        name: (w + 0.05 * w.std() * torch.randn(w.shape, generator=generator)).contiguous()
+        if "mlp" in name or "self_attn" in name
+        else w
+        for name, w in weights.items()
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,7 +166,8 @@ def _perturbed(weights):
 
 
 def test_engine_starts_and_generates_while_another_process_holds_half_the_memory(
-        loop, engine, squeeze, chat_prompts):
+    loop, engine, squeeze, chat_prompts
+):
     print(describe_squeeze(squeeze, engine.memory_budget.describe()))
     assert squeeze.held and squeeze.rss_bytes() >= squeeze.num_bytes
     assert engine.memory_budget.kv_cache_bytes == 256 << 20
@@ -187,8 +206,12 @@ def test_long_generation_finishes_with_length(loop, engine):
 
 def test_same_seed_gives_same_tokens(loop, engine, chat_prompts):
     def run(seed):
-        samples = _collect(loop, engine.generate(chat_prompts[:2], 3, sampling_overrides={
-            "seed": seed, "max_tokens": 12}))
+        samples = _collect(
+            loop,
+            engine.generate(
+                chat_prompts[:2], 3, sampling_overrides={"seed": seed, "max_tokens": 12}
+            ),
+        )
         return [s for _, s in sorted(_by_index(samples).items())]
 
     first, second = run(1234), run(1234)
@@ -205,50 +228,61 @@ def test_stop_string_ends_the_sample_before_it(loop, engine, tokenizer, chat_pro
     text = free.response_text
     # A stop string taken from the free-running text a few tokens in.
     start = len(tokenizer.decode(list(free.response_token_ids[:3])))
-    stop = text[start:start + 4]
+    stop = text[start : start + 4]
     assert len(stop.strip()) >= 2 and text.find(stop) > 0, (text, stop)
-    samples = _collect(loop, engine.generate([prompt], 1, sampling_overrides={
-        "temperature": 0.0, "max_tokens": 16, "stop": [stop]}))
+    samples = _collect(
+        loop,
+        engine.generate(
+            [prompt], 1, sampling_overrides={"temperature": 0.0, "max_tokens": 16, "stop": [stop]}
+        ),
+    )
     (sample,) = samples
     assert sample.finish_reason == "stop"
     assert sample.stop_reason == stop
-    assert sample.response_text == text[:text.find(stop)]  # the stop string is not included
+    assert sample.response_text == text[: text.find(stop)]  # the stop string is not included
     assert len(sample.response_token_ids) < len(free.response_token_ids)
-    assert sample.response_token_ids == free.response_token_ids[:len(sample.response_token_ids)]
+    assert sample.response_token_ids == free.response_token_ids[: len(sample.response_token_ids)]
 
 
-@pytest.mark.parametrize("overrides, key", [
-    ({"temperature": -0.5}, "generation.temperature"),
-    ({"top_p": 0.0}, "generation.top_p"),
-    ({"top_k": -3}, "generation.top_k"),
-    ({"max_tokens": 0}, "generation.max_tokens"),
-    ({"max_tokens": 512}, "generation.max_tokens"),
-    ({"stop": [""]}, "generation.stop"),
-    ({"seed": -1}, "generation.seed"),
-    ({"beam_width": 4}, "beam_width"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        ({"temperature": -0.5}, "generation.temperature"),
+        ({"top_p": 0.0}, "generation.top_p"),
+        ({"top_k": -3}, "generation.top_k"),
+        ({"max_tokens": 0}, "generation.max_tokens"),
+        ({"max_tokens": 512}, "generation.max_tokens"),
+        ({"stop": [""]}, "generation.stop"),
+        ({"seed": -1}, "generation.seed"),
+        ({"beam_width": 4}, "beam_width"),
+    ],
+)
 def test_bad_sampling_params_are_rejected_before_submission(engine, chat_prompts, overrides, key):
     # generate() raises on the call itself, before an async iterator (and so any request) exists.
     with pytest.raises(ValueError, match=key):
         engine.generate(chat_prompts, 2, sampling_overrides=overrides)
 
 
-@pytest.mark.parametrize("prompts, num_samples, message", [
-    ([], 1, "non-empty list of prompts"),
-    ([[]], 1, r"prompt_token_ids\[0\] must be a non-empty"),
-    ([[1, 2], [5, -1]], 1, r"prompt_token_ids\[1\]: -1 is not a token id"),
-    ([[1, 10**9]], 1, "is not a token id"),
-    ([[1] * 505], 1, "more than max_model_len - max_tokens"),
-    ([[1, 2]], 0, "num_samples_per_prompt"),
-])
+@pytest.mark.parametrize(
+    "prompts, num_samples, message",
+    [
+        ([], 1, "non-empty list of prompts"),
+        ([[]], 1, r"prompt_token_ids\[0\] must be a non-empty"),
+        ([[1, 2], [5, -1]], 1, r"prompt_token_ids\[1\]: -1 is not a token id"),
+        ([[1, 10**9]], 1, "is not a token id"),
+        ([[1] * 505], 1, "more than max_model_len - max_tokens"),
+        ([[1, 2]], 0, "num_samples_per_prompt"),
+    ],
+)
 def test_bad_prompts_are_rejected_before_submission(engine, prompts, num_samples, message):
     with pytest.raises(ValueError, match=message):
         engine.generate(prompts, num_samples)
 
 
 def test_bad_setup_is_rejected_before_any_engine_starts(tmp_path):
-    with pytest.raises(ValueError, match="generation.backend: 'sglang' is not implemented on "
-                                         "this build"):
+    with pytest.raises(
+        ValueError, match="generation.backend: 'sglang' is not implemented on this build"
+    ):
         VllmGeneration(dataclasses.replace(CONFIG, backend="sglang"))
     with pytest.raises(ValueError, match="generation.model: .* no such directory"):
         VllmGeneration(dataclasses.replace(CONFIG, model=str(tmp_path / "missing")))
@@ -265,7 +299,8 @@ def test_bad_setup_is_rejected_before_any_engine_starts(tmp_path):
 
 
 def test_weight_update_changes_outputs_and_restoring_gives_them_back(
-        loop, engine, chat_prompts, original_weights):
+    loop, engine, chat_prompts, original_weights
+):
     prompts = [*chat_prompts, LONG_PROMPT]
     before = _greedy(loop, engine, prompts)
     version = engine.weight_version
@@ -289,8 +324,10 @@ def test_weight_update_changes_outputs_and_restoring_gives_them_back(
 
 def _bad_manifests(weights):
     name = "model.layers.0.mlp.down_proj.weight"
-    renamed = {("model.layers.0.mlp.down_projection.weight" if k == name else k): v
-               for k, v in weights.items()}
+    renamed = {
+        ("model.layers.0.mlp.down_projection.weight" if k == name else k): v
+        for k, v in weights.items()
+    }
     reshaped = {k: (v[:, :-1].contiguous() if k == name else v) for k, v in weights.items()}
     retyped = {k: (v.to(torch.bfloat16) if k == name else v) for k, v in weights.items()}
     missing = {k: v for k, v in weights.items() if k != name}
@@ -302,32 +339,39 @@ def _bad_manifests(weights):
     ]
 
 
-def test_wrong_manifest_is_rejected_before_the_engine_is_touched(
-        loop, engine, original_weights):
+def test_wrong_manifest_is_rejected_before_the_engine_is_touched(loop, engine, original_weights):
     before = _greedy(loop, engine, [LONG_PROMPT])
     version = engine.weight_version
     perturbed = _perturbed(original_weights)
     for named, message in _bad_manifests(perturbed):
         manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(named), 64 << 20)
-        buckets = [refit_packer.pack_bucket(named, manifest, b)
-                   for b in range(manifest.num_buckets)]
+        buckets = [
+            refit_packer.pack_bucket(named, manifest, b) for b in range(manifest.num_buckets)
+        ]
         with pytest.raises(ValueError, match=message):
-            loop.run_until_complete(engine.update_weights_from_buckets(
-                manifest.to_dict(), buckets, version + 1))
+            loop.run_until_complete(
+                engine.update_weights_from_buckets(manifest.to_dict(), buckets, version + 1)
+            )
 
     # Right manifest, wrong buckets or version.
     manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(perturbed), 64 << 20)
-    buckets = [refit_packer.pack_bucket(perturbed, manifest, b)
-               for b in range(manifest.num_buckets)]
+    buckets = [
+        refit_packer.pack_bucket(perturbed, manifest, b) for b in range(manifest.num_buckets)
+    ]
     with pytest.raises(ValueError, match="buckets but the manifest has"):
-        loop.run_until_complete(engine.update_weights_from_buckets(
-            manifest.to_dict(), buckets[:-1], version + 1))
+        loop.run_until_complete(
+            engine.update_weights_from_buckets(manifest.to_dict(), buckets[:-1], version + 1)
+        )
     with pytest.raises(ValueError, match="bucket 0 must be a 1-D uint8 tensor"):
-        loop.run_until_complete(engine.update_weights_from_buckets(
-            manifest.to_dict(), [buckets[0][:-256], *buckets[1:]], version + 1))
+        loop.run_until_complete(
+            engine.update_weights_from_buckets(
+                manifest.to_dict(), [buckets[0][:-256], *buckets[1:]], version + 1
+            )
+        )
     with pytest.raises(ValueError, match="larger than the engine's current weight version"):
-        loop.run_until_complete(engine.update_weights_from_buckets(
-            manifest.to_dict(), buckets, version))
+        loop.run_until_complete(
+            engine.update_weights_from_buckets(manifest.to_dict(), buckets, version)
+        )
     corrupt = manifest.to_dict()
     # Two tensors of one bucket made to overlap: a manifest that is inconsistent in itself.
     first, second = [t for t in corrupt["tensors"] if t["bucket"] == 1][:2]
@@ -348,8 +392,10 @@ def test_prepare_refit_info_checks_the_trainer_against_the_engine(loop, engine):
     name = "model.layers.1.self_attn.q_proj.weight"
     shape, _ = expected[name]
     cases = [
-        ({**expected, "model.extra.weight": ((2,), "float32")},
-         "has no weight 'model.extra.weight'"),
+        (
+            {**expected, "model.extra.weight": ((2,), "float32")},
+            "has no weight 'model.extra.weight'",
+        ),
         ({**expected, name: ((shape[0] + 1, shape[1]), "float32")}, f"'{name}' has shape"),
         ({**expected, name: (shape, "int32")}, "send floating-point weights"),
         ({k: v for k, v in expected.items() if k != name}, f"not sent, e.g. '{name}'"),
@@ -360,37 +406,43 @@ def test_prepare_refit_info_checks_the_trainer_against_the_engine(loop, engine):
             loop.run_until_complete(engine.prepare_refit_info(info))
         assert engine.expected_refit_info == expected  # unchanged by a rejected declaration
     # A bfloat16 trainer may send bfloat16 (vLLM's loader casts); then manifests must say so.
-    loop.run_until_complete(engine.prepare_refit_info(
-        {k: (v[0], torch.bfloat16) for k, v in expected.items()}))
+    loop.run_until_complete(
+        engine.prepare_refit_info({k: (v[0], torch.bfloat16) for k, v in expected.items()})
+    )
     assert engine.expected_refit_info[name] == (shape, "bfloat16")
     loop.run_until_complete(engine.prepare_refit_info(expected))
     assert engine.expected_refit_info == expected
 
 
 @pytest.mark.parametrize("recompute_kv_cache", [False, True])
-def test_in_flight_update_during_a_long_generation(loop, engine, original_weights,
-                                                   recompute_kv_cache):
+def test_in_flight_update_during_a_long_generation(
+    loop, engine, original_weights, recompute_kv_cache
+):
     max_tokens = 64
     (reference,) = _greedy(loop, engine, [LONG_PROMPT], max_tokens=max_tokens)
     version = engine.weight_version
     # The same weights under a new version: running requests keep (or recompute) their KV cache
     # with equal weights, so their greedy tokens must equal an uninterrupted run's.
-    manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(original_weights),
-                                         64 << 20)
-    buckets = [refit_packer.pack_bucket(original_weights, manifest, b)
-               for b in range(manifest.num_buckets)]
+    manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(original_weights), 64 << 20)
+    buckets = [
+        refit_packer.pack_bucket(original_weights, manifest, b) for b in range(manifest.num_buckets)
+    ]
 
     async def generate_while_updating():
-        iterator = engine.generate([LONG_PROMPT, LONG_PROMPT[::-1]], 2, sampling_overrides={
-            "temperature": 0.0, "max_tokens": max_tokens})
+        iterator = engine.generate(
+            [LONG_PROMPT, LONG_PROMPT[::-1]],
+            2,
+            sampling_overrides={"temperature": 0.0, "max_tokens": max_tokens},
+        )
         collector = asyncio.ensure_future(_drain(iterator))
         await asyncio.sleep(1.0)  # let the requests start decoding (64 tokens take seconds)
         # Freeze them mid-generation first, as a transport does, so the update is in flight
         # however fast or slow this machine is right now; the update keeps the engine paused.
         await engine.pause_generation()
         assert not collector.done(), "generation finished before the pause; raise max_tokens"
-        await engine.update_weights_from_buckets(manifest.to_dict(), buckets, version + 1,
-                                                 recompute_kv_cache=recompute_kv_cache)
+        await engine.update_weights_from_buckets(
+            manifest.to_dict(), buckets, version + 1, recompute_kv_cache=recompute_kv_cache
+        )
         assert not collector.done()
         await engine.resume_generation()
         return await collector
@@ -405,8 +457,11 @@ def test_in_flight_update_during_a_long_generation(loop, engine, original_weight
         assert sample.weight_versions[-1] == version + 1, sample.weight_versions
         if sample.prompt_index == 0:
             assert sample.response_token_ids == reference.response_token_ids
-    print(f"in-flight versions (recompute_kv_cache={recompute_kv_cache}):",
-          sorted({s.weight_versions for s in samples}), engine.last_update_stats)
+    print(
+        f"in-flight versions (recompute_kv_cache={recompute_kv_cache}):",
+        sorted({s.weight_versions for s in samples}),
+        engine.last_update_stats,
+    )
     # After the update, new samples are produced by the new version alone.
     (fresh,) = _greedy(loop, engine, [LONG_PROMPT])
     assert fresh.weight_versions == (version + 1,) and fresh.oldest_weight_version == version + 1
@@ -418,11 +473,13 @@ async def _drain(iterator):
 
 def test_abandoned_generation_aborts_and_engine_keeps_serving(loop, engine):
     async def take_first():
-        iterator = engine.generate([LONG_PROMPT], 3, sampling_overrides={
-            "temperature": 0.0, "max_tokens": 4})
+        iterator = engine.generate(
+            [LONG_PROMPT], 3, sampling_overrides={"temperature": 0.0, "max_tokens": 4}
+        )
         async for sample in iterator:
             await iterator.aclose()
             return sample
+
     first = loop.run_until_complete(take_first())
     assert first.finish_reason == "length"
     (sample,) = _greedy(loop, engine, [LONG_PROMPT], max_tokens=4)
@@ -445,13 +502,17 @@ def test_finish_and_prepare_for_generation_are_idempotent(loop, engine):
 
 
 def test_engine_logprobs_agree_with_the_trainer_after_a_weight_push(
-        loop, engine, chat_prompts, original_weights):
+    loop, engine, chat_prompts, original_weights
+):
     from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
     from dockyard_rl.models.policy.config import PolicyConfig
     from dockyard_rl.models.policy.dtensor_policy import DTensorPolicy
 
-    policy = DTensorPolicy(PolicyConfig(backend="dtensor", model=CONFIG.model, dtype="float32",
-                                        dp_size=1, micro_batch_size=8))
+    policy = DTensorPolicy(
+        PolicyConfig(
+            backend="dtensor", model=CONFIG.model, dtype="float32", dp_size=1, micro_batch_size=8
+        )
+    )
     try:
         # The engine first gets other weights, so agreement below proves the push took effect.
         version = engine.weight_version
@@ -462,26 +523,35 @@ def test_engine_logprobs_agree_with_the_trainer_after_a_weight_push(
         assert list(trainer_weights) == list(refit_info)
         _push(loop, engine, trainer_weights, version + 2)
 
-        samples = _collect(loop, engine.generate(chat_prompts, 2, sampling_overrides={
-            "temperature": 1.0, "max_tokens": 16, "seed": 7}))
+        samples = _collect(
+            loop,
+            engine.generate(
+                chat_prompts,
+                2,
+                sampling_overrides={"temperature": 1.0, "max_tokens": 16, "seed": 7},
+            ),
+        )
         samples = [s for _, s in sorted(_by_index(samples).items())]
         assert all(s.weight_versions == (version + 2,) for s in samples)
         sequences = [list(s.prompt_token_ids + s.response_token_ids) for s in samples]
         lengths_B = torch.tensor([len(q) for q in sequences])
         input_ids_BS = torch.zeros(len(sequences), int(lengths_B.max()), dtype=torch.int64)
         for b, q in enumerate(sequences):
-            input_ids_BS[b, :len(q)] = torch.tensor(q)
-        trainer_logprobs_BS = policy.get_logprobs(BatchedDataDict(
-            input_ids=input_ids_BS, input_lengths=lengths_B))
+            input_ids_BS[b, : len(q)] = torch.tensor(q)
+        trainer_logprobs_BS = policy.get_logprobs(
+            BatchedDataDict(input_ids=input_ids_BS, input_lengths=lengths_B)
+        )
         deltas = []
         for b, s in enumerate(samples):
             start = len(s.prompt_token_ids)
-            trainer_S = trainer_logprobs_BS[b, start:start + len(s.response_token_ids)]
+            trainer_S = trainer_logprobs_BS[b, start : start + len(s.response_token_ids)]
             deltas.append((trainer_S - torch.tensor(s.response_logprobs)).abs())
         delta_S = torch.cat(deltas)
         mean, worst = float(delta_S.mean()), float(delta_S.max())
-        print(f"trainer agreement over {delta_S.numel()} sampled tokens: mean |delta| = "
-              f"{mean:.3e}, max |delta| = {worst:.3e}")
+        print(
+            f"trainer agreement over {delta_S.numel()} sampled tokens: mean |delta| = "
+            f"{mean:.3e}, max |delta| = {worst:.3e}"
+        )
         assert mean < 1e-3 and worst < 1e-2
     finally:
         policy.shutdown()

@@ -44,8 +44,13 @@ def kv_cache_bytes_per_token(hf_config: Mapping[str, Any], dtype: str) -> int | 
         num_layers = int(hf_config["num_hidden_layers"])
     except (KeyError, TypeError, ValueError):
         return None
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=getattr(
-        torch, dtype)).element_size()
+    return (
+        2
+        * num_layers
+        * num_kv_heads
+        * head_dim
+        * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,42 +73,58 @@ class MemoryBudget:
 
     def describe(self) -> str:
         """The arithmetic, one line, for the log."""
-        machine = (f"this machine: {format_bytes(self.total_bytes)} total, "
-                   f"{format_bytes(self.available_bytes)} available now")
+        machine = (
+            f"this machine: {format_bytes(self.total_bytes)} total, "
+            f"{format_bytes(self.available_bytes)} available now"
+        )
         weights = f"~{format_bytes(self.weight_bytes)} of weights per engine"
         gmu = f"gpu_memory_utilization {self.gpu_memory_utilization}"
         if self.kv_cache_bytes is None:
             if self.on_gpu:
-                return (f"vLLM memory budget: KV cache sized by vLLM (generation."
-                        f"kv_cache_memory_bytes: null) from {gmu} of each GPU, minus weights and "
-                        f"activations; {self.num_engines} engine(s), {weights}; {machine}")
+                return (
+                    f"vLLM memory budget: KV cache sized by vLLM (generation."
+                    f"kv_cache_memory_bytes: null) from {gmu} of each GPU, minus weights and "
+                    f"activations; {self.num_engines} engine(s), {weights}; {machine}"
+                )
             requested = self.gpu_memory_utilization * self.total_bytes
-            return (f"vLLM memory budget: KV cache sized by vLLM (generation.kv_cache_memory_bytes"
-                    f": null): {gmu} x {format_bytes(self.total_bytes)} = "
-                    f"{format_bytes(requested)} "
-                    f"per engine, minus the worker's resident memory when the KV cache is sized "
-                    f"(it refuses to start when that is <= 0); x {self.num_engines} engine(s) = "
-                    f"{format_bytes(self.num_engines * requested)}; {weights}; {machine}. This "
-                    "depends on what else runs on the machine; an explicit "
-                    "generation.kv_cache_memory_bytes does not")
+            return (
+                f"vLLM memory budget: KV cache sized by vLLM (generation.kv_cache_memory_bytes"
+                f": null): {gmu} x {format_bytes(self.total_bytes)} = "
+                f"{format_bytes(requested)} "
+                f"per engine, minus the worker's resident memory when the KV cache is sized "
+                f"(it refuses to start when that is <= 0); x {self.num_engines} engine(s) = "
+                f"{format_bytes(self.num_engines * requested)}; {weights}; {machine}. This "
+                "depends on what else runs on the machine; an explicit "
+                "generation.kv_cache_memory_bytes does not"
+            )
         if self.kv_bytes_per_token:
             num_tokens = self.kv_cache_bytes // self.kv_bytes_per_token
-            tokens = (f"; ~{num_tokens} tokens at {self.kv_bytes_per_token / 1024:.1f} KiB per "
-                      f"token = {num_tokens / self.max_model_len:.1f} x max_model_len "
-                      f"{self.max_model_len}")
+            tokens = (
+                f"; ~{num_tokens} tokens at {self.kv_bytes_per_token / 1024:.1f} KiB per "
+                f"token = {num_tokens / self.max_model_len:.1f} x max_model_len "
+                f"{self.max_model_len}"
+            )
         else:
             tokens = ""
         where = "per GPU" if self.on_gpu else "per engine"
-        unused = ("ignored by vLLM" if self.on_gpu else "not used on CPU")
-        return (f"vLLM memory budget: KV cache {format_bytes(self.kv_cache_bytes)} {where} "
-                f"(generation.kv_cache_memory_bytes{tokens}) x {self.num_engines} engine(s) = "
-                f"{format_bytes(self.total_kv_cache_bytes)}"
-                f"{' (on the GPUs)' if self.on_gpu else ''}; {weights}; {machine}; {gmu} is "
-                f"{unused} when the KV size is explicit")
+        unused = "ignored by vLLM" if self.on_gpu else "not used on CPU"
+        return (
+            f"vLLM memory budget: KV cache {format_bytes(self.kv_cache_bytes)} {where} "
+            f"(generation.kv_cache_memory_bytes{tokens}) x {self.num_engines} engine(s) = "
+            f"{format_bytes(self.total_kv_cache_bytes)}"
+            f"{' (on the GPUs)' if self.on_gpu else ''}; {weights}; {machine}; {gmu} is "
+            f"{unused} when the KV size is explicit"
+        )
 
 
-def plan_memory(config: GenerationConfig, *, on_gpu: bool, weight_bytes: int,
-                kv_bytes_per_token: int | None, memory=None) -> MemoryBudget:
+def plan_memory(
+    config: GenerationConfig,
+    *,
+    on_gpu: bool,
+    weight_bytes: int,
+    kv_bytes_per_token: int | None,
+    memory=None,
+) -> MemoryBudget:
     """The engines' memory budget against this machine's memory (`memory`: psutil's
     `virtual_memory()`, read now when None).
 
@@ -132,8 +153,10 @@ def plan_memory(config: GenerationConfig, *, on_gpu: bool, weight_bytes: int,
         return budget
     available = budget.available_bytes
     engines = f"{budget.num_engines} engine(s)"
-    machine = (f"the {format_bytes(available)} this machine has available now "
-               f"({format_bytes(budget.total_bytes)} total)")
+    machine = (
+        f"the {format_bytes(available)} this machine has available now "
+        f"({format_bytes(budget.total_bytes)} total)"
+    )
     if budget.kv_cache_bytes is not None:
         if budget.total_kv_cache_bytes > available:
             raise ValueError(
@@ -143,7 +166,8 @@ def plan_memory(config: GenerationConfig, *, on_gpu: bool, weight_bytes: int,
                 f"generation.kv_cache_memory_bytes (at most "
                 f"{format_bytes(available // budget.num_engines)} per engine right now, less what "
                 "the weights, the engines' runtime and the trainer need) or "
-                "generation.num_engines, or free memory on the machine")
+                "generation.num_engines, or free memory on the machine"
+            )
     else:
         requested = math.ceil(budget.gpu_memory_utilization * budget.total_bytes)
         if budget.num_engines * requested > available:
@@ -153,7 +177,8 @@ def plan_memory(config: GenerationConfig, *, on_gpu: bool, weight_bytes: int,
                 f"{format_bytes(requested)} per engine for weights + KV cache, x {engines} = "
                 f"{format_bytes(budget.num_engines * requested)}, more than {machine}; set "
                 "generation.kv_cache_memory_bytes to an explicit size (e.g. 1GiB), or lower "
-                "generation.gpu_memory_utilization")
+                "generation.gpu_memory_utilization"
+            )
     return budget
 
 
@@ -162,12 +187,15 @@ def plan_memory(config: GenerationConfig, *, on_gpu: bool, weight_bytes: int,
 _KV_MEMORY_REFUSALS = re.compile(
     r"(Available memory on node \S+ \(.*?\) on (?:kv cache allocation|startup) is less than "
     r".*|No available memory for the cache blocks\..*|To serve at least one request with the "
-    r"model's max seq len .*)")
+    r"model's max seq len .*)"
+)
 
 
 # Where vLLM's facts end and its advice (in terms of its own flags) begins.
-_VLLM_ADVICE = re.compile(r" (?:Try increasing|On the CPU backend|Reduce CPU memory|Decrease "
-                          r"--kv-cache|See https://)|', please check")
+_VLLM_ADVICE = re.compile(
+    r" (?:Try increasing|On the CPU backend|Reduce CPU memory|Decrease "
+    r"--kv-cache|See https://)|', please check"
+)
 
 
 def vllm_kv_memory_refusal(log_text: str) -> str | None:
@@ -181,21 +209,26 @@ def vllm_kv_memory_refusal(log_text: str) -> str | None:
     return _VLLM_ADVICE.split(match.group(1), 1)[0].strip()
 
 
-def kv_memory_error(engine_index: int, engine_kwargs: Mapping[str, Any],
-                    refusal: str) -> ValueError:
+def kv_memory_error(
+    engine_index: int, engine_kwargs: Mapping[str, Any], refusal: str
+) -> ValueError:
     kv_bytes = engine_kwargs.get("kv_cache_memory_bytes")
-    said = f"engine {engine_index} refused to start: vLLM says \"{refusal}\""
+    said = f'engine {engine_index} refused to start: vLLM says "{refusal}"'
     if kv_bytes is None:
         return ValueError(
             f"generation.kv_cache_memory_bytes: null lets vLLM size the KV cache from "
             f"gpu_memory_utilization ({engine_kwargs['gpu_memory_utilization']}) and the memory "
             f"the engine's worker already holds, and {said}. Set generation.kv_cache_memory_bytes "
             "to an explicit size (e.g. 1GiB), which does not depend on what else runs on the "
-            "machine")
+            "machine"
+        )
     if refusal.startswith(("To serve at least one request", "No available memory for the cache")):
-        fix = (f"too small for one sequence of max_model_len {engine_kwargs['max_model_len']}; "
-               "raise generation.kv_cache_memory_bytes or lower generation.max_model_len")
+        fix = (
+            f"too small for one sequence of max_model_len {engine_kwargs['max_model_len']}; "
+            "raise generation.kv_cache_memory_bytes or lower generation.max_model_len"
+        )
     else:
         fix = "lower generation.kv_cache_memory_bytes or free memory on the machine"
-    return ValueError(f"generation.kv_cache_memory_bytes: {format_bytes(kv_bytes)} per engine: "
-                      f"{said}; {fix}")
+    return ValueError(
+        f"generation.kv_cache_memory_bytes: {format_bytes(kv_bytes)} per engine: {said}; {fix}"
+    )

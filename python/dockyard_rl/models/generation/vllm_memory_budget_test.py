@@ -64,16 +64,18 @@ def ray_started():
 
 
 def _config(model_dir, **changes) -> GenerationConfig:
-    return GenerationConfig(**{
-        "model": str(model_dir),
-        "dtype": "float32",
-        "max_model_len": 128,
-        "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
-        "kv_cache_memory_bytes": "64MiB",  # tiny-llama: 1 KiB per token, 64k tokens
-        "enforce_eager": True,
-        "max_tokens": 8,
-        **changes,
-    })
+    return GenerationConfig(
+        **{
+            "model": str(model_dir),
+            "dtype": "float32",
+            "max_model_len": 128,
+            "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
+            "kv_cache_memory_bytes": "64MiB",  # tiny-llama: 1 KiB per token, 64k tokens
+            "enforce_eager": True,
+            "max_tokens": 8,
+            **changes,
+        }
+    )
 
 
 def _ballast_bytes() -> int:
@@ -82,8 +84,11 @@ def _ballast_bytes() -> int:
 
 
 def _with_ballast(config: GenerationConfig) -> VllmGeneration:
-    return VllmGeneration(config, worker_extension_cls=BALLAST_WORKER_EXTENSION_CLS,
-                          engine_env={BALLAST_BYTES_ENV: str(_ballast_bytes())})
+    return VllmGeneration(
+        config,
+        worker_extension_cls=BALLAST_WORKER_EXTENSION_CLS,
+        engine_env={BALLAST_BYTES_ENV: str(_ballast_bytes())},
+    )
 
 
 def _engine_names() -> list[str]:
@@ -96,51 +101,89 @@ def _engine_names() -> list[str]:
 
 def test_budget_explicit_kv_fits_and_says_gpu_memory_utilization_is_unused():
     config = GenerationConfig(kv_cache_memory_bytes="1GiB", num_engines=2)
-    budget = plan_memory(config, on_gpu=False, weight_bytes=GiB // 2, kv_bytes_per_token=46080,
-                         memory=Memory(total=24 * GiB, available=5 * GiB))
+    budget = plan_memory(
+        config,
+        on_gpu=False,
+        weight_bytes=GiB // 2,
+        kv_bytes_per_token=46080,
+        memory=Memory(total=24 * GiB, available=5 * GiB),
+    )
     assert budget.total_kv_cache_bytes == 2 * GiB
     assert budget.describe() == (
         "vLLM memory budget: KV cache 1.00 GiB per engine (generation.kv_cache_memory_bytes; "
         "~23301 tokens at 45.0 KiB per token = 11.4 x max_model_len 2048) x 2 engine(s) = "
         "2.00 GiB; ~512.00 MiB of weights per engine; this machine: 24.00 GiB total, 5.00 GiB "
         "available now; gpu_memory_utilization 0.3 is not used on CPU when the KV size is "
-        "explicit")
+        "explicit"
+    )
 
 
 def test_budget_refuses_engines_whose_kv_caches_together_exceed_available_memory():
     # Each engine's 3 GiB fits in the 5 GiB available; two of them do not.
     config = GenerationConfig(kv_cache_memory_bytes="3GiB", num_engines=2)
     with pytest.raises(ValueError) as info:
-        plan_memory(config, on_gpu=False, weight_bytes=GiB // 2, kv_bytes_per_token=None,
-                    memory=Memory(total=24 * GiB, available=5 * GiB))
+        plan_memory(
+            config,
+            on_gpu=False,
+            weight_bytes=GiB // 2,
+            kv_bytes_per_token=None,
+            memory=Memory(total=24 * GiB, available=5 * GiB),
+        )
     assert str(info.value) == (
         "generation.kv_cache_memory_bytes: 2 engine(s) x 3.00 GiB of KV cache = 6.00 GiB, more "
         "than the 5.00 GiB this machine has available now (24.00 GiB total); lower "
         "generation.kv_cache_memory_bytes (at most 2.50 GiB per engine right now, less what the "
         "weights, the engines' runtime and the trainer need) or generation.num_engines, or free "
-        "memory on the machine")
-    plan_memory(dataclasses.replace(config, num_engines=1), on_gpu=False, weight_bytes=0,
-                kv_bytes_per_token=None, memory=Memory(total=24 * GiB, available=5 * GiB))
+        "memory on the machine"
+    )
+    plan_memory(
+        dataclasses.replace(config, num_engines=1),
+        on_gpu=False,
+        weight_bytes=0,
+        kv_bytes_per_token=None,
+        memory=Memory(total=24 * GiB, available=5 * GiB),
+    )
 
 
 def test_budget_with_null_kv_explains_vllms_sizing_and_refuses_what_vllm_would():
     config = GenerationConfig(kv_cache_memory_bytes=None, gpu_memory_utilization=0.3)
-    quiet = plan_memory(config, on_gpu=False, weight_bytes=0, kv_bytes_per_token=None,
-                        memory=Memory(total=24 * GiB, available=20 * GiB))
-    assert "gpu_memory_utilization 0.3 x 24.00 GiB = 7.20 GiB per engine, minus the worker's " \
+    quiet = plan_memory(
+        config,
+        on_gpu=False,
+        weight_bytes=0,
+        kv_bytes_per_token=None,
+        memory=Memory(total=24 * GiB, available=20 * GiB),
+    )
+    assert (
+        "gpu_memory_utilization 0.3 x 24.00 GiB = 7.20 GiB per engine, minus the worker's "
         "resident memory" in quiet.describe()
-    with pytest.raises(ValueError, match=(
+    )
+    with pytest.raises(
+        ValueError,
+        match=(
             r"^generation\.kv_cache_memory_bytes: null lets vLLM reserve gpu_memory_utilization "
             r"0\.3 x 24\.00 GiB = 7\.20 GiB per engine .* more than the 6\.00 GiB this machine "
-            r"has available now .*set generation\.kv_cache_memory_bytes to an explicit size")):
-        plan_memory(config, on_gpu=False, weight_bytes=0, kv_bytes_per_token=None,
-                    memory=Memory(total=24 * GiB, available=6 * GiB))
+            r"has available now .*set generation\.kv_cache_memory_bytes to an explicit size"
+        ),
+    ):
+        plan_memory(
+            config,
+            on_gpu=False,
+            weight_bytes=0,
+            kv_bytes_per_token=None,
+            memory=Memory(total=24 * GiB, available=6 * GiB),
+        )
 
 
 def test_budget_on_gpus_is_logged_but_not_checked_against_host_memory():
     config = GenerationConfig(kv_cache_memory_bytes="40GiB", num_engines=8)
-    budget = plan_memory(config, on_gpu=True, weight_bytes=GiB, kv_bytes_per_token=None,
-                         memory=Memory(total=16 * GiB, available=8 * GiB))
+    budget = plan_memory(
+        config,
+        on_gpu=True,
+        weight_bytes=GiB,
+        kv_bytes_per_token=None,
+        memory=Memory(total=16 * GiB, available=8 * GiB),
+    )
     assert "40.00 GiB per GPU" in budget.describe()
     assert "ignored by vLLM when the KV size is explicit" in budget.describe()
 
@@ -148,41 +191,53 @@ def test_budget_on_gpus_is_logged_but_not_checked_against_host_memory():
 # vLLM 0.32's own lines, as its engine processes print them (from runs of the tests below and of
 # issue 13).
 VLLM_LOG_EXAMPLES = [
-    ("(Worker pid=31895) ERROR 12-01 16:11:38 [core.py:1510] ValueError: Available memory on node "
-     "0 (19.1/23.54 GiB) on kv cache allocation is less than requested memory for kv (-0.96/1.18 "
-     "GiB). Reduce CPU memory used by other processes.\n",
-     "Available memory on node 0 (19.1/23.54 GiB) on kv cache allocation is less than requested "
-     "memory for kv (-0.96/1.18 GiB)."),
-    ("RuntimeError: Worker failed with error 'Available memory on node 0 (1.00/24.00 GiB) on kv "
-     "cache allocation is less than requested memory for kv (2.00 GiB). Decrease "
-     "--kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE, or reduce CPU memory used by other "
-     "processes.', please check the stack trace above for the root cause\n",
-     "Available memory on node 0 (1.00/24.00 GiB) on kv cache allocation is less than requested "
-     "memory for kv (2.00 GiB)."),
-    ("ValueError: Available memory on node 0 (3.10/24.00 GiB) on startup is less than desired CPU "
-     "memory utilization (0.3, 7.20 GiB). On the CPU backend, the `--gpu-memory-utilization` flag "
-     "controls the fraction of CPU memory reserved (despite its name). To resolve: decrease "
-     "`--gpu-memory-utilization` (e.g. `--gpu-memory-utilization 0.5`) or reduce CPU memory used "
-     "by other processes.\n",
-     "Available memory on node 0 (3.10/24.00 GiB) on startup is less than desired CPU memory "
-     "utilization (0.3, 7.20 GiB)."),
-    ("ValueError: No available memory for the cache blocks. Try increasing "
-     "`gpu_memory_utilization` when initializing the engine (this flag also controls CPU memory "
-     "reservation on the CPU backend, despite its name). See https://docs.vllm.ai/en/latest/"
-     "configuration/conserving_memory/ for more details.\n",
-     "No available memory for the cache blocks."),
-    ("ValueError: To serve at least one request with the model's max seq len (1024), (1.00 MiB "
-     "KV cache is needed, which is larger than the available KV cache memory (0.25 MiB). Based on "
-     "the available memory, the estimated maximum model length is 256. Try increasing "
-     "`gpu_memory_utilization` (which also controls CPU memory on the CPU backend) or decreasing "
-     "`max_model_len` when initializing the engine. See "
-     "https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details.\n",
-     "To serve at least one request with the model's max seq len (1024), (1.00 MiB KV cache is "
-     "needed, which is larger than the available KV cache memory (0.25 MiB). Based on the "
-     "available memory, the estimated maximum model length is 256."),
-    ("(Worker pid=31609) INFO 12-01 16:10:19 [cpu_worker.py:260] Explicitly set (0.06/23.54) GiB "
-     "for KV cache on node 0.\n",
-     None),
+    (
+        "(Worker pid=31895) ERROR 12-01 16:11:38 [core.py:1510] ValueError: Available memory on "
+        "node 0 (19.1/23.54 GiB) on kv cache allocation is less than requested memory for kv "
+        "(-0.96/1.18 GiB). Reduce CPU memory used by other processes.\n",
+        "Available memory on node 0 (19.1/23.54 GiB) on kv cache allocation is less than requested "
+        "memory for kv (-0.96/1.18 GiB).",
+    ),
+    (
+        "RuntimeError: Worker failed with error 'Available memory on node 0 (1.00/24.00 GiB) on kv "
+        "cache allocation is less than requested memory for kv (2.00 GiB). Decrease "
+        "--kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE, or reduce CPU memory used by other "
+        "processes.', please check the stack trace above for the root cause\n",
+        "Available memory on node 0 (1.00/24.00 GiB) on kv cache allocation is less than requested "
+        "memory for kv (2.00 GiB).",
+    ),
+    (
+        "ValueError: Available memory on node 0 (3.10/24.00 GiB) on startup is less than desired "
+        "CPU memory utilization (0.3, 7.20 GiB). On the CPU backend, the "
+        "`--gpu-memory-utilization` flag controls the fraction of CPU memory reserved (despite its "
+        "name). To resolve: decrease `--gpu-memory-utilization` (e.g. "
+        "`--gpu-memory-utilization 0.5`) or reduce CPU memory used by other processes.\n",
+        "Available memory on node 0 (3.10/24.00 GiB) on startup is less than desired CPU memory "
+        "utilization (0.3, 7.20 GiB).",
+    ),
+    (
+        "ValueError: No available memory for the cache blocks. Try increasing "
+        "`gpu_memory_utilization` when initializing the engine (this flag also controls CPU memory "
+        "reservation on the CPU backend, despite its name). See https://docs.vllm.ai/en/latest/"
+        "configuration/conserving_memory/ for more details.\n",
+        "No available memory for the cache blocks.",
+    ),
+    (
+        "ValueError: To serve at least one request with the model's max seq len (1024), (1.00 "
+        "MiB KV cache is needed, which is larger than the available KV cache memory (0.25 MiB). "
+        "Based on the available memory, the estimated maximum model length is 256. Try increasing "
+        "`gpu_memory_utilization` (which also controls CPU memory on the CPU backend) or "
+        "decreasing `max_model_len` when initializing the engine. See "
+        "https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details.\n",
+        "To serve at least one request with the model's max seq len (1024), (1.00 MiB KV cache is "
+        "needed, which is larger than the available KV cache memory (0.25 MiB). Based on the "
+        "available memory, the estimated maximum model length is 256.",
+    ),
+    (
+        "(Worker pid=31609) INFO 12-01 16:10:19 [cpu_worker.py:260] Explicitly set (0.06/23.54) "
+        "GiB for KV cache on node 0.\n",
+        None,
+    ),
 ]
 
 
@@ -196,17 +251,23 @@ def test_vllm_kv_memory_refusal_is_found_in_the_engine_log(log_text, refusal):
 
 
 def test_kv_size_above_available_memory_is_a_config_error_before_any_engine_starts(
-        ray_started, model_dir):
+    ray_started, model_dir
+):
     too_much = psutil.virtual_memory().available + 4 * GiB
-    with pytest.raises(ValueError, match=(
+    with pytest.raises(
+        ValueError,
+        match=(
             r"^generation\.kv_cache_memory_bytes: 1 engine\(s\) x [\d.]+ GiB of KV cache = "
-            r"[\d.]+ GiB, more than the [\d.]+ GiB this machine has available now")):
+            r"[\d.]+ GiB, more than the [\d.]+ GiB this machine has available now"
+        ),
+    ):
         VllmGeneration(_config(model_dir, kv_cache_memory_bytes=too_much))
     assert _engine_names() == []
 
 
 def test_explicit_kv_starts_and_generates_while_the_worker_holds_memory_of_its_own(
-        ray_started, model_dir, caplog):
+    ray_started, model_dir, caplog
+):
     caplog.set_level(logging.INFO, logger=vllm_generation.__name__)
     generation = _with_ballast(_config(model_dir))
     try:
@@ -217,20 +278,24 @@ def test_explicit_kv_starts_and_generates_while_the_worker_holds_memory_of_its_o
 
         async def drain():
             return [s async for s in generation.generate([[5, 6, 7], [8, 9]], 2)]
+
         samples = asyncio.run(drain())
         assert len(samples) == 4 and all(s.response_token_ids for s in samples)
     finally:
         generation.shutdown()
     (line,) = [r.getMessage() for r in caplog.records if "vLLM memory budget" in r.getMessage()]
-    assert line.startswith("vLLM memory budget: KV cache 64.00 MiB per engine "
-                           "(generation.kv_cache_memory_bytes; ~65536 tokens at 1.0 KiB per "
-                           "token = 512.0 x max_model_len 128) x 1 engine(s) = 64.00 MiB;")
+    assert line.startswith(
+        "vLLM memory budget: KV cache 64.00 MiB per engine "
+        "(generation.kv_cache_memory_bytes; ~65536 tokens at 1.0 KiB per "
+        "token = 512.0 x max_model_len 128) x 1 engine(s) = 64.00 MiB;"
+    )
     assert "gpu_memory_utilization 0.05 is not used on CPU" in line
     print(line, f"engine start {generation.engine_start_seconds:.1f} s", sep="\n")
 
 
 def test_null_kv_with_the_same_squeeze_reproduces_vllms_refusal_as_a_config_error(
-        ray_started, model_dir):
+    ray_started, model_dir
+):
     with pytest.raises(ValueError) as info:
         _with_ballast(_config(model_dir, kv_cache_memory_bytes=None))
     message = str(info.value)
@@ -238,11 +303,14 @@ def test_null_kv_with_the_same_squeeze_reproduces_vllms_refusal_as_a_config_erro
     assert message.startswith(
         "generation.kv_cache_memory_bytes: null lets vLLM size the KV cache from "
         "gpu_memory_utilization (0.05) and the memory the engine's worker already holds, and "
-        "engine 0 refused to start: vLLM says \"Available memory on node ")
+        'engine 0 refused to start: vLLM says "Available memory on node '
+    )
     # vLLM's figure: requested memory minus the worker's RSS, negative with the ballast.
     assert "on kv cache allocation is less than requested memory for kv (-" in message
-    assert message.endswith("Set generation.kv_cache_memory_bytes to an explicit size (e.g. "
-                            "1GiB), which does not depend on what else runs on the machine")
+    assert message.endswith(
+        "Set generation.kv_cache_memory_bytes to an explicit size (e.g. "
+        "1GiB), which does not depend on what else runs on the machine"
+    )
 
 
 def test_explicit_kv_too_small_for_one_sequence_is_a_config_error(ray_started, model_dir):
@@ -253,6 +321,9 @@ def test_explicit_kv_too_small_for_one_sequence_is_a_config_error(ray_started, m
     print(message)
     assert message.startswith(
         "generation.kv_cache_memory_bytes: 256.00 KiB per engine: engine 0 refused to start: vLLM "
-        "says \"To serve at least one request with the model's max seq len (1024)")
-    assert message.endswith("\"; too small for one sequence of max_model_len 1024; raise "
-                            "generation.kv_cache_memory_bytes or lower generation.max_model_len")
+        "says \"To serve at least one request with the model's max seq len (1024)"
+    )
+    assert message.endswith(
+        '"; too small for one sequence of max_model_len 1024; raise '
+        "generation.kv_cache_memory_bytes or lower generation.max_model_len"
+    )

@@ -35,8 +35,11 @@ import torch
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models import zoo
 from dockyard_rl.models.generation.config import GenerationConfig
-from dockyard_rl.models.generation.memory_pressure import (HeldMemory, describe_squeeze,
-                                                           squeeze_bytes)
+from dockyard_rl.models.generation.memory_pressure import (
+    HeldMemory,
+    describe_squeeze,
+    squeeze_bytes,
+)
 from dockyard_rl.models.generation.vllm_generation import VllmGeneration, ensure_ray
 
 NUM_ENGINES = 2
@@ -99,6 +102,7 @@ def original_weights(model_dir):
 def _collect(loop, iterator):
     async def drain():
         return [sample async for sample in iterator]
+
     return loop.run_until_complete(drain())
 
 
@@ -107,8 +111,9 @@ def _sorted(samples):
 
 
 def _generate(loop, engine, prompts, num_samples, **overrides):
-    return _sorted(_collect(loop, engine.generate(prompts, num_samples,
-                                                  sampling_overrides=overrides)))
+    return _sorted(
+        _collect(loop, engine.generate(prompts, num_samples, sampling_overrides=overrides))
+    )
 
 
 def _greedy(loop, engine, prompts):
@@ -118,31 +123,40 @@ def _greedy(loop, engine, prompts):
 def _push(loop, engine, named, version):
     manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(named), 1 << 20)
     buckets = [refit_packer.pack_bucket(named, manifest, b) for b in range(manifest.num_buckets)]
-    loop.run_until_complete(engine.update_weights_from_buckets(manifest.to_dict(), buckets,
-                                                               version))
+    loop.run_until_complete(
+        engine.update_weights_from_buckets(manifest.to_dict(), buckets, version)
+    )
 
 
 def _perturbed(weights):
     generator = torch.Generator().manual_seed(0)
     # Large (half a standard deviation): a random model's logits are nearly flat, and the greedy
     # tokens of every prompt must move.
-    return {name: (w + 0.5 * w.std() * torch.randn(w.shape, generator=generator)).contiguous()
-            if "mlp" in name or "self_attn" in name else w
-            for name, w in weights.items()}
+    return {
+        name: (w + 0.5 * w.std() * torch.randn(w.shape, generator=generator)).contiguous()
+        if "mlp" in name or "self_attn" in name
+        else w
+        for name, w in weights.items()
+    }
 
 
 def _assert_logprobs_close(samples, expected_samples):
     """Equal up to float32 noise: vLLM's CPU kernels are not batch-invariant."""
     for sample, expected in zip(samples, expected_samples, strict=True):
-        torch.testing.assert_close(torch.tensor(sample.response_logprobs),
-                                   torch.tensor(expected.response_logprobs), rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor(sample.response_logprobs),
+            torch.tensor(expected.response_logprobs),
+            rtol=0,
+            atol=1e-4,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 
 
 def test_both_engines_start_and_generate_while_another_process_holds_half_the_memory(
-        loop, engine, squeeze):
+    loop, engine, squeeze
+):
     print(describe_squeeze(squeeze, engine.memory_budget.describe()))
     assert squeeze.held and squeeze.rss_bytes() >= squeeze.num_bytes
     assert engine.memory_budget.total_kv_cache_bytes == NUM_ENGINES * (64 << 20)
@@ -170,21 +184,21 @@ def test_prompts_are_balanced_over_both_engines_and_each_sample_comes_back_once(
     assert all(len(engines) == 1 for engines in engines_by_prompt.values()), engines_by_prompt
     # ... and, from idle engines, prompt p on engine p % 2: 3 prompts (9 samples) on each.
     assert {p: e for p, (e,) in engines_by_prompt.items()} == {
-        p: p % NUM_ENGINES for p in range(len(PROMPTS))}
+        p: p % NUM_ENGINES for p in range(len(PROMPTS))
+    }
     assert engine._client._num_in_flight == [0] * NUM_ENGINES  # every completion was accounted for
 
 
 def test_odd_prompt_count_splits_within_one_prompt(loop, engine):
     samples = _generate(loop, engine, PROMPTS[:3], 2, max_tokens=2)
-    num_samples_by_engine = [sum(s.engine_index == e for s in samples)
-                             for e in range(NUM_ENGINES)]
+    num_samples_by_engine = [sum(s.engine_index == e for s in samples) for e in range(NUM_ENGINES)]
     assert num_samples_by_engine == [4, 2]
 
 
 def test_same_seed_gives_same_tokens_on_either_engine(loop, engine):
     a, b = PROMPTS[0], PROMPTS[1]
     overrides = {"seed": 1234, "max_tokens": MAX_TOKENS}
-    forward = _generate(loop, engine, [a, b], 2, **overrides)   # a on engine 0, b on engine 1
+    forward = _generate(loop, engine, [a, b], 2, **overrides)  # a on engine 0, b on engine 1
     backward = _generate(loop, engine, [b, a], 2, **overrides)  # b on engine 0, a on engine 1
     assert [s.engine_index for s in forward] == [0, 0, 1, 1]
     assert [s.engine_index for s in backward] == [0, 0, 1, 1]
@@ -199,7 +213,8 @@ def test_same_seed_gives_same_tokens_on_either_engine(loop, engine):
 
 
 def test_weight_update_reaches_both_engines_and_restoring_gives_outputs_back(
-        loop, engine, original_weights):
+    loop, engine, original_weights
+):
     prompts = PROMPTS[:4]  # prompts 0, 2 on engine 0; 1, 3 on engine 1
     before = _greedy(loop, engine, prompts)
     assert [s.engine_index for s in before] == [0, 1, 0, 1]
@@ -212,16 +227,18 @@ def test_weight_update_reaches_both_engines_and_restoring_gives_outputs_back(
     for engine_index in range(NUM_ENGINES):
         old = [s for s in before if s.engine_index == engine_index]
         new = [s for s in perturbed if s.engine_index == engine_index]
-        assert [s.response_token_ids for s in new] != [s.response_token_ids for s in old], \
+        assert [s.response_token_ids for s in new] != [s.response_token_ids for s in old], (
             f"engine {engine_index} still answers with the old weights"
+        )
         for o, n in zip(old, new, strict=True):
             assert o.response_logprobs != n.response_logprobs
     # Both engines hold the same new weights: served by the other engine, each prompt gives
     # the same greedy tokens.
     reversed_order = _greedy(loop, engine, prompts[::-1])
     assert [s.engine_index for s in reversed_order] == [0, 1, 0, 1]
-    assert [s.response_token_ids for s in reversed_order[::-1]] == \
-        [s.response_token_ids for s in perturbed]
+    assert [s.response_token_ids for s in reversed_order[::-1]] == [
+        s.response_token_ids for s in perturbed
+    ]
     _assert_logprobs_close(reversed_order[::-1], perturbed)
 
     _push(loop, engine, original_weights, version + 2)

@@ -48,8 +48,9 @@ class VllmWorkerExtension:
 
     A weight update is three collective calls, in this order (anything else raises RuntimeError):
     `dockyard_begin_weight_update(manifest_dict)`, then `dockyard_receive_bucket(index, data)` for
-    every bucket in any order (or one `dockyard_receive_buckets(spec)`), then `dockyard_finish_weight_update()`, which loads all buckets into
-    the model at once (vLLM's reload must see every weight of a layer in one `load_weights` pass).
+    every bucket in any order (or one `dockyard_receive_buckets(spec)`), then
+    `dockyard_finish_weight_update()`, which loads all buckets into the model at once (vLLM's
+    reload must see every weight of a layer in one `load_weights` pass).
     `dockyard_abort_weight_update()` drops a half-received update without touching the model.
     """
 
@@ -73,18 +74,23 @@ class VllmWorkerExtension:
         pending = self._dockyard_pending("dockyard_receive_bucket")
         manifest = pending.manifest
         if not isinstance(bucket_index, int) or not 0 <= bucket_index < manifest.num_buckets:
-            raise ValueError(f"bucket_index must be in [0, {manifest.num_buckets}), got "
-                             f"{bucket_index!r}")
+            raise ValueError(
+                f"bucket_index must be in [0, {manifest.num_buckets}), got {bucket_index!r}"
+            )
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise ValueError(f"bucket data must be bytes, got {type(data).__name__}")
         if len(data) != manifest.bucket_sizes[bucket_index]:
-            raise ValueError(f"bucket {bucket_index} has {len(data)} bytes but the manifest says "
-                             f"{manifest.bucket_sizes[bucket_index]}")
+            raise ValueError(
+                f"bucket {bucket_index} has {len(data)} bytes but the manifest says "
+                f"{manifest.bucket_sizes[bucket_index]}"
+            )
         # bytearray: a writable, freshly allocated (hence aligned, as the packer's typed views
         # need) copy that the bucket tensor owns.
         pending.buckets[bucket_index] = (
             torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if len(data) else torch.empty(0, dtype=torch.uint8))
+            if len(data)
+            else torch.empty(0, dtype=torch.uint8)
+        )
 
     def dockyard_receive_buckets(self, spec: dict) -> int:
         """Receives every bucket of the begun update through a push transport (`collective`,
@@ -101,7 +107,8 @@ class VllmWorkerExtension:
         device = next(self.get_model().parameters()).device
         try:
             buckets = factory.transport_module(spec["transport"]).receive_buckets(
-                pending.manifest, spec, int(getattr(self, "rank", 0)), device)
+                pending.manifest, spec, int(getattr(self, "rank", 0)), device
+            )
         except BaseException:
             self._dockyard_update = None
             raise
@@ -117,8 +124,10 @@ class VllmWorkerExtension:
         pending = self._dockyard_pending("dockyard_finish_weight_update")
         missing = [b for b, bucket in enumerate(pending.buckets) if bucket is None]
         if missing:
-            raise RuntimeError(f"dockyard_finish_weight_update: buckets {missing} were never "
-                               "received; send every bucket first")
+            raise RuntimeError(
+                f"dockyard_finish_weight_update: buckets {missing} were never "
+                "received; send every bucket first"
+            )
         self._dockyard_update = None
         device = next(self.get_model().parameters()).device
         self.reload_weights(

@@ -10,6 +10,7 @@ from dockyard_rl.utils.config import require
 BACKENDS = ("dtensor", "jax")
 DTYPES = ("float32", "bfloat16")
 
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """`policy.optimizer`: AdamW."""
@@ -23,9 +24,13 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         require(self.learning_rate > 0, "learning_rate", f"must be > 0, got {self.learning_rate}")
         require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
-        require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1/beta2",
-                f"must be in [0, 1), got {self.beta1}, {self.beta2}")
+        require(
+            0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
+            "beta1/beta2",
+            f"must be in [0, 1), got {self.beta1}, {self.beta2}",
+        )
         require(self.eps > 0, "eps", f"must be > 0, got {self.eps}")
+
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
@@ -41,13 +46,22 @@ class SchedulerConfig:
     min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
-        require(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps",
-                f"must be an int >= 0, got {self.warmup_steps!r}")
-        require(isinstance(self.total_steps, int) and self.total_steps > self.warmup_steps,
-                "total_steps", f"must be an int > warmup_steps ({self.warmup_steps}), "
-                               f"got {self.total_steps!r}")
-        require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio",
-                f"must be in [0, 1], got {self.min_lr_ratio}")
+        require(
+            isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
+            "warmup_steps",
+            f"must be an int >= 0, got {self.warmup_steps!r}",
+        )
+        require(
+            isinstance(self.total_steps, int) and self.total_steps > self.warmup_steps,
+            "total_steps",
+            f"must be an int > warmup_steps ({self.warmup_steps}), got {self.total_steps!r}",
+        )
+        require(
+            0 <= self.min_lr_ratio <= 1,
+            "min_lr_ratio",
+            f"must be in [0, 1], got {self.min_lr_ratio}",
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class PolicyConfig:
@@ -71,20 +85,37 @@ class PolicyConfig:
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        require(self.backend in BACKENDS, "backend",
-                f"unknown backend {self.backend!r}; valid: {', '.join(BACKENDS)}")
+        require(
+            self.backend in BACKENDS,
+            "backend",
+            f"unknown backend {self.backend!r}; valid: {', '.join(BACKENDS)}",
+        )
         require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
-        require(isinstance(self.dp_size, int) and self.dp_size >= 1, "dp_size",
-                f"must be an int >= 1, got {self.dp_size!r}")
-        require(isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 1,
-                "micro_batch_size", f"must be an int >= 1, got {self.micro_batch_size!r}")
-        require(self.logprob_temperature is None or (
-                    isinstance(self.logprob_temperature, (int, float))
-                    and not isinstance(self.logprob_temperature, bool)
-                    and self.logprob_temperature > 0), "logprob_temperature",
-                f"must be a number > 0 or null, got {self.logprob_temperature!r}")
-        require(self.max_grad_norm is None or self.max_grad_norm > 0, "max_grad_norm",
-                f"must be > 0 or null (no clipping), got {self.max_grad_norm}")
+        require(
+            isinstance(self.dp_size, int) and self.dp_size >= 1,
+            "dp_size",
+            f"must be an int >= 1, got {self.dp_size!r}",
+        )
+        require(
+            isinstance(self.micro_batch_size, int) and self.micro_batch_size >= 1,
+            "micro_batch_size",
+            f"must be an int >= 1, got {self.micro_batch_size!r}",
+        )
+        require(
+            self.logprob_temperature is None
+            or (
+                isinstance(self.logprob_temperature, (int, float))
+                and not isinstance(self.logprob_temperature, bool)
+                and self.logprob_temperature > 0
+            ),
+            "logprob_temperature",
+            f"must be a number > 0 or null, got {self.logprob_temperature!r}",
+        )
+        require(
+            self.max_grad_norm is None or self.max_grad_norm > 0,
+            "max_grad_norm",
+            f"must be > 0 or null (no clipping), got {self.max_grad_norm}",
+        )
 
 
 def learning_rate_at(step: int, optimizer: OptimizerConfig, scheduler: SchedulerConfig) -> float:
@@ -93,7 +124,8 @@ def learning_rate_at(step: int, optimizer: OptimizerConfig, scheduler: Scheduler
     peak = optimizer.learning_rate
     if step < scheduler.warmup_steps:
         return peak * step / scheduler.warmup_steps
-    progress = min(1.0, (step - scheduler.warmup_steps)
-                   / (scheduler.total_steps - scheduler.warmup_steps))
+    progress = min(
+        1.0, (step - scheduler.warmup_steps) / (scheduler.total_steps - scheduler.warmup_steps)
+    )
     ratio = scheduler.min_lr_ratio
     return peak * (ratio + (1 - ratio) * (1 + math.cos(math.pi * progress)) / 2)

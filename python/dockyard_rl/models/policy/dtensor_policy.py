@@ -59,18 +59,30 @@ from dockyard_rl.distributed.workers import WorkerError
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models import zoo
 from dockyard_rl.models.policy.config import PolicyConfig
-from dockyard_rl.models.policy.dtensor_worker import (OPTIMIZER_FILE, SCHEDULER_FILE,
-                                                      WEIGHTS_FILE, DTensorPolicyWorker,
-                                                      shifted_logprobs)
+from dockyard_rl.models.policy.dtensor_worker import (
+    OPTIMIZER_FILE,
+    SCHEDULER_FILE,
+    WEIGHTS_FILE,
+    DTensorPolicyWorker,
+    shifted_logprobs,
+)
 from dockyard_rl.models.policy.interfaces import LossFunction, PolicyInterface
 from dockyard_rl.utils.checkpoint import publish_directory
 
 CHECKPOINT_MANIFEST = "dockyard_checkpoint.json"
 CHECKPOINT_FORMAT_VERSION = 1
 # Config fields that must match for a checkpoint to belong to this model.
-_IDENTITY_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers",
-                  "num_attention_heads", "num_key_value_heads", "intermediate_size",
-                  "tie_word_embeddings")
+_IDENTITY_KEYS = (
+    "architectures",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "tie_word_embeddings",
+)
 # `iter_refit_weights` gathers in buckets of about this many bytes (the transports use their own
 # `weight_sync.bucket_size_bytes`).
 _REFIT_BUCKET_BYTES = 256 * 1024 * 1024
@@ -80,9 +92,17 @@ def _checkpoint_dir_problem(directory: pathlib.Path) -> str | None:
     """Why `directory` is not a complete checkpoint, or None when it is."""
     if not directory.is_dir():
         return "no such directory"
-    missing = [name for name in (CHECKPOINT_MANIFEST, WEIGHTS_FILE, "config.json",
-                                 OPTIMIZER_FILE, SCHEDULER_FILE)
-               if not (directory / name).is_file()]
+    missing = [
+        name
+        for name in (
+            CHECKPOINT_MANIFEST,
+            WEIGHTS_FILE,
+            "config.json",
+            OPTIMIZER_FILE,
+            SCHEDULER_FILE,
+        )
+        if not (directory / name).is_file()
+    ]
     if missing:
         return f"incomplete checkpoint, missing {missing}"
     return None
@@ -107,12 +127,19 @@ class DTensorPolicy(PolicyInterface):
             (PlacementTimeoutError, naming what is missing).
     """
 
-    def __init__(self, cfg: PolicyConfig, *, cache_dir: str | os.PathLike | None = None,
-                 resume_from: str | os.PathLike | None = None,
-                 cluster_config: ClusterConfig | None = None):
+    def __init__(
+        self,
+        cfg: PolicyConfig,
+        *,
+        cache_dir: str | os.PathLike | None = None,
+        resume_from: str | os.PathLike | None = None,
+        cluster_config: ClusterConfig | None = None,
+    ):
         if not isinstance(cfg, PolicyConfig):
-            raise ValueError(f"DTensorPolicy needs a PolicyConfig, got {type(cfg).__name__}; "
-                             "build it with from_dict(PolicyConfig, yaml['policy'], 'policy')")
+            raise ValueError(
+                f"DTensorPolicy needs a PolicyConfig, got {type(cfg).__name__}; "
+                "build it with from_dict(PolicyConfig, yaml['policy'], 'policy')"
+            )
         self.cfg = cfg
         self._cluster_config = cluster_config or ClusterConfig()
         self._workers: WorkerGroup | None = None
@@ -127,9 +154,11 @@ class DTensorPolicy(PolicyInterface):
             resume_from = pathlib.Path(resume_from)
             problem = _checkpoint_dir_problem(resume_from)
             if problem is not None:
-                raise ValueError(f"resume_from: {str(resume_from)!r}: {problem}; pass a "
-                                 "directory written by save_checkpoint, or None to start from "
-                                 "policy.model")
+                raise ValueError(
+                    f"resume_from: {str(resume_from)!r}: {problem}; pass a "
+                    "directory written by save_checkpoint, or None to start from "
+                    "policy.model"
+                )
             self._check_checkpoint_identity(resume_from)
         self._start_workers()
         if resume_from is not None:
@@ -147,8 +176,10 @@ class DTensorPolicy(PolicyInterface):
         init_local_ray(num_cpus=max(num_host_cpus, dp_size), log_to_driver=False)
         num_gpus = int(ray.cluster_resources().get("GPU", 0))
         if 0 < num_gpus < dp_size:
-            raise ValueError(f"policy.dp_size: {dp_size} ranks need one GPU each but the Ray "
-                             f"cluster has {num_gpus}; set policy.dp_size <= {num_gpus}")
+            raise ValueError(
+                f"policy.dp_size: {dp_size} ranks need one GPU each but the Ray "
+                f"cluster has {num_gpus}; set policy.dp_size <= {num_gpus}"
+            )
         bundle = {"CPU": 1, **({"GPU": 1} if num_gpus else {})}
         cfg = self.cfg
         # Ray adds 15 to its worker processes' niceness (RAY_worker_niceness): on a machine
@@ -157,16 +188,22 @@ class DTensorPolicy(PolicyInterface):
         # driver's, when it started Ray), as Ray's own job supervisor does for drivers.
         runtime_env = {"env_vars": {"RAY_worker_niceness": "0"}}
         self._workers = WorkerGroup(
-            DTensorPolicyWorker, dp_size, "trainer", self._cluster_config, bundle=bundle,
+            DTensorPolicyWorker,
+            dp_size,
+            "trainer",
+            self._cluster_config,
+            bundle=bundle,
             runtime_env=runtime_env,
-            worker_args=lambda info: ((cfg, info.rank, info.world_size), {}))
+            worker_args=lambda info: ((cfg, info.rank, info.world_size), {}),
+        )
         master_addr, master_port = self._workers.master_address
         # CPU ranks share this machine's cores (torch would otherwise start one thread per core
         # in every rank and oversubscribe them).
         num_threads = max(1, num_host_cpus // dp_size)
         try:
-            infos = self._call_all("setup", str(self.model_dir), master_addr, master_port,
-                                   num_threads)
+            infos = self._call_all(
+                "setup", str(self.model_dir), master_addr, master_port, num_threads
+            )
         except WorkerError as error:
             self.shutdown()
             cause = getattr(error.__cause__, "cause", None)
@@ -176,8 +213,9 @@ class DTensorPolicy(PolicyInterface):
         self._max_positions = infos[0]["max_position_embeddings"]
         self._vocab_size = infos[0]["vocab_size"]
 
-    def _call_all(self, method: str, *args: Any, per_rank_args: Sequence[tuple] | None = None
-                  ) -> list[Any]:
+    def _call_all(
+        self, method: str, *args: Any, per_rank_args: Sequence[tuple] | None = None
+    ) -> list[Any]:
         """Calls `method` on every rank and waits for all; the first failure raises at once.
 
         A rank that fails mid-collective leaves the others blocked in it, so after a failure the
@@ -190,8 +228,10 @@ class DTensorPolicy(PolicyInterface):
 
     def _call(self, how: str, *args: Any, **kwargs: Any) -> Any:
         if self._broken is not None:
-            raise RuntimeError(f"the policy worker group failed earlier ({self._broken}); "
-                               "shut it down and create a new policy (restoring a checkpoint)")
+            raise RuntimeError(
+                f"the policy worker group failed earlier ({self._broken}); "
+                "shut it down and create a new policy (restoring a checkpoint)"
+            )
         if self._workers is None:
             raise RuntimeError("the policy was shut down; create a new one")
         try:
@@ -208,46 +248,65 @@ class DTensorPolicy(PolicyInterface):
         required = ("input_ids", "input_lengths", *extra_keys)
         missing = [key for key in required if key not in batch]
         if missing:
-            raise ValueError(f"batch is missing key(s) {missing}; it has {sorted(batch)} (see "
-                             "the batch layout in models/policy/interfaces.py)")
+            raise ValueError(
+                f"batch is missing key(s) {missing}; it has {sorted(batch)} (see "
+                "the batch layout in models/policy/interfaces.py)"
+            )
         batch_size = batch.batch_size
         ids_BS, lengths_B = batch["input_ids"], batch["input_lengths"]
-        if not isinstance(ids_BS, torch.Tensor) or ids_BS.dim() != 2 \
-                or ids_BS.dtype != torch.int64:
-            raise ValueError(f"batch['input_ids'] must be a (B, S) int64 tensor, got "
-                             f"{getattr(ids_BS, 'shape', type(ids_BS).__name__)} "
-                             f"{getattr(ids_BS, 'dtype', '')}")
-        if not isinstance(lengths_B, torch.Tensor) or lengths_B.dim() != 1 \
-                or lengths_B.dtype.is_floating_point:
+        if not isinstance(ids_BS, torch.Tensor) or ids_BS.dim() != 2 or ids_BS.dtype != torch.int64:
+            raise ValueError(
+                f"batch['input_ids'] must be a (B, S) int64 tensor, got "
+                f"{getattr(ids_BS, 'shape', type(ids_BS).__name__)} "
+                f"{getattr(ids_BS, 'dtype', '')}"
+            )
+        if (
+            not isinstance(lengths_B, torch.Tensor)
+            or lengths_B.dim() != 1
+            or lengths_B.dtype.is_floating_point
+        ):
             raise ValueError("batch['input_lengths'] must be a (B,) integer tensor")
         width = ids_BS.shape[1]
         if batch_size and (int(lengths_B.min()) < 1 or int(lengths_B.max()) > width):
-            raise ValueError(f"batch['input_lengths'] must be in [1, {width}] (the width of "
-                             f"input_ids), got min {int(lengths_B.min())}, max "
-                             f"{int(lengths_B.max())}")
+            raise ValueError(
+                f"batch['input_lengths'] must be in [1, {width}] (the width of "
+                f"input_ids), got min {int(lengths_B.min())}, max "
+                f"{int(lengths_B.max())}"
+            )
         if self._max_positions and width > self._max_positions:
-            raise ValueError(f"input_ids has {width} positions but the model's context is "
-                             f"{self._max_positions} (max_position_embeddings); truncate the "
-                             "sequences")
+            raise ValueError(
+                f"input_ids has {width} positions but the model's context is "
+                f"{self._max_positions} (max_position_embeddings); truncate the "
+                "sequences"
+            )
         if batch_size and (int(ids_BS.min()) < 0 or int(ids_BS.max()) >= self._vocab_size):
-            raise ValueError(f"batch['input_ids'] holds ids outside [0, {self._vocab_size}) "
-                             "(the model's vocabulary)")
+            raise ValueError(
+                f"batch['input_ids'] holds ids outside [0, {self._vocab_size}) "
+                "(the model's vocabulary)"
+            )
         for key in extra_keys:
             value = batch[key]
-            if isinstance(value, torch.Tensor) and value.dim() == 2 \
-                    and tuple(value.shape) != tuple(ids_BS.shape):
-                raise ValueError(f"batch[{key!r}] has shape {tuple(value.shape)}, expected "
-                                 f"{tuple(ids_BS.shape)} (aligned with input_ids)")
+            if (
+                isinstance(value, torch.Tensor)
+                and value.dim() == 2
+                and tuple(value.shape) != tuple(ids_BS.shape)
+            ):
+                raise ValueError(
+                    f"batch[{key!r}] has shape {tuple(value.shape)}, expected "
+                    f"{tuple(ids_BS.shape)} (aligned with input_ids)"
+                )
         if batch_size == 0 or batch_size % self.cfg.dp_size != 0:
             raise ValueError(
                 f"batch size {batch_size} is not a positive multiple of policy.dp_size="
                 f"{self.cfg.dp_size}: every data-parallel rank needs the same number of "
                 f"samples; send batches of a multiple of {self.cfg.dp_size} samples (e.g. set "
-                "the GRPO batch so that it divides) or change policy.dp_size")
+                "the GRPO batch so that it divides) or change policy.dp_size"
+            )
 
     def _shard(self, batch: BatchedDataDict, keys: Sequence[str]):
-        return batch.select_keys(keys).shard_by_batch_size(self.cfg.dp_size,
-                                                           balance_by="input_lengths")
+        return batch.select_keys(keys).shard_by_batch_size(
+            self.cfg.dp_size, balance_by="input_lengths"
+        )
 
     # -- PolicyInterface
 
@@ -260,8 +319,9 @@ class DTensorPolicy(PolicyInterface):
     def _logprobs(self, batch: BatchedDataDict, reference: bool) -> torch.Tensor:
         self._check_batch(batch)
         sharded = self._shard(batch, ("input_ids", "input_lengths"))
-        results = self._call_all("get_logprobs", per_rank_args=[
-            (shard, reference) for shard in sharded.shards])
+        results = self._call_all(
+            "get_logprobs", per_rank_args=[(shard, reference) for shard in sharded.shards]
+        )
         return sharded.unshard([{"logprobs": r} for r in results])["logprobs"]
 
     def train(self, batch: BatchedDataDict, loss_fn: LossFunction) -> dict[str, float]:
@@ -275,9 +335,12 @@ class DTensorPolicy(PolicyInterface):
         num_valid_tokens, num_valid_sequences = count_valid(batch)
         sharded = self._shard(batch, keys)
         start = time.perf_counter()
-        results = self._call_all("train", per_rank_args=[
-            (shard, loss_fn, num_valid_tokens, num_valid_sequences)
-            for shard in sharded.shards])
+        results = self._call_all(
+            "train",
+            per_rank_args=[
+                (shard, loss_fn, num_valid_tokens, num_valid_sequences) for shard in sharded.shards
+            ],
+        )
         elapsed = time.perf_counter() - start
         metrics = combine_metrics([m for result in results for m in result["metrics"]])
         num_tokens = int(batch["input_lengths"].sum())
@@ -308,14 +371,15 @@ class DTensorPolicy(PolicyInterface):
     def weight_sender_node_id(self) -> str:
         return self._workers.worker_infos[0].node_id
 
-    def open_weight_sender(self, session: str, transport: str, manifest_dict: dict[str, Any],
-                           options: dict[str, Any]) -> dict[str, Any]:
+    def open_weight_sender(
+        self, session: str, transport: str, manifest_dict: dict[str, Any], options: dict[str, Any]
+    ) -> dict[str, Any]:
         # The sender lives in rank 0, next to the gathered weights.
-        return self._call_rank0("open_weight_sender", session, transport, manifest_dict,
-                                options)
+        return self._call_rank0("open_weight_sender", session, transport, manifest_dict, options)
 
-    def send_weights(self, session: str, manifest_dict: dict[str, Any],
-                     version: int) -> dict[str, float]:
+    def send_weights(
+        self, session: str, manifest_dict: dict[str, Any], version: int
+    ) -> dict[str, float]:
         return self._call_all("send_weights", session, manifest_dict, version)[0]
 
     def close_weight_sender(self, session: str) -> None:
@@ -344,20 +408,28 @@ class DTensorPolicy(PolicyInterface):
     def _check_checkpoint_identity(self, directory: pathlib.Path) -> None:
         saved = json.loads((directory / CHECKPOINT_MANIFEST).read_text()).get("identity", {})
         ours = json.loads((self.model_dir / "config.json").read_text())
-        mismatched = {key: (saved.get(key), ours.get(key)) for key in _IDENTITY_KEYS
-                      if saved.get(key) != ours.get(key)}
+        mismatched = {
+            key: (saved.get(key), ours.get(key))
+            for key in _IDENTITY_KEYS
+            if saved.get(key) != ours.get(key)
+        }
         if mismatched:
-            listing = ", ".join(f"{k}: checkpoint {a!r} vs model {b!r}"
-                                for k, (a, b) in mismatched.items())
-            raise ValueError(f"checkpoint {str(directory)!r} was written for another model "
-                             f"({listing}); load it with policy.model set to that model")
+            listing = ", ".join(
+                f"{k}: checkpoint {a!r} vs model {b!r}" for k, (a, b) in mismatched.items()
+            )
+            raise ValueError(
+                f"checkpoint {str(directory)!r} was written for another model "
+                f"({listing}); load it with policy.model set to that model"
+            )
 
     def load_checkpoint(self, directory: pathlib.Path) -> None:
         directory = pathlib.Path(directory).absolute()
         problem = _checkpoint_dir_problem(directory)
         if problem is not None:
-            raise ValueError(f"checkpoint {str(directory)!r}: {problem}; pass a directory "
-                             "written by save_checkpoint")
+            raise ValueError(
+                f"checkpoint {str(directory)!r}: {problem}; pass a directory "
+                "written by save_checkpoint"
+            )
         self._check_checkpoint_identity(directory)
         self._call_all("load_checkpoint", str(directory))
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import pathlib
 import shutil
 
 import pytest
@@ -20,13 +19,16 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dockyard_rl.algorithms.loss_functions import (ClippedPGLossConfig, ClippedPGLossFn,
-                                                   count_valid)
+from dockyard_rl.algorithms.loss_functions import ClippedPGLossConfig, ClippedPGLossFn, count_valid
 from dockyard_rl.cluster.local_ray import init_local_ray
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.models import zoo
-from dockyard_rl.models.policy.config import (OptimizerConfig, PolicyConfig, SchedulerConfig,
-                                              learning_rate_at)
+from dockyard_rl.models.policy.config import (
+    OptimizerConfig,
+    PolicyConfig,
+    SchedulerConfig,
+    learning_rate_at,
+)
 from dockyard_rl.models.policy.dtensor_policy import CHECKPOINT_MANIFEST, DTensorPolicy
 from dockyard_rl.models.policy.dtensor_worker import shifted_logprobs
 
@@ -35,8 +37,13 @@ from dockyard_rl.models.policy.dtensor_worker import shifted_logprobs
 # so comparing parameters after one step compares the gradients. max_grad_norm is below the
 # gradient norm, so clipping is active in that comparison.
 TINY_CFG = PolicyConfig(
-    backend="dtensor", model="tiny-llama", dtype="float32", dp_size=2, micro_batch_size=1,
-    max_grad_norm=1.0, seed=0,
+    backend="dtensor",
+    model="tiny-llama",
+    dtype="float32",
+    dp_size=2,
+    micro_batch_size=1,
+    max_grad_norm=1.0,
+    seed=0,
     optimizer=OptimizerConfig(learning_rate=5e-3, eps=1e-3, weight_decay=0.01),
     scheduler=SchedulerConfig(warmup_steps=0, total_steps=8, min_lr_ratio=0.1),
 )
@@ -51,8 +58,9 @@ def ray_cluster():
     ray.shutdown()
 
 
-def _make_batch(vocab_size: int, num_samples: int = 4, width: int = 16,
-                seed: int = 0) -> BatchedDataDict:
+def _make_batch(
+    vocab_size: int, num_samples: int = 4, width: int = 16, seed: int = 0
+) -> BatchedDataDict:
     gen = torch.Generator().manual_seed(seed)
     ids_BS = torch.randint(0, vocab_size, (num_samples, width), generator=gen)
     lengths_B = torch.tensor([width, 10, 7, 13, 9, 16, 5, 11][:num_samples])
@@ -61,16 +69,22 @@ def _make_batch(vocab_size: int, num_samples: int = 4, width: int = 16,
     ids_BS = torch.where(real_BS, ids_BS, 0)  # right padding
     # The first 3 tokens are the "prompt"; the rest is the response that counts in the loss.
     token_mask_BS = (real_BS & (positions_S[None, :] >= 3)).float()
-    return BatchedDataDict(input_ids=ids_BS, input_lengths=lengths_B, token_mask=token_mask_BS,
-                           sample_mask=torch.ones(num_samples))
+    return BatchedDataDict(
+        input_ids=ids_BS,
+        input_lengths=lengths_B,
+        token_mask=token_mask_BS,
+        sample_mask=torch.ones(num_samples),
+    )
 
 
-def _plain_logprobs(model, ids_BS: torch.Tensor, lengths_B: torch.Tensor,
-                    temperature: float = 1.0) -> torch.Tensor:
+def _plain_logprobs(
+    model, ids_BS: torch.Tensor, lengths_B: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """Single-process reference: log_softmax + gather, aligned as the interface says."""
     logits_BSV = model(input_ids=ids_BS).logits.float() / temperature
-    next_BS = torch.log_softmax(logits_BSV[:, :-1], dim=-1).gather(
-        -1, ids_BS[:, 1:, None]).squeeze(-1)
+    next_BS = (
+        torch.log_softmax(logits_BSV[:, :-1], dim=-1).gather(-1, ids_BS[:, 1:, None]).squeeze(-1)
+    )
     out_BS = torch.nn.functional.pad(next_BS, (1, 0))
     positions_S = torch.arange(ids_BS.shape[1])
     valid_BS = (positions_S[None, :] >= 1) & (positions_S[None, :] < lengths_B[:, None])
@@ -96,8 +110,9 @@ def train_batch(tiny_policy):
     gen = torch.Generator().manual_seed(1)
     # Old-policy log-probs a little off the current ones, so ratios differ from 1 (and some
     # clip); advantages of both signs, one per sequence.
-    batch["prev_logprobs"] = logprobs_BS + 0.1 * torch.randn(logprobs_BS.shape, generator=gen) \
-        * batch["token_mask"]
+    batch["prev_logprobs"] = (
+        logprobs_BS + 0.1 * torch.randn(logprobs_BS.shape, generator=gen) * batch["token_mask"]
+    )
     batch["advantages"] = torch.tensor([1.0, -0.5, 0.8, -1.2])[:, None].expand(4, 16).clone()
     batch["reference_policy_logprobs"] = tiny_policy.get_reference_policy_logprobs(batch)
     batch["initial_logprobs"] = logprobs_BS
@@ -122,9 +137,14 @@ def test_logprobs_at_the_sampling_temperature(tiny_dir):
         for temperature in (1.0, 0.7):
             torch.testing.assert_close(
                 shifted_logprobs(model, ids_BS, lengths_B, temperature),
-                _plain_logprobs(model, ids_BS, lengths_B, temperature), rtol=0, atol=1e-5)
-        assert not torch.allclose(shifted_logprobs(model, ids_BS, lengths_B, 0.7),
-                                  shifted_logprobs(model, ids_BS, lengths_B))
+                _plain_logprobs(model, ids_BS, lengths_B, temperature),
+                rtol=0,
+                atol=1e-5,
+            )
+        assert not torch.allclose(
+            shifted_logprobs(model, ids_BS, lengths_B, 0.7),
+            shifted_logprobs(model, ids_BS, lengths_B),
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,29 +159,33 @@ def _check_first_step_against_single_process(tiny_dir, batch, step, what):
     model.load_state_dict(step["before"], strict=False)  # tied lm_head follows the embedding
     assert model.lm_head.weight is model.model.embed_tokens.weight
     logprobs_BS = _plain_logprobs(model, batch["input_ids"], batch["input_lengths"])
-    torch.testing.assert_close(logprobs_BS.detach(), batch["initial_logprobs"],
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(logprobs_BS.detach(), batch["initial_logprobs"], rtol=0, atol=1e-5)
     loss, _ = LOSS_FN(logprobs_BS, batch, *count_valid(batch))
     loss.backward()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=learning_rate_at(0, cfg.optimizer, cfg.scheduler),
-        betas=(cfg.optimizer.beta1, cfg.optimizer.beta2), eps=cfg.optimizer.eps,
-        weight_decay=cfg.optimizer.weight_decay)
+        model.parameters(),
+        lr=learning_rate_at(0, cfg.optimizer, cfg.scheduler),
+        betas=(cfg.optimizer.beta1, cfg.optimizer.beta2),
+        eps=cfg.optimizer.eps,
+        weight_decay=cfg.optimizer.weight_decay,
+    )
     optimizer.step()
 
     metrics = step["metrics"]
-    print(f"\n{what} vs 1-process: loss {metrics['loss']:.8f} vs {float(loss.detach()):.8f}, "
-          f"grad norm {metrics['grad_norm']:.8f} vs {grad_norm:.8f}")
+    print(
+        f"\n{what} vs 1-process: loss {metrics['loss']:.8f} vs {float(loss.detach()):.8f}, "
+        f"grad norm {metrics['grad_norm']:.8f} vs {grad_norm:.8f}"
+    )
     assert grad_norm > cfg.max_grad_norm  # clipping was active
     assert metrics["loss"] == pytest.approx(float(loss.detach()), abs=1e-5)
     assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
     expected = {name: param.detach() for name, param in model.named_parameters()}
-    max_diff = max(float((step["after"][name] - expected[name]).abs().max())
-                   for name in expected)
+    max_diff = max(float((step["after"][name] - expected[name]).abs().max()) for name in expected)
     # Also shows that the weights yielded before the step were copies, not the live parameters.
-    max_update = max(float((step["after"][name] - step["before"][name]).abs().max())
-                     for name in expected)
+    max_update = max(
+        float((step["after"][name] - step["before"][name]).abs().max()) for name in expected
+    )
     print(f"max |param diff| after one step: {max_diff:.2e} (max update {max_update:.2e})")
     assert max_update > 1e-3  # the step really moved the weights
     assert max_diff < 1e-5
@@ -174,8 +198,17 @@ def test_two_rank_step_matches_single_process_step(tiny_dir, train_batch, first_
 def test_metrics_schedule_and_loss_decrease(tiny_policy, train_batch, first_step):
     metrics = first_step["metrics"]
     num_valid_tokens, num_valid_sequences = count_valid(train_batch)
-    for key in ("loss", "grad_norm", "learning_rate", "num_tokens", "tokens_per_second",
-                "pg_loss", "reference_kl", "clip_fraction", "ratio_max"):
+    for key in (
+        "loss",
+        "grad_norm",
+        "learning_rate",
+        "num_tokens",
+        "tokens_per_second",
+        "pg_loss",
+        "reference_kl",
+        "clip_fraction",
+        "ratio_max",
+    ):
         assert key in metrics and math.isfinite(metrics[key]), key
     # Loss metrics are combined over microbatches and ranks into the global batch's values.
     assert metrics["num_valid_tokens"] == num_valid_tokens
@@ -187,8 +220,7 @@ def test_metrics_schedule_and_loss_decrease(tiny_policy, train_batch, first_step
     losses = [metrics["loss"]]
     for step in (1, 2, 3):
         step_metrics = tiny_policy.train(train_batch, LOSS_FN)
-        assert step_metrics["learning_rate"] == learning_rate_at(step, cfg.optimizer,
-                                                                  cfg.scheduler)
+        assert step_metrics["learning_rate"] == learning_rate_at(step, cfg.optimizer, cfg.scheduler)
         losses.append(step_metrics["loss"])
     print(f"\nlosses on a fixed batch: {losses}")
     assert losses[-1] < losses[0] - 0.05
@@ -254,8 +286,10 @@ def test_save_load_resume_is_bit_identical(tiny_policy, train_batch, first_step,
 
 
 def _train_steps(policy, batch, num_steps):
-    return [(m["loss"], m["grad_norm"], m["learning_rate"])
-            for m in (policy.train(batch, LOSS_FN) for _ in range(num_steps))]
+    return [
+        (m["loss"], m["grad_norm"], m["learning_rate"])
+        for m in (policy.train(batch, LOSS_FN) for _ in range(num_steps))
+    ]
 
 
 def test_one_rank_step_resume_and_checkpoints_across_dp_sizes(tiny_dir, train_batch, tmp_path):
@@ -303,8 +337,9 @@ def test_bad_batches_fail_before_any_weight_change(tiny_policy, train_batch, fir
         tiny_policy.get_logprobs(batch.slice(0, 3))
     with pytest.raises(ValueError, match=r"batch size 3 .*policy\.dp_size=2"):
         tiny_policy.train(train_batch.slice(0, 3), LOSS_FN)
-    without_advantages = BatchedDataDict({k: v for k, v in train_batch.items()
-                                          if k != "advantages"})
+    without_advantages = BatchedDataDict(
+        {k: v for k, v in train_batch.items() if k != "advantages"}
+    )
     with pytest.raises(ValueError, match="advantages"):
         tiny_policy.train(without_advantages, LOSS_FN)
     zero_length = batch.clone()
@@ -351,14 +386,18 @@ def smollm2_dir():
 
 def test_smollm2_two_rank_logprobs_match_transformers(ray_cluster, smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    texts = ["def add(a, b):\n    return a + b\n",
-             "The tests in the repository must pass after your patch is applied.",
-             "Issue: parse_date('') raises IndexError instead of ValueError.",
-             "diff --git a/x.py b/x.py\n--- a/x.py\n+++ b/x.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n"]
+    texts = [
+        "def add(a, b):\n    return a + b\n",
+        "The tests in the repository must pass after your patch is applied.",
+        "Issue: parse_date('') raises IndexError instead of ValueError.",
+        "diff --git a/x.py b/x.py\n--- a/x.py\n+++ b/x.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n",
+    ]
     encoded = [torch.tensor(tokenizer(t)["input_ids"]) for t in texts]
-    batch = BatchedDataDict.from_sequences({"input_ids": encoded},
-                                           pad_values={"input_ids": tokenizer.pad_token_id},
-                                           lengths_key="input_lengths")
+    batch = BatchedDataDict.from_sequences(
+        {"input_ids": encoded},
+        pad_values={"input_ids": tokenizer.pad_token_id},
+        lengths_key="input_lengths",
+    )
     policy = DTensorPolicy(PolicyConfig(model=zoo.SMOLLM2_NAME, dp_size=2, micro_batch_size=2))
     try:
         logprobs_BS = policy.get_logprobs(batch)
@@ -370,8 +409,10 @@ def test_smollm2_two_rank_logprobs_match_transformers(ray_cluster, smollm2_dir):
     with torch.no_grad():
         expected_BS = _plain_logprobs(model, batch["input_ids"], batch["input_lengths"])
     max_diff = float((logprobs_BS - expected_BS).abs().max())
-    print(f"\nSmolLM2-135M, 2 ranks vs single-process transformers: max |dlogprob| = "
-          f"{max_diff:.2e} over {int(batch['input_lengths'].sum())} tokens")
+    print(
+        f"\nSmolLM2-135M, 2 ranks vs single-process transformers: max |dlogprob| = "
+        f"{max_diff:.2e} over {int(batch['input_lengths'].sum())} tokens"
+    )
     assert max_diff < 1e-4
     torch.testing.assert_close(reference_BS, logprobs_BS, rtol=0, atol=0)
     # Refit of a tied-embedding model: exactly the checkpoint's tensors, under its names.

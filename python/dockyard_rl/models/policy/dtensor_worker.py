@@ -59,7 +59,8 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         raise ValueError(
             f"policy.model: {type(model).__name__} names no decoder layer classes in "
             f"_no_split_modules ({sorted(names)}), so it cannot be sharded per layer; use a "
-            "Hugging Face causal LM that declares them (Llama, Qwen2, Mistral, ...)")
+            "Hugging Face causal LM that declares them (Llama, Qwen2, Mistral, ...)"
+        )
     return layers
 
 
@@ -78,8 +79,12 @@ def _tied_duplicate_names(model: torch.nn.Module) -> dict[str, str]:
     return duplicates
 
 
-def shifted_logprobs(model: torch.nn.Module, input_ids_BS: torch.Tensor,
-                     input_lengths_B: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def shifted_logprobs(
+    model: torch.nn.Module,
+    input_ids_BS: torch.Tensor,
+    input_lengths_B: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """(B, S) float32 log-probs of softmax(logits / temperature) in the interface's alignment
     (see the module docstring).
 
@@ -101,8 +106,9 @@ def shifted_logprobs(model: torch.nn.Module, input_ids_BS: torch.Tensor,
     # next_logprobs_BS[:, t] = log p(ids[t + 1] | ids[:t + 1]) -> column t + 1 of the output.
     logprobs_BS = torch.nn.functional.pad(next_logprobs_BS[:, :-1], (1, width_full - width))
     positions_S = torch.arange(width_full, device=logprobs_BS.device)
-    valid_BS = (positions_S[None, :] >= 1) & (positions_S[None, :] < input_lengths_B.to(
-        logprobs_BS.device)[:, None])
+    valid_BS = (positions_S[None, :] >= 1) & (
+        positions_S[None, :] < input_lengths_B.to(logprobs_BS.device)[:, None]
+    )
     return torch.where(valid_BS, logprobs_BS, 0.0)
 
 
@@ -126,24 +132,32 @@ class DTensorPolicyWorker:
         self.rank = rank
         self.world_size = world_size
 
-    def setup(self, model_dir: str, master_addr: str, master_port: int,
-              num_threads: int) -> dict[str, Any]:
+    def setup(
+        self, model_dir: str, master_addr: str, master_port: int, num_threads: int
+    ) -> dict[str, Any]:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         cfg = self.cfg
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
-                          RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK="0",
+        )
         # Ray exposes exactly the GPU of this actor's bundle, if any, as cuda:0.
         self.device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:
             torch.set_num_threads(num_threads)
-        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
-                                rank=self.rank, world_size=self.world_size)
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,),
-                                     mesh_dim_names=("dp",))
+        dist.init_process_group(
+            "nccl" if self.device.type == "cuda" else "gloo",
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
         self.model_dir = pathlib.Path(model_dir)
         torch.manual_seed(cfg.seed)
         self.model = self._build_model(trainable=True)
@@ -152,14 +166,22 @@ class DTensorPolicyWorker:
         self.refit_names = [name for name, _ in self.model.named_parameters()]
         opt = cfg.optimizer
         # Base lr 1.0 and a LambdaLR factor equal to the schedule: lr == learning_rate_at(step).
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1.0,
-                                           betas=(opt.beta1, opt.beta2), eps=opt.eps,
-                                           weight_decay=opt.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=1.0,
+            betas=(opt.beta1, opt.beta2),
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: learning_rate_at(step, cfg.optimizer, cfg.scheduler))
-        return {"max_position_embeddings": int(getattr(
-            self.model.config, "max_position_embeddings", 0) or 0),
-            "vocab_size": int(self.model.config.vocab_size)}
+            self.optimizer, lambda step: learning_rate_at(step, cfg.optimizer, cfg.scheduler)
+        )
+        return {
+            "max_position_embeddings": int(
+                getattr(self.model.config, "max_position_embeddings", 0) or 0
+            ),
+            "vocab_size": int(self.model.config.vocab_size),
+        }
 
     def _build_model(self, trainable: bool) -> torch.nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -173,8 +195,9 @@ class DTensorPolicyWorker:
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=load_dtype)
         kwargs: dict[str, Any] = {"mesh": self.mesh}
         if trainable and compute_dtype != torch.float32:
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype,
-                                                       reduce_dtype=torch.float32)
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=compute_dtype, reduce_dtype=torch.float32
+            )
         if not trainable:
             model.requires_grad_(False)
             model.eval()
@@ -184,7 +207,8 @@ class DTensorPolicyWorker:
             # Non-reentrant torch.utils.checkpoint around every decoder layer (HF's own hook):
             # the recomputation re-runs FSDP's pre-forward all-gather of that layer.
             model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         layers = _decoder_layers(model)  # checked at every dp_size alike
         if self.world_size > 1 or kwargs.keys() - {"mesh"}:  # one rank: plain (module docstring)
             for layer in layers:
@@ -204,16 +228,27 @@ class DTensorPolicyWorker:
         pieces_BS = []
         with torch.no_grad():
             for mb in shard.select_indices(order).make_microbatch_iterator(
-                    self.cfg.micro_batch_size, allow_partial=True):
-                pieces_BS.append(shifted_logprobs(
-                    model, mb["input_ids"].to(self.device), mb["input_lengths"],
-                    self.logprob_temperature).cpu())
+                self.cfg.micro_batch_size, allow_partial=True
+            ):
+                pieces_BS.append(
+                    shifted_logprobs(
+                        model,
+                        mb["input_ids"].to(self.device),
+                        mb["input_lengths"],
+                        self.logprob_temperature,
+                    ).cpu()
+                )
         return torch.cat(pieces_BS, dim=0)[invert_permutation(order)]
 
     # -- training
 
-    def train(self, shard: BatchedDataDict, loss_fn: LossFunction,
-              global_num_valid_tokens: int, global_num_valid_sequences: int) -> dict[str, Any]:
+    def train(
+        self,
+        shard: BatchedDataDict,
+        loss_fn: LossFunction,
+        global_num_valid_tokens: int,
+        global_num_valid_sequences: int,
+    ) -> dict[str, Any]:
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
 
@@ -221,16 +256,24 @@ class DTensorPolicyWorker:
         model.train()
         self.optimizer.zero_grad(set_to_none=True)
         # Microbatch order does not change the summed loss; length order cuts padding.
-        microbatches = list(shard.select_indices(_length_order(shard)).make_microbatch_iterator(
-            self.cfg.micro_batch_size, allow_partial=True))
+        microbatches = list(
+            shard.select_indices(_length_order(shard)).make_microbatch_iterator(
+                self.cfg.micro_batch_size, allow_partial=True
+            )
+        )
         metrics_list = []
         for index, mb in enumerate(microbatches):
             if isinstance(model, FSDPModule):  # accumulate locally; reduce-scatter after the last
                 model.set_requires_gradient_sync(index == len(microbatches) - 1)
-            logprobs_BS = shifted_logprobs(model, mb["input_ids"].to(self.device),
-                                           mb["input_lengths"], self.logprob_temperature)
-            loss, metrics = loss_fn(logprobs_BS, mb, global_num_valid_tokens,
-                                    global_num_valid_sequences)
+            logprobs_BS = shifted_logprobs(
+                model,
+                mb["input_ids"].to(self.device),
+                mb["input_lengths"],
+                self.logprob_temperature,
+            )
+            loss, metrics = loss_fn(
+                logprobs_BS, mb, global_num_valid_tokens, global_num_valid_sequences
+            )
             # FSDP averages gradients over ranks; the loss's pieces must be summed instead.
             (loss * self.world_size).backward()
             metrics_list.append(metrics)
@@ -243,8 +286,11 @@ class DTensorPolicyWorker:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"metrics": metrics_list, "grad_norm": float(grad_norm),
-                "learning_rate": float(learning_rate)}
+        return {
+            "metrics": metrics_list,
+            "grad_norm": float(grad_norm),
+            "learning_rate": float(learning_rate),
+        }
 
     def step_count(self) -> int:
         return int(self.scheduler.last_epoch)
@@ -270,8 +316,9 @@ class DTensorPolicyWorker:
                 out[name] = full.to(device="cpu", dtype=dtype, copy=full is param)
         return out if self.rank == 0 else None
 
-    def iter_full_buckets(self, manifest: refit_packer.Manifest
-                          ) -> Iterator[tuple[int, dict[str, torch.Tensor] | None]]:
+    def iter_full_buckets(
+        self, manifest: refit_packer.Manifest
+    ) -> Iterator[tuple[int, dict[str, torch.Tensor] | None]]:
         """(bucket index, full tensors of that bucket) on rank 0, (index, None) elsewhere.
         Collective: every rank must iterate to the end, in step."""
         for b in range(manifest.num_buckets):
@@ -282,14 +329,16 @@ class DTensorPolicyWorker:
 
         return ray.get_runtime_context().get_node_id()
 
-    def open_weight_sender(self, session: str, transport: str, manifest_dict: dict,
-                           options: dict) -> dict[str, Any]:
+    def open_weight_sender(
+        self, session: str, transport: str, manifest_dict: dict, options: dict
+    ) -> dict[str, Any]:
         from dockyard_rl.weight_sync import sender
 
         return sender.open_session(session, transport, manifest_dict, options)
 
-    def send_weights(self, session: str, manifest_dict: dict,
-                     version: int) -> dict[str, float] | None:
+    def send_weights(
+        self, session: str, manifest_dict: dict, version: int
+    ) -> dict[str, float] | None:
         """Collective: every rank gathers each bucket; rank 0 sends it (weight_sync/sender.py)."""
         from dockyard_rl.weight_sync import sender
 
@@ -316,7 +365,10 @@ class DTensorPolicyWorker:
     def save_checkpoint(self, directory: str) -> None:
         from safetensors.torch import save_file
         from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         directory = pathlib.Path(directory)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -327,16 +379,21 @@ class DTensorPolicyWorker:
         if self.rank != 0:
             return
         # A HF checkpoint holds a tied weight once; safetensors also refuses shared storage.
-        weights = {name: tensor.contiguous() for name, tensor in model_state.items()
-                   if name not in self.tied_duplicates}
+        weights = {
+            name: tensor.contiguous()
+            for name, tensor in model_state.items()
+            if name not in self.tied_duplicates
+        }
         save_file(weights, directory / WEIGHTS_FILE, metadata={"format": "pt"})
         self.model.config.save_pretrained(directory)
         for source in self.model_dir.iterdir():
             # Tokenizer, generation config, chat template: everything but weights and config.
-            if (source.is_file() and not source.name.startswith(".")
-                    and source.name != "config.json"
-                    and not source.name.endswith((".safetensors", ".bin", ".pt", ".pth",
-                                                  ".index.json"))):
+            if (
+                source.is_file()
+                and not source.name.startswith(".")
+                and source.name != "config.json"
+                and not source.name.endswith((".safetensors", ".bin", ".pt", ".pth", ".index.json"))
+            ):
                 shutil.copy2(source, directory / source.name)
         torch.save(optimizer_state, directory / OPTIMIZER_FILE)
         torch.save(self.scheduler.state_dict(), directory / SCHEDULER_FILE)
@@ -344,7 +401,10 @@ class DTensorPolicyWorker:
     def load_checkpoint(self, directory: str) -> None:
         from safetensors.torch import load_file
         from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         directory = pathlib.Path(directory)
         weights = load_file(directory / WEIGHTS_FILE)
@@ -354,8 +414,7 @@ class DTensorPolicyWorker:
         set_model_state_dict(self.model, weights, options=options)
         optimizer_state = torch.load(directory / OPTIMIZER_FILE, weights_only=True)
         set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
-        self.scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE,
-                                                  weights_only=True))
+        self.scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE, weights_only=True))
         rng_file = directory / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
             self._set_rng_state(torch.load(rng_file, weights_only=False))

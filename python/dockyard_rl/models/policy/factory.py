@@ -22,9 +22,9 @@ Backends (imported lazily, so a driver using one never imports the other's frame
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 import importlib.util
 import os
+from collections.abc import Callable
 
 from dockyard_rl.models.policy.config import PolicyConfig
 from dockyard_rl.models.policy.interfaces import PolicyInterface
@@ -36,8 +36,12 @@ POLICY_BACKENDS: dict[str, tuple[str, str]] = {
 }
 
 
-def create_policy(cfg: PolicyConfig, *, cache_dir: str | os.PathLike[str] | None = None,
-                  resume_from: str | os.PathLike[str] | None = None) -> PolicyInterface:
+def create_policy(
+    cfg: PolicyConfig,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    resume_from: str | os.PathLike[str] | None = None,
+) -> PolicyInterface:
     """Builds the backend `cfg.backend` names (see the module docstring for the arguments).
 
     Raises:
@@ -46,25 +50,36 @@ def create_policy(cfg: PolicyConfig, *, cache_dir: str | os.PathLike[str] | None
             own setup checks fail.
     """
     if not isinstance(cfg, PolicyConfig):
-        raise ValueError(f"create_policy needs a PolicyConfig, got {type(cfg).__name__}; build "
-                         "it with from_dict(PolicyConfig, yaml['policy'], 'policy')")
+        raise ValueError(
+            f"create_policy needs a PolicyConfig, got {type(cfg).__name__}; build "
+            "it with from_dict(PolicyConfig, yaml['policy'], 'policy')"
+        )
     if cfg.backend not in POLICY_BACKENDS:
-        raise ValueError(f"policy.backend: unknown backend {cfg.backend!r}; valid: "
-                         f"{', '.join(POLICY_BACKENDS)}")
+        raise ValueError(
+            f"policy.backend: unknown backend {cfg.backend!r}; valid: {', '.join(POLICY_BACKENDS)}"
+        )
     module_name, class_name = POLICY_BACKENDS[cfg.backend]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
         if error.name != module_name:
             raise  # the backend exists but one of its own imports is missing: show that
-        available = [name for name, (mod, _) in POLICY_BACKENDS.items()
-                     if importlib.util.find_spec(mod) is not None]
-        raise ValueError(f"policy.backend: {cfg.backend!r} is not available in this "
-                         f"installation (no module {module_name}); available: "
-                         f"{', '.join(available)}") from None
+        available = [
+            name
+            for name, (mod, _) in POLICY_BACKENDS.items()
+            if importlib.util.find_spec(mod) is not None
+        ]
+        raise ValueError(
+            f"policy.backend: {cfg.backend!r} is not available in this "
+            f"installation (no module {module_name}); available: "
+            f"{', '.join(available)}"
+        ) from None
     # Only the options the caller set are passed on, so a backend that does not take one yet
     # still builds with the defaults.
-    options = {key: value for key, value in (("cache_dir", cache_dir),
-                                             ("resume_from", resume_from)) if value is not None}
+    options = {
+        key: value
+        for key, value in (("cache_dir", cache_dir), ("resume_from", resume_from))
+        if value is not None
+    }
     backend: Callable[..., PolicyInterface] = getattr(module, class_name)
     return backend(cfg, **options)

@@ -12,8 +12,7 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-from dockyard_rl.algorithms.loss_functions import (ClippedPGLossConfig, ClippedPGLossFn,
-                                                   count_valid)
+from dockyard_rl.algorithms.loss_functions import ClippedPGLossConfig, ClippedPGLossFn, count_valid
 from dockyard_rl.cluster.local_ray import init_local_ray
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.models import zoo
@@ -32,18 +31,27 @@ def test_unknown_backend_is_rejected_naming_the_key_and_valid_names():
     # A config that slipped past validation is still caught by the factory itself.
     cfg = PolicyConfig(model="tiny-llama")
     object.__setattr__(cfg, "backend", "tpu")
-    with pytest.raises(ValueError, match=r"policy\.backend: unknown backend 'tpu'; valid: "
-                                         r"dtensor, jax"):
+    with pytest.raises(
+        ValueError,
+        match=r"policy\.backend: unknown backend 'tpu'; valid: "
+        r"dtensor, jax",
+    ):
         factory.create_policy(cfg)
     with pytest.raises(ValueError, match="needs a PolicyConfig"):
         factory.create_policy({"backend": "dtensor"})
 
 
 def test_backend_missing_from_the_installation_is_a_clear_error(monkeypatch):
-    monkeypatch.setitem(factory.POLICY_BACKENDS, "jax",
-                        ("dockyard_rl.models.policy.no_such_backend", "NoSuchPolicy"))
-    with pytest.raises(ValueError, match=r"policy\.backend: 'jax' is not available.*"
-                                         r"available: dtensor"):
+    monkeypatch.setitem(
+        factory.POLICY_BACKENDS,
+        "jax",
+        ("dockyard_rl.models.policy.no_such_backend", "NoSuchPolicy"),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"policy\.backend: 'jax' is not available.*"
+        r"available: dtensor",
+    ):
         factory.create_policy(PolicyConfig(backend="jax", model="tiny-llama"))
 
 
@@ -55,16 +63,25 @@ def test_bad_model_fails_at_setup(tmp_path):
 def test_dtensor_backend_one_rank_with_activation_checkpointing():
     from dockyard_rl.models.policy.dtensor_policy import DTensorPolicy
 
-    cfg = PolicyConfig(backend="dtensor", model="tiny-llama", dp_size=1, micro_batch_size=2,
-                       activation_checkpointing=True, max_grad_norm=None)
+    cfg = PolicyConfig(
+        backend="dtensor",
+        model="tiny-llama",
+        dp_size=1,
+        micro_batch_size=2,
+        activation_checkpointing=True,
+        max_grad_norm=None,
+    )
     gen = torch.Generator().manual_seed(0)
     num_samples, width = 4, 12
     lengths_B = torch.tensor([12, 6, 9, 4])
     real_BS = torch.arange(width)[None, :] < lengths_B[:, None]
     ids_BS = torch.where(real_BS, torch.randint(0, 512, (num_samples, width), generator=gen), 0)
-    batch = BatchedDataDict(input_ids=ids_BS, input_lengths=lengths_B,
-                            token_mask=(real_BS & (torch.arange(width) >= 2)).float(),
-                            sample_mask=torch.tensor([1.0, 1.0, 0.0, 1.0]))
+    batch = BatchedDataDict(
+        input_ids=ids_BS,
+        input_lengths=lengths_B,
+        token_mask=(real_BS & (torch.arange(width) >= 2)).float(),
+        sample_mask=torch.tensor([1.0, 1.0, 0.0, 1.0]),
+    )
     loss_fn = ClippedPGLossFn(ClippedPGLossConfig(aggregation="sequence"))
 
     init_local_ray(num_cpus=2, log_to_driver=False)
@@ -73,8 +90,9 @@ def test_dtensor_backend_one_rank_with_activation_checkpointing():
         try:
             assert isinstance(policy, DTensorPolicy)
             batch["prev_logprobs"] = policy.get_logprobs(batch)
-            batch["advantages"] = torch.tensor([0.5, -1.0, 2.0, 1.5])[:, None].expand(
-                num_samples, width).clone()
+            batch["advantages"] = (
+                torch.tensor([0.5, -1.0, 2.0, 1.5])[:, None].expand(num_samples, width).clone()
+            )
             metrics = policy.train(batch, loss_fn)
         finally:
             policy.shutdown()
@@ -83,17 +101,20 @@ def test_dtensor_backend_one_rank_with_activation_checkpointing():
         ray.shutdown()
 
     # The same step in one plain process, without recomputation.
-    model = AutoModelForCausalLM.from_pretrained(zoo.resolve_model("tiny-llama"),
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        zoo.resolve_model("tiny-llama"), dtype=torch.float32
+    )
     logits_BSV = model(input_ids=ids_BS).logits
     next_BS = torch.log_softmax(logits_BSV[:, :-1], -1).gather(-1, ids_BS[:, 1:, None])[..., 0]
-    logprobs_BS = torch.where(real_BS & (torch.arange(width) >= 1),
-                              torch.nn.functional.pad(next_BS, (1, 0)), 0.0)
+    logprobs_BS = torch.where(
+        real_BS & (torch.arange(width) >= 1), torch.nn.functional.pad(next_BS, (1, 0)), 0.0
+    )
     torch.testing.assert_close(logprobs_BS.detach(), batch["prev_logprobs"], rtol=0, atol=1e-5)
     loss, _ = loss_fn(logprobs_BS, batch, *count_valid(batch))
     loss.backward()
-    grad_norm = float(torch.nn.utils.get_total_norm(
-        [p.grad for p in model.parameters() if p.grad is not None]))
+    grad_norm = float(
+        torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    )
     assert metrics["loss"] == pytest.approx(float(loss.detach()), abs=1e-6)
     assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
     assert metrics["learning_rate"] == cfg.optimizer.learning_rate  # no warmup by default

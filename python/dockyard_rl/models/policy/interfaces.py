@@ -40,9 +40,13 @@ from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 class LossFunction(Protocol):
     """What `train` accepts: `algorithms.loss_functions.ClippedPGLossFn` satisfies it."""
 
-    def __call__(self, logprobs_BS: torch.Tensor, batch: Any, global_num_valid_tokens: Any,
-                 global_num_valid_sequences: Any) -> tuple[torch.Tensor, dict[str, float]]:
-        ...
+    def __call__(
+        self,
+        logprobs_BS: torch.Tensor,
+        batch: Any,
+        global_num_valid_tokens: Any,
+        global_num_valid_sequences: Any,
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 
 class PolicyInterface(abc.ABC):
@@ -94,8 +98,9 @@ class PolicyInterface(abc.ABC):
 
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
-    def open_weight_sender(self, session: str, transport: str, manifest_dict: dict[str, Any],
-                           options: dict[str, Any]) -> dict[str, Any]:
+    def open_weight_sender(
+        self, session: str, transport: str, manifest_dict: dict[str, Any], options: dict[str, Any]
+    ) -> dict[str, Any]:
         """Creates `transport`'s sender for `session` in the sending process (idempotent) and
         returns its endpoint (plain data for the engines). Raises ValueError for an unknown
         transport or a bad manifest."""
@@ -103,8 +108,9 @@ class PolicyInterface(abc.ABC):
 
         return sender.open_session(session, transport, manifest_dict, options)
 
-    def send_weights(self, session: str, manifest_dict: dict[str, Any],
-                     version: int) -> dict[str, float]:
+    def send_weights(
+        self, session: str, manifest_dict: dict[str, Any], version: int
+    ) -> dict[str, float]:
         """Packs every refit weight into the manifest's buckets and sends them through the open
         `session` (blocking; the engines receive concurrently). Returns timing figures. Raises
         whatever the transport raises (TimeoutError: the engine side died or went silent)."""
@@ -112,8 +118,12 @@ class PolicyInterface(abc.ABC):
         from dockyard_rl.weight_sync import bucket_stream, sender
 
         manifest = refit_packer.Manifest.from_dict(manifest_dict)
-        return sender.send_weights(session, manifest, version, bucket_stream.iter_manifest_buckets(
-            manifest, self.iter_refit_weights()))
+        return sender.send_weights(
+            session,
+            manifest,
+            version,
+            bucket_stream.iter_manifest_buckets(manifest, self.iter_refit_weights()),
+        )
 
     def close_weight_sender(self, session: str) -> None:
         """Closes `session`'s sender. Idempotent; unknown sessions are ignored."""

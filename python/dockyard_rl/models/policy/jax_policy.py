@@ -129,9 +129,13 @@ def _kl_estimate(estimator: str, log_ratio: jax.Array) -> jax.Array:
     return jnp.expm1(-log_ratio) + log_ratio
 
 
-def clipped_pg_loss(config: ClippedPGLossConfig, logprobs_BS: jax.Array,
-                    batch: Mapping[str, jax.Array], token_norm: jax.Array | float,
-                    seq_norm: jax.Array | float) -> tuple[jax.Array, dict[str, jax.Array]]:
+def clipped_pg_loss(
+    config: ClippedPGLossConfig,
+    logprobs_BS: jax.Array,
+    batch: Mapping[str, jax.Array],
+    token_norm: jax.Array | float,
+    seq_norm: jax.Array | float,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`ClippedPGLossFn.__call__` in jax.numpy (traceable, differentiable w.r.t. logprobs_BS).
 
     `batch` holds float arrays `prev_logprobs`, `advantages`, `token_mask` (B, S), `sample_mask`
@@ -165,8 +169,9 @@ def clipped_pg_loss(config: ClippedPGLossConfig, logprobs_BS: jax.Array,
         dual_binds_BS = (advantages_BS < 0) & (pg_BS > dual_bound_BS)
         pg_BS = jnp.where(dual_binds_BS, dual_bound_BS, pg_BS)
     if cfg.use_importance_sampling_correction:
-        is_log_weight_BS = jnp.where(valid_BS, get("prev_logprobs") - get("generation_logprobs"),
-                                     0.0)
+        is_log_weight_BS = jnp.where(
+            valid_BS, get("prev_logprobs") - get("generation_logprobs"), 0.0
+        )
         is_weight_raw_BS = jnp.exp(is_log_weight_BS)
         pg_BS = pg_BS * jnp.minimum(is_weight_raw_BS, cfg.importance_sampling_cap)
     per_token_BS = pg_BS
@@ -197,8 +202,11 @@ def clipped_pg_loss(config: ClippedPGLossConfig, logprobs_BS: jax.Array,
     metrics = {
         "loss": sg(loss),
         "pg_loss": sg(aggregate(pg_BS)),
-        "reference_kl_loss": (sg(aggregate(cfg.reference_kl_coef * kl_ref_BS)) if use_reference
-                              else jnp.zeros((), dtype)),
+        "reference_kl_loss": (
+            sg(aggregate(cfg.reference_kl_coef * kl_ref_BS))
+            if use_reference
+            else jnp.zeros((), dtype)
+        ),
         "clip_fraction": token_mean(clipped_BS.astype(dtype)),
         "approx_kl_old": token_mean(_kl_estimate("k3", log_ratio_BS)),
         "ratio_mean": token_mean(ratio_BS),
@@ -212,7 +220,8 @@ def clipped_pg_loss(config: ClippedPGLossConfig, logprobs_BS: jax.Array,
         metrics["is_weight_mean"] = token_mean(is_weight_raw_BS)
         metrics["is_weight_max"] = token_max(is_weight_raw_BS)
         metrics["is_truncated_fraction"] = token_mean(
-            (is_weight_raw_BS > cfg.importance_sampling_cap).astype(dtype))
+            (is_weight_raw_BS > cfg.importance_sampling_cap).astype(dtype)
+        )
     metrics["num_valid_tokens"] = valid_f_BS.sum()
     metrics["num_valid_sequences"] = valid_BS.any(axis=1).astype(dtype).sum()
     return loss, metrics
@@ -228,17 +237,26 @@ def make_schedule(optimizer: OptimizerConfig, scheduler: SchedulerConfig) -> opt
     schedule of the 0-based optimizer step."""
     peak = optimizer.learning_rate
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=peak, warmup_steps=scheduler.warmup_steps,
-        decay_steps=scheduler.total_steps, end_value=peak * scheduler.min_lr_ratio)
+        init_value=0.0,
+        peak_value=peak,
+        warmup_steps=scheduler.warmup_steps,
+        decay_steps=scheduler.total_steps,
+        end_value=peak * scheduler.min_lr_ratio,
+    )
 
 
-def make_optimizer_from(optimizer: OptimizerConfig, scheduler: SchedulerConfig,
-                        max_grad_norm: float | None) -> optax.GradientTransformation:
+def make_optimizer_from(
+    optimizer: OptimizerConfig, scheduler: SchedulerConfig, max_grad_norm: float | None
+) -> optax.GradientTransformation:
     """clip_by_global_norm(max_grad_norm) (unless None), then AdamW on the schedule; weight decay
     applies to every parameter, as torch.optim.AdamW(model.parameters())."""
-    adamw = optax.adamw(make_schedule(optimizer, scheduler), b1=optimizer.beta1,
-                        b2=optimizer.beta2, eps=optimizer.eps,
-                        weight_decay=optimizer.weight_decay)
+    adamw = optax.adamw(
+        make_schedule(optimizer, scheduler),
+        b1=optimizer.beta1,
+        b2=optimizer.beta2,
+        eps=optimizer.eps,
+        weight_decay=optimizer.weight_decay,
+    )
     if max_grad_norm is None:
         return adamw
     return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
@@ -249,8 +267,14 @@ def make_optimizer_from(optimizer: OptimizerConfig, scheduler: SchedulerConfig,
 # JaxPolicy of the same architecture shares the compiled programs.
 
 
-def _forward_logprobs(graphdef: nnx.GraphDef, params: nnx.State, input_ids_BS: jax.Array,
-                      input_lengths_B: jax.Array, remat: bool, compute_dtype: Any) -> jax.Array:
+def _forward_logprobs(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    input_ids_BS: jax.Array,
+    input_lengths_B: jax.Array,
+    remat: bool,
+    compute_dtype: Any,
+) -> jax.Array:
     if compute_dtype != jnp.float32:
         # Mixed precision: float32 master weights, the forward in compute_dtype; the cast's
         # transpose brings the gradients back to float32.
@@ -263,25 +287,36 @@ def _forward_logprobs(graphdef: nnx.GraphDef, params: nnx.State, input_ids_BS: j
 
 
 @partial(jax.jit, static_argnums=(0, 4))
-def _logprobs_jit(graphdef: nnx.GraphDef, params: nnx.State, input_ids_BS: jax.Array,
-                  input_lengths_B: jax.Array, compute_dtype: Any) -> jax.Array:
-    return _forward_logprobs(graphdef, params, input_ids_BS, input_lengths_B, False,
-                             compute_dtype)
+def _logprobs_jit(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    input_ids_BS: jax.Array,
+    input_lengths_B: jax.Array,
+    compute_dtype: Any,
+) -> jax.Array:
+    return _forward_logprobs(graphdef, params, input_ids_BS, input_lengths_B, False, compute_dtype)
 
 
 # The accumulator is donated: XLA adds into its buffer instead of allocating another copy of
 # the gradients per microbatch.
 @partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=5)
-def _accumulate_ported(graphdef: nnx.GraphDef, loss_config: ClippedPGLossConfig, remat: bool,
-                       compute_dtype: Any, params: nnx.State, grads_acc: nnx.State,
-                       mb: dict[str, jax.Array],
-                       token_norm: jax.Array, seq_norm: jax.Array
-                       ) -> tuple[nnx.State, dict[str, jax.Array]]:
+def _accumulate_ported(
+    graphdef: nnx.GraphDef,
+    loss_config: ClippedPGLossConfig,
+    remat: bool,
+    compute_dtype: Any,
+    params: nnx.State,
+    grads_acc: nnx.State,
+    mb: dict[str, jax.Array],
+    token_norm: jax.Array,
+    seq_norm: jax.Array,
+) -> tuple[nnx.State, dict[str, jax.Array]]:
     """grads_acc + d loss(mb) / d params, and the microbatch's metrics."""
 
     def loss_of(p: nnx.State) -> tuple[jax.Array, dict[str, jax.Array]]:
-        logprobs_BS = _forward_logprobs(graphdef, p, mb["input_ids"], mb["input_lengths"], remat,
-                                        compute_dtype)
+        logprobs_BS = _forward_logprobs(
+            graphdef, p, mb["input_ids"], mb["input_lengths"], remat, compute_dtype
+        )
         loss_inputs = {k: v for k, v in mb.items() if k not in ("input_ids", "input_lengths")}
         return clipped_pg_loss(loss_config, logprobs_BS, loss_inputs, token_norm, seq_norm)
 
@@ -290,13 +325,23 @@ def _accumulate_ported(graphdef: nnx.GraphDef, loss_config: ClippedPGLossConfig,
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
-def _accumulate_cotangent(graphdef: nnx.GraphDef, remat: bool, compute_dtype: Any,
-                          params: nnx.State,
-                          grads_acc: nnx.State, input_ids_BS: jax.Array,
-                          input_lengths_B: jax.Array, cotangent_BS: jax.Array) -> nnx.State:
+def _accumulate_cotangent(
+    graphdef: nnx.GraphDef,
+    remat: bool,
+    compute_dtype: Any,
+    params: nnx.State,
+    grads_acc: nnx.State,
+    input_ids_BS: jax.Array,
+    input_lengths_B: jax.Array,
+    cotangent_BS: jax.Array,
+) -> nnx.State:
     """grads_acc + the VJP of the log-probs with `cotangent_BS` (d loss / d logprobs)."""
-    _, vjp = jax.vjp(lambda p: _forward_logprobs(graphdef, p, input_ids_BS, input_lengths_B,
-                                                 remat, compute_dtype), params)
+    _, vjp = jax.vjp(
+        lambda p: _forward_logprobs(
+            graphdef, p, input_ids_BS, input_lengths_B, remat, compute_dtype
+        ),
+        params,
+    )
     (grads,) = vjp(cotangent_BS)
     return jax.tree.map(jnp.add, grads_acc, grads)
 
@@ -314,28 +359,31 @@ class _OptimizerPrograms:
 
 
 @functools.lru_cache(maxsize=16)
-def _optimizer_programs(optimizer: OptimizerConfig, scheduler: SchedulerConfig,
-                        max_grad_norm: float | None, mesh: Mesh) -> _OptimizerPrograms:
+def _optimizer_programs(
+    optimizer: OptimizerConfig, scheduler: SchedulerConfig, max_grad_norm: float | None, mesh: Mesh
+) -> _OptimizerPrograms:
     """Shared by every JaxPolicy with the same hyper-parameters and mesh, so a new policy (tests,
     resumes) reuses the compiled update instead of compiling it again."""
     schedule = make_schedule(optimizer, scheduler)
     tx = make_optimizer_from(optimizer, scheduler, max_grad_norm)
     replicated = NamedSharding(mesh, P())
 
-    def update(params: nnx.State, opt_state: Any, grads: nnx.State
-               ) -> tuple[nnx.State, Any, jax.Array]:
+    def update(
+        params: nnx.State, opt_state: Any, grads: nnx.State
+    ) -> tuple[nnx.State, Any, jax.Array]:
         grad_norm = optax.tree.norm(grads)  # before clipping, as the interface reports it
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, grad_norm
 
     # Explicit output placement: the state that comes out of a step has the same shardings as
     # the state that goes in, so the second step does not compile another variant.
-    return _OptimizerPrograms(init=jax.jit(tx.init, out_shardings=replicated),
-                              # Donates the optimizer state and gradients (never the params:
-                              # the frozen reference may be the very same arrays).
-                              update=jax.jit(update, out_shardings=replicated,
-                                             donate_argnums=(1, 2)),
-                              learning_rate_at=jax.jit(schedule))
+    return _OptimizerPrograms(
+        init=jax.jit(tx.init, out_shardings=replicated),
+        # Donates the optimizer state and gradients (never the params:
+        # the frozen reference may be the very same arrays).
+        update=jax.jit(update, out_shardings=replicated, donate_argnums=(1, 2)),
+        learning_rate_at=jax.jit(schedule),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,8 +397,9 @@ def _check_tensor(batch: Mapping[str, Any], key: str, shape: tuple[int, ...], wh
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"batch[{key!r}] must be a torch.Tensor, got {type(value).__name__}")
     if tuple(value.shape) != shape:
-        raise ValueError(f"batch[{key!r}] has shape {tuple(value.shape)}, expected {shape} "
-                         f"({what})")
+        raise ValueError(
+            f"batch[{key!r}] has shape {tuple(value.shape)}, expected {shape} ({what})"
+        )
 
 
 def _to_numpy(t: torch.Tensor, dtype: Any) -> np.ndarray:
@@ -373,9 +422,14 @@ def _round_up(value: int, multiple: int) -> int:
 class JaxPolicy(PolicyInterface):
     """flax.nnx Llama-family policy on a jax Mesh (see the module docstring)."""
 
-    def __init__(self, cfg: PolicyConfig, *, cache_dir: str | os.PathLike | None = None,
-                 resume_from: str | os.PathLike | None = None,
-                 tokenizer_dir: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        cfg: PolicyConfig,
+        *,
+        cache_dir: str | os.PathLike | None = None,
+        resume_from: str | os.PathLike | None = None,
+        tokenizer_dir: str | os.PathLike | None = None,
+    ):
         """Loads the model and builds the mesh and optimizer; fails fast on bad config.
 
         Args:
@@ -391,47 +445,67 @@ class JaxPolicy(PolicyInterface):
         complete checkpoint of this model, tokenizer_dir is not a directory.
         """
         if not isinstance(cfg, PolicyConfig):
-            raise ValueError(f"JaxPolicy needs a PolicyConfig, got {type(cfg).__name__}; build it "
-                             f"with from_dict(PolicyConfig, yaml['policy'], 'policy')")
+            raise ValueError(
+                f"JaxPolicy needs a PolicyConfig, got {type(cfg).__name__}; build it "
+                f"with from_dict(PolicyConfig, yaml['policy'], 'policy')"
+            )
         if cfg.backend != "jax":
-            raise ValueError(f"policy.backend is {cfg.backend!r} but JaxPolicy is the 'jax' "
-                             f"backend; create policies through models/policy/factory.py")
+            raise ValueError(
+                f"policy.backend is {cfg.backend!r} but JaxPolicy is the 'jax' "
+                f"backend; create policies through models/policy/factory.py"
+            )
         if cfg.logprob_temperature not in (None, 1.0):
-            raise ValueError(f"policy.logprob_temperature: the jax backend computes log-probs at "
-                             f"temperature 1 only, got {cfg.logprob_temperature}; sample at "
-                             "generation.temperature 1.0 or use policy.backend: dtensor")
+            raise ValueError(
+                f"policy.logprob_temperature: the jax backend computes log-probs at "
+                f"temperature 1 only, got {cfg.logprob_temperature}; sample at "
+                "generation.temperature 1.0 or use policy.backend: dtensor"
+            )
         self.cfg = cfg
         devices = jax.devices()
         if len(devices) % cfg.dp_size:
-            hint = (" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax "
-                    "is imported to get N host devices)" if devices[0].platform == "cpu" else "")
-            raise ValueError(f"policy.dp_size={cfg.dp_size} must divide the number of jax "
-                             f"devices ({len(devices)} {devices[0].platform} device(s)); set "
-                             f"policy.dp_size to a divisor of {len(devices)}{hint}")
-        self.mesh = Mesh(np.array(devices[:cfg.dp_size]), (MESH_AXIS,))
+            hint = (
+                " (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax "
+                "is imported to get N host devices)"
+                if devices[0].platform == "cpu"
+                else ""
+            )
+            raise ValueError(
+                f"policy.dp_size={cfg.dp_size} must divide the number of jax "
+                f"devices ({len(devices)} {devices[0].platform} device(s)); set "
+                f"policy.dp_size to a divisor of {len(devices)}{hint}"
+            )
+        self.mesh = Mesh(np.array(devices[: cfg.dp_size]), (MESH_AXIS,))
         self._replicated = NamedSharding(self.mesh, P())
         self._batch_sharded = NamedSharding(self.mesh, P(MESH_AXIS))
         try:
             self.model_dir = zoo.resolve_model(cfg.model, cache_dir=cache_dir)
         except ValueError as e:
             raise ValueError(f"policy.model: {e}") from None
-        self.tokenizer_dir = pathlib.Path(tokenizer_dir) if tokenizer_dir is not None \
-            else self.model_dir
+        self.tokenizer_dir = (
+            pathlib.Path(tokenizer_dir) if tokenizer_dir is not None else self.model_dir
+        )
         if not self.tokenizer_dir.is_dir():
-            raise ValueError(f"tokenizer_dir {str(self.tokenizer_dir)!r} is not a directory; pass "
-                             f"the directory holding tokenizer.json (default: the model directory)")
+            raise ValueError(
+                f"tokenizer_dir {str(self.tokenizer_dir)!r} is not a directory; pass "
+                f"the directory holding tokenizer.json (default: the model directory)"
+            )
         try:
-            self.model_config, self._graphdef, params = llama_nnx.load_model(self.model_dir,
-                                                                              "float32")
+            self.model_config, self._graphdef, params = llama_nnx.load_model(
+                self.model_dir, "float32"
+            )
         except ValueError as e:
             raise ValueError(f"policy.model ({self.model_dir}): {e}") from None
         self._compute_dtype = llama_nnx.DTYPES[cfg.dtype]
         self._params = jax.device_put(params, self._replicated)
         self._reference_device = jax.devices("cpu")[0] if cfg.offload_reference_policy else None
-        self._reference_params = (jax.device_put(params, self._reference_device)
-                                  if self._reference_device is not None else self._params)
-        self._optimizer = _optimizer_programs(cfg.optimizer, cfg.scheduler, cfg.max_grad_norm,
-                                              self.mesh)
+        self._reference_params = (
+            jax.device_put(params, self._reference_device)
+            if self._reference_device is not None
+            else self._params
+        )
+        self._optimizer = _optimizer_programs(
+            cfg.optimizer, cfg.scheduler, cfg.max_grad_norm, self.mesh
+        )
         self._opt_state = self._optimizer.init(self._params)
         self._step = 0
         self._rows_per_microbatch = cfg.micro_batch_size * cfg.dp_size
@@ -440,8 +514,10 @@ class JaxPolicy(PolicyInterface):
             try:
                 self.load_checkpoint(pathlib.Path(resume_from))
             except ValueError as e:
-                raise ValueError(f"resume_from: {e}; pass a directory written by "
-                                 f"save_checkpoint, or None to start from policy.model") from None
+                raise ValueError(
+                    f"resume_from: {e}; pass a directory written by "
+                    f"save_checkpoint, or None to start from policy.model"
+                ) from None
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -451,35 +527,48 @@ class JaxPolicy(PolicyInterface):
 
     def _check_sequences(self, batch: Mapping[str, Any]) -> tuple[int, int]:
         if not isinstance(batch, Mapping):
-            raise ValueError(f"batch must be a BatchedDataDict (a mapping of key -> tensor), got "
-                             f"{type(batch).__name__}")
+            raise ValueError(
+                f"batch must be a BatchedDataDict (a mapping of key -> tensor), got "
+                f"{type(batch).__name__}"
+            )
         if "input_ids" not in batch:
-            raise ValueError(f"batch is missing key 'input_ids' ((B, S) int64 token ids); it has "
-                             f"keys {sorted(batch)}")
+            raise ValueError(
+                f"batch is missing key 'input_ids' ((B, S) int64 token ids); it has "
+                f"keys {sorted(batch)}"
+            )
         ids = batch["input_ids"]
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
-            raise ValueError(f"batch['input_ids'] must be a 2-D (B, S) integer torch.Tensor, got "
-                             f"{getattr(ids, 'shape', type(ids).__name__)} "
-                             f"{getattr(ids, 'dtype', '')}")
+            raise ValueError(
+                f"batch['input_ids'] must be a 2-D (B, S) integer torch.Tensor, got "
+                f"{getattr(ids, 'shape', type(ids).__name__)} "
+                f"{getattr(ids, 'dtype', '')}"
+            )
         num_rows, seq_len = ids.shape
         if num_rows == 0 or seq_len == 0:
             raise ValueError(f"batch['input_ids'] is empty (shape {tuple(ids.shape)})")
         _check_tensor(batch, "input_lengths", (num_rows,), "(B,) number of real tokens per row")
         lengths = batch["input_lengths"]
         if bool((lengths < 1).any()) or bool((lengths > seq_len).any()):
-            raise ValueError(f"batch['input_lengths'] must lie in [1, {seq_len}] (the padded "
-                             f"length S); got min {int(lengths.min())}, max {int(lengths.max())}")
+            raise ValueError(
+                f"batch['input_lengths'] must lie in [1, {seq_len}] (the padded "
+                f"length S); got min {int(lengths.min())}, max {int(lengths.max())}"
+            )
         max_positions = self.model_config.max_position_embeddings
         if seq_len > max_positions:
-            raise ValueError(f"sequence length {seq_len} exceeds the model's context "
-                             f"(max_position_embeddings={max_positions})")
+            raise ValueError(
+                f"sequence length {seq_len} exceeds the model's context "
+                f"(max_position_embeddings={max_positions})"
+            )
         if bool((ids < 0).any()) or bool((ids >= self.model_config.vocab_size).any()):
-            raise ValueError(f"batch['input_ids'] holds ids outside [0, "
-                             f"{self.model_config.vocab_size}) (the model's vocab_size)")
+            raise ValueError(
+                f"batch['input_ids'] holds ids outside [0, "
+                f"{self.model_config.vocab_size}) (the model's vocab_size)"
+            )
         return num_rows, seq_len
 
-    def _padded_arrays(self, batch: Mapping[str, Any], keys: tuple[str, ...], num_rows: int,
-                       seq_len: int) -> dict[str, np.ndarray]:
+    def _padded_arrays(
+        self, batch: Mapping[str, Any], keys: tuple[str, ...], num_rows: int, seq_len: int
+    ) -> dict[str, np.ndarray]:
         """Host arrays of `keys`, padded to (multiple of rows per microbatch, SEQ_LEN_MULTIPLE).
 
         Padded rows get input_lengths 1 (a valid forward pass) and all-zero masks: no loss."""
@@ -509,9 +598,12 @@ class JaxPolicy(PolicyInterface):
         self._check_open()
         num_rows, seq_len = self._check_sequences(batch)
         arrays = self._padded_arrays(batch, ("input_ids", "input_lengths"), num_rows, seq_len)
-        chunks = [_logprobs_jit(self._graphdef, params, mb["input_ids"], mb["input_lengths"],
-                                self._compute_dtype)
-                  for mb in self._microbatches(arrays)]
+        chunks = [
+            _logprobs_jit(
+                self._graphdef, params, mb["input_ids"], mb["input_lengths"], self._compute_dtype
+            )
+            for mb in self._microbatches(arrays)
+        ]
         logprobs_BS = np.concatenate([np.asarray(c) for c in chunks])[:num_rows, :seq_len]
         return torch.from_numpy(np.ascontiguousarray(logprobs_BS, dtype=np.float32))
 
@@ -532,55 +624,84 @@ class JaxPolicy(PolicyInterface):
         num_rows, seq_len = self._check_sequences(batch)
         ported = isinstance(loss_fn, ClippedPGLossFn)
         if not callable(loss_fn):
-            raise ValueError(f"loss_fn must be a LossFunction (e.g. ClippedPGLossFn), got "
-                             f"{type(loss_fn).__name__}")
+            raise ValueError(
+                f"loss_fn must be a LossFunction (e.g. ClippedPGLossFn), got "
+                f"{type(loss_fn).__name__}"
+            )
         # Validates token_mask / sample_mask (shape, 0/1) before anything changes.
         num_valid_tokens, num_valid_sequences = count_valid(batch)
         if ported:
             loss_keys = list(loss_fn.required_batch_keys)
-            if "reference_policy_logprobs" in batch \
-                    and "reference_policy_logprobs" not in loss_keys:
+            if (
+                "reference_policy_logprobs" in batch
+                and "reference_policy_logprobs" not in loss_keys
+            ):
                 loss_keys.append("reference_policy_logprobs")  # reported as a metric, as in torch
             for key in loss_keys:
                 shape = (num_rows,) if key == "sample_mask" else (num_rows, seq_len)
                 _check_tensor(batch, key, shape, "required by the loss function's config")
-            arrays = self._padded_arrays(batch, ("input_ids", "input_lengths", *loss_keys),
-                                         num_rows, seq_len)
-            grads, metrics = self._grads_ported(loss_fn.config, arrays, num_valid_tokens,
-                                                num_valid_sequences)
+            arrays = self._padded_arrays(
+                batch, ("input_ids", "input_lengths", *loss_keys), num_rows, seq_len
+            )
+            grads, metrics = self._grads_ported(
+                loss_fn.config, arrays, num_valid_tokens, num_valid_sequences
+            )
         else:
-            grads, metrics = self._grads_wrapped(batch, loss_fn, num_rows, seq_len,
-                                                 num_valid_tokens, num_valid_sequences)
+            grads, metrics = self._grads_wrapped(
+                batch, loss_fn, num_rows, seq_len, num_valid_tokens, num_valid_sequences
+            )
         learning_rate = float(self._optimizer.learning_rate_at(self._step))
-        self._params, self._opt_state, grad_norm = self._optimizer.update(self._params,
-                                                                      self._opt_state, grads)
+        self._params, self._opt_state, grad_norm = self._optimizer.update(
+            self._params, self._opt_state, grads
+        )
         grad_norm = float(grad_norm)  # blocks until the step is done
         self._step += 1
         elapsed = time.perf_counter() - start
         num_tokens = int(batch["input_lengths"].sum())
-        metrics.update(grad_norm=grad_norm, learning_rate=learning_rate,
-                       num_tokens=float(num_tokens), tokens_per_second=num_tokens / elapsed,
-                       step_seconds=elapsed)
+        metrics.update(
+            grad_norm=grad_norm,
+            learning_rate=learning_rate,
+            num_tokens=float(num_tokens),
+            tokens_per_second=num_tokens / elapsed,
+            step_seconds=elapsed,
+        )
         return metrics
 
-    def _grads_ported(self, loss_config: ClippedPGLossConfig, arrays: dict[str, np.ndarray],
-                      num_valid_tokens: int, num_valid_sequences: int
-                      ) -> tuple[nnx.State, dict[str, float]]:
+    def _grads_ported(
+        self,
+        loss_config: ClippedPGLossConfig,
+        arrays: dict[str, np.ndarray],
+        num_valid_tokens: int,
+        num_valid_sequences: int,
+    ) -> tuple[nnx.State, dict[str, float]]:
         token_norm = jnp.float32(max(num_valid_tokens, 1))
         seq_norm = jnp.float32(max(num_valid_sequences, 1))
         grads = jax.device_put(_zeros_like_jit(self._params), self._replicated)
         mb_metrics = []
         for mb in self._microbatches(arrays):
-            grads, metrics = _accumulate_ported(self._graphdef, loss_config,
-                                                self.cfg.activation_checkpointing,
-                                                self._compute_dtype, self._params,
-                                                grads, mb, token_norm, seq_norm)
+            grads, metrics = _accumulate_ported(
+                self._graphdef,
+                loss_config,
+                self.cfg.activation_checkpointing,
+                self._compute_dtype,
+                self._params,
+                grads,
+                mb,
+                token_norm,
+                seq_norm,
+            )
             mb_metrics.append(metrics)
         return grads, _combine(jax.device_get(mb_metrics))
 
-    def _grads_wrapped(self, batch: BatchedDataDict, loss_fn: LossFunction, num_rows: int,
-                       seq_len: int, num_valid_tokens: int, num_valid_sequences: int
-                       ) -> tuple[nnx.State, dict[str, float]]:
+    def _grads_wrapped(
+        self,
+        batch: BatchedDataDict,
+        loss_fn: LossFunction,
+        num_rows: int,
+        seq_len: int,
+        num_valid_tokens: int,
+        num_valid_sequences: int,
+    ) -> tuple[nnx.State, dict[str, float]]:
         """A torch loss callable: torch autograd gives d loss / d logprobs, jax the rest."""
         arrays = self._padded_arrays(batch, ("input_ids", "input_lengths"), num_rows, seq_len)
         grads = jax.device_put(_zeros_like_jit(self._params), self._replicated)
@@ -589,19 +710,31 @@ class JaxPolicy(PolicyInterface):
         for index, mb in enumerate(self._microbatches(arrays)):
             # Padding rows (all in the last microbatch) get a zero cotangent: no gradient.
             start, end = index * rows, min((index + 1) * rows, num_rows)
-            logprobs = _logprobs_jit(self._graphdef, self._params, mb["input_ids"],
-                                     mb["input_lengths"], self._compute_dtype)
-            logprobs_BS = torch.from_numpy(np.array(logprobs)[:end - start, :seq_len])
+            logprobs = _logprobs_jit(
+                self._graphdef,
+                self._params,
+                mb["input_ids"],
+                mb["input_lengths"],
+                self._compute_dtype,
+            )
+            logprobs_BS = torch.from_numpy(np.array(logprobs)[: end - start, :seq_len])
             logprobs_BS.requires_grad_(True)
-            loss, metrics = loss_fn(logprobs_BS, batch.slice(start, end), num_valid_tokens,
-                                    num_valid_sequences)
+            loss, metrics = loss_fn(
+                logprobs_BS, batch.slice(start, end), num_valid_tokens, num_valid_sequences
+            )
             loss.backward()
             cotangent = np.zeros(logprobs.shape, np.float32)
-            cotangent[:end - start, :seq_len] = logprobs_BS.grad.numpy()
-            grads = _accumulate_cotangent(self._graphdef, self.cfg.activation_checkpointing,
-                                          self._compute_dtype, self._params, grads, mb["input_ids"],
-                                          mb["input_lengths"],
-                                          jax.device_put(cotangent, self._batch_sharded))
+            cotangent[: end - start, :seq_len] = logprobs_BS.grad.numpy()
+            grads = _accumulate_cotangent(
+                self._graphdef,
+                self.cfg.activation_checkpointing,
+                self._compute_dtype,
+                self._params,
+                grads,
+                mb["input_ids"],
+                mb["input_lengths"],
+                jax.device_put(cotangent, self._batch_sharded),
+            )
             mb_metrics.append({k: float(v) for k, v in metrics.items()})
         return grads, _combine(mb_metrics)
 
@@ -609,13 +742,16 @@ class JaxPolicy(PolicyInterface):
         self._check_open()
         # Refit sends the weights in the compute dtype (what the engine runs in).
         dtype = refit_packer.DTYPES[self.cfg.dtype]
-        return {name: (shape, dtype)
-                for name, shape in llama_nnx.hf_names_and_shapes(self.model_config).items()}
+        return {
+            name: (shape, dtype)
+            for name, shape in llama_nnx.hf_names_and_shapes(self.model_config).items()
+        }
 
     def iter_refit_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         self._check_open()
-        for name, array in llama_nnx.iter_hf_weights(self.model_config,
-                                                     nnx.to_pure_dict(self._params)):
+        for name, array in llama_nnx.iter_hf_weights(
+            self.model_config, nnx.to_pure_dict(self._params)
+        ):
             yield name, _torch_from_numpy(array.astype(self._compute_dtype, copy=False))
 
     def save_checkpoint(self, directory: pathlib.Path) -> None:
@@ -624,23 +760,31 @@ class JaxPolicy(PolicyInterface):
         self._check_open()
 
         def write(tmp: pathlib.Path) -> None:
-            weights = dict(llama_nnx.iter_hf_weights(self.model_config,
-                                                     nnx.to_pure_dict(self._params)))
+            weights = dict(
+                llama_nnx.iter_hf_weights(self.model_config, nnx.to_pure_dict(self._params))
+            )
             save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             for source in (self.model_dir, self.tokenizer_dir):
                 for path in sorted(source.iterdir()):
-                    if (path.is_file() and not path.name.startswith(".")
-                            and not path.name.endswith(_NOT_COPIED)
-                            and path.name != "model.safetensors.index.json"
-                            and not (tmp / path.name).exists()):
+                    if (
+                        path.is_file()
+                        and not path.name.startswith(".")
+                        and not path.name.endswith(_NOT_COPIED)
+                        and path.name != "model.safetensors.index.json"
+                        and not (tmp / path.name).exists()
+                    ):
                         shutil.copy2(path, tmp / path.name)
             hf_config = json.loads((self.model_dir / "config.json").read_text())
             hf_config["dtype"] = "float32"  # the master weights we wrote
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
             leaves, treedef = jax.tree.flatten(self._opt_state)
-            save_file({f"optimizer.{i}": np.asarray(jax.device_get(leaf))
-                       for i, leaf in enumerate(leaves)},
-                      str(tmp / TRAIN_STATE_TENSORS))
+            save_file(
+                {
+                    f"optimizer.{i}": np.asarray(jax.device_get(leaf))
+                    for i, leaf in enumerate(leaves)
+                },
+                str(tmp / TRAIN_STATE_TENSORS),
+            )
             state = {
                 "format_version": CHECKPOINT_FORMAT_VERSION,
                 "step": self._step,
@@ -663,28 +807,37 @@ class JaxPolicy(PolicyInterface):
         if not directory.is_dir():
             raise ValueError(f"checkpoint directory {str(directory)!r} does not exist")
         if not state_path.is_file() or not (directory / TRAIN_STATE_TENSORS).is_file():
-            raise ValueError(f"checkpoint directory {str(directory)!r} is incomplete (no "
-                             f"{TRAIN_STATE_JSON} / {TRAIN_STATE_TENSORS}); it was not written by "
-                             f"JaxPolicy.save_checkpoint or the save was interrupted")
+            raise ValueError(
+                f"checkpoint directory {str(directory)!r} is incomplete (no "
+                f"{TRAIN_STATE_JSON} / {TRAIN_STATE_TENSORS}); it was not written by "
+                f"JaxPolicy.save_checkpoint or the save was interrupted"
+            )
         state = json.loads(state_path.read_text())
         if state.get("format_version") != CHECKPOINT_FORMAT_VERSION:
-            raise ValueError(f"checkpoint {str(directory)!r} has format_version "
-                             f"{state.get('format_version')!r}; this JaxPolicy reads "
-                             f"{CHECKPOINT_FORMAT_VERSION}")
+            raise ValueError(
+                f"checkpoint {str(directory)!r} has format_version "
+                f"{state.get('format_version')!r}; this JaxPolicy reads "
+                f"{CHECKPOINT_FORMAT_VERSION}"
+            )
         if state["model_config"] != dataclasses.asdict(self.model_config):
-            raise ValueError(f"checkpoint {str(directory)!r} was written for another model "
-                             f"({state['model_config']}); this policy (policy.model) is "
-                             f"{dataclasses.asdict(self.model_config)}")
+            raise ValueError(
+                f"checkpoint {str(directory)!r} was written for another model "
+                f"({state['model_config']}); this policy (policy.model) is "
+                f"{dataclasses.asdict(self.model_config)}"
+            )
         leaves, treedef = jax.tree.flatten(self._opt_state)
-        if state["optimizer_treedef"] != str(treedef) \
-                or state["num_optimizer_leaves"] != len(leaves):
-            raise ValueError(f"checkpoint {str(directory)!r} holds optimizer state of another "
-                             f"structure (policy.max_grad_norm or the optimizer changed since it "
-                             f"was written)")
+        if state["optimizer_treedef"] != str(treedef) or state["num_optimizer_leaves"] != len(
+            leaves
+        ):
+            raise ValueError(
+                f"checkpoint {str(directory)!r} holds optimizer state of another "
+                f"structure (policy.max_grad_norm or the optimizer changed since it "
+                f"was written)"
+            )
         try:
-            pure = llama_nnx.params_from_hf(self.model_config,
-                                            llama_nnx.load_hf_tensors(directory),
-                                            jnp.float32)
+            pure = llama_nnx.params_from_hf(
+                self.model_config, llama_nnx.load_hf_tensors(directory), jnp.float32
+            )
         except ValueError as e:
             raise ValueError(f"checkpoint {str(directory)!r}: {e}") from None
         opt_tensors = load_file(str(directory / TRAIN_STATE_TENSORS))
@@ -692,8 +845,10 @@ class JaxPolicy(PolicyInterface):
         for i, leaf in enumerate(leaves):
             saved = opt_tensors.get(f"optimizer.{i}")
             if saved is None or saved.shape != leaf.shape or saved.dtype != leaf.dtype:
-                raise ValueError(f"checkpoint {str(directory)!r}: optimizer tensor {i} is missing "
-                                 f"or has the wrong shape/dtype")
+                raise ValueError(
+                    f"checkpoint {str(directory)!r}: optimizer tensor {i} is missing "
+                    f"or has the wrong shape/dtype"
+                )
             new_leaves.append(saved)
         params = jax.tree.map(lambda x: x, self._params)  # a new State of the same structure
         nnx.replace_by_pure_dict(params, pure)
@@ -716,5 +871,7 @@ class JaxPolicy(PolicyInterface):
 def _combine(metrics_list: list[Mapping[str, Any]]) -> dict[str, float]:
     """Microbatch metrics -> global-batch metrics (max for MAX_METRICS, else sum)."""
     assert metrics_list
-    return {key: float((max if key in MAX_METRICS else sum)(float(m[key]) for m in metrics_list))
-            for key in metrics_list[0]}
+    return {
+        key: float((max if key in MAX_METRICS else sum)(float(m[key]) for m in metrics_list))
+        for key in metrics_list[0]
+    }

@@ -21,8 +21,9 @@ Shape legend: B = sequences, S = token positions.
 import os
 
 # Must precede the first jax import of this process (one Bazel test = one process).
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=2").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+).strip()
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
@@ -64,26 +65,42 @@ def cache_dir(tmp_path_factory):
 
 
 def _policy(cache_dir, model="tiny-llama", **overrides) -> JaxPolicy:
-    fields = {"backend": "jax", "model": model, "micro_batch_size": 2,
-              "optimizer": OptimizerConfig(learning_rate=1e-3), **overrides}
+    fields = {
+        "backend": "jax",
+        "model": model,
+        "micro_batch_size": 2,
+        "optimizer": OptimizerConfig(learning_rate=1e-3),
+        **overrides,
+    }
     return JaxPolicy(PolicyConfig(**fields), cache_dir=cache_dir)
 
 
-def _make_batch(policy: JaxPolicy, input_ids_BS: torch.Tensor, lengths_B: torch.Tensor,
-                prompt_length: int, seed: int) -> BatchedDataDict:
+def _make_batch(
+    policy: JaxPolicy,
+    input_ids_BS: torch.Tensor,
+    lengths_B: torch.Tensor,
+    prompt_length: int,
+    seed: int,
+) -> BatchedDataDict:
     """A training batch: response tokens after `prompt_length`, prev log-probs near the
     policy's own (so ratios differ from 1 and some clip), per-sample advantages."""
     g = torch.Generator().manual_seed(seed)
     num_rows, seq_len = input_ids_BS.shape
     positions_S = torch.arange(seq_len)
-    token_mask_BS = ((positions_S[None] >= prompt_length)
-                     & (positions_S[None] < lengths_B[:, None])).float()
-    batch = BatchedDataDict(input_ids=input_ids_BS, input_lengths=lengths_B,
-                            token_mask=token_mask_BS, sample_mask=torch.ones(num_rows))
+    token_mask_BS = (
+        (positions_S[None] >= prompt_length) & (positions_S[None] < lengths_B[:, None])
+    ).float()
+    batch = BatchedDataDict(
+        input_ids=input_ids_BS,
+        input_lengths=lengths_B,
+        token_mask=token_mask_BS,
+        sample_mask=torch.ones(num_rows),
+    )
     logprobs_BS = policy.get_logprobs(batch)
     batch["prev_logprobs"] = logprobs_BS + 0.1 * torch.randn(num_rows, seq_len, generator=g)
-    batch["reference_policy_logprobs"] = logprobs_BS + 0.05 * torch.randn(num_rows, seq_len,
-                                                                           generator=g)
+    batch["reference_policy_logprobs"] = logprobs_BS + 0.05 * torch.randn(
+        num_rows, seq_len, generator=g
+    )
     batch["advantages"] = torch.randn(num_rows, 1, generator=g).expand(num_rows, seq_len).clone()
     return batch
 
@@ -118,10 +135,14 @@ _LOSS_CONFIGS = {
     "dual_clip": ClippedPGLossConfig(dual_clip_c=3.0),
     "kl_k1": ClippedPGLossConfig(reference_kl_coef=0.1, kl_estimator="k1"),
     "kl_k2": ClippedPGLossConfig(reference_kl_coef=0.05, kl_estimator="k2"),
-    "kl_k3_tis_sequence": ClippedPGLossConfig(reference_kl_coef=0.02, kl_estimator="k3",
-                                              use_importance_sampling_correction=True,
-                                              importance_sampling_cap=1.5,
-                                              aggregation="sequence", dual_clip_c=2.0),
+    "kl_k3_tis_sequence": ClippedPGLossConfig(
+        reference_kl_coef=0.02,
+        kl_estimator="k3",
+        use_importance_sampling_correction=True,
+        importance_sampling_cap=1.5,
+        aggregation="sequence",
+        dual_clip_c=2.0,
+    ),
     "kl_reported_only": ClippedPGLossConfig(use_importance_sampling_correction=True),
 }
 
@@ -137,12 +158,13 @@ def test_loss_port_matches_torch(name):
     sample_mask_B = torch.ones(num_rows)
     sample_mask_B[4] = 0
     batch = {
-        "token_mask": token_mask_BS, "sample_mask": sample_mask_B,
+        "token_mask": token_mask_BS,
+        "sample_mask": sample_mask_B,
         # Large deviations so that clipping, dual clip and IS truncation all happen.
         "prev_logprobs": logprobs_BS + 1.0 * torch.randn(num_rows, seq_len, generator=g),
         "generation_logprobs": logprobs_BS + 0.4 * torch.randn(num_rows, seq_len, generator=g),
-        "reference_policy_logprobs": logprobs_BS + 0.3 * torch.randn(num_rows, seq_len,
-                                                                     generator=g),
+        "reference_policy_logprobs": logprobs_BS
+        + 0.3 * torch.randn(num_rows, seq_len, generator=g),
         "advantages": torch.randn(num_rows, seq_len, generator=g),
     }
     invalid_BS = (token_mask_BS == 0) | (sample_mask_B == 0)[:, None]
@@ -155,45 +177,52 @@ def test_loss_port_matches_torch(name):
     global_tokens, global_sequences = num_tokens + 7, num_sequences + 2
 
     torch_lp = logprobs_BS.clone().requires_grad_(True)
-    torch_loss, torch_metrics = ClippedPGLossFn(config)(torch_lp, batch, global_tokens,
-                                                        global_sequences)
+    torch_loss, torch_metrics = ClippedPGLossFn(config)(
+        torch_lp, batch, global_tokens, global_sequences
+    )
     torch_loss.backward()
 
     jax_batch = {k: jnp.asarray(v.numpy()) for k, v in batch.items()}
 
     def loss_of(lp):
-        return jax_policy.clipped_pg_loss(config, lp, jax_batch, float(global_tokens),
-                                          float(global_sequences))
+        return jax_policy.clipped_pg_loss(
+            config, lp, jax_batch, float(global_tokens), float(global_sequences)
+        )
 
     (jax_loss, jax_metrics), jax_grad = jax.value_and_grad(loss_of, has_aux=True)(
-        jnp.asarray(logprobs_BS.numpy()))
+        jnp.asarray(logprobs_BS.numpy())
+    )
     assert math.isfinite(float(jax_loss))
     np.testing.assert_allclose(float(jax_loss), float(torch_loss.detach()), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(np.asarray(jax_grad), torch_lp.grad.numpy(), rtol=1e-5, atol=1e-8)
     assert np.abs(np.asarray(jax_grad)).sum() > 0
-    torch_metrics = ClippedPGLossFn(config)(logprobs_BS, batch, global_tokens,
-                                            global_sequences)[1]
+    torch_metrics = ClippedPGLossFn(config)(logprobs_BS, batch, global_tokens, global_sequences)[1]
     assert set(jax_metrics) == set(torch_metrics)
     for key, value in torch_metrics.items():
-        np.testing.assert_allclose(float(jax_metrics[key]), value, rtol=1e-5, atol=1e-7,
-                                   err_msg=key)
+        np.testing.assert_allclose(
+            float(jax_metrics[key]), value, rtol=1e-5, atol=1e-7, err_msg=key
+        )
     if config.dual_clip_c is not None:
         assert torch_metrics["dual_clip_fraction"] > 0
     assert torch_metrics["clip_fraction"] > 0
 
 
-@pytest.mark.parametrize("scheduler", [
-    SchedulerConfig(warmup_steps=0, total_steps=10, min_lr_ratio=0.1),
-    SchedulerConfig(warmup_steps=3, total_steps=12, min_lr_ratio=0.0),
-    SchedulerConfig(warmup_steps=5, total_steps=6, min_lr_ratio=0.5),
-])
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        SchedulerConfig(warmup_steps=0, total_steps=10, min_lr_ratio=0.1),
+        SchedulerConfig(warmup_steps=3, total_steps=12, min_lr_ratio=0.0),
+        SchedulerConfig(warmup_steps=5, total_steps=6, min_lr_ratio=0.5),
+    ],
+)
 def test_optax_schedule_equals_learning_rate_at(scheduler):
     optimizer = OptimizerConfig(learning_rate=3e-4)
     schedule = jax_policy.make_schedule(optimizer, scheduler)
     for step in range(scheduler.total_steps + 4):
         expected = learning_rate_at(step, optimizer, scheduler)
-        np.testing.assert_allclose(float(schedule(step)), expected, rtol=2e-6, atol=1e-12,
-                                   err_msg=f"step {step}")
+        np.testing.assert_allclose(
+            float(schedule(step)), expected, rtol=2e-6, atol=1e-12, err_msg=f"step {step}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,12 +234,19 @@ def smollm2_setup(cache_dir):
     """(policy, batch): built once; the parity test runs before the training test changes it."""
     from transformers import AutoTokenizer
 
-    policy = JaxPolicy(PolicyConfig(
-        backend="jax", model=zoo.SMOLLM2_NAME, micro_batch_size=2, max_grad_norm=1.0,
-        optimizer=OptimizerConfig(learning_rate=1e-5, weight_decay=0.01, beta1=0.9, beta2=0.95,
-                                  eps=1e-8),
-        scheduler=SchedulerConfig(warmup_steps=0, total_steps=100, min_lr_ratio=0.1)),
-        cache_dir=cache_dir)
+    policy = JaxPolicy(
+        PolicyConfig(
+            backend="jax",
+            model=zoo.SMOLLM2_NAME,
+            micro_batch_size=2,
+            max_grad_norm=1.0,
+            optimizer=OptimizerConfig(
+                learning_rate=1e-5, weight_decay=0.01, beta1=0.9, beta2=0.95, eps=1e-8
+            ),
+            scheduler=SchedulerConfig(warmup_steps=0, total_steps=100, min_lr_ratio=0.1),
+        ),
+        cache_dir=cache_dir,
+    )
     tokenizer = AutoTokenizer.from_pretrained(policy.model_dir)
     texts = [
         "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
@@ -222,7 +258,7 @@ def smollm2_setup(cache_dir):
     seq_len = max(len(r) for r in rows)
     ids_BS = torch.full((len(rows), seq_len), tokenizer.pad_token_id or 0, dtype=torch.long)
     for i, row in enumerate(rows):
-        ids_BS[i, :len(row)] = torch.tensor(row)
+        ids_BS[i, : len(row)] = torch.tensor(row)
     lengths_B = torch.tensor([len(r) for r in rows])
     return policy, _make_batch(policy, ids_BS, lengths_B, prompt_length=3, seed=1)
 
@@ -238,8 +274,10 @@ def test_smollm2_logprobs_match_transformers(smollm2_setup):
     ours_BS = policy.get_logprobs(batch)
     assert ours_BS.dtype == torch.float32 and ours_BS.shape == batch["input_ids"].shape
     delta = float((ours_BS - expected_BS).abs().max())
-    print(f"\nSmolLM2-135M float32: max |logprob delta| JAX worker vs transformers = {delta:.2e} "
-          f"(mean {float((ours_BS - expected_BS).abs().mean()):.1e})")
+    print(
+        f"\nSmolLM2-135M float32: max |logprob delta| JAX worker vs transformers = {delta:.2e} "
+        f"(mean {float((ours_BS - expected_BS).abs().mean()):.1e})"
+    )
     assert delta < 1e-4
     # The frozen reference is the same initial model.
     assert torch.equal(policy.get_reference_policy_logprobs(batch), ours_BS)
@@ -255,10 +293,13 @@ def _torch_reference_step(model_dir, cfg: PolicyConfig, batch, loss_fn):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     opt = cfg.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(),
-                                  lr=learning_rate_at(0, opt, cfg.scheduler),
-                                  betas=(opt.beta1, opt.beta2), eps=opt.eps,
-                                  weight_decay=opt.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=learning_rate_at(0, opt, cfg.scheduler),
+        betas=(opt.beta1, opt.beta2),
+        eps=opt.eps,
+        weight_decay=opt.weight_decay,
+    )
     start = time.perf_counter()
     num_tokens, num_sequences = count_valid(batch)
     total_loss = 0.0
@@ -283,25 +324,31 @@ def smollm2_first_step(smollm2_setup):
     return metrics, updates
 
 
-def _compare_steps(what: str, ours, theirs_loss: float, theirs_grad_norm: float,
-                   theirs_updates: dict[str, torch.Tensor]) -> None:
+def _compare_steps(
+    what: str,
+    ours,
+    theirs_loss: float,
+    theirs_grad_norm: float,
+    theirs_updates: dict[str, torch.Tensor],
+) -> None:
     metrics, updates = ours
     assert set(theirs_updates) == set(updates)  # the refit names are HF's named_parameters()
     names = sorted(updates)
     ours_flat = torch.cat([updates[n].flatten() for n in names]).double()
     theirs_flat = torch.cat([theirs_updates[n].flatten() for n in names]).double()
     cosine = float(torch.nn.functional.cosine_similarity(ours_flat, theirs_flat, dim=0))
-    print(f"\n{what}: loss {metrics['loss']:.7f} vs {theirs_loss:.7f} "
-          f"(|delta| {abs(metrics['loss'] - theirs_loss):.1e}), grad_norm "
-          f"{metrics['grad_norm']:.5f} vs {theirs_grad_norm:.5f}, update cosine {cosine:.6f}, "
-          f"update norm ratio {float(ours_flat.norm() / theirs_flat.norm()):.5f}")
+    print(
+        f"\n{what}: loss {metrics['loss']:.7f} vs {theirs_loss:.7f} "
+        f"(|delta| {abs(metrics['loss'] - theirs_loss):.1e}), grad_norm "
+        f"{metrics['grad_norm']:.5f} vs {theirs_grad_norm:.5f}, update cosine {cosine:.6f}, "
+        f"update norm ratio {float(ours_flat.norm() / theirs_flat.norm()):.5f}"
+    )
     assert abs(metrics["loss"] - theirs_loss) < 1e-5
     assert metrics["grad_norm"] == pytest.approx(theirs_grad_norm, rel=1e-3)
     assert cosine > 0.999
 
 
-def test_smollm2_train_step_matches_dtensor_backend(smollm2_setup, smollm2_first_step,
-                                                   cache_dir):
+def test_smollm2_train_step_matches_dtensor_backend(smollm2_setup, smollm2_first_step, cache_dir):
     """The issue's cross-backend check: the DTensor/FSDP2 backend (1 rank on Ray, gloo) from the
     same weights on the same batch with the same config."""
     import ray
@@ -309,8 +356,7 @@ def test_smollm2_train_step_matches_dtensor_backend(smollm2_setup, smollm2_first
     from dockyard_rl.models.policy.dtensor_policy import DTensorPolicy
 
     policy, batch = smollm2_setup
-    dtensor = DTensorPolicy(dataclasses.replace(policy.cfg, backend="dtensor"),
-                            cache_dir=cache_dir)
+    dtensor = DTensorPolicy(dataclasses.replace(policy.cfg, backend="dtensor"), cache_dir=cache_dir)
     try:
         before = {name: tensor.clone() for name, tensor in dtensor.iter_refit_weights()}
         metrics = dtensor.train(batch, LOSS_FN)
@@ -318,8 +364,13 @@ def test_smollm2_train_step_matches_dtensor_backend(smollm2_setup, smollm2_first
     finally:
         dtensor.shutdown()
         ray.shutdown()
-    _compare_steps("SmolLM2 one step, JAX vs DTensor backend", smollm2_first_step,
-                   metrics["loss"], metrics["grad_norm"], updates)
+    _compare_steps(
+        "SmolLM2 one step, JAX vs DTensor backend",
+        smollm2_first_step,
+        metrics["loss"],
+        metrics["grad_norm"],
+        updates,
+    )
     ours = smollm2_first_step[0]
     assert metrics["learning_rate"] == pytest.approx(ours["learning_rate"], rel=1e-6)
     assert ours["learning_rate"] == pytest.approx(1e-5, rel=1e-6)
@@ -331,10 +382,12 @@ def test_smollm2_step_time(smollm2_setup, smollm2_first_step):
     first = smollm2_first_step[0]
     second = policy.train(batch, LOSS_FN)  # same shapes: the compiled step is reused
     assert policy.step == 2 and math.isfinite(second["loss"])
-    print(f"\nSmolLM2 train step (B={batch.batch_size}, {int(second['num_tokens'])} tokens, "
-          f"micro_batch_size=2, float32, {jax.devices()[0].platform}): "
-          f"{second['step_seconds']:.2f} s, {second['tokens_per_second']:.1f} tokens/s (first "
-          f"step incl. jit compile {first['step_seconds']:.1f} s)")
+    print(
+        f"\nSmolLM2 train step (B={batch.batch_size}, {int(second['num_tokens'])} tokens, "
+        f"micro_batch_size=2, float32, {jax.devices()[0].platform}): "
+        f"{second['step_seconds']:.2f} s, {second['tokens_per_second']:.1f} tokens/s (first "
+        f"step incl. jit compile {first['step_seconds']:.1f} s)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,10 +419,16 @@ def test_tiny_train_step_matches_torch_reference(cache_dir):
     before = _refit(policy)
     metrics = policy.train(batch, LOSS_FN)
     updates = {name: tensor - before[name] for name, tensor in policy.iter_refit_weights()}
-    loss, grad_norm, torch_updates, _ = _torch_reference_step(policy.model_dir, policy.cfg,
-                                                              batch, LOSS_FN)
-    _compare_steps("tiny-llama one step, JAX vs plain torch reference", (metrics, updates), loss,
-                   grad_norm, torch_updates)
+    loss, grad_norm, torch_updates, _ = _torch_reference_step(
+        policy.model_dir, policy.cfg, batch, LOSS_FN
+    )
+    _compare_steps(
+        "tiny-llama one step, JAX vs plain torch reference",
+        (metrics, updates),
+        loss,
+        grad_norm,
+        torch_updates,
+    )
     assert grad_norm > policy.cfg.max_grad_norm  # clipping was active on both sides
 
 
@@ -382,12 +441,18 @@ def test_refit_round_trips_to_the_hf_checkpoint(cache_dir):
     weights = list(policy.iter_refit_weights())
     assert [name for name, _ in weights] == list(info)  # the documented order
     for name, tensor in weights:
-        assert (tuple(tensor.shape), tensor.dtype) == info[name] == (tensors[name].shape,
-                                                                    torch.float32)
+        assert (
+            (tuple(tensor.shape), tensor.dtype)
+            == info[name]
+            == (tensors[name].shape, torch.float32)
+        )
         assert torch.equal(tensor, torch.from_numpy(tensors[name])), name
     policy.train(_tiny_batch(policy), LOSS_FN)
-    changed = [name for name, tensor in policy.iter_refit_weights()
-               if not torch.equal(tensor, torch.from_numpy(tensors[name]))]
+    changed = [
+        name
+        for name, tensor in policy.iter_refit_weights()
+        if not torch.equal(tensor, torch.from_numpy(tensors[name]))
+    ]
     assert len(changed) == len(info)  # lr 1e-3 with AdamW moves every tensor
 
 
@@ -515,8 +580,11 @@ def test_bad_config_fails_at_setup(cache_dir, tmp_path):
     with pytest.raises(ValueError, match="policy.model"):
         _policy(cache_dir, model=str(tmp_path / "no-such-model"))
     with pytest.raises(ValueError, match="resume_from.*does not exist"):
-        JaxPolicy(PolicyConfig(backend="jax", model="tiny-llama"), cache_dir=cache_dir,
-                  resume_from=tmp_path / "missing")
+        JaxPolicy(
+            PolicyConfig(backend="jax", model="tiny-llama"),
+            cache_dir=cache_dir,
+            resume_from=tmp_path / "missing",
+        )
     policy = _policy(cache_dir)
     with pytest.raises(ValueError, match="does not exist"):
         policy.load_checkpoint(tmp_path / "missing")
@@ -533,8 +601,11 @@ def test_bad_config_fails_at_setup(cache_dir, tmp_path):
     other.shutdown()
     other.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="shut down"):
-        other.get_logprobs(BatchedDataDict(input_ids=torch.zeros(1, 4, dtype=torch.long),
-                                           input_lengths=torch.tensor([4])))
+        other.get_logprobs(
+            BatchedDataDict(
+                input_ids=torch.zeros(1, 4, dtype=torch.long), input_lengths=torch.tensor([4])
+            )
+        )
 
 
 def test_malformed_batch_changes_nothing(cache_dir):
@@ -544,11 +615,13 @@ def test_malformed_batch_changes_nothing(cache_dir):
     cases = {
         "missing key 'advantages'": lambda b: b.pop("advantages"),
         r"input_lengths.*\[1, 28\]": lambda b: b.__setitem__(
-            "input_lengths", torch.tensor([29, 20, 13, 9])),
+            "input_lengths", torch.tensor([29, 20, 13, 9])
+        ),
         "outside": lambda b: b["input_ids"].__setitem__((0, 0), 512),
         "only 0 and 1": lambda b: b["token_mask"].__setitem__((0, 5), 0.5),
-        r"prev_logprobs.*shape": lambda b: b.__setitem__("prev_logprobs",
-                                                         b["prev_logprobs"][:, :5]),
+        r"prev_logprobs.*shape": lambda b: b.__setitem__(
+            "prev_logprobs", b["prev_logprobs"][:, :5]
+        ),
     }
     for pattern, corrupt in cases.items():
         batch = good.clone()
@@ -561,5 +634,9 @@ def test_malformed_batch_changes_nothing(cache_dir):
         policy.get_logprobs(BatchedDataDict(input_lengths=torch.tensor([3])))
     too_long = policy.model_config.max_position_embeddings + 1
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        policy.get_logprobs(BatchedDataDict(input_ids=torch.zeros(1, too_long, dtype=torch.long),
-                                            input_lengths=torch.tensor([too_long])))
+        policy.get_logprobs(
+            BatchedDataDict(
+                input_ids=torch.zeros(1, too_long, dtype=torch.long),
+                input_lengths=torch.tensor([too_long]),
+            )
+        )

@@ -72,8 +72,10 @@ class LlamaConfig:
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
-                             f"of num_key_value_heads ({self.num_key_value_heads})")
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                f"of num_key_value_heads ({self.num_key_value_heads})"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
@@ -82,13 +84,17 @@ class LlamaConfig:
         """Builds the config from a parsed HF config.json; ValueError for what is not covered."""
         model_type = hf.get("model_type")
         if model_type not in ARCHITECTURES:
-            raise ValueError(f"{source}: model_type {model_type!r} is not supported by the jax "
-                             f"backend; supported: {', '.join(ARCHITECTURES)} (use "
-                             f"policy.backend=dtensor for other architectures)")
+            raise ValueError(
+                f"{source}: model_type {model_type!r} is not supported by the jax "
+                f"backend; supported: {', '.join(ARCHITECTURES)} (use "
+                f"policy.backend=dtensor for other architectures)"
+            )
 
         def unsupported(what: str) -> ValueError:
-            return ValueError(f"{source}: {what} is not supported by the jax backend's "
-                              f"llama_nnx model; use policy.backend=dtensor for this checkpoint")
+            return ValueError(
+                f"{source}: {what} is not supported by the jax backend's "
+                f"llama_nnx model; use policy.backend=dtensor for this checkpoint"
+            )
 
         if hf.get("hidden_act", "silu") != "silu":
             raise unsupported(f"hidden_act={hf.get('hidden_act')!r}")
@@ -141,8 +147,9 @@ def _rms_norm(x_BSH: jax.Array, weight_H: jax.Array, eps: float) -> jax.Array:
     return weight_H * (x32 * jax.lax.rsqrt(variance + eps)).astype(x_BSH.dtype)
 
 
-def rotary_cos_sin(num_positions: int, head_dim: int, theta: float,
-                   dtype: Any) -> tuple[jax.Array, jax.Array]:
+def rotary_cos_sin(
+    num_positions: int, head_dim: int, theta: float, dtype: Any
+) -> tuple[jax.Array, jax.Array]:
     """(cos_SD, sin_SD) for positions 0..num_positions-1, duplicated over the two head halves."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     freqs_SD2 = jnp.arange(num_positions, dtype=jnp.float32)[:, None] * inv_freq[None, :]
@@ -184,8 +191,9 @@ class DecoderLayers(nnx.Module):
         self.down_kernel = kernel(F, H)
         self.config = config
 
-    def __call__(self, x_BSH: jax.Array, attention_mask_BS: jax.Array, *,
-                 remat: bool = False) -> jax.Array:
+    def __call__(
+        self, x_BSH: jax.Array, attention_mask_BS: jax.Array, *, remat: bool = False
+    ) -> jax.Array:
         c = self.config
         B, S, _ = x_BSH.shape
         N, K, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -193,8 +201,17 @@ class DecoderLayers(nnx.Module):
         # Query s may attend to key t when t <= s and t is a real token. With right padding, every
         # query row (even a padding row) keeps key 0, so no softmax row is fully masked.
         allowed_BSS = jnp.tril(jnp.ones((S, S), bool))[None] & (attention_mask_BS[:, None, :] != 0)
-        names = ["input_layernorm", "q_kernel", "k_kernel", "v_kernel", "o_kernel",
-                 "post_attention_layernorm", "gate_kernel", "up_kernel", "down_kernel"]
+        names = [
+            "input_layernorm",
+            "q_kernel",
+            "k_kernel",
+            "v_kernel",
+            "o_kernel",
+            "post_attention_layernorm",
+            "gate_kernel",
+            "up_kernel",
+            "down_kernel",
+        ]
         if c.qkv_bias:
             names += ["q_bias", "k_bias", "v_bias"]
         stacked = {name: getattr(self, name)[...] for name in names}
@@ -209,9 +226,12 @@ class DecoderLayers(nnx.Module):
             v_BSKD = v.reshape(B, S, K, D)
             # Group the N query heads as (K, N/K) so each K/V head serves its group unrepeated.
             q_BSKGD = q_BSND.reshape(B, S, K, N // K, D)
-            scores_BKGST = jnp.einsum("bskgd,btkd->bkgst", q_BSKGD, k_BSKD) * (D ** -0.5)
-            scores_BKGST = jnp.where(allowed_BSS[:, None, None], scores_BKGST.astype(jnp.float32),
-                                     jnp.finfo(jnp.float32).min)
+            scores_BKGST = jnp.einsum("bskgd,btkd->bkgst", q_BSKGD, k_BSKD) * (D**-0.5)
+            scores_BKGST = jnp.where(
+                allowed_BSS[:, None, None],
+                scores_BKGST.astype(jnp.float32),
+                jnp.finfo(jnp.float32).min,
+            )
             probs_BKGST = jax.nn.softmax(scores_BKGST, axis=-1).astype(v_BSKD.dtype)
             attn_BSKGD = jnp.einsum("bkgst,btkd->bskgd", probs_BKGST, v_BSKD)
             h_BSH = h_BSH + attn_BSKGD.reshape(B, S, N * D) @ p["o_kernel"]
@@ -232,18 +252,23 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, config: LlamaConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs):
         self.config = config
         self.embed_tokens = nnx.Param(
-            nnx.initializers.normal(0.02)(rngs.params(), (config.vocab_size, config.hidden_size),
-                                          dtype))
+            nnx.initializers.normal(0.02)(
+                rngs.params(), (config.vocab_size, config.hidden_size), dtype
+            )
+        )
         self.layers = DecoderLayers(config, dtype=dtype, rngs=rngs)
         self.norm = nnx.Param(jnp.ones((config.hidden_size,), dtype))
         if not config.tie_word_embeddings:
             # Stored (H, V) so the head is `hidden @ lm_head`; HF's lm_head.weight is (V, H).
             self.lm_head = nnx.Param(
-                nnx.initializers.normal(0.02)(rngs.params(),
-                                              (config.hidden_size, config.vocab_size), dtype))
+                nnx.initializers.normal(0.02)(
+                    rngs.params(), (config.hidden_size, config.vocab_size), dtype
+                )
+            )
 
-    def __call__(self, input_ids_BS: jax.Array, attention_mask_BS: jax.Array, *,
-                 remat: bool = False) -> jax.Array:
+    def __call__(
+        self, input_ids_BS: jax.Array, attention_mask_BS: jax.Array, *, remat: bool = False
+    ) -> jax.Array:
         """Float32 logits (B, S, V) of the next token at every position."""
         embed_VH = self.embed_tokens[...]
         h_BSH = jnp.take(embed_VH, input_ids_BS, axis=0)
@@ -257,8 +282,9 @@ class LlamaForCausalLM(nnx.Module):
         return logits_BSV.astype(jnp.float32)
 
 
-def token_logprobs(logits_BSV: jax.Array, input_ids_BS: jax.Array,
-                   input_lengths_B: jax.Array) -> jax.Array:
+def token_logprobs(
+    logits_BSV: jax.Array, input_ids_BS: jax.Array, input_lengths_B: jax.Array
+) -> jax.Array:
     """logprobs_BS[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) in float32.
 
     Column 0 (no context) and positions t >= input_lengths[b] (padding) are 0: the alignment of
@@ -289,9 +315,20 @@ _LAYER_MAP: dict[str, tuple[str, bool]] = {
     "up_kernel": ("mlp.up_proj.weight", True),
     "down_kernel": ("mlp.down_proj.weight", True),
 }
-_LAYER_ORDER = ("input_layernorm", "q_kernel", "q_bias", "k_kernel", "k_bias", "v_kernel",
-                "v_bias", "o_kernel", "post_attention_layernorm", "gate_kernel", "up_kernel",
-                "down_kernel")
+_LAYER_ORDER = (
+    "input_layernorm",
+    "q_kernel",
+    "q_bias",
+    "k_kernel",
+    "k_bias",
+    "v_kernel",
+    "v_bias",
+    "o_kernel",
+    "post_attention_layernorm",
+    "gate_kernel",
+    "up_kernel",
+    "down_kernel",
+)
 
 
 def _layer_names(config: LlamaConfig) -> list[str]:
@@ -305,10 +342,14 @@ def hf_names_and_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     c = config
     q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     shapes = {
-        "input_layernorm": (c.hidden_size,), "post_attention_layernorm": (c.hidden_size,),
-        "q_kernel": (q_size, c.hidden_size), "q_bias": (q_size,),
-        "k_kernel": (kv_size, c.hidden_size), "k_bias": (kv_size,),
-        "v_kernel": (kv_size, c.hidden_size), "v_bias": (kv_size,),
+        "input_layernorm": (c.hidden_size,),
+        "post_attention_layernorm": (c.hidden_size,),
+        "q_kernel": (q_size, c.hidden_size),
+        "q_bias": (q_size,),
+        "k_kernel": (kv_size, c.hidden_size),
+        "k_bias": (kv_size,),
+        "v_kernel": (kv_size, c.hidden_size),
+        "v_bias": (kv_size,),
         "o_kernel": (c.hidden_size, q_size),
         "gate_kernel": (c.intermediate_size, c.hidden_size),
         "up_kernel": (c.intermediate_size, c.hidden_size),
@@ -335,17 +376,20 @@ def load_hf_tensors(model_dir: str | pathlib.Path) -> dict[str, np.ndarray]:
     elif (model_dir / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise ValueError(f"{model_dir} holds no model.safetensors nor "
-                         f"model.safetensors.index.json; the jax backend loads safetensors "
-                         f"checkpoints only (re-save the model with save_pretrained)")
+        raise ValueError(
+            f"{model_dir} holds no model.safetensors nor "
+            f"model.safetensors.index.json; the jax backend loads safetensors "
+            f"checkpoints only (re-save the model with save_pretrained)"
+        )
     tensors: dict[str, np.ndarray] = {}
     for name in files:
         tensors.update(load_file(str(model_dir / name)))
     return tensors
 
 
-def params_from_hf(config: LlamaConfig, tensors: Mapping[str, np.ndarray],
-                   dtype: Any) -> dict[str, Any]:
+def params_from_hf(
+    config: LlamaConfig, tensors: Mapping[str, np.ndarray], dtype: Any
+) -> dict[str, Any]:
     """The pure-dict NNX state of `LlamaForCausalLM` from HF-named tensors (numpy, in `dtype`).
 
     Raises ValueError naming the first missing tensor or a shape mismatch. Extra tensors are
@@ -355,11 +399,15 @@ def params_from_hf(config: LlamaConfig, tensors: Mapping[str, np.ndarray],
     expected = hf_names_and_shapes(config)
     for name, shape in expected.items():
         if name not in tensors:
-            raise ValueError(f"checkpoint has no tensor {name!r} (expected by config.json: "
-                             f"{config.model_type}, {config.num_hidden_layers} layers)")
+            raise ValueError(
+                f"checkpoint has no tensor {name!r} (expected by config.json: "
+                f"{config.model_type}, {config.num_hidden_layers} layers)"
+            )
         if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensors[name].shape)}, "
-                             f"config.json implies {shape}")
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensors[name].shape)}, "
+                f"config.json implies {shape}"
+            )
     np_dtype = np.dtype(dtype)
 
     def cast(a: np.ndarray) -> np.ndarray:
@@ -380,8 +428,9 @@ def params_from_hf(config: LlamaConfig, tensors: Mapping[str, np.ndarray],
     return params
 
 
-def iter_hf_weights(config: LlamaConfig,
-                    params: Mapping[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
+def iter_hf_weights(
+    config: LlamaConfig, params: Mapping[str, Any]
+) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, numpy array in HF layout) from a pure-dict state, in `hf_names_and_shapes`
     order. Each stacked parameter is fetched to host once; yielded arrays are contiguous copies."""
     yield "model.embed_tokens.weight", np.asarray(jax.device_get(params["embed_tokens"]))
@@ -405,8 +454,9 @@ def abstract_model(config: LlamaConfig, dtype: Any) -> tuple[nnx.GraphDef, nnx.S
     return nnx.split(abstract)
 
 
-def load_model(model_dir: str | pathlib.Path, dtype: str = "float32"
-               ) -> tuple[LlamaConfig, nnx.GraphDef, nnx.State]:
+def load_model(
+    model_dir: str | pathlib.Path, dtype: str = "float32"
+) -> tuple[LlamaConfig, nnx.GraphDef, nnx.State]:
     """(config, graphdef, state) of the HF checkpoint in `model_dir`, parameters in `dtype`
     ("float32" | "bfloat16"), as host-backed jax arrays."""
     if dtype not in DTYPES:

@@ -37,10 +37,17 @@ def untied_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-                         max_position_embeddings=128, tie_word_embeddings=False,
-                         rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+    )
     model = LlamaForCausalLM(config)
     out = tmp_path_factory.mktemp("untied")
     model.save_pretrained(out)
@@ -58,8 +65,9 @@ def _hf_logprobs(model_dir, ids_BS, mask_BS, dtype=torch.float32) -> np.ndarray:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     with torch.no_grad():
-        logits_BSV = model(input_ids=torch.tensor(ids_BS),
-                           attention_mask=torch.tensor(mask_BS)).logits.float()
+        logits_BSV = model(
+            input_ids=torch.tensor(ids_BS), attention_mask=torch.tensor(mask_BS)
+        ).logits.float()
     taken = torch.log_softmax(logits_BSV[:, :-1], -1).gather(-1, torch.tensor(ids_BS)[:, 1:, None])
     logprobs_BS = torch.nn.functional.pad(taken[..., 0], (1, 0)) * torch.tensor(mask_BS)
     return logprobs_BS.numpy()
@@ -71,6 +79,7 @@ def _jax_logprobs_for(graphdef):
         model = nnx.merge(graphdef, state)
         lengths_B = mask_BS.sum(axis=1)
         return llama_nnx.token_logprobs(model(ids_BS, mask_BS), ids_BS, lengths_B)
+
     return run
 
 
@@ -147,12 +156,14 @@ def test_hf_name_map_round_trips(name, cache_dir, tmp_path):
     shards = {"a.safetensors": names[:half], "b.safetensors": names[half:]}
     for file_name, keys in shards.items():
         save_file({k: tensors[k] for k in keys}, str(tmp_path / file_name))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {k: f for f, keys in shards.items() for k in keys}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: f for f, keys in shards.items() for k in keys}})
+    )
     (tmp_path / "config.json").write_text((model_dir / "config.json").read_text())
     _, _, sharded_state = llama_nnx.load_model(tmp_path)
-    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(sharded_state),
-                 nnx.to_pure_dict(state))
+    jax.tree.map(
+        np.testing.assert_array_equal, nnx.to_pure_dict(sharded_state), nnx.to_pure_dict(state)
+    )
 
 
 def test_checkpoint_problems_name_the_tensor(cache_dir, tmp_path):
@@ -172,9 +183,17 @@ def test_checkpoint_problems_name_the_tensor(cache_dir, tmp_path):
 
 
 def _hf_config(**overrides):
-    base = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
-            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "rms_norm_eps": 1e-6, "max_position_embeddings": 64}
+    base = {
+        "model_type": "llama",
+        "vocab_size": 32,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 64,
+    }
     return {**base, **overrides}
 
 
@@ -182,21 +201,25 @@ def test_config_reads_rope_theta_and_defaults():
     old_style = llama_nnx.LlamaConfig.from_hf_config(_hf_config(rope_theta=123.0))
     assert old_style.rope_theta == 123.0 and old_style.head_dim == 4
     new_style = llama_nnx.LlamaConfig.from_hf_config(
-        _hf_config(rope_parameters={"rope_type": "default", "rope_theta": 77.0}, head_dim=8))
+        _hf_config(rope_parameters={"rope_type": "default", "rope_theta": 77.0}, head_dim=8)
+    )
     assert new_style.rope_theta == 77.0 and new_style.head_dim == 8
     assert llama_nnx.LlamaConfig.from_hf_config(_hf_config(model_type="qwen2")).qkv_bias
 
 
-@pytest.mark.parametrize("overrides, pattern", [
-    ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}}, "rope scaling"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling"),
-    ({"mlp_bias": True}, "mlp_bias"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
-    ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
-])
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1.0}}, "rope scaling"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+        ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+    ],
+)
 def test_config_rejects_what_is_not_covered(overrides, pattern):
     with pytest.raises(ValueError, match=pattern):
         llama_nnx.LlamaConfig.from_hf_config(_hf_config(**overrides))
