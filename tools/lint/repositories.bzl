@@ -8,6 +8,8 @@ written into the repository. Neither tool is a runtime dependency, so they stay 
 and the images.
 """
 
+load("//tools:repository_utils.bzl", "pip_install_lock", "run_or_fail")
+
 _ENV_VARS = [
     "DOCKYARD_PYTHON",
     "HOME",
@@ -17,42 +19,9 @@ _ENV_VARS = [
     "NPM_CONFIG_REGISTRY",
 ]
 
-def _run(rctx, command, what):
-    result = rctx.execute(command, timeout = 1200, quiet = False)
-    if result.return_code != 0:
-        fail("{}: {} failed (exit {}): {}".format(
-            rctx.name,
-            what,
-            result.return_code,
-            result.stderr,
-        ))
-    return result.stdout
-
 def _lint_python_tools_impl(rctx):
-    python = rctx.os.environ.get("DOCKYARD_PYTHON", "python3")
-    if "/" not in python:
-        found = rctx.which(python)
-        if not found:
-            fail("No `{}` on PATH; install CPython 3.11 or set DOCKYARD_PYTHON".format(python))
-        python = str(found)
-    lock = rctx.path(rctx.attr.lock)
     rctx.report_progress("Installing the lint tools of {}".format(rctx.attr.lock))
-    _run(rctx, [
-        python,
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--no-deps",
-        "--require-hashes",
-        "--only-binary=:all:",
-        "--no-compile",
-        "--disable-pip-version-check",
-        "--target",
-        "site",
-        "-r",
-        lock,
-    ], "pip install")
+    pip_install_lock(rctx, rctx.path(rctx.attr.lock), "site")
     rctx.file("WORKSPACE", "workspace(name = \"{}\")\n".format(rctx.name))
     rctx.file("BUILD.bazel", """package(default_visibility = ["//visibility:public"])
 
@@ -102,14 +71,14 @@ def _npm_buildifier_impl(rctx):
              "package (Debian: apt-get install npm; tools/bazel installs it).")
 
     # (repository_ctx.os.arch is Bazel >= 5; uname works on both.)
-    arch = _run(rctx, ["uname", "-m"], "uname -m").strip()
+    arch = run_or_fail(rctx, ["uname", "-m"]).strip()
     if rctx.os.name != "linux" or arch not in _BUILDIFIER_PLATFORMS:
         fail("buildifier: no binary for {} {} in @bazel/buildifier".format(rctx.os.name, arch))
     package = "@bazel/buildifier@" + rctx.attr.version
     rctx.report_progress("Fetching {} through npm".format(package))
-    tarball = _run(rctx, [npm, "pack", "--silent", package], "npm pack " + package).strip()
+    tarball = run_or_fail(rctx, [npm, "pack", "--silent", package]).strip()
     tarball = tarball.splitlines()[-1]
-    digest = _run(rctx, ["sha256sum", tarball], "sha256sum").split(" ")[0]
+    digest = run_or_fail(rctx, ["sha256sum", tarball]).split(" ")[0]
     if digest != rctx.attr.sha256:
         fail("{} has sha256 {}, the pin says {}: refusing it".format(
             tarball,

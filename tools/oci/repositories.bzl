@@ -13,27 +13,9 @@ more than 10 GB, which an intermediate tarball and a second compression pass wou
 
 # pip reads its index and wheel folders from these (torch's CPU build comes from PIP_FIND_LINKS
 # or the PyTorch index, as for the venv).
+load("//tools:repository_utils.bzl", "host_python", "pip_install_lock", "run_or_fail")
+
 _ENV_VARS = ["DOCKYARD_PYTHON", "HOME", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_INDEX_URL"]
-
-def _host_python(rctx):
-    host_python = rctx.os.environ.get("DOCKYARD_PYTHON", "python3")
-    if "/" not in host_python:
-        found = rctx.which(host_python)
-        if not found:
-            fail("No `{}` on PATH; install CPython 3.11 or set DOCKYARD_PYTHON".format(host_python))
-        host_python = str(found)
-    return host_python
-
-def _run(rctx, command):
-    """Runs `command` (output shown), failing the fetch with its stderr when it fails."""
-    result = rctx.execute(
-        command,
-        timeout = 3600,
-        quiet = False,
-        environment = {"PYTHONPATH": ""},
-    )
-    if result.return_code != 0:
-        fail("{} failed (exit {}): {}".format(rctx.name, result.return_code, result.stderr))
 
 def _export(rctx, file_name):
     rctx.file("WORKSPACE", "workspace(name = \"{}\")\n".format(rctx.name))
@@ -46,8 +28,8 @@ def _deb_rootfs_impl(rctx):
     rctx.path(rctx.attr._compile_script)  # deb_rootfs.py runs it: likewise
     cache = rctx.os.environ.get("HOME", "/tmp") + "/.cache/dockyard_rl/debs"
     rctx.report_progress("Fetching the Debian packages of {}".format(rctx.attr.lock))
-    _run(rctx, [
-        _host_python(rctx),
+    run_or_fail(rctx, [
+        host_python(rctx),
         script,
         "--lock",
         lock,
@@ -77,35 +59,20 @@ deb_rootfs = repository_rule(
 def _pip_site_packages_impl(rctx):
     lock = rctx.path(rctx.attr.lock)
     rctx.report_progress("Installing the wheels of {}".format(rctx.attr.lock))
-    _run(rctx, [
-        _host_python(rctx),
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--no-deps",
-        "--require-hashes",
-        "--only-binary=:all:",
-        "--no-compile",
-        "--disable-pip-version-check",
-        "--target",
-        "site",
-        "-r",
-        lock,
-    ])
+    pip_install_lock(rctx, lock, "site")
 
     # Console scripts carry this machine's interpreter path: the image runs `python3 -m ...`.
     rctx.delete("site/bin")
     if rctx.attr.compile:
-        _run(rctx, [
-            _host_python(rctx),
+        run_or_fail(rctx, [
+            host_python(rctx),
             rctx.path(rctx.attr._compile_script),
             "site",
             "/" + rctx.attr.prefix.strip("/"),
         ])
     rctx.report_progress("Writing the layer of {}".format(rctx.attr.lock))
-    _run(rctx, [
-        _host_python(rctx),
+    run_or_fail(rctx, [
+        host_python(rctx),
         rctx.path(rctx.attr._oci_tool),
         "layer",
         "--out",

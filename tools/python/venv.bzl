@@ -16,6 +16,8 @@ rule when the lock file or the environment variables below change; an unchanged 
 found finished and reused in about a second.
 """
 
+load("//tools:repository_utils.bzl", "host_python")
+
 _ENV_VARS = [
     "DOCKYARD_LOCK",
     "DOCKYARD_PYTHON",
@@ -99,23 +101,17 @@ def _python_venv_impl(rctx):
     lock = rctx.path(lock_labels[lock_name])
     script = rctx.path(rctx.attr._build_script)
 
-    host_python = env.get("DOCKYARD_PYTHON", "python3")
-    if "/" not in host_python:
-        found = rctx.which(host_python)
-        if not found:
-            fail("No `{}` on PATH to build the venv with; install CPython 3.11 or set " +
-                 "DOCKYARD_PYTHON (--repo_env=DOCKYARD_PYTHON=/path/to/python3.11).".format(host_python))
-        host_python = str(found)
+    python = host_python(rctx)
 
     cache_root = env.get("DOCKYARD_VENV_CACHE") or (env.get("HOME", "/tmp") + "/.cache/dockyard_rl/venvs")
-    where = rctx.execute([host_python, script, lock, cache_root, "--print-path"])
+    where = rctx.execute([python, script, lock, cache_root, "--print-path"])
     if where.return_code != 0:
         fail("Could not compute the venv path:\n" + where.stderr)
     venv = where.stdout.strip()
 
     rctx.report_progress("Building the Python venv from {} (first time: several minutes)".format(lock))
     result = rctx.execute(
-        [host_python, script, lock, cache_root],
+        [python, script, lock, cache_root],
         timeout = 3600,
         quiet = False,
         environment = {"PYTHONPATH": ""},
