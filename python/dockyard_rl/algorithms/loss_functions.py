@@ -157,7 +157,9 @@ class ClippedPGLossConfig:
         )
 
 
-def _check_tensor(batch: Mapping[str, Any], key: str, shape: tuple[int, ...], what: str) -> None:
+def check_tensor(batch: Mapping[str, Any], key: str, shape: tuple[int, ...], what: str) -> None:
+    """ValueError unless batch[key] is a torch.Tensor of exactly `shape`; `what` says what it is
+    for. Shared with the jax policy's batch checks."""
     if key not in batch:
         raise ValueError(f"batch is missing key {key!r} ({what}); it has keys {sorted(batch)}")
     value = batch[key]
@@ -170,10 +172,10 @@ def _check_tensor(batch: Mapping[str, Any], key: str, shape: tuple[int, ...], wh
 
 
 def _check_masks(batch: Mapping[str, Any], shape_BS: tuple[int, int]) -> None:
-    _check_tensor(
+    check_tensor(
         batch, "token_mask", shape_BS, "(B, S), 1 on response tokens that count in the loss"
     )
-    _check_tensor(
+    check_tensor(
         batch, "sample_mask", shape_BS[:1], "(B,), 0 excludes the whole sample from the loss"
     )
     for key in ("token_mask", "sample_mask"):
@@ -329,20 +331,20 @@ class ClippedPGLossFn:
             )
         shape_BS = tuple(logprobs_BS.shape)
         _check_masks(batch, shape_BS)
-        _check_tensor(
+        check_tensor(
             batch,
             "prev_logprobs",
             shape_BS,
             "(B, S), the trainer's old-policy log-probs, same shape as logprobs_BS",
         )
-        _check_tensor(
+        check_tensor(
             batch,
             "advantages",
             shape_BS,
             "(B, S), token-level advantages, same shape as logprobs_BS",
         )
         if cfg.use_importance_sampling_correction:
-            _check_tensor(
+            check_tensor(
                 batch,
                 "generation_logprobs",
                 shape_BS,
@@ -351,7 +353,7 @@ class ClippedPGLossFn:
             )
         use_reference = cfg.reference_kl_coef > 0 or "reference_policy_logprobs" in batch
         if use_reference:
-            _check_tensor(
+            check_tensor(
                 batch,
                 "reference_policy_logprobs",
                 shape_BS,

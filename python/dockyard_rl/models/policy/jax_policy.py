@@ -26,10 +26,11 @@ as torch.optim.AdamW over `model.parameters()`). The schedule is
 `optax.warmup_cosine_decay_schedule`, checked against `config.learning_rate_at`, the one
 definition both backends use. The reported `grad_norm` is the global norm before clipping.
 
-The loss. `ClippedPGLossFn` (torch) cannot run inside a jax trace, so `clipped_pg_loss` below ports
-its math to jax.numpy: token/sequence aggregation with global normalisers, PPO clip, dual clip,
-truncated importance sampling, reference KL with k1/k2/k3, and the same metrics (tests compare
-values and gradients against the torch implementation). Any other loss callable satisfying
+The loss. `ClippedPGLossFn` (torch) cannot run inside a jax trace, so `clipped_pg_loss`
+(algorithms/jax_loss_functions.py) ports its math to jax.numpy: token/sequence aggregation with
+global normalisers, PPO clip, dual clip, truncated importance sampling, reference KL with
+k1/k2/k3, and the same metrics (tests compare values and gradients against the torch
+implementation). Any other loss callable satisfying
 `LossFunction` is WRAPPED instead: per microbatch, log-probs are computed in jax, handed to the
 torch loss as a leaf tensor, `backward()` gives d loss / d logprobs, and a jax VJP pulls that
 cotangent back to the parameters (one extra forward pass per microbatch).
@@ -91,10 +92,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dockyard_rl.algorithms.jax_loss_functions import clipped_pg_loss
 from dockyard_rl.algorithms.loss_functions import (
     MAX_METRICS,
     ClippedPGLossConfig,
     ClippedPGLossFn,
+    check_tensor,
     count_valid,
 )
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
@@ -114,117 +117,6 @@ TRAIN_STATE_TENSORS = "jax_train_state.safetensors"
 CHECKPOINT_FORMAT_VERSION = 1
 # Files of the model directory that a checkpoint does not copy (we write our own weights).
 _NOT_COPIED = (".safetensors", ".bin", ".pt", ".gguf", ".lock")
-
-
-# ---------------------------------------------------------------------------------------------
-# The loss, ported from algorithms/loss_functions.py (keep the two in step; tests compare them).
-
-
-def _kl_estimate(estimator: str, log_ratio: jax.Array) -> jax.Array:
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * jnp.square(log_ratio)
-    assert estimator == "k3", estimator
-    return jnp.expm1(-log_ratio) + log_ratio
-
-
-def clipped_pg_loss(
-    config: ClippedPGLossConfig,
-    logprobs_BS: jax.Array,
-    batch: Mapping[str, jax.Array],
-    token_norm: jax.Array | float,
-    seq_norm: jax.Array | float,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """`ClippedPGLossFn.__call__` in jax.numpy (traceable, differentiable w.r.t. logprobs_BS).
-
-    `batch` holds float arrays `prev_logprobs`, `advantages`, `token_mask` (B, S), `sample_mask`
-    (B,), plus `generation_logprobs` with IS correction and `reference_policy_logprobs` when the
-    KL is used or reported (its presence decides, as in torch). `token_norm` / `seq_norm` are the
-    normalisers, max(1, global count) — what ClippedPGLossFn derives from its global counts after
-    checking them; callers validate the batch (masks 0/1, counts) before tracing this.
-    Returns (float32 loss, metrics as 0-d arrays; the same keys as the torch function).
-    """
-    cfg = config
-    dtype = jnp.promote_types(logprobs_BS.dtype, jnp.float32)
-
-    def get(key: str) -> jax.Array:
-        return jax.lax.stop_gradient(batch[key].astype(dtype))
-
-    valid_BS = (batch["token_mask"] != 0) & (batch["sample_mask"] != 0)[:, None]
-    valid_f_BS = valid_BS.astype(dtype)
-    num_valid_per_seq_B = valid_f_BS.sum(axis=1)
-    use_reference = cfg.reference_kl_coef > 0 or "reference_policy_logprobs" in batch
-
-    # Zero the masked log-ratios and advantages BEFORE exp (as torch) so padding garbage cannot
-    # turn into inf * 0 = nan in the forward or backward pass.
-    logp_BS = logprobs_BS.astype(dtype)
-    log_ratio_BS = jnp.where(valid_BS, logp_BS - get("prev_logprobs"), 0.0)
-    advantages_BS = jnp.where(valid_BS, get("advantages"), 0.0)
-    ratio_BS = jnp.exp(log_ratio_BS)
-    clipped_ratio_BS = jnp.clip(ratio_BS, 1.0 - cfg.ratio_clip_low, 1.0 + cfg.ratio_clip_high)
-    pg_BS = jnp.maximum(-advantages_BS * ratio_BS, -advantages_BS * clipped_ratio_BS)
-    if cfg.dual_clip_c is not None:
-        dual_bound_BS = -cfg.dual_clip_c * advantages_BS
-        dual_binds_BS = (advantages_BS < 0) & (pg_BS > dual_bound_BS)
-        pg_BS = jnp.where(dual_binds_BS, dual_bound_BS, pg_BS)
-    if cfg.use_importance_sampling_correction:
-        is_log_weight_BS = jnp.where(
-            valid_BS, get("prev_logprobs") - get("generation_logprobs"), 0.0
-        )
-        is_weight_raw_BS = jnp.exp(is_log_weight_BS)
-        pg_BS = pg_BS * jnp.minimum(is_weight_raw_BS, cfg.importance_sampling_cap)
-    per_token_BS = pg_BS
-    if use_reference:
-        ref_log_ratio_BS = jnp.where(valid_BS, logp_BS - get("reference_policy_logprobs"), 0.0)
-        kl_ref_BS = _kl_estimate(cfg.kl_estimator, ref_log_ratio_BS)
-        if cfg.reference_kl_coef > 0:
-            per_token_BS = per_token_BS + cfg.reference_kl_coef * kl_ref_BS
-
-    def aggregate(values_BS: jax.Array) -> jax.Array:
-        masked_BS = values_BS * valid_f_BS
-        if cfg.aggregation == "token":
-            return masked_BS.sum() / token_norm
-        per_seq_B = masked_BS.sum(axis=1) / jnp.maximum(num_valid_per_seq_B, 1.0)
-        return per_seq_B.sum() / seq_norm
-
-    loss = aggregate(per_token_BS)
-
-    sg = jax.lax.stop_gradient
-
-    def token_mean(values_BS: jax.Array) -> jax.Array:
-        return sg((values_BS * valid_f_BS).sum() / token_norm)
-
-    def token_max(values_BS: jax.Array) -> jax.Array:
-        return sg(jnp.where(valid_BS, values_BS, 0.0).max())
-
-    clipped_BS = (ratio_BS < 1.0 - cfg.ratio_clip_low) | (ratio_BS > 1.0 + cfg.ratio_clip_high)
-    metrics = {
-        "loss": sg(loss),
-        "pg_loss": sg(aggregate(pg_BS)),
-        "reference_kl_loss": (
-            sg(aggregate(cfg.reference_kl_coef * kl_ref_BS))
-            if use_reference
-            else jnp.zeros((), dtype)
-        ),
-        "clip_fraction": token_mean(clipped_BS.astype(dtype)),
-        "approx_kl_old": token_mean(_kl_estimate("k3", log_ratio_BS)),
-        "ratio_mean": token_mean(ratio_BS),
-        "ratio_max": token_max(ratio_BS),
-    }
-    if cfg.dual_clip_c is not None:
-        metrics["dual_clip_fraction"] = token_mean(dual_binds_BS.astype(dtype))
-    if use_reference:
-        metrics["reference_kl"] = token_mean(kl_ref_BS)
-    if cfg.use_importance_sampling_correction:
-        metrics["is_weight_mean"] = token_mean(is_weight_raw_BS)
-        metrics["is_weight_max"] = token_max(is_weight_raw_BS)
-        metrics["is_truncated_fraction"] = token_mean(
-            (is_weight_raw_BS > cfg.importance_sampling_cap).astype(dtype)
-        )
-    metrics["num_valid_tokens"] = valid_f_BS.sum()
-    metrics["num_valid_sequences"] = valid_BS.any(axis=1).astype(dtype).sum()
-    return loss, metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,18 +282,6 @@ def _optimizer_programs(
 # Batch checks and host-side preparation.
 
 
-def _check_tensor(batch: Mapping[str, Any], key: str, shape: tuple[int, ...], what: str) -> None:
-    if key not in batch:
-        raise ValueError(f"batch is missing key {key!r} ({what}); it has keys {sorted(batch)}")
-    value = batch[key]
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"batch[{key!r}] must be a torch.Tensor, got {type(value).__name__}")
-    if tuple(value.shape) != shape:
-        raise ValueError(
-            f"batch[{key!r}] has shape {tuple(value.shape)}, expected {shape} ({what})"
-        )
-
-
 def _to_numpy(t: torch.Tensor, dtype: Any) -> np.ndarray:
     return t.detach().to("cpu").numpy().astype(dtype)
 
@@ -546,7 +426,7 @@ class JaxPolicy(PolicyInterface):
         num_rows, seq_len = ids.shape
         if num_rows == 0 or seq_len == 0:
             raise ValueError(f"batch['input_ids'] is empty (shape {tuple(ids.shape)})")
-        _check_tensor(batch, "input_lengths", (num_rows,), "(B,) number of real tokens per row")
+        check_tensor(batch, "input_lengths", (num_rows,), "(B,) number of real tokens per row")
         lengths = batch["input_lengths"]
         if bool((lengths < 1).any()) or bool((lengths > seq_len).any()):
             raise ValueError(
@@ -639,7 +519,7 @@ class JaxPolicy(PolicyInterface):
                 loss_keys.append("reference_policy_logprobs")  # reported as a metric, as in torch
             for key in loss_keys:
                 shape = (num_rows,) if key == "sample_mask" else (num_rows, seq_len)
-                _check_tensor(batch, key, shape, "required by the loss function's config")
+                check_tensor(batch, key, shape, "required by the loss function's config")
             arrays = self._padded_arrays(
                 batch, ("input_ids", "input_lengths", *loss_keys), num_rows, seq_len
             )

@@ -38,6 +38,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
+from dockyard_rl.algorithms import jax_loss_functions  # noqa: E402
 from dockyard_rl.algorithms.loss_functions import (  # noqa: E402
     ClippedPGLossConfig,
     ClippedPGLossFn,
@@ -185,7 +186,7 @@ def test_loss_port_matches_torch(name):
     jax_batch = {k: jnp.asarray(v.numpy()) for k, v in batch.items()}
 
     def loss_of(lp):
-        return jax_policy.clipped_pg_loss(
+        return jax_loss_functions.clipped_pg_loss(
             config, lp, jax_batch, float(global_tokens), float(global_sequences)
         )
 
