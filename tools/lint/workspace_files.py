@@ -46,8 +46,12 @@ def source_files(root: pathlib.Path, patterns: Sequence[str]) -> list[pathlib.Pa
         ],
         capture_output=True,
         text=True,
-        check=True,
     )
+    if listed.returncode != 0:
+        raise RuntimeError(
+            f"cannot list the sources of {root} with git (exit {listed.returncode}): "
+            f"{listed.stderr.strip()}; the lint tests check a git checkout"
+        )
     names = sorted(set(filter(None, listed.stdout.split("\0"))))
     # A file deleted in the working tree but not yet in the index is still "cached".
     return [root / name for name in names if (root / name).is_file()]
