@@ -8,7 +8,7 @@ script="$(readlink -f tools/bazel)"
 fakes="$TEST_TMPDIR/fakes"
 mkdir -p "$fakes"
 # The system tools tools/bazel checks for, so that it does not try to install them.
-for tool in bwrap git g++ patch skopeo umoci podman runc readlink dirname id awk env cat timeout; do
+for tool in bwrap git g++ patch skopeo umoci podman runc npm readlink dirname id awk env cat timeout; do
   real="$(command -v "$tool" || true)"
   if [[ -n "$real" ]]; then ln -sf "$real" "$fakes/$tool"; else printf '#!/bin/sh\n' > "$fakes/$tool"; chmod +x "$fakes/$tool"; fi
 done
