@@ -1,5 +1,9 @@
 """Helpers shared by the project's repository rules (tools/python, tools/oci, tools/lint)."""
 
+# What pip_install_lock reads from the environment: a rule using it refetches when they change
+# (torch's CPU build comes from PIP_FIND_LINKS or the PyTorch index, as for the venv).
+PIP_ENV_VARS = ["DOCKYARD_PYTHON", "HOME", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_INDEX_URL"]
+
 def host_python(rctx):
     """The CPython that runs fetch-time scripts: $DOCKYARD_PYTHON, else python3 on PATH.
 

@@ -8,16 +8,9 @@ written into the repository. Neither tool is a runtime dependency, so they stay 
 and the images.
 """
 
-load("//tools:repository_utils.bzl", "pip_install_lock", "run_or_fail")
+load("//tools:repository_utils.bzl", "PIP_ENV_VARS", "pip_install_lock", "run_or_fail")
 
-_ENV_VARS = [
-    "DOCKYARD_PYTHON",
-    "HOME",
-    "PIP_EXTRA_INDEX_URL",
-    "PIP_FIND_LINKS",
-    "PIP_INDEX_URL",
-    "NPM_CONFIG_REGISTRY",
-]
+_ENV_VARS = PIP_ENV_VARS + ["NPM_CONFIG_REGISTRY"]
 
 def _lint_python_tools_impl(rctx):
     rctx.report_progress("Installing the lint tools of {}".format(rctx.attr.lock))

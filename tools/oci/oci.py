@@ -81,9 +81,9 @@ def _tree_entries(dest: str, root: pathlib.Path):
     as links, sockets and devices are left out."""
     if not root.is_dir():
         raise ValueError(f"--tree {dest}={root}: not a folder")
+    # Walk order does not matter: write_layer sorts every entry by path.
     for folder, subfolders, names in os.walk(root):
-        subfolders.sort()
-        for name in sorted(subfolders + names):
+        for name in subfolders + names:
             path = pathlib.Path(folder, name)
             status = path.lstat()
             info = tarfile.TarInfo(f"{dest}/{path.relative_to(root)}")

@@ -11,11 +11,7 @@ layer (tools/oci/oci.py), written straight from the installed folder: a CUDA loc
 more than 10 GB, which an intermediate tarball and a second compression pass would double.
 """
 
-# pip reads its index and wheel folders from these (torch's CPU build comes from PIP_FIND_LINKS
-# or the PyTorch index, as for the venv).
-load("//tools:repository_utils.bzl", "host_python", "pip_install_lock", "run_or_fail")
-
-_ENV_VARS = ["DOCKYARD_PYTHON", "HOME", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_INDEX_URL"]
+load("//tools:repository_utils.bzl", "PIP_ENV_VARS", "host_python", "pip_install_lock", "run_or_fail")
 
 def _export(rctx, file_name):
     rctx.file("WORKSPACE", "workspace(name = \"{}\")\n".format(rctx.name))
@@ -52,7 +48,7 @@ deb_rootfs = repository_rule(
         "_lock_module": attr.label(default = "//tools/oci:deb_lock.py"),
         "_compile_script": attr.label(default = "//tools/oci:compile_python.py"),
     },
-    environ = _ENV_VARS,
+    environ = PIP_ENV_VARS,
     doc = "A root filesystem tarball of the lock's Debian packages (tools/oci/deb_rootfs.py).",
 )
 
@@ -100,6 +96,6 @@ pip_site_packages = repository_rule(
         "_compile_script": attr.label(default = "//tools/oci:compile_python.py"),
         "_oci_tool": attr.label(default = "//tools/oci:oci.py"),
     },
-    environ = _ENV_VARS,
+    environ = PIP_ENV_VARS,
     doc = "The lock's wheels installed at `prefix`, as one deterministic image layer.",
 )
