@@ -65,6 +65,13 @@ class FailureKind(str, enum.Enum):
     REPORT_UNTRUSTED = "report_untrusted"  # report missing, malformed or inconsistent
     TIMEOUT = "timeout"  # the wall-clock limit killed the test run
     DISK_LIMIT = "disk_limit"  # the worktree outgrew its size-capped filesystem
+    CPU_LIMIT = "cpu_limit"  # a test process was killed at the CPU-time rlimit (SIGXCPU)
+    # The patched tree uses a capability that only tampering needs (import hooks, builtins or
+    # compile replacement, frames/gc/ctypes/code objects, signals/rlimits/exits, writes to test
+    # paths, run-time conftest/plugin creation), or hides its source from screening (binary
+    # hunks to text files, non-UTF-8 source encodings). Found by capability_screen.py.
+    UNSAFE_CAPABILITY = "unsafe_capability"
+    PATCH_INVALID = "patch_invalid"  # the patch text cannot be parsed as a diff
 
 
 class TaskValidationError(ValueError):
