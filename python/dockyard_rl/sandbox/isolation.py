@@ -259,7 +259,8 @@ class Mount:
     """One extra mount of the sandbox's filesystem view, at `dest` inside the sandbox.
 
     kind "ro" / "rw": bind the host path `source` read-only / writable; "tmpfs": an empty tmpfs of
-    `size_bytes` with mode `perms` (octal string)."""
+    `size_bytes` with mode `perms` (octal string); "dir": a directory of mode `perms` made inside
+    an earlier mount (a tmpfs), e.g. the folder of a file bound read-only into it."""
 
     kind: str
     dest: pathlib.Path
@@ -268,14 +269,14 @@ class Mount:
     perms: str = "0755"
 
     def __post_init__(self):
-        if self.kind not in ("ro", "rw", "tmpfs"):
-            raise ValueError(f"Mount.kind: must be ro, rw or tmpfs, got {self.kind!r}")
+        if self.kind not in ("ro", "rw", "tmpfs", "dir"):
+            raise ValueError(f"Mount.kind: must be ro, rw, tmpfs or dir, got {self.kind!r}")
         if not self.dest.is_absolute() or (
             self.source is not None and not self.source.is_absolute()
         ):
             raise ValueError(f"sandbox paths must be absolute, got {self}")
-        if (self.kind == "tmpfs") != (self.source is None):
-            raise ValueError(f"Mount: a tmpfs has no source, a bind needs one, got {self}")
+        if (self.kind in ("tmpfs", "dir")) != (self.source is None):
+            raise ValueError(f"Mount: a tmpfs or dir has no source, a bind needs one, got {self}")
 
 
 class OutputChannel:
@@ -421,7 +422,9 @@ def _bwrap_argv(
                 continue
             created.add(ancestor)
             args += ["--perms", "0755", "--dir", str(ancestor)]
-        if mount.kind == "tmpfs":
+        if mount.kind == "dir":
+            args += ["--perms", mount.perms, "--dir", str(mount.dest)]
+        elif mount.kind == "tmpfs":
             args += [
                 "--perms",
                 mount.perms,

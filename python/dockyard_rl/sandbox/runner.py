@@ -27,6 +27,7 @@ docstring for what happens inside). Here:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -36,7 +37,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from dockyard_rl.sandbox import images, isolation
 from dockyard_rl.sandbox.evidence import JUnitStream, RecordStream
@@ -247,6 +248,56 @@ def _readable(worktree: pathlib.Path) -> None:
     )
 
 
+# Runner configuration files bound read-only like the tests (besides every conftest.py).
+_RUNNER_CONFIG_FILES = ("pytest.ini", ".pytest.ini", "pytest.toml", "tox.ini", "setup.cfg",
+                        "pyproject.toml")
+
+
+def protected_test_files(
+    worktree: pathlib.Path, test_files: Sequence[str]
+) -> tuple[list[str], dict[str, str]]:
+    """(files to bind read-only over the tests' copy of `worktree`, {Python file among them:
+    sha256 of its content}) for a worktree whose tests are installed (no untrusted code has run
+    in it yet). They are the task's test files (`test_files`, repository paths; those that exist
+    as regular files), every conftest.py, and the runner configuration files at the top."""
+    chosen: set[str] = set()
+    for path in test_files:
+        if (worktree / path).is_file() and not (worktree / path).is_symlink():
+            chosen.add(os.path.normpath(path))
+    for name in _RUNNER_CONFIG_FILES:
+        if (worktree / name).is_file() and not (worktree / name).is_symlink():
+            chosen.add(name)
+    for folder, dirs, files in os.walk(worktree):
+        dirs[:] = [d for d in dirs if d != ".git"]  # os.walk does not follow links by default
+        if "conftest.py" in files and not os.path.islink(os.path.join(folder, "conftest.py")):
+            chosen.add(os.path.relpath(os.path.join(folder, "conftest.py"), worktree))
+    digests = {}
+    for path in sorted(chosen):
+        if path.endswith(".py"):
+            digests[path] = hashlib.sha256((worktree / path).read_bytes()).hexdigest()
+    return sorted(chosen), digests
+
+
+def _read_only_test_mounts(
+    worktree: pathlib.Path, worktree_dir: pathlib.Path, files: Sequence[str]
+) -> list[isolation.Mount]:
+    """Binds each of `files` read-only at its place in the tests' tmpfs copy of the worktree:
+    code under test cannot write, truncate, delete or rename them (a mount point is busy). Their
+    folders are made first, 1777 like the tmpfs itself so the runner can copy the rest of the
+    folder in (made by bwrap as root they are also sticky: the sandbox's uid cannot rename them)."""
+    mounts: list[isolation.Mount] = []
+    folders: set[pathlib.Path] = set()
+    for path in files:
+        relative = pathlib.PurePosixPath(path)
+        for depth in range(1, len(relative.parts)):
+            folder = worktree_dir.joinpath(*relative.parts[:depth])
+            if folder not in folders:
+                folders.add(folder)
+                mounts.append(isolation.Mount("dir", folder, perms="1777"))
+        mounts.append(isolation.Mount("ro", worktree_dir / relative, worktree / relative))
+    return mounts
+
+
 def run_pytest(
     pytest_args: Sequence[str],
     worktree: pathlib.Path,
@@ -260,6 +311,8 @@ def run_pytest(
     interpreter: str | None = None,
     worktree_dir: pathlib.Path = SANDBOX_WORKTREE,
     repo_env: pathlib.Path | None = None,
+    read_only_files: Sequence[str] = (),
+    verified_files: Mapping[str, str] | None = None,
 ) -> tuple[isolation.SandboxResult, RunEvidence]:
     """Runs pytest with `pytest_args` on a copy of `worktree` inside the sandbox (module
     docstring). `scratch_dir` (executor-owned, outside the worktree) receives the runner's files.
@@ -269,7 +322,10 @@ def run_pytest(
     image_interpreter) runs the tests, with the image's Env under ours; without, this executor's
     interpreter does. The tests' copy of the worktree lives at `worktree_dir` (the repository's
     path in the image). `repo_env` (a per-repository venv, repo_envs.py; not with an image) runs
-    the tests with that venv's interpreter instead of this one. Raises
+    the tests with that venv's interpreter instead of this one. `read_only_files` and
+    `verified_files` (from protected_test_files): repository files bound read-only in the tests'
+    copy, and the Python ones among them with their sha256, whose code the runner verifies when
+    pytest imports them, before each test and after the run (runner_bootstrap.py). Raises
     isolation.SandboxUnavailableError when the sandbox cannot start; whatever the tests do ends
     in the returned evidence."""
     if image is not None and interpreter is None:
@@ -309,6 +365,8 @@ def run_pytest(
         "report_fd": report_channel.child_fd,
         "pytest_args": args,
         "patched_files": list(patched_files),
+        "mounted_files": list(read_only_files),
+        "verified_files": dict(verified_files or {}),
     }
     mounts = [
         isolation.Mount("ro", _SANDBOX_SOURCE, worktree),
@@ -320,6 +378,7 @@ def run_pytest(
             size_bytes=limits.max_report_bytes + 1024 * 1024,
             perms="1777",
         ),
+        *_read_only_test_mounts(worktree, worktree_dir, read_only_files),
     ]
     env, readonly = _environment(image, worktree_dir, repo_env)
     if image is None:

@@ -44,6 +44,7 @@ reimplements this protocol exactly (docs/sandbox.md, "threat model").
 """
 
 import errno
+import functools
 import hashlib
 import inspect
 import io
@@ -112,20 +113,25 @@ class Reporter:
             pass
 
 
-def copy_tree(source, dest):
+def copy_tree(source, dest, mounted=frozenset()):
     """Copies `source` into the existing directory `dest`, without recursion (shutil.copytree
     recurses, and a patch can nest directories past Python's recursion limit) and without following
-    symlinks; keeps file modes. Raises OSError (ENOSPC when the tmpfs is full)."""
+    symlinks; keeps file modes. `mounted`: paths under `dest` the sandbox already bound read-only
+    (the test files): left as they are, and their folders, which the sandbox made, are reused.
+    Raises OSError (ENOSPC when the tmpfs is full)."""
     pending = [(source, dest)]
     while pending:
         src_dir, dst_dir = pending.pop()
         with os.scandir(src_dir) as entries:
             for entry in entries:
                 target = os.path.join(dst_dir, entry.name)
+                if target in mounted:
+                    continue
                 if entry.is_symlink():
                     os.symlink(os.readlink(entry.path), target)
                 elif entry.is_dir(follow_symlinks=False):
-                    os.mkdir(target, 0o755)
+                    if not os.path.isdir(target):
+                        os.mkdir(target, 0o755)
                     pending.append((entry.path, target))
                 elif entry.is_file(follow_symlinks=False):
                     with open(entry.path, "rb") as src, open(target, "wb") as dst:
@@ -166,7 +172,7 @@ def snapshot_runner():
         (builtins, ("open", "print", "__import__")),
         (io, ("open", "FileIO")),
         (os, ("_exit", "write", "open", "replace", "rename")),
-        (sys, ("exit",)),
+        (sys, ("exit", "pycache_prefix")),
     ):
         for attr in attrs:
             snapshot.append((module.__name__, module, attr, getattr(module, attr)))
@@ -267,21 +273,304 @@ class Guard:
             self.reporter.send("note", what=event)
 
 
-def make_plugin(pytest, settings, reporter, snapshot, report_path):
+# ----------------------------------------------------------------------------------------------
+# Test code provenance. Decisions never rest on names an object carries (a code object's
+# co_filename, a function's __module__ or __qualname__): code is trusted by IDENTITY (the code
+# objects of pytest, pluggy and this runner, collected before any repository code ran) or by
+# EQUALITY with code compiled here from the trusted source (the read-only copy of the patched
+# tree, checked against the executor's sha256 of every test file and conftest).
+
+# Modules the runner may import lazily, imported while nothing of the worktree is on sys.path, so
+# that a module of the repository cannot stand in for them later.
+_LAZY_RUNNER_IMPORTS = (
+    "bdb",
+    "cmd",
+    "code",
+    "codeop",
+    "decimal",
+    "difflib",
+    "doctest",
+    "faulthandler",
+    "fractions",
+    "pdb",
+    "pprint",
+    "tracemalloc",
+    "unittest",
+    "unittest.mock",
+    "exceptiongroup",
+    "iniconfig",
+    "packaging",
+    "packaging.version",
+    "pygments",
+    "pygments.formatters",
+    "pygments.lexers",
+    "tomli",
+    "colorama",
+)
+
+
+def import_runner_closure():
+    """Imports every submodule of _pytest and the modules in _LAZY_RUNNER_IMPORTS that exist in
+    this interpreter (an image's may lack some)."""
+    import importlib
+    import pkgutil
+
+    import _pytest
+
+    names = [
+        info.name
+        for info in pkgutil.walk_packages(_pytest.__path__, "_pytest.")
+        if not info.name.startswith("_pytest._py.")  # pytest's vendored py: imported on demand
+    ] + list(_LAZY_RUNNER_IMPORTS)
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - absent or unusable here: then nothing imports it either
+            pass
+
+
+def nested_codes(code):
+    """`code` and every code object in its constants, iteratively."""
+    found, pending = [], [code]
+    while pending:
+        current = pending.pop()
+        found.append(current)
+        pending.extend(c for c in current.co_consts if isinstance(c, type(code)))
+    return found
+
+
+def codes_of_namespace(namespace, into):
+    """Adds to `into` (id -> code) the code of every function reachable from the dict
+    `namespace`: its functions, and the functions, static/class methods and properties of its
+    classes (one level), with their nested code."""
+    pending = list(namespace.values())
+    seen_classes = set()
+    while pending:
+        value = pending.pop()
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        if isinstance(value, property):
+            pending.extend(f for f in (value.fget, value.fset, value.fdel) if f is not None)
+            continue
+        code = getattr(value, "__code__", None) if inspect.isfunction(value) else None
+        if code is not None:
+            for nested in nested_codes(code):
+                into[id(nested)] = nested
+        elif isinstance(value, type) and id(value) not in seen_classes:
+            seen_classes.add(id(value))
+            pending.extend(vars(value).values())
+
+
+def trusted_runner_codes(main_globals):
+    """id -> code for pytest, _pytest, pluggy, importlib's bootstrap and this script. Call before
+    any repository code runs."""
+    codes = {}
+    for name, module in list(sys.modules.items()):
+        if module is None:
+            continue
+        if name.split(".")[0] in _PROTECTED_PREFIXES or name.startswith("importlib"):
+            codes_of_namespace(vars(module), codes)
+    codes_of_namespace(main_globals, codes)
+    return codes
+
+
+def qualified_codes(module_code):
+    """[(qualified name, code)] of a module's code and everything nested in it, named as
+    __qualname__ names functions and classes ("C.test_x", "f.<locals>.g"). Computed from the
+    nesting (co_qualname is Python 3.11+ only): a class body is a code without CO_NEWLOCALS."""
+    newlocals = inspect.CO_NEWLOCALS
+    found, pending = [], [(module_code, None, False)]
+    while pending:
+        code, qualname, is_function = pending.pop()
+        found.append((qualname or "<module>", code))
+        for child in code.co_consts:
+            if not isinstance(child, type(code)):
+                continue
+            if qualname is None:
+                child_name = child.co_name
+            elif is_function:
+                child_name = f"{qualname}.<locals>.{child.co_name}"
+            else:
+                child_name = f"{qualname}.{child.co_name}"
+            pending.append((child, child_name, bool(child.co_flags & newlocals)))
+    return found
+
+
+class TestSources:
+    """The trusted source of the test files and conftests, and the code pytest must have made
+    of them.
+
+    `verified`: {repository path: sha256 of its content} from the executor. The content is read
+    from the read-only source tree at start-up and checked against that digest; the code is
+    compiled at start-up, before any repository code runs, both as pytest's assertion rewriter
+    makes it and plain (`--assert=plain`, PYTEST_DONT_REWRITE), with the path pytest will use.
+    """
+
+    def __init__(self, settings, rewrite_asserts):
+        self.worktree = settings["worktree_dir"]
+        self.rewrite_asserts = rewrite_asserts
+        self.problems = []
+        self.codes_by_path = {}  # absolute path in the worktree -> {qualname: [code, ...]}
+        self.all_codes = set()  # every code compiled from trusted source (compared by equality)
+        # ... of it, what can be a decorator's wrapper: functions defined inside functions. (A
+        # top-level test is no wrapper: pointing its __wrapped__ at another test proves nothing.)
+        self.decorator_codes = set()
+        self.content = {}  # absolute path in the worktree -> trusted bytes
+        import ast
+
+        for relative, digest in sorted(settings.get("verified_files", {}).items()):
+            path = os.path.join(self.worktree, relative)
+            try:
+                with open(os.path.join(settings["source_dir"], relative), "rb") as handle:
+                    source = handle.read()
+            except OSError as error:
+                self.problems.append(f"{relative}: unreadable in the trusted tree ({error})")
+                continue
+            if hashlib.sha256(source).hexdigest() != digest:
+                self.problems.append(f"{relative}: differs from the executor's copy")
+                continue
+            self.content[path] = source
+            by_name = self.codes_by_path.setdefault(path, {})
+            variants = []
+            try:
+                variants.append(compile(source, path, "exec", dont_inherit=True))
+                tree = ast.parse(source, filename=path)
+                rewrite_asserts(tree, source, path, None)
+                variants.append(compile(tree, path, "exec", dont_inherit=True))
+            except Exception as error:  # noqa: BLE001 - a syntax error fails collection anyway
+                self.problems.append(f"{relative}: cannot be compiled here ({error!r})")
+            for module_code in variants:
+                for qualname, code in qualified_codes(module_code):
+                    self.all_codes.add(code)
+                    by_name.setdefault(qualname, []).append(code)
+                    if "<locals>" in qualname:
+                        self.decorator_codes.add(code)
+        self.patched = {
+            os.path.join(self.worktree, path) for path in settings.get("patched_files", ())
+        }
+        self.source_dir = settings["source_dir"]
+        self.unpatched = {}  # absolute path -> set of codes compiled from its trusted source
+
+    def unpatched_qualname(self, code):
+        """The qualified name of `code` when it equals code compiled from the trusted source of
+        a repository file the patch did not change (a helper module or a base class of the
+        tests), else None. The file is found from co_filename, but equality makes the name
+        harmless: a lie names a file whose code is something else."""
+        path = code.co_filename
+        if not isinstance(path, str) or path in self.patched:
+            return None
+        relative = os.path.relpath(path, self.worktree)
+        if relative.startswith(os.pardir) or not relative.endswith(".py"):
+            return None
+        if path not in self.unpatched:
+            names, module_codes = {}, []
+            try:
+                import ast
+
+                with open(os.path.join(self.source_dir, relative), "rb") as handle:
+                    source = handle.read()
+                module_codes.append(compile(source, path, "exec", dont_inherit=True))
+                tree = ast.parse(source, filename=path)
+                self.rewrite_asserts(tree, source, path, None)
+                module_codes.append(compile(tree, path, "exec", dont_inherit=True))
+            except Exception:  # noqa: BLE001 - unreadable or not Python: nothing trusted there
+                pass
+            for module_code in module_codes:
+                names.update((c, q) for q, c in qualified_codes(module_code))
+            self.unpatched[path] = names
+        return self.unpatched[path].get(code)
+
+    def is_verified(self, path):
+        return os.fspath(path) in self.codes_by_path
+
+    def expected(self, path, qualname):
+        return self.codes_by_path.get(os.fspath(path), {}).get(qualname, ())
+
+    def is_decorator_code(self, code):
+        """Code of a function defined inside a function, in a test file or an unpatched file."""
+        if code in self.decorator_codes:
+            return True
+        qualname = self.unpatched_qualname(code)
+        return qualname is not None and "<locals>" in qualname
+
+
+class TrustedModuleCodes:
+    """Code objects of modules loaded from outside the worktree (the interpreter's own
+    site-packages and standard library, bound read-only), for decorators such as mock.patch or
+    hypothesis.given whose wrappers stand between pytest and a test function. A module counts
+    when its file lies under a prefix of the start-up sys.path; its code is collected on first
+    use and kept."""
+
+    def __init__(self, trusted_prefixes):
+        self.prefixes = tuple(p for p in trusted_prefixes if p)
+        self.codes = {}
+        self.modules_done = set()
+
+    def contains(self, code):
+        if id(code) in self.codes and self.codes[id(code)] is code:
+            return True
+        for name, module in list(sys.modules.items()):
+            if module is None or id(module) in self.modules_done:
+                continue
+            file = vars(module).get("__file__") if hasattr(module, "__dict__") else None
+            if not isinstance(file, str) or not os.path.realpath(file).startswith(self.prefixes):
+                continue
+            self.modules_done.add(id(module))
+            codes_of_namespace(vars(module), self.codes)
+        return id(code) in self.codes and self.codes[id(code)] is code
+
+
+def _wrapped(function):
+    """The next callable of a decorator chain: a partial's func, or __wrapped__ from the
+    object's own dict (never through a hostile __getattr__)."""
+    if isinstance(function, functools.partial):
+        return function.func
+    namespace = getattr(function, "__dict__", None)
+    return namespace.get("__wrapped__") if isinstance(namespace, dict) else None
+
+
+def check_test_callable(function, is_target, sources, external):
+    """None when `function` runs a code object for which `is_target(code)` holds, possibly under
+    wrappers that are themselves trusted code (decorators of the test files or of unpatched
+    files, or installed ones); else what is wrong."""
+    if inspect.ismethod(function):
+        function = function.__func__
+    for _ in range(16):
+        if function is None:
+            break
+        if inspect.isfunction(function):
+            code = function.__code__
+            if is_target(code):
+                return None
+            if not sources.is_decorator_code(code) and not external.contains(code):
+                return "runs code that is neither its file's nor a trusted decorator's"
+        elif not isinstance(function, functools.partial):
+            return f"is a {type(function).__name__}, not the function its file defines"
+        function = _wrapped(function)
+    return "does not reach the function its file defines"
+
+
+def make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trusted_codes):
+    """The runner's pytest plugin. `sources`: TestSources; `trusted_codes`: id -> code of pytest,
+    pluggy and this script (trusted_runner_codes)."""
     canary_path = settings["canary_path"]
-    patched = {
-        os.path.join(settings["worktree_dir"], path) for path in settings.get("patched_files", ())
-    }
     must_pass, must_fail = settings["canary_names"]
     raised = {}
-    pytest_dirs = tuple(
-        os.path.dirname(os.path.dirname(m.__file__)) + os.sep
-        for m in (pytest, sys.modules["pluggy"])
-    )
     import pluggy
     from _pytest.config import PytestPluginManager
 
-    register_codes = {pluggy.PluginManager.register.__code__, PytestPluginManager.register.__code__}
+    register_codes = {
+        id(code): code
+        for code in (pluggy.PluginManager.register.__code__, PytestPluginManager.register.__code__)
+    }
+    conftests = {path for path in sources.codes_by_path if _basename(path) == "conftest.py"}
+    external = TrustedModuleCodes(settings.get("trusted_prefixes", ()))
+
+    def is_identical(code, codes):
+        return codes.get(id(code)) is code
+
+    def frame_trusted(code):
+        return is_identical(code, trusted_codes) or code in sources.all_codes
 
     class CanaryItem(pytest.Item):
         def __init__(self, *, must_fail_, **kwargs):
@@ -305,6 +594,10 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path):
             self.tests_since_check = 0
             self.snapshot = snapshot
             self.reported = set()
+            self.session_started = False
+            self.modules = {}  # verified test file -> the module object pytest imported
+            self.namespaces = {}  # ... -> its functions, classes and modules at import
+            self.items = []
 
         @pytest.hookimpl(tryfirst=True)
         def pytest_sessionstart(self, session):
@@ -312,6 +605,9 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path):
             # snapshot only pytest's own configure-time changes are allowed; then re-snapshot.
             self.check_runner(allowed=_CONFIGURE_CHANGES)
             self.snapshot = snapshot_runner()
+            self.session_started = True
+            for problem in sources.problems:
+                reporter.send("tamper", what=f"test source: {problem}")
 
         @pytest.hookimpl(wrapper=True, tryfirst=True)
         def pytest_collection_modifyitems(self, session, config, items):
@@ -324,6 +620,7 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path):
                 items[:] = [item for item in items if not isinstance(item, CanaryItem)] + list(
                     canary_file.collect()
                 )
+            self.items = list(items)
             return result
 
         @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -351,21 +648,11 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path):
 
         @pytest.hookimpl(tryfirst=True)
         def pytest_runtest_call(self, item):
-            # A test must run its own code, and see the real runner, not substitutes planted by
-            # code the patch changed (e.g. a package that rewrites the test module importing it).
+            # Just before a test's own code runs: it must be the code of its (read-only,
+            # verified) file, and see the real runner, not substitutes planted by code the patch
+            # changed.
+            self.check_item(item, "when it ran")
             module = getattr(item, "module", None)
-            module_file = getattr(module, "__file__", None)
-            obj = getattr(item, "obj", None)
-            try:
-                code = getattr(inspect.unwrap(obj), "__code__", None) if obj is not None else None
-            except Exception:  # noqa: BLE001 - unwrap of a hostile object
-                code = None
-            if code is not None and code.co_filename in patched and code.co_filename != module_file:
-                reporter.send(
-                    "tamper",
-                    what=f"{item.nodeid} runs code from "
-                    f"{code.co_filename}, a file the patch changed",
-                )
             namespace = getattr(module, "__dict__", {})
             for name in _PROTECTED_PREFIXES:
                 if name in namespace and namespace[name] is not sys.modules.get(name):
@@ -374,21 +661,126 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path):
                         what=f"{item.nodeid}: its module's {name!r} is not the real {name} module",
                     )
 
+        @pytest.hookimpl(wrapper=True, tryfirst=True)
+        def pytest_make_collect_report(self, collector):
+            report = yield
+            # Right after pytest imported a test module: its functions must be those compiled
+            # from the file's trusted source, whatever loaded it (a planted .pyc, a meta path
+            # finder, a module put in sys.modules, a rewritten file).
+            if isinstance(collector, pytest.Module) and sources.is_verified(collector.path):
+                if not report.failed:
+                    self.verify_module(collector)
+            return report
+
+        def verify_module(self, collector):
+            path = os.fspath(collector.path)
+            try:
+                module = collector.obj
+                namespace = vars(module)
+            except Exception:  # noqa: BLE001 - an object that is no module
+                reporter.send("tamper", what=f"{path}: pytest's module object is not a module")
+                return
+            for qualname, codes in sources.codes_by_path[path].items():
+                if "." in qualname or "<" in qualname or qualname not in namespace:
+                    continue
+                value = namespace[qualname]
+                if inspect.isfunction(value):
+                    problem = check_test_callable(
+                        value, lambda code, codes=codes: code in codes, sources, external
+                    )
+                    if problem:
+                        reporter.send("tamper", what=f"{path}: {qualname} {problem}")
+            self.modules[path] = module
+            self.namespaces[path] = {
+                name: value
+                for name, value in list(namespace.items())
+                if inspect.isfunction(value) or isinstance(value, type) or inspect.ismodule(value)
+            }
+
+        def check_item(self, item, when):
+            """Reports a test of a verified file whose module, namespace or function is not the
+            one verified at import."""
+            path = os.fspath(getattr(item, "path", ""))
+            if not isinstance(item, pytest.Function) or not sources.is_verified(path):
+                return  # doctests and the canaries have no function of a test file
+            module = self.modules.get(path)
+            if module is None:
+                reporter.send("tamper", what=f"{item.nodeid}: its module was never verified")
+                return
+            if getattr(item, "module", None) is not module:
+                reporter.send("tamper", what=f"{item.nodeid}: its module was replaced {when}")
+                return
+            namespace = vars(module)
+            for name, value in self.namespaces[path].items():
+                if namespace.get(name) is not value:
+                    reporter.send(
+                        "tamper", what=f"{item.nodeid}: its module's {name!r} was rebound {when}"
+                    )
+            names = [
+                node.name for node in item.listchain() if isinstance(node, pytest.Class)
+            ] + [getattr(item, "originalname", None) or item.name]
+            expected = sources.expected(path, ".".join(names))
+            try:
+                function = item.obj
+            except Exception:  # noqa: BLE001 - a hostile attribute
+                function = None
+            if function is None:
+                problem = "has no function"
+            else:
+                name = names[-1]
+
+                def is_target(code):
+                    if expected:
+                        return any(code == candidate for candidate in expected)
+                    # Not defined under its own name in its file (inherited from a base class):
+                    # a function of that name from a test file or an unpatched file.
+                    return code.co_name == name and (
+                        code in sources.all_codes or sources.unpatched_qualname(code) is not None
+                    )
+
+                problem = check_test_callable(function, is_target, sources, external)
+                unbound = function.__func__ if inspect.ismethod(function) else function
+                if (
+                    problem is None
+                    and expected
+                    and inspect.isfunction(unbound)
+                    and is_target(unbound.__code__)
+                    and unbound.__globals__ is not namespace
+                ):
+                    problem = "runs with another module's globals"
+            if problem:
+                reporter.send("tamper", what=f"{item.nodeid} {problem} ({when})")
+
         def pytest_collectreport(self, report):
             if report.failed:
                 reporter.send("collect_error", nodeid=report.nodeid)
 
         def pytest_plugin_registered(self, plugin, plugin_name, manager):
             frame = _getframe(1)
-            while frame is not None and frame.f_code not in register_codes:
+            while frame is not None and not is_identical(frame.f_code, register_codes):
                 frame = frame.f_back
             if frame is None:
                 return  # a historic replay, not a registration happening now
-            while frame is not None and frame.f_code in register_codes:
+            while frame is not None and is_identical(frame.f_code, register_codes):
                 frame = frame.f_back
-            caller = frame.f_code.co_filename if frame is not None else ""
-            if not caller.startswith(pytest_dirs) and caller != __file__:
-                reporter.send("tamper", what=f"plugin {plugin_name!r} registered from {caller}")
+            # Every caller down to the runner's start must be pytest's, pluggy's, this runner's
+            # or the trusted code of a test file or conftest: repository code anywhere in the
+            # chain (a package calling pluginmanager.register or import_plugin) is tampering.
+            while frame is not None:
+                if not frame_trusted(frame.f_code) and frame.f_back is not None:
+                    reporter.send(
+                        "tamper", what=f"plugin {plugin_name!r} registered by repository code"
+                    )
+                    return
+                frame = frame.f_back
+            # During the session only conftests the executor saw may join (one created at run
+            # time in a folder collected later is refused), and no plugin module.
+            if self.session_started and inspect.ismodule(plugin):
+                if plugin_name not in conftests:
+                    reporter.send(
+                        "tamper",
+                        what=f"plugin module {plugin_name!r} registered during the session",
+                    )
 
         def check_runner(self, allowed=frozenset(), against=None):
             for change in changed_runner_objects(against or self.snapshot, allowed):
@@ -401,6 +793,13 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path):
             result = yield
             # pytest's JUnit writer (an inner implementation) has written the report by now.
             self.check_runner()
+            # The tests whose outcomes make the verdict, once more after the run: same module,
+            # same functions, and their files still hold the trusted source.
+            for item in self.items:
+                self.check_item(item, "after the run")
+            for path, content in sources.content.items():
+                if read_report(path) != content:
+                    reporter.send("tamper", what=f"{path} changed during the run")
             data = read_report(report_path)
             reporter.send_bytes(settings["report_fd"], data)
             reporter.send(
@@ -450,8 +849,9 @@ def main():
         os.set_inheritable(fd, False)
     reporter = Reporter(settings["events_fd"])
     worktree = settings["worktree_dir"]
+    mounted = frozenset(os.path.join(worktree, path) for path in settings.get("mounted_files", ()))
     try:
-        copy_tree(settings["source_dir"], worktree)
+        copy_tree(settings["source_dir"], worktree, mounted)
     except OSError as error:
         kind = "disk_limit" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "copy_failed"
         reporter.send("setup_error", kind=kind, detail=f"copying the worktree: {error}")
@@ -462,11 +862,27 @@ def main():
 
     import pytest
     from _pytest import junitxml
+    from _pytest.assertion.rewrite import rewrite_asserts
 
+    import_runner_closure()
+    # pytest's assertion rewriter reads cached bytecode of test modules even under -B: point the
+    # cache at a folder that does not exist in the read-only runner directory, so no .pyc
+    # planted at run time is ever read.
+    sys.pycache_prefix = os.path.join(here, "no-bytecode")
+    inside = os.path.realpath(worktree) + os.sep
+    settings["trusted_prefixes"] = sorted(
+        prefix
+        for prefix in {os.path.realpath(p) + os.sep for p in sys.path if p and os.path.isabs(p)}
+        if not prefix.startswith(inside) and not inside.startswith(prefix)
+    )
+    sources = TestSources(settings, rewrite_asserts)
+    trusted_codes = trusted_runner_codes(globals())
     snapshot = snapshot_runner()
     guard = Guard(reporter, report_path)
     guard.writer_codes.add(junitxml.LogXML.pytest_sessionfinish.__code__)
-    plugin = make_plugin(pytest, settings, reporter, snapshot, report_path)
+    plugin = make_plugin(
+        pytest, settings, reporter, snapshot, report_path, sources, trusted_codes
+    )
     sys.addaudithook(guard)
 
     # From here on, repository code may run.
