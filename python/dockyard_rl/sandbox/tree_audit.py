@@ -33,7 +33,9 @@ Each violation is a string "path: reason"; the rules (numbers used in the reason
    iniconfig, sitecustomize, usercustomize or `_dockyard_runner*`; and a *new* module named after
    a standard-library module (`sys.stdlib_module_names`; a directory only when it holds an
    `__init__`) in a directory that is not a package (no `__init__`): such directories are what
-   the worktree or pytest's rootdir insertion put on `sys.path`.
+   the worktree or pytest's rootdir insertion put on `sys.path`. The same for a *new* module
+   named after a dependency pytest imports from site-packages, some of it lazily (packaging,
+   pygments, exceptiongroup, tomli, colorama, argcomplete).
 5. Runner configuration, decided with real parsers: conftest.py, pytest.ini, .pytest.ini,
    pytest.toml, .pytest.toml new, changed or removed: always. pyproject.toml: parsed (tomllib)
    in its base and new versions; a violation when `tool.pytest` (pytest 9 reads `[tool.pytest]`
@@ -125,6 +127,12 @@ _CONFIG_ALWAYS = frozenset(
 _CONFIG_PARSED = frozenset({"pyproject.toml", "setup.cfg", "tox.ini"})
 _RUNNER_MODULES = frozenset(
     {"pytest", "_pytest", "pluggy", "py", "iniconfig", "sitecustomize", "usercustomize"}
+)
+# What pytest imports from site-packages besides itself, some of it lazily (after the worktree
+# is on sys.path): its dependencies and optional helpers. The runner imports them up front; a new
+# module of these names where the stdlib rule looks is refused as well.
+_RUNNER_DEPENDENCIES = frozenset(
+    {"packaging", "pygments", "exceptiongroup", "tomli", "colorama", "argcomplete"}
 )
 _RUNNER_PREFIX = "_dockyard_runner"
 # Longest first, so "x.cpython-311-x86_64-linux-gnu.so" loses its whole suffix, not just ".so".
@@ -619,6 +627,10 @@ class _Audit:
             if kind == "dir" and not self.has_init(dir_fd, name):
                 return  # a namespace directory never wins over a regular stdlib module
             self.flag(path, f"shadows the standard-library module {module!r}")
+        elif is_new and not dir_is_package and module in _RUNNER_DEPENDENCIES:
+            if kind == "dir" and not self.has_init(dir_fd, name):
+                return  # a namespace directory never wins over an installed package
+            self.flag(path, f"shadows the test runner's dependency {module!r}")
 
     @staticmethod
     def has_init(dir_fd: int, name: str) -> bool:

@@ -279,6 +279,27 @@ def test_modules_shadowing_the_standard_library(worktree):
     assert "json.py: shadows the standard-library module 'json'" in result.violations
 
 
+def test_new_modules_shadowing_the_runners_dependencies(worktree):
+    # pytest imports these from site-packages, some lazily once the worktree is on sys.path.
+    write(
+        worktree,
+        {
+            "pygments/__init__.py": "",
+            "tests/packaging.py": "",
+            "exceptiongroup.py": "",
+            "calc/colorama.py": "",  # inside a package: not on sys.path
+            "tomli/data.txt": "",  # a data directory: does not shadow
+        },
+    )
+    result = audit(worktree)
+    assert {v.split(": ")[0] for v in result.violations} == {
+        "pygments",
+        "tests/packaging.py",
+        "exceptiongroup.py",
+    }
+    assert "pygments: shadows the test runner's dependency 'pygments'" in result.violations
+
+
 # --- rule 5: runner configuration ---------------------------------------------------------------
 
 
