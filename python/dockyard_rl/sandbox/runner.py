@@ -313,6 +313,7 @@ def run_pytest(
     repo_env: pathlib.Path | None = None,
     read_only_files: Sequence[str] = (),
     verified_files: Mapping[str, str] | None = None,
+    protect_test_code: bool = True,
 ) -> tuple[isolation.SandboxResult, RunEvidence]:
     """Runs pytest with `pytest_args` on a copy of `worktree` inside the sandbox (module
     docstring). `scratch_dir` (executor-owned, outside the worktree) receives the runner's files.
@@ -325,7 +326,9 @@ def run_pytest(
     the tests with that venv's interpreter instead of this one. `read_only_files` and
     `verified_files` (from protected_test_files): repository files bound read-only in the tests'
     copy, and the Python ones among them with their sha256, whose code the runner verifies when
-    pytest imports them, before each test and after the run (runner_bootstrap.py). Raises
+    pytest imports them, before each test and after the run (runner_bootstrap.py).
+    `protect_test_code=False` also skips the runner's up-front imports and bytecode-cache pinning:
+    for runs whose outcome is no reward (listing test ids) and for measuring the overhead. Raises
     isolation.SandboxUnavailableError when the sandbox cannot start; whatever the tests do ends
     in the returned evidence."""
     if image is not None and interpreter is None:
@@ -367,6 +370,7 @@ def run_pytest(
         "patched_files": list(patched_files),
         "mounted_files": list(read_only_files),
         "verified_files": dict(verified_files or {}),
+        "protect_test_code": protect_test_code,
     }
     mounts = [
         isolation.Mount("ro", _SANDBOX_SOURCE, worktree),
@@ -431,6 +435,7 @@ def run_script(
     hidden_paths: Sequence[pathlib.Path] = (),
     image: images.Image | None = None,
     worktree_dir: pathlib.Path = SANDBOX_WORKTREE,
+    read_only_files: Sequence[str] = (),
 ) -> ScriptRun:
     """Runs shell `commands` (bash, one per line) in the repository's copy at
     `worktree_dir` inside the sandbox, for test runners other than pytest (swebench_harness.py).
@@ -440,7 +445,9 @@ def run_script(
     script comes on stdin (no argv or file the tests could read); the log goes to a pipe of its
     own, and after the commands a completion line with a per-run nonce and the exit status of the
     last command, so a run that was killed, or whose output stopped early, is recognised. The log
-    itself is what the tests printed: anything in it can be forged by the code under test."""
+    itself is what the tests printed: anything in it can be forged by the code under test.
+    `read_only_files` (repository paths: the test files and the runner script) are bound
+    read-only in the copy, as in run_pytest."""
     _check_repo_path(image, worktree_dir)
     _readable(worktree)
     log = isolation.BoundedOutput(limits.max_report_bytes)
@@ -453,7 +460,8 @@ def run_script(
         "\n".join(
             [
                 "{",
-                f"cp -R {shlex.quote(str(_SANDBOX_SOURCE))}/. "
+                # -n: the read-only test files are already in place (bound by the sandbox).
+                f"cp -Rn {shlex.quote(str(_SANDBOX_SOURCE))}/. "
                 f"{shlex.quote(str(worktree_dir))}/ || {{ echo 'copying the worktree failed' "
                 f">&{fd}; exit 97; }}",
                 f"cd {shlex.quote(str(worktree_dir))}",
@@ -470,6 +478,7 @@ def run_script(
     mounts = [
         isolation.Mount("ro", _SANDBOX_SOURCE, worktree),
         isolation.Mount("tmpfs", worktree_dir, size_bytes=limits.worktree_size_bytes, perms="1777"),
+        *_read_only_test_mounts(worktree, worktree_dir, read_only_files),
     ]
     result = isolation.run_sandboxed(
         ["bash", "--noprofile", "--norc", "-s"],

@@ -864,11 +864,12 @@ def main():
     from _pytest import junitxml
     from _pytest.assertion.rewrite import rewrite_asserts
 
-    import_runner_closure()
-    # pytest's assertion rewriter reads cached bytecode of test modules even under -B: point the
-    # cache at a folder that does not exist in the read-only runner directory, so no .pyc
-    # planted at run time is ever read.
-    sys.pycache_prefix = os.path.join(here, "no-bytecode")
+    if settings.get("protect_test_code", True):
+        import_runner_closure()
+        # pytest's assertion rewriter reads cached bytecode of test modules even under -B: point
+        # the cache at a folder that does not exist in the read-only runner directory, so no
+        # .pyc planted at run time is ever read.
+        sys.pycache_prefix = os.path.join(here, "no-bytecode")
     inside = os.path.realpath(worktree) + os.sep
     settings["trusted_prefixes"] = sorted(
         prefix
