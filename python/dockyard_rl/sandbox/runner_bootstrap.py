@@ -625,6 +625,10 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trus
 
         @pytest.hookimpl(wrapper=True, tryfirst=True)
         def pytest_runtest_makereport(self, item, call):
+            if call.when == "call" and sources.is_verified(os.fspath(getattr(item, "path", ""))):
+                # Right after a test of the task ran, before its report is made: runner objects
+                # patched during the call and restored before the teardown check are seen here.
+                self.check_runner()
             report = yield
             excinfo = call.excinfo
             raised[(item.nodeid, call.when)] = excinfo is not None and not excinfo.errisinstance(
@@ -652,6 +656,10 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trus
             # verified) file, and see the real runner, not substitutes planted by code the patch
             # changed.
             self.check_item(item, "when it ran")
+            if sources.is_verified(os.fspath(getattr(item, "path", ""))):
+                # ... and the runner that will call it is the real one (patched during an earlier
+                # test's teardown or this test's setup, say).
+                self.check_runner()
             module = getattr(item, "module", None)
             namespace = getattr(module, "__dict__", {})
             for name in _PROTECTED_PREFIXES:

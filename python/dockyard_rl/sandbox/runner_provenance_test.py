@@ -454,3 +454,41 @@ def test_honest_tests_of_every_shape_pass_without_tampering(tmp_path, worktree):
         "tests/test_probe.py::TestInherits::test_inherited",
     ):
         assert outcomes[node] is TestOutcome.PASSED, (node, outcomes)
+
+
+def test_runner_patched_between_checks_is_tampering(tmp_path, worktree):
+    # Patched during the target's setup (after the last check), restored by the patched method
+    # itself once the target test is skipped: seen at the target's call.
+    grade, evidence = _run(
+        tmp_path,
+        worktree,
+        """
+        import _pytest.python as python
+
+        def arm():
+            original = python.Function.runtest
+
+            def runtest(self):
+                if self.name == "test_probe":
+                    python.Function.runtest = original
+                    return None
+                return original(self)
+
+            python.Function.runtest = runtest
+        """,
+        test="""\
+        import pytest
+
+        import calc
+
+
+        @pytest.fixture
+        def armed():
+            calc.arm()
+
+
+        def test_probe(armed):
+            assert calc.answer() == 42
+        """,
+    )
+    _assert_not_forged(grade, evidence)
