@@ -179,17 +179,65 @@ def snapshot_runner():
     return snapshot
 
 
+# The hooks through which a test runs and its outcome is reported: their callers and
+# implementations are instance objects (no module attribute), so they get a snapshot of their own.
+_RESULT_HOOKS = (
+    "pytest_runtest_protocol",
+    "pytest_runtest_setup",
+    "pytest_runtest_call",
+    "pytest_runtest_teardown",
+    "pytest_pyfunc_call",
+    "pytest_runtest_makereport",
+    "pytest_runtest_logreport",
+    "pytest_report_teststatus",
+    "pytest_sessionfinish",
+)
+
+
+def _attributes(obj):
+    """An object's attributes: its __dict__, or its __slots__ (pluggy's hook objects)."""
+    if hasattr(obj, "__dict__"):
+        return dict(vars(obj))
+    return {
+        name: getattr(obj, name)
+        for name in getattr(type(obj), "__slots__", ())
+        if hasattr(obj, name)
+    }
+
+
+def snapshot_hooks(manager):
+    """(label, holder, attribute, object) for the plugin manager's attributes and those of the
+    result hooks' callers and implementations, plus each caller's implementation list (as the
+    pseudo-attribute "implementations"). Take it once no plugin may join any more."""
+    entries = [("plugin manager", manager, attr, value) for attr, value in _attributes(manager).items()]
+    for name in _RESULT_HOOKS:
+        caller = getattr(manager.hook, name, None)
+        if caller is None:
+            continue
+        entries += [(f"hook {name}", caller, a, v) for a, v in _attributes(caller).items()]
+        implementations = tuple(caller.get_hookimpls())
+        entries.append((f"hook {name}", caller, "implementations", implementations))
+        for impl in implementations:
+            label = f"hook {name} of {impl.plugin_name!r}"
+            entries += [(label, impl, a, v) for a, v in _attributes(impl).items()]
+    return entries
+
+
 def changed_runner_objects(snapshot, allowed=frozenset()):
     """Labels of the snapshot's attributes that were rebound or deleted since, but `allowed`
     ((label, attribute) pairs)."""
     missing = object()
     changed = []
     for label, holder, attr, value in snapshot:
-        current = (
-            holder.get(attr, missing)
-            if isinstance(holder, dict)
-            else vars(holder).get(attr, missing)
-        )
+        if attr == "implementations" and isinstance(value, tuple):
+            current = tuple(holder.get_hookimpls())
+            if current != value:
+                changed.append(f"{label}.{attr} were changed")
+            continue
+        if isinstance(holder, dict):
+            current = holder.get(attr, missing)
+        else:
+            current = _attributes(holder).get(attr, missing)
         if current is not value and (label, attr) not in allowed:
             changed.append(f"{label}.{attr} was {'deleted' if current is missing else 'replaced'}")
     return changed
@@ -595,6 +643,7 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trus
             self.snapshot = snapshot
             self.reported = set()
             self.session_started = False
+            self.hook_snapshot = []
             self.modules = {}  # verified test file -> the module object pytest imported
             self.namespaces = {}  # ... -> its functions, classes and modules at import
             self.items = []
@@ -621,6 +670,9 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trus
                     canary_file.collect()
                 )
             self.items = list(items)
+            # Collection is over: no plugin joins from here on (pytest_plugin_registered), so
+            # the result hooks' callers and implementations must stay as they are.
+            self.hook_snapshot = snapshot_hooks(config.pluginmanager)
             return result
 
         @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -718,6 +770,15 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trus
             if getattr(item, "module", None) is not module:
                 reporter.send("tamper", what=f"{item.nodeid}: its module was replaced {when}")
                 return
+            # The item must run through pytest's own runtest: no method or property of its class
+            # shadowed on the instance, and its class's runtest pytest's code (by identity).
+            item_class = type(item)
+            runtest = getattr(item_class, "runtest", None)
+            if not is_identical(getattr(runtest, "__code__", None), trusted_codes):
+                reporter.send("tamper", what=f"{item.nodeid}: its runtest is not pytest's {when}")
+            for key in _attributes(item):
+                if isinstance(getattr(item_class, key, None), (property, type(runtest))):
+                    reporter.send("tamper", what=f"{item.nodeid}: its {key} was overridden {when}")
             namespace = vars(module)
             for name, value in self.namespaces[path].items():
                 if namespace.get(name) is not value:
@@ -791,7 +852,10 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trus
                     )
 
         def check_runner(self, allowed=frozenset(), against=None):
-            for change in changed_runner_objects(against or self.snapshot, allowed):
+            changes = changed_runner_objects(against or self.snapshot, allowed)
+            if against is None:
+                changes += changed_runner_objects(self.hook_snapshot)
+            for change in changes:
                 if change not in self.reported and len(self.reported) < 20:
                     self.reported.add(change)
                     reporter.send("tamper", what=f"runner object changed: {change}")

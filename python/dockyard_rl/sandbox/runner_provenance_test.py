@@ -492,3 +492,63 @@ def test_runner_patched_between_checks_is_tampering(tmp_path, worktree):
         """,
     )
     _assert_not_forged(grade, evidence)
+
+
+_FIND_ITEM = """
+import sys
+
+def _item():
+    frame = sys._getframe()
+    while frame is not None:
+        item = frame.f_locals.get("item")
+        if item is not None and hasattr(item, "session"):
+            return item
+        frame = frame.f_back
+"""
+
+_TWO_TESTS = """\
+import calc
+
+
+def test_first():
+    calc.arm()
+
+
+def test_probe():
+    assert calc.answer() == 42
+"""
+
+
+@pytest.mark.parametrize(
+    "arm",
+    [
+        # an instance attribute shadows pytest's runtest for the next test
+        "for other in _item().session.items:\n"
+        "    if other.name == 'test_probe':\n"
+        "        other.runtest = lambda: None\n",
+        # the test function cached on the item
+        "for other in _item().session.items:\n"
+        "    if other.name == 'test_probe':\n"
+        "        other._obj = lambda: None\n",
+        # pytest's implementation of pytest_pyfunc_call, held by pluggy's HookImpl
+        "for impl in _item().ihook.pytest_pyfunc_call.get_hookimpls():\n"
+        "    impl.function = lambda pyfuncitem: True\n",
+        # the plugin manager's hook executor
+        "manager = _item().config.pluginmanager\n"
+        "inner = manager._inner_hookexec\n"
+        "def green(name, methods, kwargs, firstresult):\n"
+        "    if name == 'pytest_pyfunc_call':\n"
+        "        return True\n"
+        "    return inner(name, methods, kwargs, firstresult)\n"
+        "manager._inner_hookexec = green\n",
+    ],
+    ids=["item-runtest", "item-obj", "hookimpl-function", "inner-hookexec"],
+)
+def test_run_time_objects_reached_through_frames_are_checked(tmp_path, worktree, arm):
+    grade, evidence = _run(
+        tmp_path,
+        worktree,
+        _FIND_ITEM + "\n\ndef arm():\n" + textwrap.indent(arm, "    "),
+        test=_TWO_TESTS,
+    )
+    _assert_not_forged(grade, evidence)
