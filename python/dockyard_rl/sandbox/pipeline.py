@@ -35,13 +35,22 @@ read) — the service retries those. `ValueError` for a malformed task (repo or 
 acceptable, a test_patch that does not apply at base_commit, a test_command the runner cannot
 isolate): retrying cannot help. Everything the patch or the tests do (crash, hang, fork bomb,
 flood of output, deep trees, full disks, forged or rewritten reports, a test patch it blocks)
-ends in a Verdict with a FailureKind, never an exception.
+ends in a Verdict with a FailureKind, never an exception: a patch whose text is not valid
+Unicode or that makes a patch parser raise is PATCH_INVALID, and a grader that raises on the run's
+evidence gives REPORT_UNTRUSTED.
 
 No git command runs in the worktree after untrusted code could have touched it: the tests run on
 a copy inside the sandbox and never write the host's worktree.
 
 Limits: a task's `timeout_s` replaces `PipelineConfig.timeout_s` for its test run; the other
-limits always come from the config. A base_commit the repository does not have (after one
+limits always come from the config. A run killed at the wall clock (TIMEOUT) or at RLIMIT_CPU
+(CPU_LIMIT) is the patch's failure, reward 0, like any other (a signal-like exit status is
+REPORT_UNTRUSTED). It is masked (`Verdict.limit_outcome`, which the environment drops from the
+loss) only when the task's baseline — base_commit with the gold test patch and no agent patch,
+run the same way under the same limits — hits a limit on this executor too; the baseline runs
+once per task identity and limits in this process (docs/sandbox.md, "Runs killed at a limit").
+Neither the patch's exit status nor its duration nor the host's load (which the patch's own
+processes drive) ever masks a verdict. A base_commit the repository does not have (after one
 refresh of the mirror) is an InfrastructureError, since a stale mirror looks the same.
 
 Not covered: the executor's interpreter and site-packages are the test environment:
@@ -51,11 +60,14 @@ tampering remains possible is in docs/sandbox.md (threat model).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import logging
 import os
 import pathlib
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -107,6 +119,9 @@ class PipelineConfig:
     image_cache_dir: str | None = None  # unpacked task images; None -> <work_root>/images
     image_cache_max_bytes: int = 20 * 1024**3  # LRU-evicted above this (images in use stay)
     repo_env_dir: str | None = None  # per-repository venvs; None -> <work_root>/envs
+    # Baseline outcomes remembered per process (a run killed at a limit is masked only when
+    # its task's baseline hits a limit too; see _Scoring.charge_limit).
+    max_baseline_entries: int = 4096
 
     def __post_init__(self):
         def positive_int(name: str, what: str):
@@ -136,6 +151,7 @@ class PipelineConfig:
         positive_int("max_report_testcases", "testcases in one report")
         positive_int("max_binary_patch_bytes", "bytes of binary content in a patch")
         positive_int("image_cache_max_bytes", "bytes of unpacked task images kept")
+        positive_int("max_baseline_entries", "task baselines remembered per process")
         require(
             self.memory_bytes >= 64 * 1024**2,
             "memory_bytes",
@@ -294,8 +310,107 @@ def run_pytest_sandboxed(
         cleanup.remove_tree(scratch)
 
 
-# A test process killed by RLIMIT_CPU (SIGXCPU) exits with 128 + the signal's number.
+# A test process killed by RLIMIT_CPU (SIGXCPU) exits with 128 + the signal's number inside
+# the sandbox; a negative status is the same signal seen by a direct parent.
 _CPU_LIMIT_EXIT = 128 + signal.SIGXCPU
+_CPU_LIMIT_EXITS = (_CPU_LIMIT_EXIT, -signal.SIGXCPU)
+# The failure kinds of a run killed at a limit: the only ones charge_limit may mask.
+_LIMIT_KINDS = (FailureKind.TIMEOUT, FailureKind.CPU_LIMIT)
+
+
+def _limit_kind(timed_out: bool, exit_code: int | None) -> FailureKind | None:
+    """The limit that ended a test run: TIMEOUT (wall clock), CPU_LIMIT (RLIMIT_CPU), or None.
+    A patch can forge the CPU status (it can send itself SIGXCPU), which is why the status only
+    names the failure and never masks it (_Scoring.charge_limit)."""
+    if timed_out:
+        return FailureKind.TIMEOUT
+    if exit_code in _CPU_LIMIT_EXITS:
+        return FailureKind.CPU_LIMIT
+    return None
+
+
+def _patch_text_problem(patch: str) -> str:
+    """Why the patch's text cannot be handled as text ("" when it can): JSON lets a client send
+    lone surrogates, which no file, diff tool or UTF-8 encoder accepts."""
+    try:
+        patch.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return f"the patch is not valid Unicode text (an unpaired surrogate at offset {error.start})"
+    return ""
+
+
+def _grade_safely(grade: Callable[[], grading.Grade]) -> grading.Grade:
+    """`grade()`, or REPORT_UNTRUSTED when it raises: the grader reads what the sandbox sent,
+    which the patch's code controls, so a grader crash is the patch's failure, not an
+    infrastructure error (logged: it is still a grader bug to fix)."""
+    try:
+        return grade()
+    except Exception as error:
+        logger.exception("the grader raised on a run's evidence")
+        return grading.Grade(
+            resolved=False,
+            reward=0.0,
+            fail_to_pass={},
+            pass_to_pass={},
+            failure_kind=FailureKind.REPORT_UNTRUSTED,
+            detail=f"the run's evidence could not be graded ({type(error).__name__})",
+        )
+
+
+def _baseline_key(spec: TaskSpec, limits: runner.RunnerLimits) -> tuple:
+    """What a task's baseline run depends on: the repository at base_commit, the held-out
+    tests, how they are run, where, and under which limits (not the agent's patch)."""
+    tests = hashlib.sha256()
+    for part in (spec.test_patch, *spec.fail_to_pass, "", *spec.pass_to_pass):
+        tests.update(part.encode("utf-8", "surrogatepass") + b"\0")
+    return (
+        spec.repo,
+        spec.base_commit,
+        tests.hexdigest(),
+        spec.test_command,
+        spec.test_harness,
+        spec.image,
+        spec.repo_path,
+        spec.requirements,
+        limits,
+    )
+
+
+class _BaselineCache:
+    """Baseline outcomes (the limit hit, or None) by _baseline_key, least recently used dropped
+    past `max_entries`. Concurrent scorings of one task wait for a single baseline run; a run
+    that raises is not remembered (the next scoring tries again)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._entries: collections.OrderedDict[tuple, FailureKind | None] = (
+            collections.OrderedDict()
+        )
+        self._running: dict[tuple, threading.Lock] = {}
+
+    def get_or_run(
+        self, key: tuple, max_entries: int, run: Callable[[], FailureKind | None]
+    ) -> FailureKind | None:
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return self._entries[key]
+            key_lock = self._running.setdefault(key, threading.Lock())
+        with key_lock:
+            with self._lock:
+                if key in self._entries:
+                    return self._entries[key]
+            outcome = run()
+            with self._lock:
+                self._entries[key] = outcome
+                while len(self._entries) > max_entries:
+                    self._entries.popitem(last=False)
+                self._running.pop(key, None)
+            return outcome
+
+
+# One per process: a baseline says something about this executor only.
+_BASELINES = _BaselineCache()
 
 
 def _verdict(
@@ -325,9 +440,43 @@ def _verdict(
         timings=timings,
         log_tail=log_tail,
     )
-    if not verdict.resolved and (timed_out or exit_code == _CPU_LIMIT_EXIT):
-        verdict = dataclasses.replace(verdict, limit_outcome=True)
-    return verdict
+    # A run that ended at the CPU-time limit without anything more specific to say (tampering,
+    # a full disk) is CPU_LIMIT; grading itself names TIMEOUT. Neither is masked here: only
+    # _Scoring.charge_limit may mask, and only on the baseline's evidence.
+    if (
+        not verdict.resolved
+        and verdict.failure_kind is FailureKind.REPORT_UNTRUSTED
+        and _limit_kind(timed_out, exit_code) is FailureKind.CPU_LIMIT
+    ):
+        verdict = dataclasses.replace(
+            verdict,
+            failure_kind=FailureKind.CPU_LIMIT,
+            failure_detail=f"the test run was killed at the CPU-time limit (exit status "
+            f"{exit_code}); {verdict.failure_detail}",
+        )
+    # File names the patch chose reach the verdict through the checks' findings; as decoded
+    # from disk they may hold lone surrogates, which no UTF-8 consumer downstream accepts.
+    return dataclasses.replace(
+        verdict,
+        integrity_violation=tuple(_valid_text(name) for name in verdict.integrity_violation),
+        failure_detail=_valid_text(verdict.failure_detail),
+        screening_flags=tuple(_valid_text(flag) for flag in verdict.screening_flags),
+        log_tail=_valid_text(verdict.log_tail),
+    )
+
+
+def _valid_text(text: str) -> str:
+    """`text` encodable as UTF-8: a byte that was not UTF-8 in a file name (surrogateescape)
+    becomes `\\xNN`, like tree_audit shows it; any other lone surrogate `\\udNNN`."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _graded_verdict(
@@ -422,9 +571,15 @@ def score_task(spec: TaskSpec, config: PipelineConfig, work_root: pathlib.Path) 
             return scoring.run(all_test_files, pytest_args)
     except images.ImageUnavailableError as error:
         raise InfrastructureError(str(error)) from error
-    except (OSError, tree_audit.TreeAuditError) as error:
+    except (
+        OSError,
+        tree_audit.TreeAuditError,
+        subprocess.CalledProcessError,
+        subprocess.TimeoutExpired,
+    ) as error:
         # Disk full, git failing on our own trusted checkout, ...: not the patch's doing (the
-        # patch's own effects are contained in the sandbox or judged by the checks above).
+        # patch's own effects are contained in the sandbox or judged by the checks above;
+        # pipeline_test's "infra" tests try what a patch can do to these paths).
         raise InfrastructureError(f"disk or process error while scoring: {error}") from error
     finally:
         problem = cleanup.remove_tree(task_dir, trash_dir=cleanup.trash_path(work_root))
@@ -484,6 +639,9 @@ class _Scoring:
 
     def run(self, all_test_files: list[str], pytest_args: list[str]) -> Verdict:
         spec, config = self.spec, self.config
+        problem = _patch_text_problem(spec.patch)
+        if problem:
+            return self.patch_invalid(problem)
         self.scratch.mkdir()
         commit = self.checkout(self.worktree)
         self.lap("checkout")
@@ -496,8 +654,15 @@ class _Scoring:
         protected = protected_test_files(spec, all_test_files)
         if self.harness is not None:
             protected = sorted(set(protected) | set(self.harness.protected_files()))
-        self.flags = screening.screen_patch(spec.patch)
-        violation = integrity.check_integrity(spec.patch, protected, read_base_file)
+        try:
+            self.flags = screening.screen_patch(spec.patch)
+            violation = integrity.check_integrity(spec.patch, protected, read_base_file)
+            patched_files = sorted(integrity.touched_paths(spec.patch)[0])
+        except Exception as error:
+            # The patch text is these parsers' only untrusted input: whatever makes one of them
+            # raise is the patch's doing, so it is a verdict, never an infrastructure error.
+            logger.exception("a patch parser raised on task %s", spec.instance_id)
+            return self.patch_invalid(f"the patch could not be parsed: {type(error).__name__}")
         if violation:
             self.lap("apply")
             return self.violation(violation, "the patch touches protected files")
@@ -548,7 +713,6 @@ class _Scoring:
                 detail=detail,
                 log_tail=detail,
             )
-
         # 5. held-out tests back to base, then the gold test patch
         problem = self.install_tests(self.worktree, commit, all_test_files)
         if problem:
@@ -563,18 +727,38 @@ class _Scoring:
             )
         self.lap("apply")
 
-        # 6. tests, sandboxed; 7. grade
+        # 6. tests, sandboxed; 7. grade. A run killed at a limit is then charged to the patch
+        # unless the task's baseline hits a limit too (charge_limit).
+        verdict = self.test_and_grade(
+            self.worktree, protected, pytest_args, applied.method, patched_files
+        )
+        return self.charge_limit(verdict, all_test_files, protected, pytest_args)
+
+    def test_and_grade(
+        self,
+        worktree: pathlib.Path,
+        protected: list[str],
+        pytest_args: list[str],
+        apply_method: ApplyMethod,
+        patched_files: list[str],
+    ) -> Verdict:
+        """Steps 6 and 7 on `worktree` (tests installed, nothing run in it yet). The baseline
+        (run_baseline) comes through here too, so it runs the same way under the same limits."""
+        read_only, verified = runner.protected_test_files(worktree, protected)
         if self.harness is not None:
-            return self.run_harness(applied.method)
+            return self.run_harness(worktree, apply_method, read_only)
+        spec, config = self.spec, self.config
         try:
             result, evidence = runner.run_pytest(
                 pytest_args,
-                self.worktree,
+                worktree,
                 self.scratch,
                 config.runner_limits(spec.timeout_s),
                 canaries=True,
                 hidden_paths=[self.work_root, config.cache_path(self.work_root)],
-                patched_files=sorted(integrity.touched_paths(spec.patch)[0]),
+                patched_files=patched_files,
+                read_only_files=read_only,
+                verified_files=verified,
                 image=self.image,
                 interpreter=self.interpreter,
                 worktree_dir=pathlib.Path(spec.repo_path),
@@ -583,13 +767,17 @@ class _Scoring:
         except isolation.SandboxUnavailableError as error:
             raise InfrastructureError(str(error)) from error
         self.lap("tests")
-        graded = grading.grade_run(spec.fail_to_pass, spec.pass_to_pass, evidence, spec.reward_mode)
+        graded = _grade_safely(
+            lambda: grading.grade_run(
+                spec.fail_to_pass, spec.pass_to_pass, evidence, spec.reward_mode
+            )
+        )
         self.lap("grade")
         log_tail = result.output
         if not graded.resolved:
             log_tail += f"\n[dockyard] {graded.failure_kind.value}: {graded.detail}\n"
         return self.finish(
-            apply_method=applied.method,
+            apply_method=apply_method,
             grade=graded,
             kind=graded.failure_kind,
             detail=graded.detail,
@@ -598,24 +786,30 @@ class _Scoring:
             log_tail=log_tail,
         )
 
-    def run_harness(self, apply_method: ApplyMethod) -> Verdict:
-        """Steps 6 and 7 with the SWE-bench harness's runner and log parser."""
+    def run_harness(
+        self, worktree: pathlib.Path, apply_method: ApplyMethod, read_only: list[str]
+    ) -> Verdict:
+        """Steps 6 and 7 with the SWE-bench harness's runner and log parser; `read_only`: the
+        test files and runner script bound read-only (runner.protected_test_files)."""
         spec, config = self.spec, self.config
         commands = self.harness.test_commands(spec.test_patch, self.image)
         try:
             run = runner.run_script(
                 commands,
-                self.worktree,
+                worktree,
                 config.runner_limits(spec.timeout_s),
                 hidden_paths=[self.work_root, config.cache_path(self.work_root)],
                 image=self.image,
                 worktree_dir=pathlib.Path(spec.repo_path),
+                read_only_files=read_only,
             )
         except isolation.SandboxUnavailableError as error:
             raise InfrastructureError(str(error)) from error
         self.lap("tests")
-        graded = self.harness.grade(
-            run, spec.instance_id, spec.fail_to_pass, spec.pass_to_pass, spec.reward_mode
+        graded = _grade_safely(
+            lambda: self.harness.grade(
+                run, spec.instance_id, spec.fail_to_pass, spec.pass_to_pass, spec.reward_mode
+            )
         )
         self.lap("grade")
         log_tail = (run.result.output + run.log)[-config.max_log_bytes :]
@@ -630,6 +824,87 @@ class _Scoring:
             timed_out=run.result.timed_out,
             log_tail=log_tail,
         )
+
+    def patch_invalid(self, detail: str) -> Verdict:
+        """The patch's text itself is unusable: PATCH_INVALID, nothing applied or run."""
+        self.lap("apply")
+        return self.finish(
+            apply_method=ApplyMethod.NOT_ATTEMPTED,
+            kind=FailureKind.PATCH_INVALID,
+            detail=detail,
+            log_tail=detail,
+        )
+
+    def charge_limit(
+        self,
+        verdict: Verdict,
+        all_test_files: list[str],
+        protected: list[str],
+        pytest_args: list[str],
+    ) -> Verdict:
+        """A run killed at a limit (TIMEOUT, CPU_LIMIT) is the patch's failure (reward 0,
+        `limit_outcome` False) unless this task's baseline hits a limit on this executor too;
+        only then is it masked (`limit_outcome` True). The patch's own exit status and duration
+        never decide it: the patch controls both. The baseline is run once per task identity
+        and limits in this process (_BASELINES); when it runs here, `timings_s["baseline"]`."""
+        if verdict.resolved or verdict.failure_kind not in _LIMIT_KINDS:
+            return verdict
+        limits = self.config.runner_limits(self.spec.timeout_s)
+        baseline = _BASELINES.get_or_run(
+            _baseline_key(self.spec, limits),
+            self.config.max_baseline_entries,
+            lambda: self.run_baseline(all_test_files, protected, pytest_args),
+        )
+        self.timings["total"] = time.monotonic() - self.start
+        if baseline is None:
+            return dataclasses.replace(
+                verdict,
+                timings_s=dict(self.timings),
+                failure_detail=f"{verdict.failure_detail}; charged to the patch: this task's "
+                "baseline (base commit and tests, no agent patch) finishes within the limits",
+            )
+        return dataclasses.replace(
+            verdict,
+            timings_s=dict(self.timings),
+            limit_outcome=True,
+            failure_detail=f"{verdict.failure_detail}; masked: this task's baseline (base "
+            f"commit and tests, no agent patch) hits a limit too ({baseline.value})",
+        )
+
+    def run_baseline(
+        self, all_test_files: list[str], protected: list[str], pytest_args: list[str]
+    ) -> FailureKind | None:
+        """Runs the task's baseline — base_commit with the gold test patch and no agent patch —
+        in its own checkout through test_and_grade (same runner, image, environment and
+        limits); returns the limit it hit (TIMEOUT, CPU_LIMIT) or None. Only trusted code runs
+        in it, so its outcome is the executor's and the task's, never the patch's."""
+        start = time.monotonic()
+        base = _Scoring(
+            dataclasses.replace(self.spec, patch=""),
+            self.config,
+            self.work_root,
+            self.cache,
+            self.task_dir / "baseline",
+            {},
+            start,
+            self.harness,
+        )
+        base.image, base.interpreter, base.repo_env = self.image, self.interpreter, self.repo_env
+        base.task_dir.mkdir()
+        base.scratch.mkdir()
+        commit = base.checkout(base.worktree)
+        problem = base.install_tests(base.worktree, commit, all_test_files)
+        if problem:
+            raise ValueError(f"test_patch: does not apply at base_commit {commit}: {problem}")
+        verdict = base.test_and_grade(base.worktree, protected, pytest_args, ApplyMethod.EMPTY, [])
+        self.timings["baseline"] = time.monotonic() - start
+        logger.info(
+            "task %s: baseline %s in %.1f s",
+            self.spec.instance_id,
+            "hit a limit" if verdict.timed_out else f"exited {verdict.test_exit_code}",
+            self.timings["baseline"],
+        )
+        return _limit_kind(verdict.timed_out, verdict.test_exit_code)
 
     def violation(
         self,

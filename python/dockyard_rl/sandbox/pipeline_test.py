@@ -5,16 +5,24 @@ hurting the executor); every one must end in an unresolved Verdict, never an exc
 """
 
 import dataclasses
+import json
 import pathlib
 import signal
 import socket
+import threading
 import time
 
 import pytest
 
 from dockyard_rl.sandbox import pipeline
 from dockyard_rl.sandbox.task import ApplyMethod, FailureKind, RewardMode, TestOutcome
-from dockyard_rl.sandbox.testing_repos import OPS_BASE, OPS_FIXED, make_toy_repo
+from dockyard_rl.sandbox.testing_repos import (
+    OPS_BASE,
+    OPS_FIXED,
+    TEST_MUL_TABLE,
+    TEST_OPS_FIXED,
+    make_toy_repo,
+)
 from dockyard_rl.utils.config import from_dict
 
 CONFIG = pipeline.PipelineConfig(
@@ -277,21 +285,184 @@ def test_endless_loop_is_killed_at_the_task_timeout(toy, work_root):
     start = time.monotonic()
     verdict = _score(toy, work_root, toy.patch_for({"calc/ops.py": ops}), timeout_s=2.0)
     _assert_not_resolved(verdict)
-    assert verdict.timed_out and verdict.limit_outcome
-    assert time.monotonic() - start < 15
+    assert verdict.timed_out and verdict.failure_kind == FailureKind.TIMEOUT
+    # The task's baseline finishes in time: the limit is the patch's failure, not masked.
+    assert not verdict.limit_outcome and "charged to the patch" in verdict.failure_detail
+    assert time.monotonic() - start < 30
     assert "wall-clock limit" in verdict.log_tail
 
 
-def test_a_run_killed_by_the_cpu_limit_is_a_limit_outcome(toy, work_root):
+# --- limits are the patch's failure unless the task's baseline hits them too -----------------
+
+
+def _assert_charged(verdict, kind):
+    _assert_not_resolved(verdict)
+    assert verdict.failure_kind == kind, (verdict.failure_kind, verdict.failure_detail)
+    assert not verdict.limit_outcome
+
+
+def test_spinning_into_the_cpu_limit_is_the_patchs_failure(toy, work_root):
     ops = OPS_BASE.replace(
         "    return a + b\n\n\ndef clamp", "    while True:\n        pass\n\n\ndef clamp"
     )
     config = dataclasses.replace(CONFIG, cpu_time_s=2)
     verdict = _score(toy, work_root, toy.patch_for({"calc/ops.py": ops}), config=config)
-    _assert_not_resolved(verdict)
     assert not verdict.timed_out and verdict.test_exit_code == 128 + signal.SIGXCPU
-    assert verdict.limit_outcome
+    _assert_charged(verdict, FailureKind.CPU_LIMIT)
+    assert "charged to the patch" in verdict.failure_detail
     assert not _score(toy, work_root, "").limit_outcome  # an ordinary failure is not one
+
+
+def test_sleeping_past_the_wall_clock_is_the_patchs_failure(toy, work_root):
+    # The hedge of issue 25: sleep out the clock whenever the fix is not there.
+    ops = OPS_BASE.replace("def mul(a, b):\n", "def mul(a, b):\n    import time\n    time.sleep(60)\n")
+    verdict = _score(toy, work_root, toy.patch_for({"calc/ops.py": ops}), timeout_s=2.0)
+    assert verdict.timed_out
+    _assert_charged(verdict, FailureKind.TIMEOUT)
+
+
+def test_hanging_in_collection_is_the_patchs_failure(toy, work_root):
+    verdict = _score(
+        toy, work_root, toy.patch_for(_ops_with("import time\ntime.sleep(600)\n")), timeout_s=2.0
+    )
+    assert verdict.timed_out
+    _assert_charged(verdict, FailureKind.TIMEOUT)
+
+
+@pytest.mark.parametrize(
+    "sent, kind",
+    [
+        (signal.SIGKILL, FailureKind.REPORT_UNTRUSTED),
+        (signal.SIGSEGV, FailureKind.REPORT_UNTRUSTED),
+        # A forged CPU-limit status: named as one, charged like one.
+        (signal.SIGXCPU, FailureKind.CPU_LIMIT),
+    ],
+)
+def test_killing_itself_with_a_signal_is_the_patchs_failure(toy, work_root, sent, kind):
+    prelude = f"import os, signal\nos.kill(os.getpid(), {int(sent)})\n"
+    verdict = _score(toy, work_root, toy.patch_for(_ops_with(prelude, fixed=True)))
+    assert not verdict.timed_out and verdict.test_exit_code == 128 + sent
+    _assert_charged(verdict, kind)
+
+
+def test_a_task_whose_baseline_hits_the_limit_is_masked_and_the_baseline_is_cached(
+    toy, work_root
+):
+    # A held-out test that always sleeps past the clock: no patch can finish this task here, so
+    # a limit outcome says nothing about the patch.
+    slow_tests = toy.patch_for(
+        {
+            "tests/test_ops.py": TEST_OPS_FIXED,
+            "tests/test_mul_table.py": TEST_MUL_TABLE,
+            "tests/test_slow.py": "import time\n\n\ndef test_slow():\n    time.sleep(60)\n",
+        }
+    )
+    sleeper = OPS_BASE.replace("def mul(a, b):\n", "def mul(a, b):\n    import time\n    time.sleep(60)\n")
+    verdicts = [
+        pipeline.score_task(
+            dataclasses.replace(
+                toy.spec(patch, timeout_s=1.5, instance_id=f"slow-{index}"), test_patch=slow_tests
+            ),
+            CONFIG,
+            work_root,
+        )
+        for index, patch in enumerate(["", toy.gold_patch, toy.patch_for({"calc/ops.py": sleeper})])
+    ]
+    for verdict in verdicts:
+        assert verdict.failure_kind == FailureKind.TIMEOUT and verdict.reward == 0.0
+        assert verdict.limit_outcome, verdict.failure_detail
+        assert "baseline" in verdict.failure_detail and "hits a limit too" in verdict.failure_detail
+    # The baseline ran for the first submission only.
+    assert ["baseline" in verdict.timings_s for verdict in verdicts] == [True, False, False]
+
+
+def test_the_baseline_cache_runs_once_per_key_and_stays_bounded():
+    cache = pipeline._BaselineCache()
+    calls = []
+    started = threading.Event()
+
+    def run():
+        calls.append(1)
+        started.set()
+        time.sleep(0.2)  # the other threads arrive while it runs
+        return FailureKind.TIMEOUT
+
+    results = []
+    threads = [
+        threading.Thread(target=lambda: results.append(cache.get_or_run(("k",), 2, run)))
+        for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert calls == [1] and results == [FailureKind.TIMEOUT] * 4
+
+    def fail():
+        raise pipeline.InfrastructureError("the sandbox could not start")
+
+    with pytest.raises(pipeline.InfrastructureError):
+        cache.get_or_run(("x",), 2, fail)
+    assert cache.get_or_run(("x",), 2, lambda: None) is None  # a failed run is not remembered
+    cache.get_or_run(("y",), 2, lambda: None)
+    # Bounded: ("k",) was the least recently used of three, so it is run again.
+    assert cache.get_or_run(("k",), 2, lambda: FailureKind.CPU_LIMIT) is FailureKind.CPU_LIMIT
+
+
+# --- nothing the patch controls becomes an infrastructure error --------------------------------
+
+
+def test_a_patch_that_is_not_unicode_text_is_invalid(toy, work_root):
+    # JSON lets a client send lone surrogates; no file or UTF-8 encoder accepts them.
+    patch = toy.patch_for({"calc/ops.py": OPS_FIXED}) + "+# \udcff\n"
+    verdict = _score(toy, work_root, patch)
+    _assert_not_resolved(verdict)
+    assert verdict.failure_kind == FailureKind.PATCH_INVALID
+    assert verdict.apply_method == ApplyMethod.NOT_ATTEMPTED and verdict.test_exit_code is None
+
+
+def test_a_patch_parser_that_raises_makes_the_patch_invalid(toy, work_root, monkeypatch):
+    # Stands for a parser bug some hostile patch text triggers (the parsers are fuzzed in their
+    # own tests): the pipeline still answers with a verdict.
+    def crash(patch):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(pipeline.screening, "screen_patch", crash)
+    verdict = _score(toy, work_root, toy.gold_patch)
+    _assert_not_resolved(verdict)
+    assert verdict.failure_kind == FailureKind.PATCH_INVALID and "RecursionError" in (
+        verdict.failure_detail
+    )
+
+
+def test_a_grader_that_raises_is_an_untrusted_report():
+    def crash():
+        raise KeyError("a record field the grader did not expect")
+
+    grade = pipeline._grade_safely(crash)
+    assert not grade.resolved and grade.reward == 0.0
+    assert grade.failure_kind == FailureKind.REPORT_UNTRUSTED and "KeyError" in grade.detail
+
+
+def test_odd_file_names_are_verdicts_in_valid_text(toy, work_root):
+    ok = {
+        "calc/ops.py": OPS_FIXED,
+        "calc/\udcffodd.py": "x = 1\n",  # the byte 0xff: not UTF-8
+        "calc/new\nline.py": "y = 2\n",
+        "calc/\u00fcml\u00e4ut \u2603.py": "z = 3\n",
+        "calc/" + "d/" * 300 + "deep.py": "w = 4\n",
+        "calc/" + "n" * 250 + ".py": "v = 5\n",
+        "calc/-rf": "dash\n",
+        "calc/*?[": "glob\n",
+        "calc/:(top)x": "pathspec magic\n",
+    }
+    verdict = _score(toy, work_root, toy.patch_for(ok))
+    assert verdict.resolved, verdict.failure_detail
+    refused = _score(toy, work_root, toy.patch_for({**ok, "\udcffodd.pth": "import os\n"}))
+    _assert_not_resolved(refused)
+    assert refused.failure_kind == FailureKind.INTEGRITY_VIOLATION
+    assert refused.integrity_violation == ("\\xffodd.pth",)
+    json.dumps(refused.to_dict(), ensure_ascii=False).encode("utf-8")  # no lone surrogate left
 
 
 def test_huge_output_is_bounded(toy, work_root):
@@ -412,6 +583,7 @@ def test_custom_test_command(toy, work_root):
         ("max_num_open_files", 4),
         ("max_log_bytes", True),
         ("cache_dir", ""),
+        ("max_baseline_entries", 0),
     ],
 )
 def test_config_is_validated(key, value):
