@@ -22,8 +22,11 @@ Infrastructure errors — the client giving up (`ExecutorUnavailableError`), no 
 and still finish); an INFRA_ERROR task is final on the executor, so the retry submits it under a
 new id (suffix `-r<n>`). A sample still without a verdict gets sample_mask 0, reward 0 and
 `infra_error` in its metadata: it is excluded from the loss, never scored 0. So is a verdict
-marked `limit_outcome` (its test run ended at the wall-clock or CPU-time limit, which an
-overloaded machine causes as readily as a slow patch).
+marked `limit_outcome`: the executor proved the limit was not the patch's doing (its test run
+ended at the wall-clock or CPU-time limit and so does the task's baseline, the base commit with
+the held-out tests and no patch, on that executor). A run killed at a limit that the baseline
+does not hit is the patch's failure and is scored like one (reward 0 raw, `failure_kind`
+timeout or cpu_limit); docs/sandbox.md, "Runs killed at a limit".
 
 Per-sample metadata keys: `instance_id`, `task_id` (None when not submitted), `parse_failure`
 (the extraction's reason or None), `patch_rejected` (the executor refused the patch itself, e.g.
@@ -36,12 +39,16 @@ screening of the patch, "category: token"), `infra_error` (None or the last erro
 plus the reward pipeline's keys (`raw_reward`, `reward`, `<stage>/...`) for samples with a
 verdict.
 
-Metrics: `env/num_samples`, `env/num_infra_errors`, `env/num_limit_outcomes`,
-`env/num_parse_failures`,
+Metrics: `env/num_samples`, `env/num_infra_errors`, `env/num_limit_outcomes` (masked: the
+baseline hits the limit too), `env/num_patch_limit_failures` (timeout or cpu_limit verdicts
+charged to the patch, not masked), `env/num_parse_failures`,
 `env/num_apply_failures`, `env/num_integrity_violations`, `env/num_timed_out`, `env/num_resolved`,
 `env/num_tampering` (verdicts whose failure kind is tampering: the test process altered its own
-results), `env/num_screening_flagged` (verdicts with any screening flag, penalised or not), plus
-the reward pipeline's metrics as `env/<key>`.
+results), `env/num_unsafe_capability` and `env/unsafe_capability_rate` (verdicts refused by the
+executor's capability screen, and their fraction of all verdicts: a rising rate on patches that
+otherwise look honest is the screen's false positives), `env/num_screening_flagged` (verdicts
+with any screening flag, penalised or not; the capability screen's findings are flags too,
+"capability: ..."), plus the reward pipeline's metrics as `env/<key>`.
 
 Not covered: extracting the patch from the model's text (the data layer does), multi-turn
 episodes, choosing among several executors (one URL; put a load balancer in front for a fleet).
@@ -85,6 +92,8 @@ _APPLIED = {
     ApplyMethod.EMPTY: None,
     ApplyMethod.NOT_ATTEMPTED: None,
 }
+# Failure kinds of a run killed at a limit (maskable only with the executor's proof).
+_LIMIT_KINDS = (FailureKind.TIMEOUT.value, FailureKind.CPU_LIMIT.value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,8 +328,9 @@ class SweEnvironment(Environment):
             if result is not None and result.infra_error is not None:
                 continue  # masked out: reward stays 0 and is never shaped or counted
             if meta["limit_outcome"]:
-                # Killed at a time limit: the machine may be to blame, so it is no evidence
-                # against the patch either way; masked like an infrastructure error.
+                # Killed at a limit that the task's baseline hits too on that executor: proven
+                # not to be the patch's doing, so no evidence either way; masked like an
+                # infrastructure error. (A limit the baseline does not hit is a plain failure.)
                 continue
             held_out = held_out_cache.get(rollout.instance.test_patch)
             if held_out is None:
@@ -351,6 +361,15 @@ class SweEnvironment(Environment):
         metrics["env/num_resolved"] = float(sum(m["resolved"] for m in metadata))
         metrics["env/num_tampering"] = float(
             sum(m["failure_kind"] == FailureKind.TAMPERING.value for m in metadata)
+        )
+        num_verdicts = sum(m["failure_kind"] is not None for m in metadata)
+        num_unsafe = sum(
+            m["failure_kind"] == FailureKind.UNSAFE_CAPABILITY.value for m in metadata
+        )
+        metrics["env/num_unsafe_capability"] = float(num_unsafe)
+        metrics["env/unsafe_capability_rate"] = num_unsafe / num_verdicts if num_verdicts else 0.0
+        metrics["env/num_patch_limit_failures"] = float(
+            sum(m["failure_kind"] in _LIMIT_KINDS and not m["limit_outcome"] for m in metadata)
         )
         metrics["env/num_screening_flagged"] = float(
             sum(bool(m["screening_flags"]) for m in metadata)

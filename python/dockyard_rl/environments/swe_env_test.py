@@ -376,3 +376,66 @@ def test_rollout_and_step_validation(repo):
         asyncio.run(env.step(["a patch"], global_step=0))
     empty = asyncio.run(env.step([], global_step=0))
     assert empty.rewards_B.shape == (0,) and empty.metadata == ()
+
+
+def test_limits_charged_to_the_patch_and_unsafe_capabilities_are_scored_and_counted(
+    tmp_path, repo
+):
+    # Verdicts as the pipeline writes them: a limit the task's baseline does not hit is the
+    # patch's failure (scored 0, counted); one it hits too is masked; a capability-screen
+    # refusal is a failure with its flags.
+    charged_timeout = "diff --git a/sleeps b/sleeps\n"
+    charged_cpu = "diff --git a/spins b/spins\n"
+    masked = "diff --git a/slow_task b/slow_task\n"
+    unsafe = "diff --git a/hook b/hook\n"
+    verdicts = {
+        charged_timeout: (FailureKind.TIMEOUT, False, ()),
+        charged_cpu: (FailureKind.CPU_LIMIT, False, ()),
+        masked: (FailureKind.TIMEOUT, True, ()),
+        unsafe: (FailureKind.UNSAFE_CAPABILITY, False, ("capability: sys.meta_path",)),
+    }
+
+    def score(spec, work_root):
+        kind, limit_outcome, flags = verdicts[spec.patch]
+        return Verdict(
+            resolved=False,
+            reward=0.0,
+            fail_to_pass={t: TestOutcome.MISSING for t in spec.fail_to_pass},
+            pass_to_pass={t: TestOutcome.MISSING for t in spec.pass_to_pass},
+            apply_method=ApplyMethod.GIT_APPLY,
+            integrity_violation=(),
+            test_exit_code=None,
+            timed_out=kind is FailureKind.TIMEOUT,
+            timings_s={"total": 0.0},
+            log_tail="",
+            failure_kind=kind,
+            failure_detail=kind.value,
+            screening_flags=flags,
+            limit_outcome=limit_outcome,
+        )
+
+    shaping = RewardPipeline(
+        from_dict(
+            RewardShapingConfig,
+            {"stages": [{"type": "scale", "scale": 2.0, "shift": -1.0}]},
+            "rewards",
+        )
+    )
+    rollouts = [rollout(repo, patch) for patch in (charged_timeout, charged_cpu, masked, unsafe)]
+
+    async def scenario():
+        async with running_server(executor_config(tmp_path), score) as server:
+            env = SweEnvironment(env_config(server.url), shaping)
+            return await env.step(rollouts, global_step=0)
+
+    result = asyncio.run(scenario())
+    # Charged and refused samples are shaped like any failure (raw 0 -> -1); the masked one is not.
+    assert result.rewards_B.tolist() == [-1.0, -1.0, 0.0, -1.0]
+    assert result.sample_mask_B.tolist() == [1.0, 1.0, 0.0, 1.0]
+    assert [m["limit_outcome"] for m in result.metadata] == [False, False, True, False]
+    assert result.metadata[3]["screening_flags"] == ["capability: sys.meta_path"]
+    metrics = result.metrics
+    assert metrics["env/num_patch_limit_failures"] == 2.0
+    assert metrics["env/num_limit_outcomes"] == 1.0 and metrics["env/num_infra_errors"] == 0.0
+    assert metrics["env/num_unsafe_capability"] == 1.0
+    assert metrics["env/unsafe_capability_rate"] == pytest.approx(1 / 4)

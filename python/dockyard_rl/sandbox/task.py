@@ -272,8 +272,10 @@ class Verdict:
     failure_kind: FailureKind = FailureKind.NONE  # why it is not resolved (NONE when resolved)
     failure_detail: str = ""  # the reason in words ("" when resolved)
     screening_flags: tuple[str, ...] = ()  # static screening of the patch ("category: token")
-    # The run ended at the wall-clock or CPU-time limit: a slow patch, or an overloaded machine.
-    # Not evidence against the patch; the environment masks such samples like infra errors.
+    # The run ended at the wall-clock or CPU-time limit AND the task's baseline (base commit with
+    # the gold tests, no agent patch) hits a limit on this executor too: proven not the patch's
+    # doing, so the environment masks the sample like an infra error. A limit the baseline does
+    # not hit is the patch's failure (failure_kind timeout / cpu_limit) and this stays False.
     limit_outcome: bool = False
 
     def to_dict(self) -> dict[str, Any]:
