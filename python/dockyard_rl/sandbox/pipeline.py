@@ -77,6 +77,7 @@ import unidiff
 
 from dockyard_rl.sandbox import apply as apply_lib
 from dockyard_rl.sandbox import (
+    capability_screen,
     cleanup,
     grading,
     images,
@@ -713,6 +714,28 @@ class _Scoring:
                 detail=detail,
                 log_tail=detail,
             )
+        # 4b. capabilities only tampering needs, read from the changed files' ASTs on disk
+        # (capability_screen.py); git still reads only trusted state here.
+        findings = capability_screen.screen_tree(
+            self.worktree,
+            capability_screen.changed_files(self.worktree),
+            binary_targets=capability_screen.binary_hunk_targets(spec.patch),
+            read_base=capability_screen.base_reader(self.worktree),
+        )
+        if findings:
+            self.lap("apply")
+            self.flags = tuple(sorted({*self.flags, *(f"capability: {f}" for f in findings)}))
+            shown = "; ".join(findings[:20]) + (
+                f"; and {len(findings) - 20} more" if len(findings) > 20 else ""
+            )
+            detail = f"the patch uses capabilities only tampering needs ({shown}); no test ran"
+            return self.finish(
+                apply_method=applied.method,
+                kind=FailureKind.UNSAFE_CAPABILITY,
+                detail=detail,
+                log_tail="\n".join(("[dockyard] unsafe capabilities:", *findings)),
+            )
+
         # 5. held-out tests back to base, then the gold test patch
         problem = self.install_tests(self.worktree, commit, all_test_files)
         if problem:
