@@ -596,3 +596,34 @@ def test_config_from_yaml_dict():
     assert config.limits(None).wall_timeout_s == 10 and config.limits(2.5).wall_timeout_s == 2.5
     assert config.cache_path(pathlib.Path("/w")) == pathlib.Path("/x")
     assert pipeline.PipelineConfig().cache_path(pathlib.Path("/w")) == pathlib.Path("/w/mirrors")
+
+
+@pytest.mark.parametrize(
+    "extra, kind",
+    [
+        # File mode 000 (git apply accepts it; the tree and the sandbox must still read it).
+        (
+            "diff --git a/calc/x.py b/calc/x.py\nnew file mode 100000\n--- /dev/null\n"
+            "+++ b/calc/x.py\n@@ -0,0 +1 @@\n+x = 1\n",
+            FailureKind.NONE,
+        ),
+        # A folder where a held-out test file must go.
+        (
+            "diff --git a/tests/test_mul_table.py/x b/tests/test_mul_table.py/x\n"
+            "new file mode 100644\n--- /dev/null\n+++ b/tests/test_mul_table.py/x\n"
+            "@@ -0,0 +1 @@\n+x = 1\n",
+            FailureKind.INTEGRITY_VIOLATION,
+        ),
+        # Attributes that would make git re-encode the held-out files it restores.
+        (
+            "diff --git a/.gitattributes b/.gitattributes\nnew file mode 100644\n"
+            "--- /dev/null\n+++ b/.gitattributes\n@@ -0,0 +1 @@\n"
+            "+* text eol=crlf working-tree-encoding=UTF-16\n",
+            FailureKind.INTEGRITY_VIOLATION,
+        ),
+    ],
+)
+def test_tree_tricks_on_the_git_paths_are_verdicts(toy, work_root, extra, kind):
+    verdict = _score(toy, work_root, toy.gold_patch + extra)
+    assert verdict.failure_kind == kind, verdict.failure_detail
+    assert verdict.resolved == (kind == FailureKind.NONE)
