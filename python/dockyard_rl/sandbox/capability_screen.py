@@ -181,54 +181,58 @@ _NATIVE_ACCESS_MODULES = frozenset(
 )
 # Attribute names that lead to frames whatever the receiver's type.
 _FRAME_ATTRS = frozenset(
-    {"f_back", "f_globals", "f_locals", "f_builtins", "f_trace", "tb_frame", "gi_frame",
-     "cr_frame", "ag_frame"}  # fmt: skip
+    ("f_back f_globals f_locals f_builtins f_trace tb_frame gi_frame cr_frame ag_frame").split()
 )
 # Attributes whose assignment rewrites a function another module owns.
 _CODE_STORE_ATTRS = frozenset({"__code__", "__defaults__", "__kwdefaults__", "cell_contents"})
 _REPLACEABLE_BUILTINS = frozenset(
-    {"exec", "eval", "compile", "open", "print", "__import__", "getattr", "setattr", "hasattr",
-     "isinstance", "exit", "quit"}  # fmt: skip
+    ("exec eval compile open print __import__ getattr setattr hasattr isinstance exit quit").split()
 )
 _MUTATING_METHODS = frozenset(
-    {"append", "insert", "extend", "remove", "pop", "popitem", "clear", "update", "setdefault",
-     "add", "discard", "sort", "reverse", "__setitem__", "__delitem__", "__setattr__",
-     "__delattr__", "__iadd__"}  # fmt: skip
+    (
+        "append insert extend remove pop popitem clear update setdefault add discard sort reverse "
+        "__setitem__ __delitem__ __setattr__ __delattr__ __iadd__"
+    ).split()
 )
 # Modules a patch has no business storing attributes on (monkeypatch) and whose namespaces
 # getattr/setattr with computed names would hide (obfuscation).
 _SENSITIVE_MODULES = frozenset(
-    {"sys", "builtins", "__builtin__", "__builtins__", "gc", "importlib", "inspect", "types",
-     "traceback", "marshal", "atexit", "signal", "faulthandler", "resource", "os", "posix", "io",
-     "unittest", "doctest", "pytest", "_pytest", "pluggy", "ctypes", "threading", "_thread",
-     "warnings", "shutil", "pathlib", "codecs", "subprocess"}  # fmt: skip
+    (
+        "sys builtins __builtin__ __builtins__ gc importlib inspect types traceback marshal atexit "
+        "signal faulthandler resource os posix io unittest doctest pytest _pytest pluggy ctypes "
+        "threading _thread warnings shutil pathlib codecs subprocess"
+    ).split()
 )
 # Stores on these are flagged (ctypes' argtypes/restype setup is covered by its import).
 _PATCHED_MODULES = _SENSITIVE_MODULES - frozenset({"ctypes"})
 # sys attributes libraries set for ordinary reasons (colorama wraps the streams, CLIs install
 # excepthooks); every other store on sys is a finding.
 _SYS_SETTABLE = frozenset(
-    {"stdout", "stderr", "stdin", "excepthook", "displayhook", "unraisablehook", "ps1", "ps2",
-     "tracebacklimit", "dont_write_bytecode", "path", "last_type", "last_value",
-     "last_traceback"}  # fmt: skip
+    (
+        "stdout stderr stdin excepthook displayhook unraisablehook ps1 ps2 tracebacklimit "
+        "dont_write_bytecode path last_type last_value last_traceback"
+    ).split()
 )
-_CODE_RUNNERS = frozenset({"exec", "eval", "compile", "builtins.exec", "builtins.eval",
-                           "builtins.compile"})  # fmt: skip
-_IMPORTERS = frozenset({"__import__", "builtins.__import__", "importlib.import_module",
-                        "importlib.__import__"})  # fmt: skip
+_CODE_RUNNERS = frozenset(
+    {"exec", "eval", "compile", "builtins.exec", "builtins.eval", "builtins.compile"}
+)
+_IMPORTERS = frozenset(
+    {"__import__", "builtins.__import__", "importlib.import_module", "importlib.__import__"}
+)
 _DECODER_MODULES = ("base64", "codecs", "zlib", "bz2", "lzma", "binascii", "gzip")
-_PICKLE_LOADS = frozenset({"pickle.loads", "pickle.load", "_pickle.loads", "cPickle.loads",
-                           "dill.loads", "cloudpickle.loads"})  # fmt: skip
+_PICKLE_LOADS = frozenset(
+    ("pickle.loads pickle.load _pickle.loads cPickle.loads dill.loads cloudpickle.loads").split()
+)
 _OS_WRITES = frozenset(
-    {"os.remove", "os.unlink", "os.rename", "os.renames", "os.replace", "os.rmdir",
-     "os.removedirs", "os.truncate", "os.chmod", "os.chown", "os.link", "os.symlink",
-     "os.utime", "os.mkdir", "os.makedirs", "os.mkfifo", "shutil.copy", "shutil.copy2",
-     "shutil.copyfile", "shutil.copytree", "shutil.move", "shutil.rmtree", "shutil.copymode",
-     "shutil.copystat"}  # fmt: skip
+    (
+        "os.remove os.unlink os.rename os.renames os.replace os.rmdir os.removedirs os.truncate "
+        "os.chmod os.chown os.link os.symlink os.utime os.mkdir os.makedirs os.mkfifo shutil.copy "
+        "shutil.copy2 shutil.copyfile shutil.copytree shutil.move shutil.rmtree shutil.copymode "
+        "shutil.copystat"
+    ).split()
 )
 _PATH_WRITE_METHODS = frozenset(
-    {"write_text", "write_bytes", "touch", "unlink", "rename", "rmdir", "symlink_to",
-     "hardlink_to", "chmod", "mkdir"}  # fmt: skip
+    ("write_text write_bytes touch unlink rename rmdir symlink_to hardlink_to chmod mkdir").split()
 )
 _OPEN_WRITE_FLAGS = frozenset({"O_WRONLY", "O_RDWR", "O_CREAT", "O_TRUNC", "O_APPEND"})
 _KILLS = frozenset({"os.kill", "os.killpg", "signal.pthread_kill"})
@@ -238,9 +242,26 @@ _EXTENSION_SUFFIXES = tuple({".so", ".pyd", *importlib.machinery.EXTENSION_SUFFI
 _PYTHON_SUFFIXES = (".py", ".pyw")
 # Binary hunks are for binary files: these are text whatever their content.
 _TEXT_SUFFIXES = (
-    ".py", ".pyw", ".pyi", ".pth", ".cfg", ".ini", ".toml", ".txt", ".json", ".yaml", ".yml",
-    ".rst", ".md", ".in", ".sh", ".c", ".h", ".pyx", ".pxd",
-)  # fmt: skip
+    ".py",
+    ".pyw",
+    ".pyi",
+    ".pth",
+    ".cfg",
+    ".ini",
+    ".toml",
+    ".txt",
+    ".json",
+    ".yaml",
+    ".yml",
+    ".rst",
+    ".md",
+    ".in",
+    ".sh",
+    ".c",
+    ".h",
+    ".pyx",
+    ".pxd",
+)
 # Words looked for in a .py file that does not parse here.
 _SENSITIVE_WORDS_RE = re.compile(
     r"\b(?:meta_path|path_hooks|path_importer_cache|__builtins__|builtins|_getframe|"
@@ -284,9 +305,15 @@ def changed_files(worktree: pathlib.Path) -> list[str]:
     ignored files included (a .gitignore must not hide a file from the screen). Call before
     untrusted code runs in `worktree` (git reads its .git). Raises OSError when git fails."""
     diff = _git_bytes(
-        worktree, "diff", "--no-renames", "--no-ext-diff", "--no-textconv", "--name-only", "-z",
+        worktree,
+        "diff",
+        "--no-renames",
+        "--no-ext-diff",
+        "--no-textconv",
+        "--name-only",
+        "-z",
         "HEAD",
-    )  # fmt: skip
+    )
     others = _git_bytes(worktree, "ls-files", "--others", "-z")
     names = {os.fsdecode(raw) for raw in (diff + b"\0" + others).split(b"\0") if raw}
     return sorted(names)
@@ -297,9 +324,14 @@ def base_reader(worktree: pathlib.Path) -> Callable[[str], bytes | None]:
 
     def read(path: str) -> bytes | None:
         result = apply_lib.git(
-            worktree, "cat-file", "blob", f"HEAD:{path}", check=False, text=False,
+            worktree,
+            "cat-file",
+            "blob",
+            f"HEAD:{path}",
+            check=False,
+            text=False,
             timeout=_GIT_TIMEOUT_S,
-        )  # fmt: skip
+        )
         return result.stdout if result.returncode == 0 else None
 
     return read
@@ -357,8 +389,9 @@ def _joined_strings(node: ast.AST) -> list[str]:
 def _is_docstring(node: ast.Constant, parent: ast.AST | None, grandparent: ast.AST | None) -> bool:
     return (
         isinstance(parent, ast.Expr)
-        and isinstance(grandparent, (ast.Module, ast.ClassDef, ast.FunctionDef,
-                                     ast.AsyncFunctionDef))  # fmt: skip
+        and isinstance(
+            grandparent, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        )
         and grandparent.body
         and grandparent.body[0] is parent
     )
@@ -476,7 +509,7 @@ class _Screen(ast.NodeVisitor):
         return True
 
     def qualname(self, node: ast.AST) -> str | None:
-        """"sys._getframe" for `sys._getframe`, `s._getframe` (import sys as s),
+        """ "sys._getframe" for `sys._getframe`, `s._getframe` (import sys as s),
         `getattr(sys, "_getframe")`, `sys.modules["sys"]._getframe`, `__import__("sys")...`."""
         if isinstance(node, ast.Name):
             return self.aliases.get(node.id, node.id)
@@ -671,9 +704,10 @@ class _Screen(ast.NodeVisitor):
             # `sys.meta_path[0] = f` / `= [f]` / setattr: the list itself is mutated();
             # `sys.meta_path.insert(0, f)` resolves to the longer, called name.
             if (name == hook_list and self.mutated(node)) or (
-                is_call and name.startswith(hook_list + ".")
+                is_call
+                and name.startswith(hook_list + ".")
                 and name.rpartition(".")[2] in _MUTATING_METHODS
-            ):  # fmt: skip
+            ):
                 self.hit(parent if is_call else node, "import_hook", f"mutates {hook_list}")
                 return
         root = name.split(".")[0]
@@ -747,9 +781,10 @@ class _Screen(ast.NodeVisitor):
                 self.hit(node, "obfuscation", f"{func} of embedded data{self.decoded(node)}")
         elif func in ("codecs.decode", "codecs.encode", "codecs.getdecoder", "codecs.lookup"):
             if any(
-                re.fullmatch(r"(?i)rot[-_]?13", s) for a in node.args[1:] for s in
-                _joined_strings(a)
-            ):  # fmt: skip
+                re.fullmatch(r"(?i)rot[-_]?13", s)
+                for a in node.args[1:]
+                for s in _joined_strings(a)
+            ):
                 self.hit(node, "obfuscation", "rot13")
         if isinstance(node.func, ast.Attribute):
             method, receiver = node.func.attr, node.func.value
@@ -858,8 +893,9 @@ class _Screen(ast.NodeVisitor):
                 paths = [receiver, *(node.args[:1] if named else ())]
             elif method == "open" and any(_may_write(a) for a in node.args[:1]):
                 paths = [receiver]
-            elif method == "open" and any(k.arg == "mode" and _may_write(k.value)
-                                          for k in node.keywords):  # fmt: skip
+            elif method == "open" and any(
+                k.arg == "mode" and _may_write(k.value) for k in node.keywords
+            ):
                 paths = [receiver]
             elif method == "replace" and len(node.args) == 1 and not node.keywords:
                 # Path.replace(target); str.replace takes two arguments.
@@ -939,8 +975,14 @@ def _screen_python(path: str, data: bytes) -> list[tuple[int, str, str, str]]:
         for number, line in enumerate(text.splitlines(), 1):
             for match in _SENSITIVE_WORDS_RE.finditer(line):
                 word = match.group(0)
-                hits.append((number, "source_hiding", f"unparsable here, mentions {word}",
-                             f"unparsed: {word}: {line.strip()}"))  # fmt: skip
+                hits.append(
+                    (
+                        number,
+                        "source_hiding",
+                        f"unparsable here, mentions {word}",
+                        f"unparsed: {word}: {line.strip()}",
+                    )
+                )
         return hits
     screen = _Screen(tree, path)
     try:
