@@ -123,6 +123,9 @@ class PipelineConfig:
     # Baseline outcomes remembered per process (a run killed at a limit is masked only when
     # its task's baseline hits a limit too; see _Scoring.charge_limit).
     max_baseline_entries: int = 4096
+    # Step 4b, the AST capability screen. Off only to test the run-time layers on their own
+    # (pipeline_test): in production a patch it would refuse then runs.
+    capability_screen: bool = True
 
     def __post_init__(self):
         def positive_int(name: str, what: str):
@@ -153,6 +156,11 @@ class PipelineConfig:
         positive_int("max_binary_patch_bytes", "bytes of binary content in a patch")
         positive_int("image_cache_max_bytes", "bytes of unpacked task images kept")
         positive_int("max_baseline_entries", "task baselines remembered per process")
+        require(
+            isinstance(self.capability_screen, bool),
+            "capability_screen",
+            f"must be true or false, got {self.capability_screen!r}",
+        )
         require(
             self.memory_bytes >= 64 * 1024**2,
             "memory_bytes",
@@ -716,12 +724,14 @@ class _Scoring:
             )
         # 4b. capabilities only tampering needs, read from the changed files' ASTs on disk
         # (capability_screen.py); git still reads only trusted state here.
-        findings = capability_screen.screen_tree(
-            self.worktree,
-            capability_screen.changed_files(self.worktree),
-            binary_targets=capability_screen.binary_hunk_targets(spec.patch),
-            read_base=capability_screen.base_reader(self.worktree),
-        )
+        findings = ()
+        if config.capability_screen:
+            findings = capability_screen.screen_tree(
+                self.worktree,
+                capability_screen.changed_files(self.worktree),
+                binary_targets=capability_screen.binary_hunk_targets(spec.patch),
+                read_base=capability_screen.base_reader(self.worktree),
+            )
         if findings:
             self.lap("apply")
             self.flags = tuple(sorted({*self.flags, *(f"capability: {f}" for f in findings)}))

@@ -25,12 +25,16 @@ from dockyard_rl.sandbox.testing_repos import (
 )
 from dockyard_rl.utils.config import from_dict
 
+# The capability screen (step 4b) would refuse most hostile patches below before they run; it is
+# off here so that each run-time layer is tested on its own (capability_screen_test tests the
+# screen, test_the_capability_screen_is_on_by_default its place in the pipeline).
 CONFIG = pipeline.PipelineConfig(
     timeout_s=60,
     cpu_time_s=60,
     memory_bytes=2 * 1024**3,
     max_num_processes=64,
     max_log_bytes=16 * 1024,
+    capability_screen=False,
 )
 
 
@@ -513,7 +517,7 @@ for _obj in gc.get_objects():
     verdict = _score(toy, work_root, toy.patch_for(_ops_with(prelude)))
     _assert_not_resolved(verdict)
     assert verdict.failure_kind == FailureKind.TAMPERING, verdict.failure_detail
-    assert "registered from" in verdict.failure_detail
+    assert "plugin 'forger' registered by repository code" in verdict.failure_detail
     assert "introspection: gc.get_objects" in verdict.screening_flags
 
 
@@ -584,6 +588,7 @@ def test_custom_test_command(toy, work_root):
         ("max_log_bytes", True),
         ("cache_dir", ""),
         ("max_baseline_entries", 0),
+        ("capability_screen", "yes"),
     ],
 )
 def test_config_is_validated(key, value):
@@ -627,3 +632,13 @@ def test_tree_tricks_on_the_git_paths_are_verdicts(toy, work_root, extra, kind):
     verdict = _score(toy, work_root, toy.gold_patch + extra)
     assert verdict.failure_kind == kind, verdict.failure_detail
     assert verdict.resolved == (kind == FailureKind.NONE)
+
+
+def test_the_capability_screen_is_on_by_default(toy, work_root):
+    prelude = "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"
+    config = dataclasses.replace(CONFIG, capability_screen=True)
+    assert pipeline.PipelineConfig().capability_screen
+    verdict = _score(toy, work_root, toy.patch_for(_ops_with(prelude, fixed=True)), config)
+    _assert_not_resolved(verdict)
+    assert verdict.failure_kind == FailureKind.UNSAFE_CAPABILITY and not verdict.limit_outcome
+    assert verdict.test_exit_code is None  # refused before any test ran
