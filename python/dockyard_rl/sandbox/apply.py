@@ -111,11 +111,13 @@ def _base85_line(line: str) -> bytes:
 def _delta_result_size(lines: list[str], start: int) -> int:
     """The result size a git delta declares in its header (after the source size), read by
     inflating only the first bytes of the hunk that starts at `lines[start]`; 0 if unreadable
-    (git refuses such a hunk anyway)."""
+    (git refuses such a hunk anyway). Reads lines in place: slicing `lines` here would copy the
+    rest of the patch for every delta hunk (quadratic in a patch of many tiny sections)."""
     inflater = zlib.decompressobj()
     head = b""
     try:
-        for line in lines[start:]:
+        for index in range(start, len(lines)):
+            line = lines[index]
             if not line:
                 break
             head += inflater.decompress(_base85_line(line), 32 - len(head))
@@ -295,9 +297,14 @@ def apply_patch(
             f"{declared.num_bytes} bytes, over the limit of {max_binary_bytes}; not applied",
             too_large=True,
         )
+    try:
+        data = (patch if patch.endswith("\n") else patch + "\n").encode("utf-8")
+    except UnicodeEncodeError as error:
+        # Lone surrogates (JSON's "\ud800" escapes): no applier could read such a file.
+        return ApplyResult(ApplyMethod.FAILED, f"the patch is not valid Unicode text: {error}")
     patch_file = scratch_dir / "agent.patch"
     # git apply wants a final newline; models often drop it.
-    patch_file.write_text(patch if patch.endswith("\n") else patch + "\n", encoding="utf-8")
+    patch_file.write_bytes(data)
     # prlimit sets the limits and execs the applier (soft = hard: the applier cannot raise them);
     # no core file either, which would land in the worktree.
     limit = ["prlimit", f"--fsize={max_file_bytes}:{max_file_bytes}", "--core=0:0", "--"]

@@ -66,7 +66,7 @@ _PATTERNS: tuple[tuple[str, str, str], ...] = (
     ("forced_exit", "os._exit", r"\bos\._exit\b"),
     ("forced_exit", "os.abort", r"\bos\.abort\b"),
     ("forced_exit", "os.kill", r"\bos\.kill(?:pg)?\b"),
-    ("forced_exit", "sys.exit (module level)", r"^(?:sys\.exit\b|raise\s+SystemExit\b)"),
+    ("forced_exit", "sys.exit (module level)", r"^(?:sys\.exit\b|raise[^\S\n]+SystemExit\b)"),
     # introspection: tools for reaching objects the code was not given (the runner's frames,
     # every live object, the interpreter's hooks and memory) and for hiding from audit hooks.
     ("introspection", "sys.addaudithook", r"\b(?:sys\.)?addaudithook\b"),
@@ -83,8 +83,33 @@ _PATTERNS: tuple[tuple[str, str, str], ...] = (
     ("introspection", "builtins.", r"\bbuiltins\.|\b__builtins__\b"),
 )
 _COMPILED = tuple(
-    (f"{category}: {token}", re.compile(pattern)) for category, token, pattern in _PATTERNS
+    (f"{category}: {token}", re.compile(pattern, re.MULTILINE))
+    for category, token, pattern in _PATTERNS
 )
+# Cost (issue 25, class 7): running 38 word-boundary patterns over every added line is slow on
+# a patch of many tiny lines or one huge line (~1 s per MiB). Every match of a pattern contains
+# one of its literals below, so a pattern only runs on a window around each place its literal
+# occurs (`str.find`, fast), and a pattern whose literal is absent costs nothing. The window
+# (`_WINDOW` characters either side) holds what the pattern looks at besides the literal: a word
+# boundary, a prefix such as "threading.", the blanks after "raise" (more than the window are
+# missed: a weak layer, see above), a suffix such as "getoption". "hookimpl" is matched in any
+# case: found in the lowered text, then searched for once.
+_LITERALS: dict[str, tuple[str, ...]] = {
+    "config.option": ("config.",),
+    "sys.exit (module level)": ("sys.exit", "SystemExit"),
+    "gc.get_referrers": ("get_referr",),
+    "f_globals": ("f_globals", "f_locals"),
+    "builtins.": ("builtins",),
+    "os.kill": ("os.kill",),
+    "inspect.currentframe": ("currentframe",),
+    "gc.get_objects": ("get_objects",),
+    "sys.addaudithook": ("addaudithook",),
+    "sys.settrace": ("settrace",),
+    "sys.setprofile": ("setprofile",),
+    "sys._getframe": ("_getframe",),
+    "/proc/self": ("/proc/self",),
+}
+_WINDOW = 32
 CATEGORIES = (
     "runner_internals",
     "report_path",
@@ -97,6 +122,15 @@ CATEGORIES = (
 BINARY_FLAG = "binary_content: GIT binary patch"
 
 _HUNK_RE = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
+# A count of more digits is no real hunk's: it reads as "the rest of the patch" (int() of
+# thousands of digits is refused by Python, and slow below that).
+_MAX_COUNT_DIGITS = 15
+
+
+def _count(digits: str | None) -> int:
+    if digits is None:
+        return 1
+    return int(digits) if len(digits) <= _MAX_COUNT_DIGITS else 10**_MAX_COUNT_DIGITS
 
 
 def added_lines(patch: str) -> list[str]:
@@ -124,20 +158,32 @@ def added_lines(patch: str) -> list[str]:
             num_old = num_new = 0  # a malformed hunk ended early: back to headers
         match = _HUNK_RE.match(line)
         if match:
-            num_old = int(match.group(1)) if match.group(1) is not None else 1
-            num_new = int(match.group(2)) if match.group(2) is not None else 1
+            num_old, num_new = _count(match.group(1)), _count(match.group(2))
         elif line.startswith("+") and not line.startswith("+++ "):
             lines.append(line[1:])
     return lines
 
 
+def _found(flag: str, pattern: re.Pattern, text: str) -> bool:
+    """Whether `pattern` matches `text` (see `_LITERALS`): linear in `text`."""
+    token = flag.partition(": ")[2]
+    if token == "hookimpl":
+        return "hookimpl" in text.lower() and pattern.search(text) is not None
+    for literal in _LITERALS.get(token, (token,)):
+        at = text.find(literal)
+        while at >= 0:
+            # search(text, pos, endpos) sees the characters before pos for "\b" and "^".
+            start, end = max(0, at - _WINDOW), at + len(literal) + _WINDOW
+            if pattern.search(text, start, end):
+                return True
+            at = text.find(literal, at + 1)
+    return False
+
+
 def screen_patch(patch: str) -> tuple[str, ...]:
     """Sorted unique flags "category: token" for `patch` (module docstring); () when none."""
-    flags: set[str] = set()
-    for line in added_lines(patch):
-        for flag, pattern in _COMPILED:
-            if flag not in flags and pattern.search(line):
-                flags.add(flag)
+    added = "\n".join(added_lines(patch))
+    flags = {flag for flag, pattern in _COMPILED if _found(flag, pattern, added)}
     if any(line.startswith("GIT binary patch") for line in patch.splitlines()):
         flags.add(BINARY_FLAG)
     return tuple(sorted(flags))
