@@ -20,6 +20,16 @@ blindly); no marker file exists that only host-side execution of planted git hoo
 the task set is intact; the executor left no task directory behind. It prints
 `false_resolved=X/N patch_caused_infra_errors=Y/N` over the N attacks and asserts both are 0.
 
+Round 2 (issue 25, `test_round2_*`): the same executor also scores sandbox_attacks_round2.py
+(64 patches across that issue's seven classes) plus controls (a hedged patch: the real fix plus
+harmless library code, which must resolve; the empty patch; a small harmless patch timed as the
+reference for class 7). Per attack: finished, not resolved, reward 0 and `limit_outcome` false;
+any failure kind is accepted. It prints `false_resolved`, `patch_caused_masked` and
+`patch_caused_infra_error` (stalls count there) with per-class counts, class 7's scoring and
+host-side parse times against the reference, and the worst /healthz latency while scoring, and
+asserts the three counts are 0. `-k round2` scores only this catalogue (the fixtures are split:
+`env` holds the executor and tasks, `suite` and `round2` each score one catalogue).
+
 Where things live, on purpose: the task set and the executor's work root sit side by side in a
 world-readable directory under /var/tmp (as a data directory on a real machine would), NOT under
 /tmp, /root or /home — those the sandbox hides anyway, and an attack that cannot see the task set
@@ -68,6 +78,11 @@ from dockyard_rl.utils.config import from_dict
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import sandbox_attacks  # noqa: E402
 from sandbox_attacks import ATTACKS, Attack, AttackContext  # noqa: E402
+from sandbox_attacks_round2 import (  # noqa: E402
+    PARSING_CLASS,
+    ROUND2_ATTACKS,
+    hedged_control_build,
+)
 
 _MiB = 1024 * 1024
 _TASK_TIMEOUT_S = 60.0
@@ -227,8 +242,25 @@ def build_patch(attack: Attack, checkout: pathlib.Path, ctx: AttackContext) -> s
         assert not leftover, f"{attack.name}: the checkout is not clean afterwards: {leftover}"
 
 
+@dataclasses.dataclass
+class _Env:
+    """The one executor and the synthesized tasks both catalogues are scored against."""
+
+    url: str
+    executor: _ExecutorThread
+    base: pathlib.Path
+    taskset: pathlib.Path
+    work_dir: pathlib.Path
+    pwned_path: pathlib.Path
+    instances: list
+    target: object  # the SweInstance every attack targets
+    checkout: pathlib.Path  # the attacker's checkout at base_commit
+    ctx: AttackContext
+    gold_added: set[str]  # the gold patch's added lines: no attack may carry them
+
+
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory):
+def env(tmp_path_factory):
     # A world-readable directory outside the paths the sandbox always hides (module docstring).
     parent = "/var/tmp" if os.access("/var/tmp", os.W_OK) else str(tmp_path_factory.getbasetemp())
     base = pathlib.Path(tempfile.mkdtemp(prefix="dockyard-attack-", dir=parent))
@@ -284,34 +316,7 @@ def suite(tmp_path_factory):
             for line in target.patch.splitlines()
             if line.startswith("+") and not line.startswith("+++") and line[1:].strip()
         }
-        patches = {}
-        for attack in ATTACKS:
-            patch = build_patch(attack, checkout, ctx)
-            assert patch.strip(), f"{attack.name}: built an empty patch"
-            added = {line[1:].strip() for line in patch.splitlines() if line.startswith("+")}
-            assert not gold_added & added, f"{attack.name}: the patch carries the gold fix"
-            patches[attack.name] = patch
-
-        specs = [
-            target.to_task_spec(patches[a.name], timeout_s=a.timeout_s, task_id=f"attack-{a.name}")
-            for a in ATTACKS
-        ]
-        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        start = time.monotonic()
-        results = asyncio.run(_score_all(executor.url, specs))
-        wall_s = time.monotonic() - start
-        rss_growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
-        outcomes = {
-            a.name: _Outcome(
-                a,
-                len(patches[a.name].encode()),
-                r,
-                (r.verdict.timings_s.get("total", 0.0) if r.verdict else 0.0),
-            )
-            for a, r in zip(ATTACKS, results)
-        }
-        _print_table(outcomes, wall_s, rss_growth)
-        yield _Suite(
+        yield _Env(
             url=executor.url,
             executor=executor,
             base=base,
@@ -320,14 +325,63 @@ def suite(tmp_path_factory):
             pwned_path=pwned_path,
             instances=instances,
             target=target,
-            patches=patches,
-            outcomes=outcomes,
-            attacks_wall_s=wall_s,
-            max_rss_growth_mib=rss_growth,
+            checkout=checkout,
+            ctx=ctx,
+            gold_added=gold_added,
         )
     finally:
         executor.stop()
         _remove_tree(base)
+
+
+def _attack_patches(env: _Env, attacks) -> dict[str, str]:
+    patches = {}
+    for attack in attacks:
+        patch = build_patch(attack, env.checkout, env.ctx)
+        assert patch.strip(), f"{attack.name}: built an empty patch"
+        added = {line[1:].strip() for line in patch.splitlines() if line.startswith("+")}
+        assert not env.gold_added & added, f"{attack.name}: the patch carries the gold fix"
+        patches[attack.name] = patch
+    return patches
+
+
+@pytest.fixture(scope="module")
+def suite(env):
+    target = env.target
+    patches = _attack_patches(env, ATTACKS)
+    specs = [
+        target.to_task_spec(patches[a.name], timeout_s=a.timeout_s, task_id=f"attack-{a.name}")
+        for a in ATTACKS
+    ]
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.monotonic()
+    results = asyncio.run(_score_all(env.url, specs))
+    wall_s = time.monotonic() - start
+    rss_growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
+    outcomes = {
+        a.name: _Outcome(
+            a,
+            len(patches[a.name].encode()),
+            r,
+            (r.verdict.timings_s.get("total", 0.0) if r.verdict else 0.0),
+        )
+        for a, r in zip(ATTACKS, results)
+    }
+    _print_table(outcomes, wall_s, rss_growth)
+    return _Suite(
+        url=env.url,
+        executor=env.executor,
+        base=env.base,
+        taskset=env.taskset,
+        work_dir=env.work_dir,
+        pwned_path=env.pwned_path,
+        instances=env.instances,
+        target=target,
+        patches=patches,
+        outcomes=outcomes,
+        attacks_wall_s=wall_s,
+        max_rss_growth_mib=rss_growth,
+    )
 
 
 def _describe(outcome: _Outcome) -> str:
@@ -581,3 +635,319 @@ def test_executor_healthy_and_controls_after_attacks(suite):
 
     assert false_resolved == [], f"attacks that came back RESOLVED: {false_resolved}"
     assert infra == [], f"attacks that came back as infrastructure errors: {infra}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Round 2 (issue 25): sandbox_attacks_round2.py's catalogue, scored by the same executor.
+#
+# Strict properties, over the whole catalogue: no attack is resolved (false_resolved), none gets a
+# masked verdict (`limit_outcome: true`: patch_caused_masked) and none ends as an infrastructure
+# error or never finishes (patch_caused_infra_error). The failure kind itself may be any
+# unresolved one: the defences are free to choose how they refuse. Controls: the hedged patch
+# (the real fix plus harmless library code) must resolve, and so must every gold patch (checked
+# by test_executor_healthy_and_controls_after_attacks too); the empty patch must not.
+# Class 7's patches are timed against a small harmless patch, on the executor (the verdict's
+# timings) and on this host (the executor's own patch parsers called directly); /healthz is
+# polled during the whole round and its worst latency printed.
+
+_ROUND2_WAIT_TIMEOUT_S = 600.0
+_R2_HEDGED = "r2_control_hedged_fix"
+_R2_REFERENCE = "r2_control_small_harmless"
+
+
+def _reference_build(ctx: AttackContext) -> None:
+    name = "toystats/window.py"
+    ctx.write(name, ctx.read(name).replace('"""A sliding window."""', '"""A sliding window of values."""'))
+
+
+def _round2_controls(env: _Env) -> list[Attack]:
+    def control(name, build):
+        return Attack(
+            name=name,
+            attack_class=0,
+            description="control",
+            expected=frozenset({FailureKind.NONE}),
+            build=build,
+        )
+
+    return [
+        control(_R2_HEDGED, hedged_control_build(env.target.patch)),
+        control(_R2_REFERENCE, _reference_build),
+    ]
+
+
+async def _score_all_bounded(url: str, specs: list) -> list:
+    """_score_all, but a task that never finishes is returned as None (a stall), not raised."""
+    async with _client(url) as client:
+        task_ids = [await client.submit(spec) for spec in specs]
+
+        async def one(task_id):
+            try:
+                return await client.wait(
+                    task_id, poll_interval_s=0.5, timeout_s=_ROUND2_WAIT_TIMEOUT_S
+                )
+            except TimeoutError:
+                return None
+
+        return list(await asyncio.gather(*(one(task_id) for task_id in task_ids)))
+
+
+class _HealthProbe:
+    """Polls /healthz from its own thread; keeps the worst latency seen."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.worst_s = 0.0
+        self.num_probes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import urllib.request
+
+        while not self._stop.is_set():
+            start = time.monotonic()
+            try:
+                with urllib.request.urlopen(f"{self.url}/healthz", timeout=30) as response:
+                    response.read()
+            except Exception:  # noqa: BLE001 - a failed probe counts as its full wait
+                pass
+            self.worst_s = max(self.worst_s, time.monotonic() - start)
+            self.num_probes += 1
+            self._stop.wait(0.5)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(60)
+
+
+def _host_parse_seconds(patch: str) -> dict[str, float]:
+    """Time of the executor's own host-side patch parsers on `patch`, called here directly."""
+    from dockyard_rl.sandbox import integrity, screening
+
+    timings = {}
+    for name, parse in (
+        ("screening", screening.screen_patch),
+        ("integrity.touched_paths", integrity.touched_paths),
+    ):
+        start = time.monotonic()
+        try:
+            parse(patch)
+        except Exception as error:  # noqa: BLE001 - a raising parser is reported, not fatal
+            timings[f"{name} raised {type(error).__name__}"] = time.monotonic() - start
+            continue
+        timings[name] = time.monotonic() - start
+    return timings
+
+
+@dataclasses.dataclass
+class _Round2:
+    outcomes: dict[str, _Outcome | None]  # None: the task never finished (a stall)
+    controls: dict[str, TaskResult | None]
+    patches: dict[str, str]
+    host_parse_s: dict[str, dict[str, float]]
+    wall_s: float
+    worst_healthz_s: float
+
+
+def _r2_state(result: TaskResult | None) -> str:
+    if result is None:
+        return "STALLED (never finished)"
+    verdict = result.verdict
+    if verdict is None:
+        return f"{result.status.value}: {(result.error or '')[:120]}"
+    return (
+        f"{'RESOLVED' if verdict.resolved else 'unresolved'} kind={verdict.failure_kind.value} "
+        f"reward={verdict.reward} exit={verdict.test_exit_code}"
+        f"{' timed_out' if verdict.timed_out else ''}"
+        f"{' LIMIT_OUTCOME' if verdict.limit_outcome else ''}"
+    )
+
+
+@pytest.fixture(scope="module")
+def round2(env):
+    target = env.target
+    patches = _attack_patches(env, ROUND2_ATTACKS)
+    controls = _round2_controls(env)
+    for control in controls:
+        patches[control.name] = build_patch(control, env.checkout, env.ctx)
+    specs = [
+        target.to_task_spec(patches[a.name], timeout_s=a.timeout_s, task_id=f"attack-{a.name}")
+        for a in ROUND2_ATTACKS
+    ]
+    specs += [
+        target.to_task_spec(patches[c.name], timeout_s=_TASK_TIMEOUT_S, task_id=f"control-{c.name}")
+        for c in controls
+    ]
+    specs.append(
+        target.to_task_spec("", timeout_s=_TASK_TIMEOUT_S, task_id="control-r2-empty")
+    )
+    start = time.monotonic()
+    with _HealthProbe(env.url) as probe:
+        results = asyncio.run(_score_all_bounded(env.url, specs))
+    wall_s = time.monotonic() - start
+    num = len(ROUND2_ATTACKS)
+    outcomes = {
+        a.name: (
+            None
+            if r is None
+            else _Outcome(
+                a,
+                len(patches[a.name].encode("utf-8", "surrogatepass")),
+                r,
+                (r.verdict.timings_s.get("total", 0.0) if r.verdict else 0.0),
+            )
+        )
+        for a, r in zip(ROUND2_ATTACKS, results[:num])
+    }
+    control_results = dict(zip([c.name for c in controls] + ["r2_control_empty"], results[num:]))
+    host_parse_s = {
+        name: _host_parse_seconds(patches[name])
+        for name in [a.name for a in ROUND2_ATTACKS if a.attack_class == PARSING_CLASS]
+        + [_R2_REFERENCE]
+    }
+    round2 = _Round2(outcomes, control_results, patches, host_parse_s, wall_s, probe.worst_s)
+    _print_round2(round2)
+    return round2
+
+
+def _round2_counts(round2: _Round2) -> dict[str, list[str]]:
+    counts = {"false_resolved": [], "patch_caused_masked": [], "patch_caused_infra_error": []}
+    for name, outcome in round2.outcomes.items():
+        if outcome is None or outcome.result.status is not TaskStatus.FINISHED:
+            counts["patch_caused_infra_error"].append(name)
+            continue
+        verdict = outcome.result.verdict
+        if verdict.resolved or verdict.reward != 0.0:
+            counts["false_resolved"].append(name)
+        if verdict.limit_outcome:
+            counts["patch_caused_masked"].append(name)
+    return counts
+
+
+def _print_round2(round2: _Round2) -> None:
+    print(
+        f"\n[attack suite, round 2] {len(round2.outcomes)} attacks + controls scored in "
+        f"{round2.wall_s:.1f} s; worst /healthz latency meanwhile {round2.worst_healthz_s:.2f} s"
+    )
+    for name, outcome in round2.outcomes.items():
+        attack = next(a for a in ROUND2_ATTACKS if a.name == name)
+        elapsed = f"{outcome.elapsed_s:6.1f}s" if outcome is not None else "     ?s"
+        print(
+            f"  [r2-{attack.attack_class}] {name:<52} {elapsed}  "
+            f"{_r2_state(outcome.result if outcome else None)}"
+        )
+    for name, result in round2.controls.items():
+        print(f"  [control] {name:<50} {_r2_state(result)}")
+    reference = round2.controls.get(_R2_REFERENCE)
+    reference_s = (
+        reference.verdict.timings_s.get("total", 0.0) if reference and reference.verdict else 0.0
+    )
+    print(f"  class {PARSING_CLASS} (patch parsing), executor total vs a small harmless patch "
+          f"({reference_s:.2f} s), and this host's direct parse times:")
+    for name, timings in round2.host_parse_s.items():
+        outcome = round2.outcomes.get(name)
+        total = outcome.elapsed_s if outcome is not None else float("nan")
+        size = len(round2.patches[name].encode("utf-8", "surrogatepass"))
+        host = ", ".join(f"{k} {v:.2f}s" for k, v in timings.items())
+        ratio = total / reference_s if reference_s else float("nan")
+        print(f"    {name:<34} {size / _MiB:5.2f} MiB  executor {total:7.2f} s "
+              f"({ratio:6.1f}x)  host: {host}")
+    counts = _round2_counts(round2)
+    per_class = {}
+    for name, outcome in round2.outcomes.items():
+        attack = next(a for a in ROUND2_ATTACKS if a.name == name)
+        bucket = per_class.setdefault(attack.attack_class, [0, 0, 0, 0])
+        bucket[0] += 1
+        bucket[1] += name in counts["false_resolved"]
+        bucket[2] += name in counts["patch_caused_masked"]
+        bucket[3] += name in counts["patch_caused_infra_error"]
+    num = len(round2.outcomes)
+    print(
+        f"false_resolved={len(counts['false_resolved'])}/{num} "
+        f"patch_caused_masked={len(counts['patch_caused_masked'])}/{num} "
+        f"patch_caused_infra_error={len(counts['patch_caused_infra_error'])}/{num}"
+    )
+    for attack_class in sorted(per_class):
+        total, resolved, masked, infra = per_class[attack_class]
+        print(
+            f"  class {attack_class}: {total} attacks, resolved {resolved}, masked {masked}, "
+            f"infra_error {infra}"
+        )
+    for key, names in counts.items():
+        if names:
+            print(f"  {key}: {', '.join(names)}")
+
+
+def test_round2_catalogue_covers_every_class():
+    assert len(ROUND2_ATTACKS) >= 40
+    for attack_class in range(1, 8):
+        members = [a for a in ROUND2_ATTACKS if a.attack_class == attack_class]
+        assert len(members) >= 5, (attack_class, [a.name for a in members])
+    assert {a.attack_class for a in ROUND2_ATTACKS} == set(range(1, 8))
+    for attack in ROUND2_ATTACKS:
+        assert attack.expected and FailureKind.NONE not in attack.expected, attack.name
+
+
+@pytest.mark.parametrize("attack", ROUND2_ATTACKS, ids=[a.name for a in ROUND2_ATTACKS])
+def test_round2_attack(round2, attack):
+    outcome = round2.outcomes[attack.name]
+    assert outcome is not None, f"{attack.name}: the task never finished (a stalled executor)"
+    result = outcome.result
+    assert result.status is TaskStatus.FINISHED, (
+        f"{attack.name} made its own verdict an infrastructure error: {_describe(outcome)}"
+    )
+    verdict = result.verdict
+    assert not verdict.resolved, f"{attack.name} FAKED A RESOLVE: {_describe(outcome)}"
+    assert verdict.reward == 0.0, f"{attack.name} got reward {verdict.reward}: {_describe(outcome)}"
+    assert not verdict.limit_outcome, (
+        f"{attack.name} got its failure MASKED as a limit outcome: {_describe(outcome)}"
+    )
+    assert verdict.failure_kind in attack.expected, _describe(outcome)
+
+
+def test_round2_counts_and_controls(round2, env):
+    hedged = round2.controls[_R2_HEDGED]
+    assert hedged is not None and hedged.status is TaskStatus.FINISHED, hedged
+    assert hedged.verdict.resolved and hedged.verdict.reward == 1.0, (
+        f"the hedged control (real fix + harmless code) must resolve: {_r2_state(hedged)} "
+        f"{hedged.verdict.failure_detail!r} {list(hedged.verdict.screening_flags)}"
+    )
+    reference = round2.controls[_R2_REFERENCE]
+    assert reference is not None and reference.status is TaskStatus.FINISHED
+    assert not reference.verdict.resolved
+    empty = round2.controls["r2_control_empty"]
+    assert empty is not None and empty.status is TaskStatus.FINISHED
+    assert not empty.verdict.resolved and empty.verdict.reward == 0.0
+    assert not empty.verdict.limit_outcome
+
+    async def gold():
+        specs = [
+            instance.to_task_spec(
+                instance.patch, timeout_s=_TASK_TIMEOUT_S, task_id=f"r2-gold-{instance.instance_id}"
+            )
+            for instance in env.instances
+        ]
+        return await _score_all_bounded(env.url, specs)
+
+    for instance, result in zip(env.instances, asyncio.run(gold())):
+        assert result is not None and result.status is TaskStatus.FINISHED, instance.instance_id
+        assert result.verdict.resolved and result.verdict.reward == 1.0, (
+            instance.instance_id,
+            _r2_state(result),
+            result.verdict.failure_detail,
+        )
+
+    counts = _round2_counts(round2)
+    assert counts["false_resolved"] == [], f"round-2 attacks RESOLVED: {counts['false_resolved']}"
+    assert counts["patch_caused_masked"] == [], (
+        f"round-2 attacks masked as limit outcomes: {counts['patch_caused_masked']}"
+    )
+    assert counts["patch_caused_infra_error"] == [], (
+        f"round-2 attacks ending as infrastructure errors or stalls: "
+        f"{counts['patch_caused_infra_error']}"
+    )
