@@ -15,6 +15,15 @@ bounded in memory whatever the sandbox writes:
 
 Outcomes use `task.TestOutcome`; a testcase seen several times keeps its worst outcome
 (`worst`), so a forged "passed" duplicate cannot hide a failure.
+
+Both sinks are total (issue 25, class 6): whatever bytes arrive, they never raise; anything they
+cannot read is counted (`num_malformed`) or recorded (`error`), and grading turns it into
+TAMPERING or REPORT_UNTRUSTED. A record is a JSON object whose strings are valid Unicode (no lone
+surrogates) and whose containers nest at most `_MAX_RECORD_DEPTH` deep; records after the exit
+record are counted (`num_after_exit`: the runner leaves right after sending it). Parsing is linear: expat 2.5
+re-scans an unfinished token from its start at every `Parse` call, so the report is fed in
+batches at least as long as the bytes since the last element event (an open token), which keeps
+a crafted megabyte-long tag from costing quadratic time.
 """
 
 from __future__ import annotations
@@ -35,6 +44,29 @@ SEVERITY = {
     TestOutcome.ERROR: 3,
 }
 _MAX_LINE_BYTES = 64 * 1024
+# The runner's records are flat objects, at most a mapping of mappings (session_end's "disk").
+_MAX_RECORD_DEPTH = 4
+# Report bytes fed to expat at once, at least (see the module docstring).
+_MIN_FEED_BYTES = 64 * 1024
+
+
+def _well_formed(value: Any) -> bool:
+    """Strings valid Unicode, containers at most _MAX_RECORD_DEPTH deep (iterative)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return False
+        elif isinstance(item, dict | list):
+            if depth >= _MAX_RECORD_DEPTH:
+                return False
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return True
 
 
 def worst(first: TestOutcome | None, second: TestOutcome) -> TestOutcome:
@@ -44,13 +76,14 @@ def worst(first: TestOutcome | None, second: TestOutcome) -> TestOutcome:
 class RecordStream:
     """Sink for the runner's records (module docstring). After the run, read `tests` (node id ->
     outcome over all phases), `raised_but_passed` (phases that raised yet were reported passed),
-    `by_kind` (other records by kind), `num_malformed` and `overflowed`."""
+    `by_kind` (other records by kind), `num_malformed`, `num_after_exit` and `overflowed`."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
         self.num_bytes = 0
         self.overflowed = False
         self.num_malformed = 0
+        self.num_after_exit = 0  # records that came after the exit record
         self.tests: dict[str, TestOutcome] = {}
         self.raised_but_passed: list[str] = []
         self.by_kind: dict[str, list[dict[str, Any]]] = {}
@@ -78,14 +111,21 @@ class RecordStream:
 
     def _record(self, line: bytes) -> None:
         try:
+            # RecursionError: deeply nested arrays; ValueError covers bad UTF-8 and huge ints.
             record = json.loads(line)
-            kind = record["event"]
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, RecursionError):
             self.num_malformed += 1
             return
-        if not isinstance(record, dict) or not isinstance(kind, str):
+        if (
+            not isinstance(record, dict)
+            or not isinstance(record.get("event"), str)
+            or not _well_formed(record)
+        ):
             self.num_malformed += 1
             return
+        if "exit" in self.by_kind:
+            self.num_after_exit += 1
+        kind = record["event"]
         if kind == "test":
             self._test(record)
         else:
@@ -132,6 +172,9 @@ class JUnitStream:
         self._case: tuple[str, str] | None = None
         self._case_outcome = TestOutcome.PASSED
         self._num_testcases = 0
+        self._pending = bytearray()  # received, not yet fed to expat
+        self._num_fed = 0
+        self._last_event = 0  # byte offset of the last element event
         self._parser = xml.parsers.expat.ParserCreate()
         self._parser.SetParamEntityParsing(xml.parsers.expat.XML_PARAM_ENTITY_PARSING_NEVER)
         self._parser.StartDoctypeDeclHandler = self._refuse_doctype
@@ -151,9 +194,17 @@ class JUnitStream:
         if self.num_bytes > self.max_bytes:
             self._fail(f"the JUnit XML report is larger than {self.max_bytes} bytes")
             return
+        self._pending += chunk
+        if len(self._pending) >= max(_MIN_FEED_BYTES, self._num_fed - self._last_event):
+            self._feed(final=False)
+
+    def _feed(self, final: bool) -> None:
+        data = bytes(self._pending)
+        self._pending.clear()
+        self._num_fed += len(data)
         try:
-            self._parser.Parse(chunk, False)
-        except (xml.parsers.expat.ExpatError, ValueError) as error:
+            self._parser.Parse(data, final)
+        except (xml.parsers.expat.ExpatError, ValueError, RecursionError) as error:
             self._fail(f"the JUnit XML report is not well-formed: {error}")
 
     def finish(self) -> None:
@@ -162,10 +213,8 @@ class JUnitStream:
         if self.num_bytes == 0:
             self._fail("no JUnit XML report was written")
             return
-        try:
-            self._parser.Parse(b"", True)
-        except (xml.parsers.expat.ExpatError, ValueError) as error:
-            self._fail(f"the JUnit XML report is not well-formed: {error}")
+        self._feed(final=True)
+        if self.error:
             return
         if len(self.suite_names) != 1:
             self._fail("the JUnit XML report must hold exactly one <testsuite>")
@@ -180,6 +229,7 @@ class JUnitStream:
         raise ValueError("the JUnit XML report declares a DOCTYPE/ENTITY (pytest never does)")
 
     def _start(self, tag: str, attributes: dict[str, str]) -> None:
+        self._last_event = self._parser.CurrentByteIndex
         parent = self._stack[-1] if self._stack else None
         self._stack.append(tag)
         if parent is None and tag not in ("testsuites", "testsuite"):
@@ -202,6 +252,7 @@ class JUnitStream:
                 self._case_outcome = worst(self._case_outcome, found)
 
     def _end(self, tag: str) -> None:
+        self._last_event = self._parser.CurrentByteIndex
         self._stack.pop()
         if (
             tag == "testcase"

@@ -4,6 +4,7 @@ import hashlib
 import json
 import subprocess
 import sys
+from xml.sax import saxutils
 
 import pytest
 
@@ -166,3 +167,107 @@ def test_record_stream_phases_malformed_lines_and_overflow():
     assert not stream.overflowed
     stream(b"x" * 20_000)
     assert stream.overflowed
+
+
+# -- hostile bytes (issue 25, class 6): the sinks never raise -----------------------------------
+
+
+def _feed(sink, data: bytes, chunk: int) -> None:
+    for start in range(0, len(data), chunk):
+        sink(data[start : start + chunk])
+    sink.finish()
+
+
+def test_fuzz_record_stream_on_arbitrary_bytes():
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(data=st.binary(max_size=2000), chunk=st.integers(1, 64))
+    def check(data, chunk):
+        stream = RecordStream(1000)
+        _feed(stream, data, chunk)
+        assert all(isinstance(nodeid, str) for nodeid in stream.tests)
+        assert all(isinstance(r, dict) for rs in stream.by_kind.values() for r in rs)
+
+    check()
+
+
+_HOSTILE_XML = [
+    b'<!DOCTYPE x [<!ENTITY a "aaaa">]><testsuite name="n">&a;</testsuite>',
+    b'<testsuite name="n"><testcase classname="a" name="b">&undefined;</testcase></testsuite>',
+    b'<testsuite name="n">' + b"<a>" * 100_000 + b"</a>" * 100_000 + b"</testsuite>",
+    b'<testsuite name="n" name="m"/>',
+    b'<testsuite name="&#0;"/>',
+    b'<testsuite name="\xff\xfe"/>',
+    b'<?xml version="1.0" encoding="utf-16"?><testsuite name="n"/>',
+    b'<testsuite name="n"><testcase classname="a" name="b"/><testcase classname="a" name="b">'
+    b'<failure/></testcase></testsuite>',
+    b'<testsuite xmlns:x="urn:x" x:name="n"><x:testcase x:classname="a"/></testsuite>',
+    b'<testsuite name="n"><![CDATA[' + b"x" * 10_000 + b"]]></testsuite>",
+    b'<testsuite name="n"/><testsuite name="m"/>',
+    b"<testsuites>" + b'<testsuite name="n"/>' * 3 + b"</testsuites>",
+    b"",
+    b"\x00" * 100,
+]
+
+
+@pytest.mark.parametrize("data", _HOSTILE_XML, ids=range(len(_HOSTILE_XML)))
+def test_hostile_reports_never_raise(data):
+    for chunk in (1, 7, 4096):
+        report = JUnitStream(1 << 22, 1000)
+        _feed(report, data, chunk)
+        assert report.error or len(report.suite_names) == 1
+
+
+def test_fuzz_junit_stream():
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    tags = st.sampled_from(["testsuites", "testsuite", "testcase", "failure", "error", "skipped"])
+    attributes = st.dictionaries(
+        st.sampled_from(["name", "classname", "x", "time"]), st.text(max_size=10), max_size=3
+    )
+
+    def element(children):
+        return st.builds(
+            lambda tag, attrs, inner: (
+                f"<{tag}"
+                + "".join(f" {k}={saxutils.quoteattr(v)}" for k, v in attrs.items())
+                + f">{''.join(inner)}</{tag}>"
+            ),
+            tags,
+            attributes,
+            st.lists(children, max_size=3),
+        )
+
+    documents = st.recursive(st.just(""), element, max_leaves=10).map(str.encode)
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        data=st.one_of(documents, st.binary(max_size=500)),
+        chunk=st.integers(1, 50),
+        max_testcases=st.integers(1, 5),
+    )
+    def check(data, chunk, max_testcases):
+        report = JUnitStream(400, max_testcases)
+        _feed(report, data, chunk)
+        assert report.error or len(report.suite_names) == 1
+        assert all(isinstance(o, TestOutcome) for o in report.outcomes.values())
+
+    check()
+
+
+def test_a_huge_tag_in_small_chunks_parses_in_linear_time():
+    # expat 2.5 re-scans an unfinished token at every Parse call: fed 4 KiB at a time, a 16 MiB
+    # attribute cost minutes before the report was fed in growing batches.
+    import time
+
+    value = b"x" * (16 << 20)
+    data = b'<testsuite name="n"><testcase classname="a" name="' + value + b'"/></testsuite>'
+    report = JUnitStream(32 << 20, 10)
+    start = time.perf_counter()
+    _feed(report, data, 4096)
+    elapsed = time.perf_counter() - start
+    print(f"16 MiB attribute in 4 KiB chunks: {elapsed:.2f} s")
+    assert not report.error and elapsed < 10

@@ -23,6 +23,8 @@ first failing check names the verdict's `FailureKind`:
    leaves the module's tests missing) -> otherwise TESTS_FAILED (or DISK_LIMIT when full). A task
    with no expected tests at all is never resolved (nothing was checked).
 Any outcome but resolved reports every expected test as MISSING when the evidence is not trusted.
+`grade_run` never raises, whatever the sandbox sent (issue 25, class 6): record fields are
+type-checked where they are read, and an error a check missed ends as REPORT_UNTRUSTED.
 Rewards: `binary` = 1.0 iff resolved; `pass_rate` = passed / (len(F2P) + len(P2P)), 0.0 when not
 trusted.
 
@@ -42,18 +44,22 @@ far into TAMPERING.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 
 from dockyard_rl.sandbox.evidence import JUnitStream, RecordStream, worst
 from dockyard_rl.sandbox.task import FailureKind, RewardMode, TestOutcome
 
+logger = logging.getLogger(__name__)
+
 _FAILING = (TestOutcome.FAILED, TestOutcome.ERROR)
 # pytest's exit codes (pytest.ExitCode).
 EXIT_OK, EXIT_TESTS_FAILED, EXIT_INTERRUPTED, EXIT_NO_TESTS = 0, 1, 2, 5
 _MAX_LISTED = 10
-# Below this much free space (bytes, and fraction of the size) a filesystem counts as full.
-_FULL_BYTES, _FULL_FRACTION = 1024 * 1024, 0.02
+# Below this much free space (bytes, and 1/_FULL_DIVISOR of the size) a filesystem counts as
+# full. Integer arithmetic: the sizes come from the sandbox and may be any JSON integer.
+_FULL_BYTES, _FULL_DIVISOR = 1024 * 1024, 50
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,13 +127,17 @@ def _disk_full(records: RecordStream) -> bool:
     for end in records.records("session_end")[:1]:
         disk = end.get("disk")
         for usage in disk.values() if isinstance(disk, dict) else ():
-            try:
-                free, total = int(usage["free"]), int(usage["total"])
-            except (TypeError, KeyError, ValueError):
-                continue
-            if free < _FULL_BYTES and free < _FULL_FRACTION * max(total, 1):
+            free = usage.get("free") if isinstance(usage, dict) else None
+            total = usage.get("total") if isinstance(usage, dict) else None
+            if not (_is_int(free) and _is_int(total)):
+                continue  # the runner writes integers; anything else says nothing about space
+            if free < _FULL_BYTES and free * _FULL_DIVISOR < max(total, 1):
                 return True
     return False
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _listed(items: Sequence[str]) -> str:
@@ -150,6 +160,8 @@ def _tampering(evidence: RunEvidence) -> list[str]:
         found.append(f"the result stream exceeded {records.max_bytes} bytes")
     if records.num_malformed:
         found.append(f"{records.num_malformed} malformed lines on the result stream")
+    if records.num_after_exit:
+        found.append(f"{records.num_after_exit} records after the runner's exit record")
     ends, exits = records.records("session_end"), records.records("exit")
     if len(ends) > 1 or len(exits) > 1:
         found.append(f"{len(ends)} session_end and {len(exits)} exit records (one each expected)")
@@ -238,13 +250,46 @@ def _untrusted_reason(evidence: RunEvidence) -> str:
     return problem
 
 
+# What reading hostile evidence could raise if a check above missed a case. Never expected (the
+# fuzz tests in grading_test.py fail on it); if it happens, the run is REPORT_UNTRUSTED, not an
+# infrastructure error that would mask the patch's sample.
+_EVIDENCE_ERRORS = (
+    TypeError,
+    ValueError,
+    KeyError,
+    AttributeError,
+    IndexError,
+    OverflowError,
+    RecursionError,
+)
+GRADER_ERROR = "the grader could not read the evidence"
+
+
 def grade_run(
     fail_to_pass: Sequence[str],
     pass_to_pass: Sequence[str],
     evidence: RunEvidence,
     reward_mode: RewardMode,
 ) -> Grade:
-    """The verdict's grade (module docstring)."""
+    """The verdict's grade (module docstring). Never raises for any evidence the sandbox sent."""
+    try:
+        return _grade_run(fail_to_pass, pass_to_pass, evidence, reward_mode)
+    except _EVIDENCE_ERRORS as error:
+        logger.error("grading raised on the sandbox's evidence", exc_info=True)
+        return ungraded(
+            fail_to_pass,
+            pass_to_pass,
+            FailureKind.REPORT_UNTRUSTED,
+            f"{GRADER_ERROR}: {type(error).__name__}: {str(error)[:200]}",
+        )
+
+
+def _grade_run(
+    fail_to_pass: Sequence[str],
+    pass_to_pass: Sequence[str],
+    evidence: RunEvidence,
+    reward_mode: RewardMode,
+) -> Grade:
     records = evidence.records
     notes = tuple(
         sorted({f"introspection: runtime {r.get('what')}" for r in records.records("note")})

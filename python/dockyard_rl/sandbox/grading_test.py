@@ -294,3 +294,114 @@ def test_collection_errors_before_any_test_grade_as_failed_not_untrusted():
     graded = grade(evidence)
     assert graded.failure_kind is FailureKind.TESTS_FAILED, graded.detail
     assert set(graded.fail_to_pass.values()) == {TestOutcome.MISSING}
+
+
+# -- hostile evidence (issue 25, class 6): grading never raises ---------------------------------
+
+_NOT_RESOLVED_KINDS = {
+    FailureKind.TAMPERING,
+    FailureKind.REPORT_UNTRUSTED,
+    FailureKind.TESTS_FAILED,
+    FailureKind.DISK_LIMIT,
+}
+
+
+def _check_total(graded: grading.Grade) -> None:
+    assert isinstance(graded, grading.Grade)
+    assert not graded.detail.startswith(grading.GRADER_ERROR), graded.detail
+    assert graded.resolved or graded.failure_kind in _NOT_RESOLVED_KINDS
+    json.dumps(graded.detail, ensure_ascii=False).encode("utf-8")  # storable: no surrogates
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"[" * 50_000 + b"]" * 50_000 + b"\n",  # RecursionError in json
+        b'{"event": "test", "nodeid": {"a": [[[[[1]]]]]}}\n',
+        b'{"event": "session_end", "disk": {"/": {"free": Infinity, "total": 1e999}}}\n',
+        b'{"event": "session_end", "disk": {"/": {"free": 0, "total": 1' + b"0" * 400 + b"}}}\n",
+        b'{"event": "session_end", "disk": {"/": {"free": NaN, "total": -Infinity}}}\n',
+        b'{"event": "session_end", "disk": [1, 2]}\n',
+        b'{"event": "exit", "code": NaN}\n',
+        b'{"event": "test", "nodeid": "\\ud800::x", "when": "call", "outcome": "passed"}\n',
+        b'{"event": "test", "nodeid": 7, "when": "call", "outcome": "passed"}\n',
+        b'{"event": "test", "nodeid": "a::b", "when": ["call"], "outcome": {"x": 1}}\n',
+        b'{"event": 1}\n',
+        b'{"event": "tamper", "what": "' + b"x" * 60_000 + b'"}\n',
+        b'[{"event": "exit"}]\n',
+        b'"just a string"\n',
+        b"\xff\xfe\x00junk\n",
+        b'{"event": "note", "what": "\xed\xa0\x80"}\n',  # UTF-8 encoded surrogate
+        b'{"event": "setup_error", "kind": ["disk_limit"], "detail": {"x": 1}}\n',
+        b'{"event": "collect_error", "nodeid": null}\n',
+        b"1" * 5000 + b"\n",  # int too long for int()
+    ],
+)
+def test_hostile_records_end_as_a_verdict(line):
+    for placement in ("before_end", "after_exit"):
+        evidence = make_evidence(records=[line] if placement == "before_end" else ())
+        if placement == "after_exit":
+            evidence.records(line)
+            evidence.records.finish()
+        graded = grade(evidence)
+        _check_total(graded)
+        if placement == "after_exit":
+            assert not graded.resolved, (line[:80], graded.detail)
+
+
+def test_records_after_the_exit_record_are_tampering():
+    evidence = make_evidence()
+    evidence.records(_record(event="note", what="late"))
+    graded = grade(evidence)
+    assert graded.failure_kind is FailureKind.TAMPERING
+    assert "after the runner's exit record" in graded.detail
+
+
+def _json_values():
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(),
+        st.integers(min_value=10**300, max_value=10**400),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.text(max_size=20),
+        st.sampled_from(["\ud800", "a\udfff", "passed", "failed", "call", "setup", CANARIES[0]]),
+    )
+    return st.recursive(
+        scalars,
+        lambda children: st.lists(children, max_size=3)
+        | st.dictionaries(st.text(max_size=8), children, max_size=3),
+        max_leaves=8,
+    )
+
+
+def test_fuzz_grade_run_on_hostile_records():
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    kinds = st.sampled_from(
+        ["test", "tamper", "note", "setup_error", "session_end", "exit", "collect_error", "x"]
+    )
+    record = st.fixed_dictionaries(
+        {"event": kinds},
+        optional={
+            key: _json_values()
+            for key in ("nodeid", "when", "outcome", "raised", "code", "disk", "what", "kind")
+        },
+    )
+    line = st.one_of(
+        record.map(lambda r: (json.dumps(r) + "\n").encode()),
+        _json_values().map(lambda v: (json.dumps(v) + "\n").encode()),
+        st.binary(max_size=200),
+    )
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(lines=st.lists(line, max_size=5), exit_code=st.sampled_from([0, 1, 2, 5, None, -9]))
+    def check(lines, exit_code):
+        evidence = make_evidence(records=lines)
+        evidence.exit_code = exit_code
+        _check_total(grade(evidence))
+
+    check()

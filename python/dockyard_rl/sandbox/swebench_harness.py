@@ -166,10 +166,25 @@ class Harness:
                 f"graded",
                 notes,
             )
-        statuses = self.parse(run.log, instance_id, fail_to_pass, pass_to_pass)
+        try:
+            statuses = self.parse(run.log, instance_id, fail_to_pass, pass_to_pass)
+        except Exception as error:  # noqa: BLE001 - a third-party parser on a hostile log
+            # The log is the tests' output: whatever the parser raises on it is the patch's
+            # doing, never an infrastructure error (issue 25, class 6).
+            return grading.ungraded(
+                fail_to_pass,
+                pass_to_pass,
+                FailureKind.REPORT_UNTRUSTED,
+                f"the harness's log parser failed on the test log: {type(error).__name__}: "
+                f"{str(error)[:200]}",
+                notes,
+            )
+        if not isinstance(statuses, dict):
+            statuses = {}
 
         def outcome(test_id: str) -> TestOutcome:
-            return _STATUS_TO_OUTCOME.get(statuses.get(test_id, ""), TestOutcome.MISSING)
+            status = statuses.get(test_id, "")
+            return _STATUS_TO_OUTCOME.get(status if isinstance(status, str) else "", TestOutcome.MISSING)
 
         return grading.grade_outcomes(fail_to_pass, pass_to_pass, outcome, reward_mode, notes)
 
