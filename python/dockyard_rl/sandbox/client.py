@@ -14,7 +14,10 @@ Not covered: load balancing over several executors (the caller picks the URL), a
 task on the server (the API has no cancel).
 
 Errors: `ExecutorRequestError` for answers that retrying cannot fix (400, 401, 404, 409, 413),
-`ExecutorUnavailableError` when retries are exhausted, `TimeoutError` when `wait` runs out of time.
+`ExecutorUnavailableError` when retries are exhausted, `TimeoutError` when `wait` runs out of time,
+`ExecutorProtocolError` when an answer is not what the API says (not a JSON object, a task record
+or verdict with missing or mistyped fields): a clear error naming the path, never a KeyError or
+TypeError from deep inside.
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ class ExecutorRequestError(Exception):
         self.field = field
 
 
+class ExecutorProtocolError(Exception):
+    """The executor answered with something the API does not allow (a malformed body)."""
+
+
 class ExecutorUnavailableError(Exception):
     """Every attempt failed with a retryable error (429, 5xx, connection error, timeout)."""
 
@@ -62,14 +69,33 @@ class TaskResult:
     attempts: int
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TaskResult:
-        return cls(
-            task_id=data["task_id"],
-            status=TaskStatus(data["status"]),
-            verdict=Verdict.from_dict(data["verdict"]) if data.get("verdict") is not None else None,
-            error=data.get("error"),
-            attempts=int(data.get("attempts", 0)),
-        )
+    def from_dict(cls, data: Any) -> TaskResult:
+        """Raises ExecutorProtocolError for a body that is not a task record."""
+        if not isinstance(data, Mapping):
+            raise ExecutorProtocolError(f"task record: not a JSON object: {_short(data)}")
+        task_id, error, attempts = data.get("task_id"), data.get("error"), data.get("attempts", 0)
+        if not isinstance(task_id, str):
+            raise ExecutorProtocolError(f"task record: task_id is not a string: {_short(task_id)}")
+        if error is not None and not isinstance(error, str):
+            raise ExecutorProtocolError(f"task record: error is not a string: {_short(error)}")
+        if isinstance(attempts, bool) or not isinstance(attempts, int):
+            raise ExecutorProtocolError(f"task record: attempts not an integer: {_short(attempts)}")
+        try:
+            status = TaskStatus(data.get("status"))
+        except (ValueError, TypeError):
+            raise ExecutorProtocolError(
+                f"task record: unknown status {_short(data.get('status'))}"
+            ) from None
+        verdict = None
+        if data.get("verdict") is not None:
+            try:
+                verdict = Verdict.from_dict(data["verdict"])
+            except Exception as error:  # noqa: BLE001 - whatever a malformed verdict raises
+                raise ExecutorProtocolError(
+                    f"task {task_id}: malformed verdict ({type(error).__name__}: "
+                    f"{str(error)[:200]})"
+                ) from None
+        return cls(task_id=task_id, status=status, verdict=verdict, error=error, attempts=attempts)
 
     @property
     def done(self) -> bool:
@@ -154,6 +180,8 @@ class ExecutorClient:
             # Fixed before the first try, so that every retry names the same task.
             body["task_id"] = uuid.uuid4().hex
         data = await self._request("POST", "/task/submit", json_body=body)
+        if not isinstance(data.get("task_id"), str):
+            raise ExecutorProtocolError(f"submit: no task_id in the answer: {_short(data)}")
         return data["task_id"]
 
     async def get(self, task_id: str) -> TaskResult:
@@ -238,11 +266,20 @@ class ExecutorClient:
                     )
                 try:
                     data = await response.json(content_type=None) if text else {}
-                except ValueError:
-                    data = {}
+                except (ValueError, RecursionError):
+                    data = None
                 if response.status >= 400:
+                    body = data if isinstance(data, dict) else {}
+                    message, field = body.get("error"), body.get("field")
                     raise ExecutorRequestError(
-                        response.status, data.get("error", text[:500]), data.get("field")
+                        response.status,
+                        message if isinstance(message, str) else text[:500],
+                        field if isinstance(field, str) else None,
+                    )
+                if not isinstance(data, dict):
+                    raise ExecutorProtocolError(
+                        f"{method} {url}: HTTP {response.status} with a body that is not a "
+                        f"JSON object: {text[:200]!r}"
                     )
                 return data
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as error:
@@ -260,6 +297,10 @@ class ExecutorClient:
         return delay_s
 
 
+def _short(value: Any) -> str:
+    return repr(value)[:200]
+
+
 def _parse_retry_after(value: str | None) -> float | None:
     """Retry-After in seconds; the HTTP-date form is not used by the executor and is ignored."""
     if value is None:
@@ -268,4 +309,4 @@ def _parse_retry_after(value: str | None) -> float | None:
         seconds = float(value)
     except ValueError:
         return None
-    return seconds if seconds >= 0 else None
+    return seconds if 0 <= seconds < float("inf") else None  # NaN and inf are no delay

@@ -248,3 +248,45 @@ def test_wait_times_out_on_a_task_that_never_finishes(tmp_path):
             release.set()
 
     asyncio.run(scenario())
+
+
+def test_hostile_task_records_raise_a_protocol_error():
+    # issue 25, class 6: a malformed answer is a clear ExecutorProtocolError, nothing else.
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from dockyard_rl.sandbox.client import ExecutorProtocolError, TaskResult
+
+    values = st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers()
+        | st.floats()
+        | st.text(max_size=10)
+        | st.sampled_from(["finished", "none", "tests_failed", "git_apply", "passed"]),
+        lambda children: st.lists(children, max_size=3)
+        | st.dictionaries(st.text(max_size=12), children, max_size=4),
+        max_leaves=12,
+    )
+    verdict_keys = ["instance_id", "resolved", "reward", "apply_method", "failure_kind",
+                    "fail_to_pass", "pass_to_pass", "detail", "timings", "screening_flags"]
+    verdicts = st.fixed_dictionaries({}, optional={k: values for k in verdict_keys})
+    records = st.fixed_dictionaries(
+        {"task_id": st.text(max_size=5) | values, "status": st.sampled_from(["finished"]) | values},
+        optional={"verdict": verdicts | values, "attempts": values, "error": values},
+    )
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(data=records | values)
+    def check(data):
+        try:
+            result = TaskResult.from_dict(data)
+        except ExecutorProtocolError:
+            return
+        assert isinstance(result.task_id, str) and isinstance(result.attempts, int)
+
+    check()
+    with pytest.raises(ExecutorProtocolError, match="not a JSON object"):
+        TaskResult.from_dict([1, 2])
+    with pytest.raises(ExecutorProtocolError, match="malformed verdict"):
+        TaskResult.from_dict({"task_id": "t", "status": "finished", "verdict": {"x": 1}})

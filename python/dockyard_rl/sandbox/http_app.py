@@ -21,6 +21,13 @@ Submissions are checked before anything is stored: the body's size, the fields
 (`TaskSpec.from_request`), the patch sizes, the pipeline's own checks of repo, base_commit,
 test_patch, test_command and test_harness (`check_scorable`), and the task_id's alphabet.
 
+Responsiveness: no handler parses a patch or grades on the event loop: `check_scorable` and the
+store run in threads, scoring in the executor's worker threads. What remains on the loop is
+linear C work on the body (json.loads, one encode per patch for its size). Host-side patch
+parsing and grading are linear (integrity.py, screening.py, evidence.py), so a worker thread
+never holds the GIL for long: /healthz answers within milliseconds while tasks are scored
+(http_app_test measures it with adversarial patches).
+
 Security scope: this module authenticates callers (optional bearer token, compared in constant
 time) and bounds what they may send (body and patch sizes, queue depth, a task_id alphabet that is
 safe in paths); server.py binds 127.0.0.1 unless told otherwise (config.py refuses a non-loopback
@@ -131,7 +138,12 @@ def create_app(executor: TaskExecutor) -> web.Application:
             executor.note_rejected("invalid")
             return _error(400, str(error), error.field)
         for name in ("patch", "test_patch"):
-            num_bytes = len(getattr(spec, name).encode())
+            try:
+                num_bytes = len(getattr(spec, name).encode())
+            except UnicodeEncodeError as error:
+                # JSON's "\ud800" escapes decode to lone surrogates, which no file can hold.
+                executor.note_rejected("invalid")
+                return _error(400, f"{name}: not valid Unicode text ({error.reason})", name)
             if num_bytes > config.max_patch_bytes:
                 executor.note_rejected("too_large")
                 return _error(

@@ -9,6 +9,7 @@ server_load_test.py's.
 import asyncio
 import json
 import threading
+import time
 
 import aiohttp
 import pytest
@@ -227,3 +228,59 @@ def test_healthz_is_503_without_live_workers(tmp_path):
     status, data = asyncio.run(main())
     executor.stop()
     assert status == 503 and data["status"] == "no_workers" and data["workers_alive"] == 0
+
+
+def test_surrogates_in_a_patch_are_400(tmp_path):
+    config = make_config(tmp_path)
+
+    async def scenario(http, server):
+        raw = json.dumps(body(patch="diff --git a/x b/x\n+\ud800\n"))
+        async with http.post(
+            f"{server.url}/task/submit", data=raw, headers={"Content-Type": "application/json"}
+        ) as response:
+            return response.status, await response.json()
+
+    status, data = serve_and(config, score, scenario)
+    assert status == 400 and data["field"] == "patch" and "Unicode" in data["error"]
+
+
+def test_healthz_stays_responsive_while_heavy_patches_are_parsed(tmp_path):
+    # issue 25: host-side patch parsing runs in worker threads and is linear, so the event loop
+    # keeps answering. Target 0.5 s; asserted with room for a loaded test machine.
+    from dockyard_rl.sandbox import apply, integrity, screening
+    from dockyard_rl.sandbox.testing_patches import adversarial_patches
+
+    patches = list(adversarial_patches(1 << 20).values())
+    config = make_config(tmp_path, num_workers=2, max_patch_bytes=4 << 20)
+
+    def parse_then_score(spec, work_root):  # the pipeline's host-side parsing of the patch
+        screening.screen_patch(spec.patch)
+        integrity.check_integrity(spec.patch, ["tests/t.py"], lambda path: None)
+        apply.binary_hunks(spec.patch)
+        return verdict_for(spec)
+
+    async def scenario(http, server):
+        ids = []
+        for index, patch in enumerate(patches):
+            async with http.post(
+                f"{server.url}/task/submit", json=body(task_id=f"heavy-{index}", patch=patch)
+            ) as response:
+                assert response.status == 202
+                ids.append((await response.json())["task_id"])
+        latencies = []
+        while True:
+            start = time.monotonic()
+            async with http.get(f"{server.url}/healthz") as response:
+                assert response.status == 200
+                health = await response.json()
+            latencies.append(time.monotonic() - start)
+            if health["queue_depth"] == 0 and health["running"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        for task_id in ids:
+            assert (await wait_done(http, server.url, task_id))["status"] == "finished"
+        return latencies
+
+    latencies = serve_and(config, parse_then_score, scenario)
+    print(f"/healthz while scoring: {len(latencies)} polls, max {max(latencies):.3f} s")
+    assert len(latencies) >= 2 and max(latencies) < 2.0
