@@ -264,12 +264,24 @@ def test_hostile_task_records_raise_a_protocol_error():
         | st.floats()
         | st.text(max_size=10)
         | st.sampled_from(["finished", "none", "tests_failed", "git_apply", "passed"]),
-        lambda children: st.lists(children, max_size=3)
-        | st.dictionaries(st.text(max_size=12), children, max_size=4),
+        lambda children: (
+            st.lists(children, max_size=3)
+            | st.dictionaries(st.text(max_size=12), children, max_size=4)
+        ),
         max_leaves=12,
     )
-    verdict_keys = ["instance_id", "resolved", "reward", "apply_method", "failure_kind",
-                    "fail_to_pass", "pass_to_pass", "detail", "timings", "screening_flags"]
+    verdict_keys = [
+        "instance_id",
+        "resolved",
+        "reward",
+        "apply_method",
+        "failure_kind",
+        "fail_to_pass",
+        "pass_to_pass",
+        "detail",
+        "timings",
+        "screening_flags",
+    ]
     verdicts = st.fixed_dictionaries({}, optional={k: values for k in verdict_keys})
     records = st.fixed_dictionaries(
         {"task_id": st.text(max_size=5) | values, "status": st.sampled_from(["finished"]) | values},

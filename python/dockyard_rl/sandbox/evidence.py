@@ -20,10 +20,11 @@ Both sinks are total (issue 25, class 6): whatever bytes arrive, they never rais
 cannot read is counted (`num_malformed`) or recorded (`error`), and grading turns it into
 TAMPERING or REPORT_UNTRUSTED. A record is a JSON object whose strings are valid Unicode (no lone
 surrogates) and whose containers nest at most `_MAX_RECORD_DEPTH` deep; records after the exit
-record are counted (`num_after_exit`: the runner leaves right after sending it). Parsing is linear: expat 2.5
-re-scans an unfinished token from its start at every `Parse` call, so the report is fed in
-batches at least as long as the bytes since the last element event (an open token), which keeps
-a crafted megabyte-long tag from costing quadratic time.
+record are counted (`num_after_exit`: the runner leaves right after sending it).
+
+Parsing is linear: expat 2.5 re-scans an unfinished token from its start at every `Parse` call,
+so the report is fed in batches at least as long as the bytes since the last element event (an
+open token), which keeps a crafted megabyte-long tag from costing quadratic time.
 """
 
 from __future__ import annotations

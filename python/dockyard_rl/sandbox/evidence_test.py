@@ -202,7 +202,7 @@ _HOSTILE_XML = [
     b'<testsuite name="\xff\xfe"/>',
     b'<?xml version="1.0" encoding="utf-16"?><testsuite name="n"/>',
     b'<testsuite name="n"><testcase classname="a" name="b"/><testcase classname="a" name="b">'
-    b'<failure/></testcase></testsuite>',
+    b"<failure/></testcase></testsuite>",
     b'<testsuite xmlns:x="urn:x" x:name="n"><x:testcase x:classname="a"/></testsuite>',
     b'<testsuite name="n"><![CDATA[' + b"x" * 10_000 + b"]]></testsuite>",
     b'<testsuite name="n"/><testsuite name="m"/>',

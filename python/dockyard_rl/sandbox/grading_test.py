@@ -371,8 +371,10 @@ def _json_values():
     )
     return st.recursive(
         scalars,
-        lambda children: st.lists(children, max_size=3)
-        | st.dictionaries(st.text(max_size=8), children, max_size=3),
+        lambda children: (
+            st.lists(children, max_size=3)
+            | st.dictionaries(st.text(max_size=8), children, max_size=3)
+        ),
         max_leaves=8,
     )
 

@@ -257,7 +257,14 @@ def parse_patch(patch: str) -> ParsedPatch:
                     section.names.add(name)
 
     for number, line in enumerate(patch.split("\n"), start=1):
-        if num_old <= 0 and num_new <= 0 and line[:1] not in _HEADER_STARTS:
+        if (
+            num_old <= 0
+            and num_new <= 0
+            and (
+                line[:1] not in _HEADER_STARTS
+                or (line[:1] in "+-" and not line.startswith(("+++ ", "--- ")))
+            )
+        ):
             continue  # not a header line: text between files, which appliers skip too
         if num_old > 0 or num_new > 0:
             kind = line[:1]

@@ -263,3 +263,90 @@ def test_symlink_named_only_by_its_plus_header_is_found():
         "--- /dev/null\n+++ b/z w\n@@ -0,0 +1 @@\n+/etc\n"
     )
     assert "z w" in integrity.check_integrity(patch, PROTECTED)
+
+
+# -- cost and totality on hostile patches (issue 25, class 7) -----------------------------------
+
+
+def test_adversarial_patches_parse_in_linear_time():
+    import time
+
+    from dockyard_rl.sandbox import apply, screening
+    from dockyard_rl.sandbox.testing_patches import adversarial_patches
+
+    worst = ("", 0.0)
+    for name, patch in adversarial_patches(1 << 20).items():
+        for parse in (
+            lambda p: integrity.check_integrity(p, PROTECTED, lambda path: None),
+            screening.screen_patch,
+            apply.binary_hunks,
+        ):
+            start = time.perf_counter()
+            parse(patch)
+            elapsed = time.perf_counter() - start
+            worst = max(worst, (name, elapsed), key=lambda item: item[1])
+    print(f"slowest 1 MiB adversarial patch: {worst[0]} {worst[1]:.3f} s")
+    assert worst[1] < 5.0, worst
+
+
+def test_fuzz_patch_parsers_never_raise():
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from dockyard_rl.sandbox import apply, screening
+
+    pieces = st.sampled_from(
+        [
+            "diff --git a/x b/x\n",
+            "--- a/x\n",
+            "+++ b/x\n",
+            "--- /dev/null\n",
+            "@@ -1 +1 @@\n",
+            "@@ -1,2 +1,3 @@\n",
+            "@@ -0,0 +1," + "9" * 30 + " @@\n",
+            "+a\n",
+            "-b\n",
+            " c\n",
+            "\n",
+            "\\ No newline at end of file\n",
+            "new file mode 120000\n",
+            'rename to "q\\303"\n',
+            "Binary files a and b differ\n",
+            "GIT binary patch\n",
+            "literal 99999999999999999999999\n",
+            "delta 5\n",
+            "zcmV?d00001\n",
+            'diff --git "a/\\q" "b/\\400"\n',
+            "Index: pyproject.toml\n",
+            "--- a/pyproject.toml\n",
+            "+++ b/pyproject.toml\n",
+            "+[tool.pytest]\n",
+            "\ud800\n",
+            "\r\n",
+            "*** a/x\n",
+            "copy from ../x\n",
+        ]
+    )
+    patches = st.one_of(st.lists(pieces, max_size=12).map("".join), st.text(max_size=300))
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(patch=patches)
+    def check(patch):
+        parsed = integrity.parse_patch(patch)
+        assert isinstance(parsed.problem, str)
+        violations = integrity.check_integrity(patch, PROTECTED, lambda path: "[tool.pytest]\n")
+        assert all(isinstance(v, str) for v in violations)
+        screening.screen_patch(patch)
+        apply.binary_hunks(patch)
+
+    check()
+
+
+def test_malformed_patches_are_violations_not_errors():
+    for patch in (
+        "@@ -1 +1 @@\n-x\n+y\n",  # a hunk outside any file
+        "--- a/x\n+++ b/x\n@@ -1," + "9" * 5000 + " +1 @@\n+x\n",  # int() would refuse it
+        "--- a/x\n+++ b/x\n@@ -1 +1 @@\n-x\n+\ud800\n",  # not valid Unicode
+        "+++ b/x\n@@ -1 +1 @@\n-x\n+y\n",  # "+++" without "---"
+    ):
+        assert integrity.UNPARSEABLE in integrity.check_integrity(patch, PROTECTED), patch

@@ -184,7 +184,9 @@ class Harness:
 
         def outcome(test_id: str) -> TestOutcome:
             status = statuses.get(test_id, "")
-            return _STATUS_TO_OUTCOME.get(status if isinstance(status, str) else "", TestOutcome.MISSING)
+            return _STATUS_TO_OUTCOME.get(
+                status if isinstance(status, str) else "", TestOutcome.MISSING
+            )
 
         return grading.grade_outcomes(fail_to_pass, pass_to_pass, outcome, reward_mode, notes)
 

@@ -51,9 +51,7 @@ def adversarial_patches(num_bytes: int) -> dict[str, str]:
         "tiny_hunks": _fill(_HEADER, "@@ -1 +1 @@\n-a\n+b\n", "", n),
         "tiny_added_lines": _fill(_HEADER + f"@@ -0,0 +1,{n // 2} @@\n", "+\n", "", n),
         "long_added_line": _fill(_HEADER + "@@ -0,0 +1 @@\n+", "x_pytest ", "\n", n),
-        "many_pyproject_names": "".join(
-            f"Index: d{i}/pyproject.toml\n" for i in range(n // 28)
-        ),
+        "many_pyproject_names": "".join(f"Index: d{i}/pyproject.toml\n" for i in range(n // 28)),
         "many_pyproject_files": _fill(
             "",
             "--- a/pyproject.toml\n+++ b/pyproject.toml\n@@ -1 +1 @@\n-a\n+b\n",
