@@ -48,7 +48,9 @@ import functools
 import hashlib
 import inspect
 import io
+import itertools
 import json
+import operator
 import os
 import pathlib
 import shutil
@@ -150,33 +152,78 @@ def protected_modules():
     }
 
 
+def _group(label, holder, pairs):
+    """One snapshot entry: (label, holder, attribute names, objects). Objects are kept (not ids)
+    so that an id cannot be reused by a replacement; a group is compared in one C-level pass."""
+    pairs = list(pairs)
+    return (label, holder, tuple(a for a, _ in pairs), tuple(v for _, v in pairs))
+
+
 def snapshot_runner():
-    """[(label, holder, attribute, object)] for every attribute of the runner's modules and of
-    their classes, plus the few functions the report's writing and the exit go through. Objects
-    are kept (not ids) so that an id cannot be reused by a replacement."""
+    """Snapshot groups (see _group) for every attribute of the runner's modules and of their
+    classes, plus the few functions the report's writing and the exit go through."""
     import builtins
 
-    snapshot = []
-    for name, module in protected_modules().items():
-        snapshot.append(("sys.modules", sys.modules, name, module))
-        for attr, value in list(vars(module).items()):
-            if (name, attr) in _MUTABLE_ATTRIBUTES:
-                continue
-            snapshot.append((name, module, attr, value))
+    modules = protected_modules()
+    snapshot = [_group("sys.modules", sys.modules, modules.items())]
+    for name, module in modules.items():
+        items = [
+            (attr, value)
+            for attr, value in list(vars(module).items())
+            if (name, attr) not in _MUTABLE_ATTRIBUTES
+        ]
+        snapshot.append(_group(name, module, items))
+        for _, value in items:
             if isinstance(value, type) and getattr(value, "__module__", "") == name:
                 label = f"{name}.{value.__qualname__}"
-                for class_attr, class_value in list(vars(value).items()):
-                    if (label, class_attr) not in _MUTABLE_ATTRIBUTES:
-                        snapshot.append((label, value, class_attr, class_value))
+                snapshot.append(
+                    _group(
+                        label,
+                        value,
+                        (
+                            (attr, class_value)
+                            for attr, class_value in list(vars(value).items())
+                            if (label, attr) not in _MUTABLE_ATTRIBUTES
+                        ),
+                    )
+                )
     for module, attrs in (
         (builtins, ("open", "print", "__import__")),
         (io, ("open", "FileIO")),
         (os, ("_exit", "write", "open", "replace", "rename")),
         (sys, ("exit", "pycache_prefix")),
     ):
-        for attr in attrs:
-            snapshot.append((module.__name__, module, attr, getattr(module, attr)))
+        snapshot.append(_group(module.__name__, module, ((a, getattr(module, a)) for a in attrs)))
     return snapshot
+
+
+# The modules (and their classes) a test's call and its report go through: checked right before
+# and right after each test of the task's files (the whole snapshot is checked less often).
+_CALL_PATH_MODULES = (
+    "_pytest.runner",
+    "_pytest.python",
+    "_pytest.reports",
+    "_pytest.outcomes",
+    "_pytest.unittest",
+    "_pytest.skipping",
+    "_pytest.nodes",
+    "_pytest.fixtures",
+    "_pytest.main",
+    "pluggy",
+    "builtins",
+    "io",
+    "os",
+    "sys",
+)
+
+
+def call_path_groups(snapshot):
+    """The groups of a runner snapshot that belong to _CALL_PATH_MODULES."""
+    return [
+        group
+        for group in snapshot
+        if any(group[0] == m or group[0].startswith(m + ".") for m in _CALL_PATH_MODULES)
+    ]
 
 
 # The hooks through which a test runs and its outcome is reported: their callers and
@@ -205,41 +252,59 @@ def _attributes(obj):
     }
 
 
+class _Implementations:
+    """A hook caller's implementation list as one snapshot holder: attribute "list"."""
+
+    def __init__(self, caller):
+        self.caller = caller
+
+    def get(self, attr, default):
+        return tuple(self.caller.get_hookimpls()) if attr == "list" else default
+
+
 def snapshot_hooks(manager):
-    """(label, holder, attribute, object) for the plugin manager's attributes and those of the
-    result hooks' callers and implementations, plus each caller's implementation list (as the
-    pseudo-attribute "implementations"). Take it once no plugin may join any more."""
-    entries = [("plugin manager", manager, attr, value) for attr, value in _attributes(manager).items()]
+    """Snapshot groups for the plugin manager's attributes and those of the result hooks'
+    callers and implementations, and each caller's implementation list. Take it once no plugin
+    may join any more."""
+    groups = [_group("plugin manager", manager, _attributes(manager).items())]
     for name in _RESULT_HOOKS:
         caller = getattr(manager.hook, name, None)
         if caller is None:
             continue
-        entries += [(f"hook {name}", caller, a, v) for a, v in _attributes(caller).items()]
+        groups.append(_group(f"hook {name}", caller, _attributes(caller).items()))
         implementations = tuple(caller.get_hookimpls())
-        entries.append((f"hook {name}", caller, "implementations", implementations))
+        groups.append(
+            _group(f"hook {name}", _Implementations(caller), [("list", implementations)])
+        )
         for impl in implementations:
             label = f"hook {name} of {impl.plugin_name!r}"
-            entries += [(label, impl, a, v) for a, v in _attributes(impl).items()]
-    return entries
+            groups.append(_group(label, impl, _attributes(impl).items()))
+    return groups
 
 
 def changed_runner_objects(snapshot, allowed=frozenset()):
     """Labels of the snapshot's attributes that were rebound or deleted since, but `allowed`
-    ((label, attribute) pairs)."""
+    ((label, attribute) pairs). Implementation lists compare by value (a new list each time)."""
     missing = object()
     changed = []
-    for label, holder, attr, value in snapshot:
-        if attr == "implementations" and isinstance(value, tuple):
-            current = tuple(holder.get_hookimpls())
-            if current != value:
-                changed.append(f"{label}.{attr} were changed")
+    for label, holder, attrs, values in snapshot:
+        if isinstance(holder, (dict, _Implementations)):
+            get = holder.get
+        elif hasattr(holder, "__dict__"):
+            get = vars(holder).get
+        else:  # a __slots__ object (pluggy's hook callers and implementations)
+            get = functools.partial(getattr, holder)
+        currents = list(map(get, attrs, itertools.repeat(missing)))
+        if isinstance(holder, _Implementations):
+            if currents[0] != values[0]:
+                changed.append(f"{label}: its implementations were changed")
             continue
-        if isinstance(holder, dict):
-            current = holder.get(attr, missing)
-        else:
-            current = _attributes(holder).get(attr, missing)
-        if current is not value and (label, attr) not in allowed:
-            changed.append(f"{label}.{attr} was {'deleted' if current is missing else 'replaced'}")
+        if all(map(operator.is_, currents, values)):
+            continue
+        for attr, value, current in zip(attrs, values, currents):
+            if current is not value and (label, attr) not in allowed:
+                state = "deleted" if current is missing else "replaced"
+                changed.append(f"{label}.{attr} was {state}")
     return changed
 
 
@@ -644,6 +709,7 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trus
             self.reported = set()
             self.session_started = False
             self.hook_snapshot = []
+            self.call_path = []
             self.modules = {}  # verified test file -> the module object pytest imported
             self.namespaces = {}  # ... -> its functions, classes and modules at import
             self.items = []
@@ -654,6 +720,7 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trus
             # snapshot only pytest's own configure-time changes are allowed; then re-snapshot.
             self.check_runner(allowed=_CONFIGURE_CHANGES)
             self.snapshot = snapshot_runner()
+            self.call_path = call_path_groups(self.snapshot)
             self.session_started = True
             for problem in sources.problems:
                 reporter.send("tamper", what=f"test source: {problem}")
@@ -680,7 +747,7 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trus
             if call.when == "call" and sources.is_verified(os.fspath(getattr(item, "path", ""))):
                 # Right after a test of the task ran, before its report is made: runner objects
                 # patched during the call and restored before the teardown check are seen here.
-                self.check_runner()
+                self.check_call_path()
             report = yield
             excinfo = call.excinfo
             raised[(item.nodeid, call.when)] = excinfo is not None and not excinfo.errisinstance(
@@ -711,7 +778,7 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trus
             if sources.is_verified(os.fspath(getattr(item, "path", ""))):
                 # ... and the runner that will call it is the real one (patched during an earlier
                 # test's teardown or this test's setup, say).
-                self.check_runner()
+                self.check_call_path()
             module = getattr(item, "module", None)
             namespace = getattr(module, "__dict__", {})
             for name in _PROTECTED_PREFIXES:
@@ -855,6 +922,15 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trus
             changes = changed_runner_objects(against or self.snapshot, allowed)
             if against is None:
                 changes += changed_runner_objects(self.hook_snapshot)
+            self.report_changes(changes)
+
+        def check_call_path(self):
+            """The cheap check around each test: the call path's objects and the result hooks."""
+            self.report_changes(
+                changed_runner_objects(self.call_path) + changed_runner_objects(self.hook_snapshot)
+            )
+
+        def report_changes(self, changes):
             for change in changes:
                 if change not in self.reported and len(self.reported) < 20:
                     self.reported.add(change)
