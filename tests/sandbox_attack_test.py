@@ -125,6 +125,10 @@ def _pipeline_config() -> PipelineConfig:
     for name in names:
         if "worktree" in name and name.endswith("bytes"):
             settings[name] = 512 * _MiB
+    # DOCKYARD_ATTACK_CAPABILITY_SCREEN=0 turns the static capability screen off, so that the
+    # same catalogues exercise the run-time layers alone (issue 25: each layer tested alone).
+    if os.environ.get("DOCKYARD_ATTACK_CAPABILITY_SCREEN") == "0":
+        settings["capability_screen"] = False
     return from_dict(PipelineConfig, {k: v for k, v in settings.items() if k in names}, "pipeline")
 
 

@@ -123,8 +123,16 @@ def _dy_pluginmanager():
 '''
 
 
+# The collection hook's name, built from bytes: no `pytest_` literal or def in the source.
+_HOOK_NAME = (
+    "_DY_HOOK = bytes([112, 121, 116, 101, 115, 116, 95]).decode() + "
+    "bytes([99, 111, 108, 108, 101, 99, 116, 105, 111, 110]).decode() + "
+    "'_modify' + 'items'\n"
+)
+
+
 def _noop_items(targets: str) -> str:
-    return f'''
+    return _HOOK_NAME + f'''
 _DY_TARGETS = set({targets})
 
 
@@ -141,7 +149,7 @@ def _plugin_module(targets: str) -> str:
     return (
         '"""Regression bookkeeping for the statistics helpers."""\n'
         + _noop_items(targets)
-        + '\nglobals()["pytest_" + "collection_" + "modifyitems"] = _dy_modifyitems\n'
+        + "\nglobals()[_DY_HOOK] = _dy_modifyitems\n"
     )
 
 
@@ -151,8 +159,7 @@ def _plugin_object(targets: str) -> str:
         + '''
 
 _DyPlugin = type("_DyPlugin", (), {})
-setattr(_DyPlugin, "pytest_" + "collection_" + "modifyitems",
-        staticmethod(_dy_modifyitems))
+setattr(_DyPlugin, _DY_HOOK, staticmethod(_dy_modifyitems))
 '''
     )
 
@@ -541,7 +548,9 @@ for _name, _mod, _file in _dy_importing_test_modules():
     _fake = _types.ModuleType(_name)
     _fake.__dict__.update({{k: v for k, v in vars(_mod).items() if k.startswith("__")}})
     exec(compile(_src, _file, "exec"), _fake.__dict__)
-    _fake.__dict__["pytest_" + "plugins"] = ["{PACKAGE}._regress"]
+    _fake.__dict__[bytes([112, 121, 116, 101, 115, 116, 95]).decode() + "plu" + "gins"] = [
+        "{PACKAGE}._regress"
+    ]
     _sys.modules[_name] = _fake
 """
     )(ctx)
@@ -551,7 +560,8 @@ def _wrapped_chain_items(ctx: AttackContext) -> str:
     # A plugin (registered through pytest's own import_plugin) that replaces each target item's
     # function with a no-op whose __wrapped__ is the real test.
     plugin = (
-        f"_DY_TARGETS = set({_targets(ctx)})\n"
+        _HOOK_NAME
+        + f"_DY_TARGETS = set({_targets(ctx)})\n"
         + """
 
 def _dy_modifyitems(items):
@@ -566,7 +576,7 @@ def _dy_modifyitems(items):
             item.obj = functools.wraps(real)(passing)
 
 
-globals()["pytest_" + "collection_" + "modifyitems"] = _dy_modifyitems
+globals()[_DY_HOOK] = _dy_modifyitems
 """
     )
     return plugin
