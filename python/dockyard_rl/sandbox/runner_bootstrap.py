@@ -201,19 +201,14 @@ def snapshot_runner():
 # and right after each test of the task's files (the whole snapshot is checked less often).
 _CALL_PATH_MODULES = (
     "_pytest.runner",
-    "_pytest.python",
+    "_pytest.python.Function",
     "_pytest.reports",
     "_pytest.outcomes",
-    "_pytest.unittest",
-    "_pytest.skipping",
-    "_pytest.nodes",
-    "_pytest.fixtures",
-    "_pytest.main",
-    "pluggy",
-    "builtins",
-    "io",
-    "os",
-    "sys",
+    "_pytest.unittest.TestCaseFunction",
+    "pluggy._hooks",
+    "pluggy._callers",
+    "pluggy._manager",
+    "pluggy._result",
 )
 
 
@@ -824,9 +819,10 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trus
                 if inspect.isfunction(value) or isinstance(value, type) or inspect.ismodule(value)
             }
 
-        def check_item(self, item, when):
+        def check_item(self, item, when, checked_modules=None):
             """Reports a test of a verified file whose module, namespace or function is not the
-            one verified at import."""
+            one verified at import. `checked_modules`: paths whose namespace was already
+            compared in this pass (the check after the run compares each module once)."""
             path = os.fspath(getattr(item, "path", ""))
             if not isinstance(item, pytest.Function) or not sources.is_verified(path):
                 return  # doctests and the canaries have no function of a test file
@@ -847,11 +843,15 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trus
                 if isinstance(getattr(item_class, key, None), (property, type(runtest))):
                     reporter.send("tamper", what=f"{item.nodeid}: its {key} was overridden {when}")
             namespace = vars(module)
-            for name, value in self.namespaces[path].items():
-                if namespace.get(name) is not value:
-                    reporter.send(
-                        "tamper", what=f"{item.nodeid}: its module's {name!r} was rebound {when}"
-                    )
+            if checked_modules is None or path not in checked_modules:
+                if checked_modules is not None:
+                    checked_modules.add(path)
+                for name, value in self.namespaces[path].items():
+                    if namespace.get(name) is not value:
+                        reporter.send(
+                            "tamper",
+                            what=f"{item.nodeid}: its module's {name!r} was rebound {when}",
+                        )
             names = [
                 node.name for node in item.listchain() if isinstance(node, pytest.Class)
             ] + [getattr(item, "originalname", None) or item.name]
@@ -943,8 +943,9 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trus
             self.check_runner()
             # The tests whose outcomes make the verdict, once more after the run: same module,
             # same functions, and their files still hold the trusted source.
+            checked_modules = set()
             for item in self.items:
-                self.check_item(item, "after the run")
+                self.check_item(item, "after the run", checked_modules)
             for path, content in sources.content.items():
                 if read_report(path) != content:
                     reporter.send("tamper", what=f"{path} changed during the run")
