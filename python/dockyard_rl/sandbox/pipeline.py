@@ -648,7 +648,9 @@ class _Scoring:
 
     def run(self, all_test_files: list[str], pytest_args: list[str]) -> Verdict:
         spec, config = self.spec, self.config
-        problem = _patch_text_problem(spec.patch)
+        # A patch that is not a well-formed diff is the patch's failure before anything runs
+        # (integrity.parse_patch reads it in linear time and never raises).
+        problem = _patch_text_problem(spec.patch) or integrity.parse_patch(spec.patch).problem
         if problem:
             return self.patch_invalid(problem)
         self.scratch.mkdir()
