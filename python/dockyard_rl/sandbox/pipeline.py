@@ -344,7 +344,9 @@ def _patch_text_problem(patch: str) -> str:
     try:
         patch.encode("utf-8")
     except UnicodeEncodeError as error:
-        return f"the patch is not valid Unicode text (an unpaired surrogate at offset {error.start})"
+        return (
+            f"the patch is not valid Unicode text (an unpaired surrogate at offset {error.start})"
+        )
     return ""
 
 

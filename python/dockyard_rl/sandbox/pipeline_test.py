@@ -319,7 +319,9 @@ def test_spinning_into_the_cpu_limit_is_the_patchs_failure(toy, work_root):
 
 def test_sleeping_past_the_wall_clock_is_the_patchs_failure(toy, work_root):
     # The hedge of issue 25: sleep out the clock whenever the fix is not there.
-    ops = OPS_BASE.replace("def mul(a, b):\n", "def mul(a, b):\n    import time\n    time.sleep(60)\n")
+    ops = OPS_BASE.replace(
+        "def mul(a, b):\n", "def mul(a, b):\n    import time\n    time.sleep(60)\n"
+    )
     verdict = _score(toy, work_root, toy.patch_for({"calc/ops.py": ops}), timeout_s=2.0)
     assert verdict.timed_out
     _assert_charged(verdict, FailureKind.TIMEOUT)
@@ -349,9 +351,7 @@ def test_killing_itself_with_a_signal_is_the_patchs_failure(toy, work_root, sent
     _assert_charged(verdict, kind)
 
 
-def test_a_task_whose_baseline_hits_the_limit_is_masked_and_the_baseline_is_cached(
-    toy, work_root
-):
+def test_a_task_whose_baseline_hits_the_limit_is_masked_and_the_baseline_is_cached(toy, work_root):
     # A held-out test that always sleeps past the clock: no patch can finish this task here, so
     # a limit outcome says nothing about the patch.
     slow_tests = toy.patch_for(
@@ -361,7 +361,9 @@ def test_a_task_whose_baseline_hits_the_limit_is_masked_and_the_baseline_is_cach
             "tests/test_slow.py": "import time\n\n\ndef test_slow():\n    time.sleep(60)\n",
         }
     )
-    sleeper = OPS_BASE.replace("def mul(a, b):\n", "def mul(a, b):\n    import time\n    time.sleep(60)\n")
+    sleeper = OPS_BASE.replace(
+        "def mul(a, b):\n", "def mul(a, b):\n    import time\n    time.sleep(60)\n"
+    )
     verdicts = [
         pipeline.score_task(
             dataclasses.replace(

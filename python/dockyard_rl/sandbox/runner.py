@@ -249,8 +249,14 @@ def _readable(worktree: pathlib.Path) -> None:
 
 
 # Runner configuration files bound read-only like the tests (besides every conftest.py).
-_RUNNER_CONFIG_FILES = ("pytest.ini", ".pytest.ini", "pytest.toml", "tox.ini", "setup.cfg",
-                        "pyproject.toml")
+_RUNNER_CONFIG_FILES = (
+    "pytest.ini",
+    ".pytest.ini",
+    "pytest.toml",
+    "tox.ini",
+    "setup.cfg",
+    "pyproject.toml",
+)
 
 
 def protected_test_files(

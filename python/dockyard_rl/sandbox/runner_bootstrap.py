@@ -268,9 +268,7 @@ def snapshot_hooks(manager):
             continue
         groups.append(_group(f"hook {name}", caller, _attributes(caller).items()))
         implementations = tuple(caller.get_hookimpls())
-        groups.append(
-            _group(f"hook {name}", _Implementations(caller), [("list", implementations)])
-        )
+        groups.append(_group(f"hook {name}", _Implementations(caller), [("list", implementations)]))
         for impl in implementations:
             label = f"hook {name} of {impl.plugin_name!r}"
             groups.append(_group(label, impl, _attributes(impl).items()))
@@ -617,7 +615,7 @@ class TrustedModuleCodes:
     def contains(self, code):
         if id(code) in self.codes and self.codes[id(code)] is code:
             return True
-        for name, module in list(sys.modules.items()):
+        for module in list(sys.modules.values()):
             if module is None or id(module) in self.modules_done:
                 continue
             file = vars(module).get("__file__") if hasattr(module, "__dict__") else None
@@ -852,9 +850,9 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trus
                             "tamper",
                             what=f"{item.nodeid}: its module's {name!r} was rebound {when}",
                         )
-            names = [
-                node.name for node in item.listchain() if isinstance(node, pytest.Class)
-            ] + [getattr(item, "originalname", None) or item.name]
+            names = [node.name for node in item.listchain() if isinstance(node, pytest.Class)] + [
+                getattr(item, "originalname", None) or item.name
+            ]
             expected = sources.expected(path, ".".join(names))
             try:
                 function = item.obj
@@ -1030,9 +1028,7 @@ def main():
     snapshot = snapshot_runner()
     guard = Guard(reporter, report_path)
     guard.writer_codes.add(junitxml.LogXML.pytest_sessionfinish.__code__)
-    plugin = make_plugin(
-        pytest, settings, reporter, snapshot, report_path, sources, trusted_codes
-    )
+    plugin = make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trusted_codes)
     sys.addaudithook(guard)
 
     # From here on, repository code may run.
