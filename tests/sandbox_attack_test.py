@@ -855,7 +855,10 @@ def _print_round2(round2: _Round2) -> None:
           f"({reference_s:.2f} s), and this host's direct parse times:")
     for name, timings in round2.host_parse_s.items():
         outcome = round2.outcomes.get(name)
-        total = outcome.elapsed_s if outcome is not None else float("nan")
+        if name == _R2_REFERENCE:
+            total = reference_s
+        else:
+            total = outcome.elapsed_s if outcome is not None else float("nan")
         size = len(round2.patches[name].encode("utf-8", "surrogatepass"))
         host = ", ".join(f"{k} {v:.2f}s" for k, v in timings.items())
         ratio = total / reference_s if reference_s else float("nan")
