@@ -93,7 +93,7 @@ import re
 import stat
 import subprocess
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from dockyard_rl.sandbox import apply as apply_lib
 from dockyard_rl.sandbox import integrity
@@ -319,10 +319,36 @@ def changed_files(worktree: pathlib.Path) -> list[str]:
     return sorted(names)
 
 
-def base_reader(worktree: pathlib.Path) -> Callable[[str], bytes | None]:
-    """path -> HEAD's bytes of it (None when HEAD has no such file). Same caveat as above."""
+def base_reader(worktree: pathlib.Path, paths: Sequence[str] = ()) -> Callable[[str], bytes | None]:
+    """path -> HEAD's bytes of it (None when HEAD has no such file). Same caveat as above.
+    `paths` (the changed files) are read up front with one `git ls-tree` and one
+    `git cat-file --batch`: a patch adding thousands of files costs two git processes, not one
+    per file. Other paths are read one by one."""
+    known: dict[str, bytes | None] = {}
+    if paths:
+        listed = _git_bytes(worktree, "ls-tree", "-r", "-z", "--name-only", "--full-tree", "HEAD")
+        tracked = {os.fsdecode(raw) for raw in listed.split(b"\0") if raw}
+        batch = [path for path in paths if path in tracked and "\n" not in path]
+        known.update((path, None) for path in paths if path not in tracked)
+        if batch:
+            request = b"".join(b"HEAD:" + os.fsencode(path) + b"\n" for path in batch)
+            try:
+                result = apply_lib.git(
+                    worktree,
+                    "cat-file",
+                    "--batch",
+                    check=False,
+                    text=False,
+                    input=request,
+                    timeout=_GIT_TIMEOUT_S,
+                )
+            except (OSError, subprocess.TimeoutExpired) as error:
+                raise OSError(f"git cat-file in {worktree}: {error}") from error
+            known.update(_parse_cat_file_batch(result.stdout, batch))
 
     def read(path: str) -> bytes | None:
+        if path in known:
+            return known[path]
         result = apply_lib.git(
             worktree,
             "cat-file",
@@ -335,6 +361,27 @@ def base_reader(worktree: pathlib.Path) -> Callable[[str], bytes | None]:
         return result.stdout if result.returncode == 0 else None
 
     return read
+
+
+def _parse_cat_file_batch(output: bytes, paths: list[str]) -> dict[str, bytes | None]:
+    """`git cat-file --batch` output for `paths` (one request each, in order) -> path -> blob
+    bytes, None for what is missing or not a blob. Stops at anything unexpected (the remaining
+    paths are then read one by one)."""
+    found: dict[str, bytes | None] = {}
+    at = 0
+    for path in paths:
+        end = output.find(b"\n", at)
+        if end < 0:
+            break
+        header = output[at:end].split(b" ")
+        at = end + 1
+        if len(header) == 3 and header[2].isdigit():
+            size = int(header[2])
+            found[path] = output[at : at + size] if header[1] == b"blob" else None
+            at += size + 1
+        else:  # "<request> missing" / "ambiguous"
+            found[path] = None
+    return found
 
 
 _DIFF_GIT_RE = re.compile(r'^diff --git ("(?:[^"\\]|\\.)*"|\S+) ("(?:[^"\\]|\\.)*"|\S+)\s*$')

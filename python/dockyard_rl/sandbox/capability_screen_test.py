@@ -14,6 +14,7 @@ because findings are relative to the file's base version (tested below).
 """
 
 import pathlib
+import subprocess
 import tarfile
 import time
 
@@ -383,3 +384,24 @@ def test_screen_tree_flags_a_real_binary_hunk_to_source(tmp_path):
     )
     assert "calc/ops.py:0: source_hiding: binary hunk to a text file" in found
     assert "calc/ops.py:1: source_hiding: NUL bytes in source" in found
+
+
+def test_base_reader_batches_the_changed_files(tmp_path):
+    # Thousands of changed files cost two git processes (ls-tree, cat-file --batch), and the
+    # batch answers agree with reading each file alone.
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    files = {"a.py": b"x = 1\n", "dir/b c.py": b"", "bin.dat": bytes(range(256)) * 3}
+    for name, data in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_bytes(data)
+    git_env = ["-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
+    subprocess.run(["git", "-C", str(repo), *git_env, "commit", "-qm", "base"], check=True)
+    asked = [*files, "new.py", "dir", "missing dir/x.py"]
+    batched = capability_screen.base_reader(repo, asked)
+    single = capability_screen.base_reader(repo)
+    for path in asked:
+        assert batched(path) == single(path), path
+    assert batched("a.py") == b"x = 1\n" and batched("new.py") is None and batched("dir") is None

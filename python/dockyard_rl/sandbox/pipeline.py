@@ -730,11 +730,12 @@ class _Scoring:
         # (capability_screen.py); git still reads only trusted state here.
         findings = ()
         if config.capability_screen:
+            changed = capability_screen.changed_files(self.worktree)
             findings = capability_screen.screen_tree(
                 self.worktree,
-                capability_screen.changed_files(self.worktree),
+                changed,
                 binary_targets=capability_screen.binary_hunk_targets(spec.patch),
-                read_base=capability_screen.base_reader(self.worktree),
+                read_base=capability_screen.base_reader(self.worktree, changed),
             )
         if findings:
             self.lap("apply")
