@@ -84,6 +84,13 @@ def test_runs_and_returns_exit_code_and_output(tmp_path):
     assert "hello" in result.output and "oops" in result.output
 
 
+def test_sandboxed_processes_run_niced(tmp_path):
+    # The executor's own threads (its HTTP server, host-side checks) come first on a busy host.
+    result = _run(tmp_path, _python("import os; print('nice', os.nice(0))"))
+    assert result.exit_code == 0, result.output
+    assert f"nice {os.nice(0) + isolation.SANDBOX_NICENESS}" in result.output
+
+
 def test_unprivileged_uid_and_private_namespaces(tmp_path):
     result = _run(
         tmp_path,
