@@ -34,8 +34,11 @@ Each violation is a string "path: reason"; the rules (numbers used in the reason
    a standard-library module (`sys.stdlib_module_names`; a directory only when it holds an
    `__init__`) in a directory that is not a package (no `__init__`): such directories are what
    the worktree or pytest's rootdir insertion put on `sys.path`. The same for a *new* module
-   named after a dependency pytest imports from site-packages, some of it lazily (packaging,
-   pygments, exceptiongroup, tomli, colorama, argcomplete).
+   named after a dependency pytest imports from site-packages, some of it lazily or through
+   sys.modules (packaging, pygments, exceptiongroup, tomli, colorama, argcomplete, numpy), in
+   any directory (code under test can put a folder on sys.path at run time); and a *new* module
+   named after any top-level module installed for the executor's interpreter where the stdlib
+   rule looks.
 5. Runner configuration, decided with real parsers: conftest.py, pytest.ini, .pytest.ini,
    pytest.toml, .pytest.toml new, changed or removed: always. pyproject.toml: parsed (tomllib)
    in its base and new versions; a violation when `tool.pytest` (pytest 9 reads `[tool.pytest]`
@@ -92,7 +95,9 @@ from __future__ import annotations
 import ast
 import configparser
 import dataclasses
+import functools
 import importlib.machinery
+import importlib.metadata
 import os
 import pathlib
 import posixpath
@@ -132,8 +137,20 @@ _RUNNER_MODULES = frozenset(
 # is on sys.path): its dependencies and optional helpers. The runner imports them up front; a new
 # module of these names where the stdlib rule looks is refused as well.
 _RUNNER_DEPENDENCIES = frozenset(
-    {"packaging", "pygments", "exceptiongroup", "tomli", "colorama", "argcomplete"}
+    {"packaging", "pygments", "exceptiongroup", "tomli", "colorama", "argcomplete", "numpy"}
 )
+
+
+@functools.lru_cache(maxsize=1)
+def installed_top_level_modules() -> frozenset[str]:
+    """Top-level module names of the distributions installed for this interpreter (the one the
+    tests run with when the task has no image or venv of its own). Read once per process."""
+    try:
+        return frozenset(importlib.metadata.packages_distributions())
+    except Exception:  # noqa: BLE001 - a broken dist-info must not stop scoring
+        return frozenset()
+
+
 _RUNNER_PREFIX = "_dockyard_runner"
 # Longest first, so "x.cpython-311-x86_64-linux-gnu.so" loses its whole suffix, not just ".so".
 _MODULE_SUFFIXES = tuple(sorted(importlib.machinery.all_suffixes(), key=len, reverse=True))
@@ -627,10 +644,16 @@ class _Audit:
             if kind == "dir" and not self.has_init(dir_fd, name):
                 return  # a namespace directory never wins over a regular stdlib module
             self.flag(path, f"shadows the standard-library module {module!r}")
-        elif is_new and not dir_is_package and module in _RUNNER_DEPENDENCIES:
+        elif is_new and module in _RUNNER_DEPENDENCIES:
+            # Anywhere: code under test can put any folder on sys.path at run time, and pytest
+            # reaches these through sys.modules (pytest.approx uses whatever "numpy" is there).
             if kind == "dir" and not self.has_init(dir_fd, name):
                 return  # a namespace directory never wins over an installed package
             self.flag(path, f"shadows the test runner's dependency {module!r}")
+        elif is_new and not dir_is_package and module in installed_top_level_modules():
+            if kind == "dir" and not self.has_init(dir_fd, name):
+                return
+            self.flag(path, f"shadows the installed module {module!r}")
 
     @staticmethod
     def has_init(dir_fd: int, name: str) -> bool:

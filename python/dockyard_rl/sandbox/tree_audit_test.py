@@ -4,6 +4,7 @@ with `git apply` of real patches or by writing the files a patch would write, th
 import os
 import pathlib
 import shutil
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -287,7 +288,8 @@ def test_new_modules_shadowing_the_runners_dependencies(worktree):
             "pygments/__init__.py": "",
             "tests/packaging.py": "",
             "exceptiongroup.py": "",
-            "calc/colorama.py": "",  # inside a package: not on sys.path
+            # inside a package, but code under test can put that folder on sys.path
+            "calc/_vendor/numpy.py": "",
             "tomli/data.txt": "",  # a data directory: does not shadow
         },
     )
@@ -296,8 +298,16 @@ def test_new_modules_shadowing_the_runners_dependencies(worktree):
         "pygments",
         "tests/packaging.py",
         "exceptiongroup.py",
+        "calc/_vendor/numpy.py",
     }
     assert "pygments: shadows the test runner's dependency 'pygments'" in result.violations
+
+
+def test_new_modules_shadowing_installed_modules(worktree):
+    installed = sorted(tree_audit.installed_top_level_modules() - set(sys.stdlib_module_names))
+    assert "unidiff" in installed  # the executor's own dependency
+    write(worktree, {"unidiff.py": "", "calc/unidiff.py": "", "tests/yaml/__init__.py": ""})
+    assert {v.split(": ")[0] for v in audit(worktree).violations} == {"unidiff.py", "tests/yaml"}
 
 
 # --- rule 5: runner configuration ---------------------------------------------------------------
