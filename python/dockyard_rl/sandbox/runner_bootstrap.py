@@ -502,6 +502,81 @@ def qualified_codes(module_code):
     return found
 
 
+def import_bindings(tree):
+    """{name: (module, attribute or None, level)} for the names a module binds once, by an
+    import statement at its top level, and nowhere else (no other assignment, definition, import,
+    deletion or `global` of that name anywhere in the file): what that name must still be bound
+    to once the module ran. `import a.b` binds "a" to module "a"; `import a.b as c` binds "c" to
+    "a.b"; `from m import x as y` binds "y" to attribute "x" of "m" (level: leading dots)."""
+    import ast
+
+    candidates, seen = {}, {}
+    for statement in tree.body:
+        if isinstance(statement, ast.Import):
+            for alias in statement.names:
+                if alias.asname:
+                    candidates.setdefault(alias.asname, []).append((alias.name, None, 0))
+                else:
+                    top = alias.name.split(".")[0]
+                    candidates.setdefault(top, []).append((top, None, 0))
+        elif isinstance(statement, ast.ImportFrom) and statement.module is not None:
+            for alias in statement.names:
+                if alias.name != "*":
+                    name = alias.asname or alias.name
+                    candidates.setdefault(name, []).append(
+                        (statement.module, alias.name, statement.level)
+                    )
+    for node in ast.walk(tree):
+        names = ()
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            names = (node.id,)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = (node.name,)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            names = tuple(node.names)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = tuple(
+                alias.asname or alias.name.split(".")[0]
+                for alias in node.names
+                if alias.name != "*"
+            )
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names = (node.name,)
+        elif isinstance(node, ast.alias):
+            continue
+        for name in names:
+            seen[name] = seen.get(name, 0) + 1
+    return {
+        name: bound[0]
+        for name, bound in candidates.items()
+        if len(bound) == 1 and seen.get(name, 0) == 1
+    }
+
+
+def bound_by_import(module_name, attribute, level, package):
+    """What the import statement binds now (from sys.modules), or None when it cannot tell."""
+    if level:
+        if not package:
+            return None
+        parts = package.split(".")
+        if level - 1 > len(parts) - 1:
+            return None
+        base = ".".join(parts[: len(parts) - (level - 1)])
+        module_name = f"{base}.{module_name}" if module_name else base
+    module = sys.modules.get(module_name)
+    if module is None:
+        return None
+    if attribute is None:
+        return (module,)
+    value = vars(module).get(attribute, _MISSING) if hasattr(module, "__dict__") else _MISSING
+    if value is _MISSING:
+        value = sys.modules.get(f"{module_name}.{attribute}", _MISSING)
+    return None if value is _MISSING else (value,)
+
+
+_MISSING = object()
+
+
 class TestSources:
     """The trusted source of the test files and conftests, and the code pytest must have made
     of them.
@@ -522,6 +597,7 @@ class TestSources:
         # top-level test is no wrapper: pointing its __wrapped__ at another test proves nothing.)
         self.decorator_codes = set()
         self.content = {}  # absolute path in the worktree -> trusted bytes
+        self.imports = {}  # absolute path -> import_bindings of its trusted source
         import ast
 
         for relative, digest in sorted(settings.get("verified_files", {}).items()):
@@ -541,6 +617,7 @@ class TestSources:
             try:
                 variants.append(compile(source, path, "exec", dont_inherit=True))
                 tree = ast.parse(source, filename=path)
+                self.imports[path] = import_bindings(tree)
                 rewrite_asserts(tree, source, path, None)
                 variants.append(compile(tree, path, "exec", dont_inherit=True))
             except Exception as error:  # noqa: BLE001 - a syntax error fails collection anyway
@@ -810,6 +887,18 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trus
                     )
                     if problem:
                         reporter.send("tamper", what=f"{path}: {qualname} {problem}")
+            # Names its imports bound must still be what those imports bind: not a wrapper put
+            # in the test's namespace by code that ran while (or right after) it was imported.
+            package = namespace.get("__package__")
+            for name, (module_name, attribute, level) in sources.imports.get(path, {}).items():
+                if name not in namespace:
+                    continue
+                expected = bound_by_import(module_name, attribute, level, package)
+                if expected is not None and namespace[name] is not expected[0]:
+                    reporter.send(
+                        "tamper",
+                        what=f"{path}: {name!r} is not what its import statement binds",
+                    )
             self.modules[path] = module
             self.namespaces[path] = {
                 name: value

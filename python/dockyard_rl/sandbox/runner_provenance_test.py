@@ -552,3 +552,77 @@ def test_run_time_objects_reached_through_frames_are_checked(tmp_path, worktree,
         test=_TWO_TESTS,
     )
     _assert_not_forged(grade, evidence)
+
+
+def test_imported_names_rebound_in_the_test_module_are_tampering(tmp_path, worktree):
+    # The package stays buggy; what the test module's `from calc import answer` bound is swapped
+    # for a wrapper returning an object equal to everything, right after the module ran.
+    grade, evidence = _run(
+        tmp_path,
+        worktree,
+        """
+        import sys
+
+        class _Anything:
+            def __eq__(self, other):
+                return True
+
+        def _wrap(function):
+            return lambda *args, **kwargs: _Anything()
+
+        class _AfterImport:
+            @staticmethod
+            def find_spec(name, path=None, target=None):
+                if name.endswith("test_probe"):
+                    sys.meta_path.remove(_AfterImport)
+                    import importlib.util
+                    spec = importlib.util.find_spec(name)
+                    real_exec = spec.loader.exec_module
+
+                    def exec_module(module):
+                        real_exec(module)
+                        module.answer = _wrap(module.answer)
+
+                    spec.loader.exec_module = exec_module
+                    return spec
+                return None
+
+        sys.meta_path.insert(0, _AfterImport)
+        """,
+        files={"tests/conftest.py": "import calc\n"},
+        test="""\
+        from calc import answer
+
+
+        def test_probe():
+            assert answer() == 42
+        """,
+    )
+    _assert_not_forged(grade, evidence)
+    assert any("what its import statement binds" in what for what in _tamper(evidence))
+
+
+def test_honest_imports_in_every_form_are_not_tampering(tmp_path, worktree):
+    grade, evidence = _run(
+        tmp_path,
+        worktree,
+        "answer = lambda: 42\n",
+        test="""\
+        import os.path
+        import calc as c
+        from calc import answer
+        from unittest import mock
+        from os import path as os_path
+
+        try:
+            import not_installed_anywhere
+        except ImportError:
+            not_installed_anywhere = None
+
+
+        def test_probe():
+            assert answer() == 42 and c.answer() == 42 and os.path and os_path and mock
+        """,
+    )
+    assert _tamper(evidence) == []
+    assert grade.resolved, grade
