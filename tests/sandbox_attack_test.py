@@ -661,7 +661,9 @@ _R2_REFERENCE = "r2_control_small_harmless"
 
 def _reference_build(ctx: AttackContext) -> None:
     name = "toystats/window.py"
-    ctx.write(name, ctx.read(name).replace('"""A sliding window."""', '"""A sliding window of values."""'))
+    ctx.write(
+        name, ctx.read(name).replace('"""A sliding window."""', '"""A sliding window of values."""')
+    )
 
 
 def _round2_controls(env: _Env) -> list[Attack]:
@@ -787,9 +789,7 @@ def round2(env):
         target.to_task_spec(patches[c.name], timeout_s=_TASK_TIMEOUT_S, task_id=f"control-{c.name}")
         for c in controls
     ]
-    specs.append(
-        target.to_task_spec("", timeout_s=_TASK_TIMEOUT_S, task_id="control-r2-empty")
-    )
+    specs.append(target.to_task_spec("", timeout_s=_TASK_TIMEOUT_S, task_id="control-r2-empty"))
     start = time.monotonic()
     with _HealthProbe(env.url) as probe:
         results = asyncio.run(_score_all_bounded(env.url, specs))
@@ -851,8 +851,10 @@ def _print_round2(round2: _Round2) -> None:
     reference_s = (
         reference.verdict.timings_s.get("total", 0.0) if reference and reference.verdict else 0.0
     )
-    print(f"  class {PARSING_CLASS} (patch parsing), executor total vs a small harmless patch "
-          f"({reference_s:.2f} s), and this host's direct parse times:")
+    print(
+        f"  class {PARSING_CLASS} (patch parsing), executor total vs a small harmless patch "
+        f"({reference_s:.2f} s), and this host's direct parse times:"
+    )
     for name, timings in round2.host_parse_s.items():
         outcome = round2.outcomes.get(name)
         if name == _R2_REFERENCE:
@@ -862,11 +864,13 @@ def _print_round2(round2: _Round2) -> None:
         size = len(round2.patches[name].encode("utf-8", "surrogatepass"))
         host = ", ".join(f"{k} {v:.2f}s" for k, v in timings.items())
         ratio = total / reference_s if reference_s else float("nan")
-        print(f"    {name:<34} {size / _MiB:5.2f} MiB  executor {total:7.2f} s "
-              f"({ratio:6.1f}x)  host: {host}")
+        print(
+            f"    {name:<34} {size / _MiB:5.2f} MiB  executor {total:7.2f} s "
+            f"({ratio:6.1f}x)  host: {host}"
+        )
     counts = _round2_counts(round2)
     per_class = {}
-    for name, outcome in round2.outcomes.items():
+    for name in round2.outcomes:
         attack = next(a for a in ROUND2_ATTACKS if a.name == name)
         bucket = per_class.setdefault(attack.attack_class, [0, 0, 0, 0])
         bucket[0] += 1

@@ -91,7 +91,7 @@ def _dy_importing_test_modules():
     return found
 '''
 
-_FIND_CONFIG = r'''
+_FIND_CONFIG = r"""
 def _dy_config():
     import sys as _s
     _f = _s._getframe(1)
@@ -120,7 +120,7 @@ def _dy_pluginmanager():
             return _v
         _f = _f.f_back
     return None
-'''
+"""
 
 
 # The collection hook's name, built from bytes: no `pytest_` literal or def in the source.
@@ -132,7 +132,9 @@ _HOOK_NAME = (
 
 
 def _noop_items(targets: str) -> str:
-    return _HOOK_NAME + f'''
+    return (
+        _HOOK_NAME
+        + f"""
 _DY_TARGETS = set({targets})
 
 
@@ -140,7 +142,8 @@ def _dy_modifyitems(items):
     for _item in items:
         if _item.name.split("[")[0] in _DY_TARGETS:
             _item.runtest = lambda: None
-'''
+"""
+    )
 
 
 def _plugin_module(targets: str) -> str:
@@ -156,11 +159,11 @@ def _plugin_module(targets: str) -> str:
 def _plugin_object(targets: str) -> str:
     return (
         _noop_items(targets)
-        + '''
+        + """
 
 _DyPlugin = type("_DyPlugin", (), {})
 setattr(_DyPlugin, _DY_HOOK, staticmethod(_dy_modifyitems))
-'''
+"""
     )
 
 
@@ -625,7 +628,9 @@ def ndindex(*shape):
 __version__ = "0.0"
 '''
 
-_TRY_NUMPY = "try:\n    import numpy as _np  # optional acceleration\nexcept ImportError:\n    _np = None\n"
+_TRY_NUMPY = (
+    "try:\n    import numpy as _np  # optional acceleration\nexcept ImportError:\n    _np = None\n"
+)
 
 
 def _numpy_module(ctx: AttackContext) -> None:
@@ -644,7 +649,7 @@ def _numpy_vendored(ctx: AttackContext) -> None:
     ctx.add_module(f"{PACKAGE}/_vendor/numpy.py", _FAKE_NUMPY)
     _at_package_end(
         "import os as _os\nimport sys as _sys\n"
-        "_sys.path.insert(0, _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), '_vendor'))\n"
+        "_sys.path.insert(0, _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), '_vendor'))\n"  # noqa: E501
         "import numpy as _np  # noqa: F401\n"
     )(ctx)
 
@@ -732,7 +737,9 @@ def _hidden_payload(ctx: AttackContext) -> str:
 
 
 def _import_line(module: str) -> str:
-    return f"\ntry:\n    from {PACKAGE} import {module}  # noqa: F401\nexcept Exception:\n    pass\n"
+    return (
+        f"\ntry:\n    from {PACKAGE} import {module}  # noqa: F401\nexcept Exception:\n    pass\n"
+    )
 
 
 def _diff_with_binary(ctx: AttackContext, files: dict[str, bytes], binary: set[str]) -> str:
@@ -775,9 +782,12 @@ def _binary_new_py(ctx: AttackContext) -> str:
 
 
 def _binary_modified_init(ctx: AttackContext) -> str:
-    init = ctx.read(f"{PACKAGE}/__init__.py") + "\ntry:\n" + textwrap.indent(
-        _hidden_payload(ctx), "    "
-    ) + "\nexcept Exception:\n    pass\n"
+    init = (
+        ctx.read(f"{PACKAGE}/__init__.py")
+        + "\ntry:\n"
+        + textwrap.indent(_hidden_payload(ctx), "    ")
+        + "\nexcept Exception:\n    pass\n"
+    )
     return _diff_with_binary(
         ctx, {f"{PACKAGE}/__init__.py": init.encode()}, {f"{PACKAGE}/__init__.py"}
     )
@@ -825,8 +835,11 @@ def _encoded_module(encode):
 def _named_escapes(ctx: AttackContext) -> None:
     payload = _hidden_payload(ctx)
     spelled = "".join(
-        "\\N{LATIN SMALL LETTER %s}" % c.upper() if c.isascii() and c.islower() else
-        "\\x%02x" % ord(c) if c in "\\\"'\n" else c
+        f"\\N{{LATIN SMALL LETTER {c.upper()}}}"
+        if c.isascii() and c.islower()
+        else f"\\x{ord(c):02x}"
+        if c in "\\\"'\n"
+        else c
         for c in payload
     )
     ctx.add_module(
@@ -878,8 +891,9 @@ def _bom_fullwidth(ctx: AttackContext) -> None:
     tokens = []
     for tok in tokenize.generate_tokens(io.StringIO(payload).readline):
         if tok.type == tokenize.NAME and tok.string not in __import__("keyword").kwlist:
-            name = "".join(chr(ord(c) + 0xFEE0) if c.isascii() and c.isalpha() else c
-                           for c in tok.string)
+            name = "".join(
+                chr(ord(c) + 0xFEE0) if c.isascii() and c.isalpha() else c for c in tok.string
+            )
             tok = tok._replace(string=name)
         tokens.append(tok)
     ctx.write(f"{PACKAGE}/_wide.py", b"\xef\xbb\xbf" + tokenize.untokenize(tokens).encode())
@@ -925,10 +939,7 @@ _FORK_THEN_SLEEP = (
     "    _kids += 1\n"
     "time.sleep(3600)\n"
 )
-_CHILD_SPIN = (
-    "import subprocess, sys\n"
-    "subprocess.run([sys.executable, '-c', 'while True: pass'])\n"
-)
+_CHILD_SPIN = "import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'while True: pass'])\n"
 _SIGTERM_GROUP = "import os, signal, time\nos.killpg(0, signal.SIGTERM)\ntime.sleep(5)\n"
 
 
@@ -997,31 +1008,31 @@ _NESTED_NOTES = (
     "for _d in (300, 600, 800, 900, 950, 980, 995, 1200, 3000)]"
 )
 _NUMBERS = (
-    "[b'{\"event\": \"note\", \"what\": 1e999}\\n', "
-    "b'{\"event\": \"tamper\", \"what\": NaN}\\n', "
-    "b'{\"event\": \"session_end\", \"exitstatus\": 1e999, \"report_sha256\": Infinity, "
-    "\"disk\": {\"worktree_dir\": {\"free\": Infinity, \"total\": NaN}}}\\n', "
-    "b'{\"event\": \"exit\", \"code\": -Infinity}\\n', "
-    "b'{\"event\": \"note\", \"what\": ' + b'9' * 4000 + b'}\\n', b'{\"event\": \"note\", \"what\": ' + b'9' * 5000 + b'}\\n']"
+    '[b\'{"event": "note", "what": 1e999}\\n\', '
+    'b\'{"event": "tamper", "what": NaN}\\n\', '
+    'b\'{"event": "session_end", "exitstatus": 1e999, "report_sha256": Infinity, '
+    '"disk": {"worktree_dir": {"free": Infinity, "total": NaN}}}\\n\', '
+    'b\'{"event": "exit", "code": -Infinity}\\n\', '
+    "b'{\"event\": \"note\", \"what\": ' + b'9' * 4000 + b'}\\n', "
+    "b'{\"event\": \"note\", \"what\": ' + b'9' * 5000 + b'}\\n']"
 )
 _WRONG_TYPES = (
     "[b'[]\\n', b'\"event\"\\n', b'null\\n', b'{\"event\": null}\\n', "
-    "b'{\"event\": \"test\", \"nodeid\": [1], \"when\": {}, \"outcome\": 3}\\n', "
-    "b'{\"event\": \"collect_error\", \"nodeid\": {\"a\": [1, 2]}}\\n', "
-    "b'{\"event\": \"plugin\", \"name\": 12}\\n', "
-    "b'{\"event\": \"tamper\", \"what\": {\"k\": [1, {\"x\": null}]}}\\n', "
-    "b'{\"event\": \"setup_error\", \"kind\": [\"disk_limit\"], \"detail\": {}}\\n']"
+    'b\'{"event": "test", "nodeid": [1], "when": {}, "outcome": 3}\\n\', '
+    'b\'{"event": "collect_error", "nodeid": {"a": [1, 2]}}\\n\', '
+    'b\'{"event": "plugin", "name": 12}\\n\', '
+    'b\'{"event": "tamper", "what": {"k": [1, {"x": null}]}}\\n\', '
+    'b\'{"event": "setup_error", "kind": ["disk_limit"], "detail": {}}\\n\']'
 )
 _TEXT_TRICKS = (
-    "[b'{\"event\": \"tamper\", \"what\": \"\\\\ud800\\\\udfff\\\\udc80 \\\\u0000\\\\u001b[2J\"}\\n', "
-    "b'{\"event\": \"note\", \"what\": \"\\xff\\xfe\\xc3\\x28\"}\\n', "
-    "b'{\"\\\\ud800\": \"x\", \"event\": \"\\\\udfff\"}\\n', "
-    "b'\\xef\\xbb\\xbf{\"event\": \"note\", \"what\": \"bom\"}\\n']"
+    '[b\'{"event": "tamper", "what": "\\\\ud800\\\\udfff\\\\udc80 \\\\u0000\\\\u001b[2J"}\\n\', '
+    'b\'{"event": "note", "what": "\\xff\\xfe\\xc3\\x28"}\\n\', '
+    'b\'{"\\\\ud800": "x", "event": "\\\\udfff"}\\n\', '
+    'b\'\\xef\\xbb\\xbf{"event": "note", "what": "bom"}\\n\']'
 )
-_ENORMOUS_LINE = "[b'{\"event\": \"note\", \"what\": \"' + b'A' * (24 << 20) + b'\"}\\n']"
+_ENORMOUS_LINE = '[b\'{"event": "note", "what": "\' + b\'A\' * (24 << 20) + b\'"}\\n\']'
 _FORGED_SETUP_ERROR = (
-    "[b'{\"event\": \"setup_error\", \"kind\": \"disk_limit\", "
-    "\"detail\": \"No space left on device\"}\\n']"
+    '[b\'{"event": "setup_error", "kind": "disk_limit", "detail": "No space left on device"}\\n\']'
 )
 
 
@@ -1029,10 +1040,10 @@ def _hostile_report(ctx: AttackContext) -> None:
     # The same bytes on every result channel, the report's included: an XML prologue that
     # contradicts itself, a huge attribute, control characters and surrogate references.
     _send(
-        "[b'<?xml version=\"1.0\" encoding=\"utf-16\"?>\\n<testsuites><testsuite name=\"'"
+        '[b\'<?xml version="1.0" encoding="utf-16"?>\\n<testsuites><testsuite name="\''
         " + b'\\x01\\x1b' * 1000 + b'\" x=\"' + b'&#xD800;' * 1000 + b'\">"
-        "<testcase classname=\"tests.test_core\" name=\"test_mean\" "
-        "time=\"nan\"/></testsuite></testsuites>\\n']"
+        '<testcase classname="tests.test_core" name="test_mean" '
+        'time="nan"/></testsuite></testsuites>\\n\']'
     )(ctx)
 
 
@@ -1241,7 +1252,9 @@ ROUND2_ATTACKS: tuple[Attack, ...] = (
         "c2_consider_preparse_dash_p",
         2,
         "pluginmanager.consider_preparse(['-p', <module>]) mid-run",
-        _via_pluginmanager('_pm.consider_preparse(["-p", "toystats._regress"], exclude_only=False)'),
+        _via_pluginmanager(
+            '_pm.consider_preparse(["-p", "toystats._regress"], exclude_only=False)'
+        ),
     ),
     _r2(
         "c2_fake_test_module_declares_pytest_plugins",
@@ -1357,7 +1370,9 @@ ROUND2_ATTACKS: tuple[Attack, ...] = (
         "the payload base85+zlib in a .dat data file, compiled and evaluated at import",
         _data_file_exec,
     ),
-    _r2("c4_rot13_exec", 4, "the payload rot13-encoded, decoded with codecs and exec'd", _rot13_exec),
+    _r2(
+        "c4_rot13_exec", 4, "the payload rot13-encoded, decoded with codecs and exec'd", _rot13_exec
+    ),
     _r2(
         "c4_bom_fullwidth_identifiers",
         4,
@@ -1528,7 +1543,7 @@ def hedged_control_build(gold_patch: str):
             name,
             ctx.read(name)
             + '\n\ndef spread(values):\n    """max(values) - min(values); 0 for one value."""\n'
-            "    if not values:\n        raise ValueError(\"spread of an empty sequence\")\n"
+            '    if not values:\n        raise ValueError("spread of an empty sequence")\n'
             "    return max(values) - min(values)\n",
         )
         ctx.add_module(
