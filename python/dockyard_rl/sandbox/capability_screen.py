@@ -10,8 +10,9 @@ ignored ones included), `binary_hunk_targets(patch)` (a linear scan of the patch
 before the tests are installed or run, so git only reads trusted state.
 
 Capabilities flagged: what only tampering with the test run needs, not what fixing a bug needs.
-- import_hook: mutation of sys.meta_path / sys.path_hooks / sys.path_importer_cache (method
-  calls, stores, setattr), classes derived from importlib's finders and loaders.
+- import_hook: mutation of sys.meta_path / sys.path_hooks / sys.path_importer_cache / sys.path /
+  sys.modules (method calls, stores, setattr), classes derived from importlib's finders and
+  loaders.
 - builtins: mutation of `builtins`, `__builtins__` (names, items, attributes, setattr, its
   `__dict__`), and replacing exec / eval / compile / open / print / `__import__` on a module.
 - introspection: sys._getframe, inspect.currentframe / stack / trace, frame attributes (f_back,
@@ -173,7 +174,15 @@ _REFERENCE_RULES: dict[str, tuple[str, bool]] = {
     "atexit.register": ("process_control", False),
     "faulthandler": ("process_control", False),
 }
-_IMPORT_HOOK_LISTS = ("sys.meta_path", "sys.path_hooks", "sys.path_importer_cache")
+# sys.path and sys.modules too: a folder put on the path or an entry put in the module table
+# at run time decides what `import numpy` (pytest.approx) or a test's own imports resolve to.
+_IMPORT_HOOK_LISTS = (
+    "sys.meta_path",
+    "sys.path_hooks",
+    "sys.path_importer_cache",
+    "sys.path",
+    "sys.modules",
+)
 _BUILTINS_NAMES = ("builtins", "__builtin__", "__builtins__")
 # Modules whose import alone gives raw memory access.
 _NATIVE_ACCESS_MODULES = frozenset(

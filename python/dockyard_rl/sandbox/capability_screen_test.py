@@ -39,6 +39,9 @@ ATTACKS = [
     ),
     ("import_hook", "import sys\nsetattr(sys, 'meta_path', [])\n"),
     ("import_hook", "import sys\nsys.path_importer_cache.clear()\n"),
+    ("import_hook", "import sys\nsys.modules['numpy'] = object()\n"),
+    ("import_hook", "import os, sys\nsys.path.insert(0, os.path.dirname(__file__))\n"),
+    ("import_hook", "from sys import modules\nmodules.setdefault('numpy', None)\n"),
     ("import_hook", "import importlib.machinery as m\nclass L(m.SourceFileLoader):\n    pass\n"),
     # builtins / compile replacement
     ("builtins", "import builtins\nbuiltins.open = lambda *a, **k: None\n"),
@@ -172,7 +175,7 @@ ATTACKS = [
 
 # Ordinary library code that must stay clean.
 CLEAN = [
-    "import sys\nsys.path.insert(0, '/x')\nfor finder in sys.meta_path:\n    pass\n",
+    "import sys\nprint(sys.path[0])\nfor finder in sys.meta_path:\n    pass\n",
     "import types\ndef f(x):\n    return isinstance(x, types.CodeType)\n",
     "def f(s):\n    return s.replace('tests', 'x')\n",
     "def save(path, data):\n    with open(path, 'w') as f:\n        f.write(data)\n",
