@@ -198,5 +198,11 @@ def test_the_runner_script_is_protected_and_a_killed_run_is_not_graded(rows, tmp
         "os.kill(os.getppid(), signal.SIGKILL)\n"
     )
     killer_patch = _patch_for(rows, spec.base_commit, {"minidj/text.py": killer})
-    killed = pipeline.score_task(dataclasses.replace(spec, patch=killer_patch), CONFIG, tmp_path)
+    killer_spec = dataclasses.replace(spec, patch=killer_patch)
+    # The capability screen refuses os.kill before anything runs ...
+    screened = pipeline.score_task(killer_spec, CONFIG, tmp_path)
+    assert screened.failure_kind is FailureKind.UNSAFE_CAPABILITY, screened
+    # ... and without it, the run-time layer alone: the killed run is not graded.
+    unscreened = dataclasses.replace(CONFIG, capability_screen=False)
+    killed = pipeline.score_task(killer_spec, unscreened, tmp_path)
     assert not killed.resolved and killed.failure_kind is FailureKind.REPORT_UNTRUSTED, killed
