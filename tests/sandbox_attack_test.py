@@ -440,9 +440,16 @@ def test_attack(suite, attack):
     verdict = result.verdict
     assert not verdict.resolved, f"{attack.name} FAKED A RESOLVE: {_describe(outcome)}"
     assert verdict.reward == 0.0, f"{attack.name} got reward {verdict.reward}: {_describe(outcome)}"
-    assert verdict.failure_kind in attack.expected, (
+    assert not verdict.limit_outcome, f"{attack.name} got its failure masked: {_describe(outcome)}"
+    # The capability screen (after the tree audit, before any test runs) refuses many of these
+    # patches before the layer an attack was written against sees it; with the screen off
+    # (DOCKYARD_ATTACK_CAPABILITY_SCREEN=0) each must meet its own layer.
+    expected = set(attack.expected)
+    if os.environ.get("DOCKYARD_ATTACK_CAPABILITY_SCREEN") != "0":
+        expected.add(FailureKind.UNSAFE_CAPABILITY)
+    assert verdict.failure_kind in expected, (
         f"{attack.name}: failure_kind {verdict.failure_kind.value!r} not in "
-        f"{sorted(k.value for k in attack.expected)}: {_describe(outcome)}"
+        f"{sorted(k.value for k in expected)}: {_describe(outcome)}"
     )
 
 
