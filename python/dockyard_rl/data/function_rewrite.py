@@ -20,6 +20,14 @@ cannot parse counts as holding no functions), AMBIGUOUS_FUNCTION (a name defined
 in the shown files: the detail lists where), MALFORMED_BLOCK (one function
 given twice, or a function and a function nested in it), NO_CHANGE.
 
+Cost (issue 25, class 7): the output is the model's, and libcst is slow (about 10 us a byte on
+ordinary code, more and superlinear with nesting: a 24 KB chain of lambdas takes seconds) and
+crashes the process (a native stack overflow) on a few thousand nested brackets. So each block is
+first read by CPython's parser, which is fast and refuses deep nesting safely: a block it rejects,
+or one nested more than `_MAX_NESTING` levels, is a SYNTAX_ERROR without libcst; a block without
+a top-level `def` is not given to libcst at all; and blocks of more than `_MAX_CODE_CHARS`
+characters in all are a MALFORMED_BLOCK. Finding the blocks is one linear regular expression.
+
 Not covered: anything outside functions (module-level statements in a block, such as imports,
 are ignored), new functions, classes as a whole, renaming a function, choosing between two
 definitions of one name (e.g. `__init__` in two classes) and non-Python files.
@@ -27,6 +35,7 @@ definitions of one name (e.g. `__init__` in two classes) and non-Python files.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import re
@@ -45,7 +54,16 @@ from dockyard_rl.data.patch_formats import (
 )
 
 # A ```python (or ```py, or bare ```) fence up to its closing fence or the end of the output.
+# Linear: once a fence opens, a match always ends (at the next fence or at \Z), and the search
+# goes on after it.
 _PYTHON_BLOCK = re.compile(r"^```(?:python3?|py)?[ \t]*\n(.*?)(?:^```|\Z)", re.S | re.M)
+# Code blocks longer than this in all are refused before parsing: libcst's time per byte is
+# large (module docstring), and no rewrite of the shown functions comes near it.
+_MAX_CODE_CHARS = 64 * 1024
+# Deeper syntax trees than this are refused before libcst, whose time grows faster than the
+# text with nesting. Ordinary code nests a few tens of levels (a long `a + b + ...` chain adds
+# one per term).
+_MAX_NESTING = 100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +127,33 @@ def _blocks(text: str) -> list[str]:
     return [match.group(1) for match in _PYTHON_BLOCK.finditer(text)]
 
 
+def _nesting(tree: ast.AST) -> int:
+    """The depth of the syntax tree (iterative: a deep tree does not recurse here)."""
+    deepest = 0
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
+
+
+def _cpython_problem(block: str) -> tuple[str | None, bool]:
+    """(why CPython's parser refuses `block` or finds it too deeply nested, or None; whether it
+    has a top-level function). Safe on any text: deep nesting is a SyntaxError or MemoryError
+    there, not a crash."""
+    try:
+        tree = ast.parse(block)
+    except SyntaxError as error:
+        return f"{error.msg} (line {error.lineno})", False
+    except (ValueError, MemoryError, RecursionError) as error:
+        return f"{type(error).__name__}: {error}" if str(error) else "nested too deeply", False
+    if _nesting(tree) > _MAX_NESTING:
+        return f"nested more than {_MAX_NESTING} levels deep", False
+    defines = any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) for node in tree.body)
+    return None, defines
+
+
 def function_rewrite_to_diff(output: str, read_file: ReadFile, files: Sequence[str]) -> ParsedPatch:
     """The FUNCTION format (module docstring): `files` are the paths whose functions may be
     rewritten (the prompt's shown files), read at base_commit through `read_file`."""
@@ -119,8 +164,25 @@ def function_rewrite_to_diff(output: str, read_file: ReadFile, files: Sequence[s
             "<think> was opened and never closed; no answer followed",
             thinking,
         )
+    blocks = _blocks(rest)
+    if sum(len(block) for block in blocks) > _MAX_CODE_CHARS:
+        return invalid(
+            InvalidReason.MALFORMED_BLOCK,
+            f"the code blocks hold more than {_MAX_CODE_CHARS} characters; "
+            "give only the functions that change",
+            thinking,
+        )
     new_functions: list[tuple[str, cst.FunctionDef]] = []
-    for number, block in enumerate(_blocks(rest), start=1):
+    for number, block in enumerate(blocks, start=1):
+        problem, defines = _cpython_problem(block)
+        if problem is not None:
+            return invalid(
+                InvalidReason.SYNTAX_ERROR,
+                f"code block {number} is not valid Python: {problem}",
+                thinking,
+            )
+        if not defines:
+            continue  # nothing in it is used (module docstring)
         try:
             module = cst.parse_module(block)
         except cst.ParserSyntaxError as error:

@@ -1,5 +1,8 @@
 import subprocess
+import time
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 
 from dockyard_rl.data.function_rewrite import diff_to_function_rewrite, function_rewrite_to_diff
@@ -179,3 +182,96 @@ def test_a_diff_the_format_cannot_say_is_a_clear_error(new, message):
         diff_to_function_rewrite(
             file_diff("shapes.py", SHAPES, new), _reader({"shapes.py": SHAPES})
         )
+
+
+def _adversarial_outputs(num_bytes: int) -> dict[str, str]:
+    """FUNCTION-format outputs of about `num_bytes` aimed at the block search and libcst."""
+    n = num_bytes
+    return {
+        "unclosed_python_fences": "```python\nx\n" * (n // 12),
+        "unclosed_bare_fences": "```\n--- a\n" * (n // 10),
+        "many_tiny_blocks": "```python\nx = 1\n```\n" * (n // 20),
+        "many_small_defs": "```python\ndef grow(self, by):\n    return 1\n```\n" * (n // 46),
+        "one_huge_def": "```python\ndef grow(self, by):\n" + "    x = 1\n" * (n // 10) + "```\n",
+        # A native stack overflow in libcst (a crash, not an exception) before this change.
+        "nested_parens": "```python\ndef grow(self, by):\n    return " + "(" * 5000 + "```\n",
+        "closed_nested_parens": "```python\nx = " + "(" * 250 + "1" + ")" * 250 + "\n```\n",
+        "nested_lambdas": "```python\ndef grow(self, by):\n    return "
+        + "lambda: " * 150
+        + "1\n```\n",
+        "nested_unary": "```python\ndef grow(self, by):\n    return " + "-" * (n // 2) + "1\n```\n",
+        "long_line": "```python\ndef grow(self, by):\n    return " + "1+" * (n // 2) + "1\n```\n",
+        "null_byte": "```python\ndef grow(self, by):\n    return '\0'\n```\n",
+    }
+
+
+def test_a_1_mib_adversarial_output_parses_in_linear_time():
+    read_file = _reader({"shapes.py": SHAPES})
+    for shape, output in _adversarial_outputs(1 << 20).items():
+        start, cpu_start = time.perf_counter(), time.process_time()
+        parsed = function_rewrite_to_diff(output, read_file, ["shapes.py"])
+        seconds = time.perf_counter() - start
+        cpu_seconds = time.process_time() - cpu_start
+        print(f"{shape}: {seconds:.3f} s ({cpu_seconds:.3f} s CPU) {parsed.detail[:80]}")
+        assert cpu_seconds < 5.0, shape  # generous; CPU time, which other work does not stretch
+        assert not parsed.valid and parsed.detail
+
+
+@pytest.mark.parametrize(
+    "shape, reason, detail",
+    [
+        ("one_huge_def", InvalidReason.MALFORMED_BLOCK, "more than 65536 characters"),
+        ("nested_parens", InvalidReason.SYNTAX_ERROR, "code block 1 is not valid Python"),
+        ("nested_lambdas", InvalidReason.SYNTAX_ERROR, "nested more than 100 levels deep"),
+        ("closed_nested_parens", InvalidReason.SYNTAX_ERROR, "too many nested parentheses"),
+        ("null_byte", InvalidReason.SYNTAX_ERROR, "null bytes"),
+    ],
+)
+def test_outputs_libcst_cannot_take_are_refused_before_it(shape, reason, detail):
+    output = _adversarial_outputs(1 << 16)[shape]
+    parsed = function_rewrite_to_diff(output, _reader({"shapes.py": SHAPES}), ["shapes.py"])
+    assert parsed.invalid_reason is reason and detail in parsed.detail
+
+
+@hypothesis.settings(max_examples=200, deadline=None, derandomize=True)
+@hypothesis.given(
+    st.lists(
+        st.one_of(
+            st.sampled_from(
+                [
+                    "```python",
+                    "```",
+                    "```py",
+                    "def grow(self, by):",
+                    "    return Circle(self.radius * by)",
+                    "def clamp(value):",
+                    "async def grow(self):",
+                    "@property",
+                    "class Circle:",
+                    "    def grow(self, by):",
+                    "        return 2",
+                    "</think>",
+                ]
+            ),
+            st.text(alphabet="()[]{}:=-+ \t\n'\"\\\0xdef", max_size=20),
+        ),
+        max_size=25,
+    ).map("\n".join)
+)
+def test_arbitrary_outputs_never_raise(output):
+    parsed = function_rewrite_to_diff(output, _reader({"shapes.py": SHAPES}), ["shapes.py"])
+    assert parsed.valid == (parsed.patch is not None)
+    assert parsed.valid or parsed.detail
+
+
+def test_the_slowest_output_under_the_size_cap_is_bounded():
+    # libcst's worst per byte: deep (but allowed) nesting on every line, filling the size cap.
+    line = "    x = " + "-" * 95 + "1\n"
+    output = "```python\ndef grow(self, by):\n" + line * (63_000 // len(line)) + "```\n"
+    start, cpu_start = time.perf_counter(), time.process_time()
+    parsed = function_rewrite_to_diff(output, _reader({"shapes.py": SHAPES}), ["shapes.py"])
+    seconds = time.perf_counter() - start
+    cpu_seconds = time.process_time() - cpu_start
+    print(f"deep lines, {len(output)} characters: {seconds:.3f} s ({cpu_seconds:.3f} s CPU)")
+    assert parsed.valid
+    assert cpu_seconds < 10.0  # about 2.5 s: libcst's constant, bounded by the size cap

@@ -1,10 +1,15 @@
 import pathlib
+import re
 import subprocess
+import time
 
 import hypothesis
 import hypothesis.strategies as st
 import pytest
+import unidiff
+from unidiff import constants as unidiff_constants
 
+from dockyard_rl.data import patch_formats
 from dockyard_rl.data.patch_formats import (
     InvalidReason,
     PatchFormat,
@@ -15,7 +20,7 @@ from dockyard_rl.data.patch_formats import (
     search_replace_to_diff,
     strip_think,
 )
-from dockyard_rl.sandbox import testing_repos
+from dockyard_rl.sandbox import testing_patches, testing_repos
 
 
 @pytest.fixture(scope="module")
@@ -306,5 +311,167 @@ def test_arbitrary_outputs_never_raise(lines):
     output = "\n".join(lines)
     for fmt in PatchFormat:
         parsed = parse_model_output(output, fmt, contents.get)
+        assert parsed.valid == (parsed.patch is not None)
+        assert parsed.valid or parsed.detail
+
+
+# --- cost on adversarial outputs (issue 25, class 7) and agreement with unidiff ---------------
+
+_LEAD = "--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n"  # a valid file first, so the rest is parsed
+
+
+def adversarial_outputs(num_bytes: int) -> dict[str, str]:
+    """Model outputs of about `num_bytes`: the executor's adversarial patch shapes after a valid
+    file (raw and in a ```diff fence), unclosed fences, and many SEARCH/REPLACE blocks."""
+    outputs = {}
+    for shape, patch in testing_patches.adversarial_patches(num_bytes).items():
+        outputs[shape] = _LEAD + patch
+        outputs[f"{shape} (fenced)"] = f"```diff\n{_LEAD}{patch}\n```\n"
+    outputs.update(
+        unclosed_diff_fences="```diff\nx\n" * (num_bytes // 10),
+        unclosed_bare_fences="```\n--- a\n" * (num_bytes // 10),
+        unclosed_python_fences="```python\nx\n" * (num_bytes // 12),
+        long_line_with_header="--- a\n+++ b\n" + "x" * num_bytes,
+        many_search_blocks="calc/ops.py\n<<<<<<< SEARCH\n=======\n>>>>>>> REPLACE\n"
+        * (num_bytes // 52),
+        many_growing_blocks=(
+            "calc/ops.py\n<<<<<<< SEARCH\ndef mul(a, b):\n=======\ndef mul(a, b):\n"
+            + "#" * 40
+            + "\n>>>>>>> REPLACE\n"
+        )
+        * (num_bytes // 120),
+    )
+    return outputs
+
+
+@pytest.mark.parametrize("fmt", [PatchFormat.DIFF, PatchFormat.SEARCH_REPLACE])
+def test_a_1_mib_adversarial_output_parses_in_linear_time(fmt):
+    contents = {"calc/ops.py": testing_repos.OPS_BASE}
+    slowest = 0.0
+    for shape, output in adversarial_outputs(1 << 20).items():
+        start, cpu_start = time.perf_counter(), time.process_time()
+        parsed = parse_model_output(output, fmt, contents.get)
+        seconds = time.perf_counter() - start
+        cpu_seconds = time.process_time() - cpu_start
+        print(
+            f"{fmt.value} {shape}: {seconds:.3f} s ({cpu_seconds:.3f} s CPU) {parsed.detail[:60]}"
+        )
+        slowest = max(slowest, cpu_seconds)
+        # Generous (the slowest takes about 1.5 s), and CPU time: other work on a shared machine
+        # stretches the wall time, not this.
+        assert cpu_seconds < 5.0, shape
+        assert parsed.valid == (parsed.patch is not None)
+    print(f"slowest: {slowest:.3f} s CPU")
+
+
+def test_too_many_edit_blocks_are_malformed():
+    parsed = search_replace_to_diff(adversarial_outputs(1 << 16)["many_growing_blocks"], {}.get)
+    assert parsed.invalid_reason is InvalidReason.MALFORMED_BLOCK
+    assert "more than 256 edit blocks" in parsed.detail
+
+
+# The regular expression _fenced_blocks replaces (quadratic with many unclosed fences).
+_OLD_FENCE = re.compile(r"^```[ \t]*([\w+-]*)[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+
+
+@hypothesis.settings(max_examples=500, deadline=None, derandomize=True)
+@hypothesis.given(
+    st.lists(
+        st.sampled_from(["```", "```diff", "``` py ", "```\t", "x", "", "```x y", " ```", "```\r"]),
+        max_size=12,
+    ).map("\n".join)
+)
+def test_fences_are_found_as_the_regular_expression_finds_them(text):
+    assert patch_formats._fenced_blocks(text) == _OLD_FENCE.findall(text)
+
+
+@hypothesis.settings(max_examples=500, deadline=None, derandomize=True)
+@hypothesis.given(st.text(alphabet=":/ \tab\n", max_size=30))
+def test_uri_like_git_headers_read_as_unidiff_reads_them(rest):
+    match = unidiff_constants.RE_DIFF_GIT_HEADER_URI_LIKE.match("diff --git " + rest)
+    expected = None if match is None else (match.group("source"), match.group("target"))
+    assert patch_formats._uri_git_header(rest) == expected
+
+
+@hypothesis.settings(max_examples=1000, deadline=None, derandomize=True)
+@hypothesis.given(
+    st.lists(
+        st.sampled_from([" and ", " differ", " has changed", "\t", " ", "1", ":", "x", "\n"]),
+        max_size=10,
+    ).map("".join),
+    st.sampled_from(["Binary files ", "Binary file ", "Binary filesx"]),
+)
+def test_binary_lines_read_as_unidiff_reads_them(rest, prefix):
+    match = unidiff_constants.RE_BINARY_DIFF.match(prefix + rest)
+    expected = (
+        None if match is None else (match.group("source_filename"), match.group("target_filename"))
+    )
+    assert patch_formats._binary_diff_names(prefix + rest) == expected
+
+
+_DIFF_LINES = [
+    "diff --git a/x b/x",
+    "diff --git x y",
+    "diff --git http://a http://b",
+    "new file mode 100644",
+    "deleted file mode 100644",
+    "old mode 100644",
+    "new mode 100755",
+    "index 1a..2b 100644",
+    "--- a/x",
+    "+++ b/x",
+    "--- /dev/null",
+    "+++ /dev/null",
+    "--- x\t2020",
+    "+++ x",
+    "@@ -1 +1 @@",
+    "@@ -1,2 +1,2 @@ def f():",
+    "@@ -0,0 +1 @@",
+    "-a",
+    "+b",
+    " c",
+    "",
+    "\\ No newline at end of file",
+    "prose",
+    "Binary files a/x and b/x differ",
+    "GIT binary patch",
+    "\r",
+]
+
+
+def _unidiff_reading(parse, text):
+    try:
+        files = parse(text)
+    except (unidiff.UnidiffParseError, ValueError) as error:
+        return type(error).__name__, str(error)
+    return "".join(str(f) for f in files), [
+        (f.source_file, f.target_file, f.path, len(f), f.is_binary_file, f.target_mode)
+        for f in files
+    ]
+
+
+@hypothesis.settings(max_examples=1500, deadline=None, derandomize=True)
+@hypothesis.given(st.lists(st.sampled_from(_DIFF_LINES), max_size=14), st.booleans())
+def test_diffs_read_as_unidiff_reads_them(lines, trailing_newline):
+    text = "\n".join(lines) + ("\n" if trailing_newline else "")
+    assert _unidiff_reading(patch_formats._patched_files, text) == _unidiff_reading(
+        lambda t: list(unidiff.PatchSet(t)), text
+    )
+
+
+@hypothesis.settings(max_examples=300, deadline=None, derandomize=True)
+@hypothesis.given(
+    st.lists(
+        st.one_of(
+            st.sampled_from([*_DIFF_LINES, "```diff", "```", "```python", "<<<<<<< SEARCH"]),
+            st.text(alphabet=' :/\t-+@ab"\\\nand', max_size=20),
+        ),
+        max_size=30,
+    ).map("\n".join)
+)
+def test_arbitrary_diff_like_outputs_never_raise(output):
+    contents = {"calc/ops.py": testing_repos.OPS_BASE, "x": "a\n"}
+    for fmt in PatchFormat:
+        parsed = parse_model_output(output, fmt, contents.get, ["calc/ops.py"])
         assert parsed.valid == (parsed.patch is not None)
         assert parsed.valid or parsed.detail
