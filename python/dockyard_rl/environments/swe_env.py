@@ -363,9 +363,7 @@ class SweEnvironment(Environment):
             sum(m["failure_kind"] == FailureKind.TAMPERING.value for m in metadata)
         )
         num_verdicts = sum(m["failure_kind"] is not None for m in metadata)
-        num_unsafe = sum(
-            m["failure_kind"] == FailureKind.UNSAFE_CAPABILITY.value for m in metadata
-        )
+        num_unsafe = sum(m["failure_kind"] == FailureKind.UNSAFE_CAPABILITY.value for m in metadata)
         metrics["env/num_unsafe_capability"] = float(num_unsafe)
         metrics["env/unsafe_capability_rate"] = num_unsafe / num_verdicts if num_verdicts else 0.0
         metrics["env/num_patch_limit_failures"] = float(

@@ -378,9 +378,7 @@ def test_rollout_and_step_validation(repo):
     assert empty.rewards_B.shape == (0,) and empty.metadata == ()
 
 
-def test_limits_charged_to_the_patch_and_unsafe_capabilities_are_scored_and_counted(
-    tmp_path, repo
-):
+def test_limits_charged_to_the_patch_and_unsafe_capabilities_are_scored_and_counted(tmp_path, repo):
     # Verdicts as the pipeline writes them: a limit the task's baseline does not hit is the
     # patch's failure (scored 0, counted); one it hits too is masked; a capability-screen
     # refusal is a failure with its flags.
