@@ -1,6 +1,7 @@
 import pytest
+import unidiff
 
-from dockyard_rl.sandbox import integrity
+from dockyard_rl.sandbox import integrity, testing_patches
 from dockyard_rl.sandbox.testing_repos import make_toy_repo
 
 PROTECTED = ("tests/test_ops.py", "tests/test_mul_table.py")
@@ -350,3 +351,10 @@ def test_malformed_patches_are_violations_not_errors():
         "+++ b/x\n@@ -1 +1 @@\n-x\n+y\n",  # "+++" without "---"
     ):
         assert integrity.UNPARSEABLE in integrity.check_integrity(patch, PROTECTED), patch
+
+
+def test_the_benchmarks_ordinary_patch_is_well_formed():
+    # The baseline every adversarial shape is compared with must be a well-formed patch.
+    patch = testing_patches.ordinary_patch(64 * 1024)
+    assert integrity.parse_patch(patch).problem == ""
+    assert len(unidiff.PatchSet(patch)) > 10

@@ -25,7 +25,7 @@ def ordinary_patch(num_bytes: int) -> str:
     while size < num_bytes:
         path = f"pkg/module_{index}.py"
         part = f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n" + "".join(
-            f"@@ -{10 * h + 1},4 +{10 * h + 1},4 @@ def function_{h}(value):\n"
+            f"@@ -{10 * h + 1},3 +{10 * h + 1},3 @@ def function_{h}(value):\n"
             f"     total = value * {h}\n-    return total\n+    return total + 1\n"
             f"     # end of function_{h}\n"
             for h in range(8)
