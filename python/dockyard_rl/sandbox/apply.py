@@ -246,6 +246,69 @@ def git(
     )
 
 
+class GitError(OSError):
+    """git failed (or timed out) on one of the executor's own checkouts."""
+
+
+def git_output(
+    worktree: pathlib.Path,
+    *args: str,
+    stdin: bytes | None = None,
+    timeout: float = _APPLY_TIMEOUT_S,
+) -> bytes:
+    """git's stdout in bytes (-z output carries file names that need not be UTF-8). Raises
+    GitError, naming the command and git's complaint, when git fails or times out."""
+    try:
+        result = git(worktree, *args, check=False, timeout=timeout, text=False, input=stdin)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise GitError(f"git {args[0]} in {worktree}: {error}") from error
+    if result.returncode != 0:
+        detail = result.stderr.decode("utf-8", errors="replace").strip()[-1000:]
+        raise GitError(f"git {args[0]} in {worktree} failed: {detail}")
+    return result.stdout
+
+
+def cat_file_batch(
+    worktree: pathlib.Path, names: list[str], timeout: float = _APPLY_TIMEOUT_S
+) -> dict[str, bytes | None]:
+    """name -> content of the objects `names` give (object ids, or "REV:path"; none may hold a
+    newline), read with one `git cat-file --batch`; None for a missing object. Linear in the
+    output's size. Raises GitError when git fails or its output is cut short."""
+    wanted = list(dict.fromkeys(names))
+    if not wanted:
+        return {}
+    if any("\n" in name for name in wanted):
+        raise ValueError("cat_file_batch: an object name holds a newline")
+    out = git_output(
+        worktree,
+        "cat-file",
+        "--batch",
+        stdin="".join(f"{name}\n" for name in wanted).encode("utf-8", "surrogateescape"),
+        timeout=timeout,
+    )
+    contents: dict[str, bytes | None] = {}
+    position = 0
+    for name in wanted:
+        end = out.find(b"\n", position)
+        if end < 0:
+            raise GitError(f"git cat-file --batch in {worktree}: truncated output")
+        header = out[position:end].split(b" ")
+        position = end + 1
+        # A found object is "<hex id> <type> <size>"; anything else ("<name> missing",
+        # "<name> ambiguous") names the request, which may hold spaces.
+        if len(header) == 3 and header[2].isdigit() and _is_hex(header[0]):
+            size = int(header[2])
+            contents[name] = out[position : position + size] if header[1] == b"blob" else None
+            position += size + 1
+        else:
+            contents[name] = None
+    return contents
+
+
+def _is_hex(token: bytes) -> bool:
+    return bool(token) and all(c in b"0123456789abcdef" for c in token)
+
+
 def reset_worktree(worktree: pathlib.Path) -> None:
     """Back to the clean checkout of HEAD: tracked edits undone, untracked files removed."""
     # An applier killed mid-write (SIGXFSZ at the file-size limit, or its timeout) leaves git's

@@ -1,5 +1,6 @@
 import base64
 import random
+import subprocess
 import time
 import zlib
 
@@ -252,3 +253,27 @@ def test_declared_sizes_are_read_as_git_reads_them():
 def test_limits_must_be_positive_integers(worktree, tmp_path, limits):
     with pytest.raises(ValueError, match=next(iter(limits))):
         apply.apply_patch(worktree, "diff --git a/x b/x\n", tmp_path / "scratch", **limits)
+
+
+def test_cat_file_batch_reads_blobs_and_misses_in_one_process(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "a b.py").write_bytes(b"x = 1\n")
+    (repo / "bin").write_bytes(bytes(range(256)))
+    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
+    subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "b"],
+        check=True,
+    )
+    names = ["HEAD:a b.py", "HEAD:bin", "HEAD:missing 1 2", "HEAD:", "0" * 40]
+    found = apply.cat_file_batch(repo, names)
+    assert found == {
+        "HEAD:a b.py": b"x = 1\n",
+        "HEAD:bin": bytes(range(256)),
+        "HEAD:missing 1 2": None,
+        "HEAD:": None,  # a tree, not a blob
+        "0" * 40: None,
+    }
+    with pytest.raises(apply.GitError, match="cat-file"):
+        apply.cat_file_batch(tmp_path, ["HEAD:x"])  # not a repository

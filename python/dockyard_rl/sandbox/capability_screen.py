@@ -92,7 +92,6 @@ import pathlib
 import posixpath
 import re
 import stat
-import subprocess
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 
@@ -299,14 +298,7 @@ def is_test_path(path: str) -> bool:
 
 
 def _git_bytes(worktree: pathlib.Path, *args: str) -> bytes:
-    try:
-        result = apply_lib.git(worktree, *args, check=False, timeout=_GIT_TIMEOUT_S, text=False)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise OSError(f"git {args[0]} in {worktree}: {error}") from error
-    if result.returncode != 0:
-        detail = result.stderr.decode("utf-8", errors="replace").strip()[-1000:]
-        raise OSError(f"git {args[0]} in {worktree} failed: {detail}")
-    return result.stdout
+    return apply_lib.git_output(worktree, *args, timeout=_GIT_TIMEOUT_S)
 
 
 def changed_files(worktree: pathlib.Path) -> list[str]:
@@ -339,21 +331,10 @@ def base_reader(worktree: pathlib.Path, paths: Sequence[str] = ()) -> Callable[[
         tracked = {os.fsdecode(raw) for raw in listed.split(b"\0") if raw}
         batch = [path for path in paths if path in tracked and "\n" not in path]
         known.update((path, None) for path in paths if path not in tracked)
-        if batch:
-            request = b"".join(b"HEAD:" + os.fsencode(path) + b"\n" for path in batch)
-            try:
-                result = apply_lib.git(
-                    worktree,
-                    "cat-file",
-                    "--batch",
-                    check=False,
-                    text=False,
-                    input=request,
-                    timeout=_GIT_TIMEOUT_S,
-                )
-            except (OSError, subprocess.TimeoutExpired) as error:
-                raise OSError(f"git cat-file in {worktree}: {error}") from error
-            known.update(_parse_cat_file_batch(result.stdout, batch))
+        blobs = apply_lib.cat_file_batch(
+            worktree, [f"HEAD:{path}" for path in batch], timeout=_GIT_TIMEOUT_S
+        )
+        known.update((path, blobs[f"HEAD:{path}"]) for path in batch)
 
     def read(path: str) -> bytes | None:
         if path in known:
@@ -370,27 +351,6 @@ def base_reader(worktree: pathlib.Path, paths: Sequence[str] = ()) -> Callable[[
         return result.stdout if result.returncode == 0 else None
 
     return read
-
-
-def _parse_cat_file_batch(output: bytes, paths: list[str]) -> dict[str, bytes | None]:
-    """`git cat-file --batch` output for `paths` (one request each, in order) -> path -> blob
-    bytes, None for what is missing or not a blob. Stops at anything unexpected (the remaining
-    paths are then read one by one)."""
-    found: dict[str, bytes | None] = {}
-    at = 0
-    for path in paths:
-        end = output.find(b"\n", at)
-        if end < 0:
-            break
-        header = output[at:end].split(b" ")
-        at = end + 1
-        if len(header) == 3 and header[2].isdigit():
-            size = int(header[2])
-            found[path] = output[at : at + size] if header[1] == b"blob" else None
-            at += size + 1
-        else:  # "<request> missing" / "ambiguous"
-            found[path] = None
-    return found
 
 
 _DIFF_GIT_RE = re.compile(r'^diff --git ("(?:[^"\\]|\\.)*"|\S+) ("(?:[^"\\]|\\.)*"|\S+)\s*$')

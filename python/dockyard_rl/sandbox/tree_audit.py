@@ -103,7 +103,6 @@ import pathlib
 import posixpath
 import re
 import stat
-import subprocess
 import sys
 import tomllib
 import unicodedata
@@ -213,44 +212,20 @@ class BaseTree:
         return _cat_blobs(self.worktree, [entry[1]])[entry[1]]
 
 
-def _git_bytes(worktree: pathlib.Path, *args: str, stdin: bytes | None = None) -> bytes:
-    """sandbox.apply.git in bytes mode: -z output carries file names that need not be UTF-8.
-    Raises TreeAuditError when git fails (our own checkout: not the patch's doing)."""
+def _git_bytes(worktree: pathlib.Path, *args: str) -> bytes:
+    """apply.git_output, raising TreeAuditError (our own checkout: not the patch's doing)."""
     try:
-        result = apply_lib.git(
-            worktree, *args, check=False, timeout=_GIT_TIMEOUT_S, text=False, input=stdin
-        )
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise TreeAuditError(f"git {args[0]} in {worktree}: {error}") from error
-    if result.returncode != 0:
-        detail = result.stderr.decode("utf-8", errors="replace").strip()[-1000:]
-        raise TreeAuditError(f"git {args[0]} in {worktree} failed: {detail}")
-    return result.stdout
+        return apply_lib.git_output(worktree, *args, timeout=_GIT_TIMEOUT_S)
+    except apply_lib.GitError as error:
+        raise TreeAuditError(str(error)) from error
 
 
 def _cat_blobs(worktree: pathlib.Path, object_ids: Iterable[str]) -> dict[str, bytes | None]:
     """object id -> content, with one `git cat-file --batch`; None for a missing object."""
-    wanted = list(dict.fromkeys(object_ids))
-    if not wanted:
-        return {}
-    out = _git_bytes(
-        worktree, "cat-file", "--batch", stdin="".join(f"{oid}\n" for oid in wanted).encode()
-    )
-    contents: dict[str, bytes | None] = {}
-    position = 0
-    for oid in wanted:
-        end = out.find(b"\n", position)
-        header = out[position:end].split() if end >= 0 else []
-        if not header:
-            raise TreeAuditError(f"git cat-file --batch in {worktree}: truncated output")
-        position = end + 1
-        if len(header) != 3:  # "<oid> missing"
-            contents[oid] = None
-            continue
-        size = int(header[2])
-        contents[oid] = out[position : position + size]
-        position += size + 1
-    return contents
+    try:
+        return apply_lib.cat_file_batch(worktree, list(object_ids), timeout=_GIT_TIMEOUT_S)
+    except apply_lib.GitError as error:
+        raise TreeAuditError(str(error)) from error
 
 
 def _is_content_checked(path: str) -> bool:
