@@ -10,14 +10,13 @@ something false. The outcome must be either tampering evidence or an honest fail
 """
 
 import hashlib
-import subprocess
 import textwrap
 
 import pytest
 
 from dockyard_rl.sandbox import grading, isolation, runner
 from dockyard_rl.sandbox.task import FailureKind, RewardMode, TestOutcome
-from dockyard_rl.sandbox.testing_repos import make_toy_repo
+from dockyard_rl.sandbox.testing_repos import toy_worktree
 
 LIMITS = runner.RunnerLimits(
     isolation.SandboxLimits(wall_timeout_s=60, cpu_s=60, memory_bytes=2 * 1024**3),
@@ -35,15 +34,23 @@ def test_probe():
     assert calc.answer() == 42
 """
 TARGET = "tests/test_probe.py::test_probe"
+# ... and with a harmless test first, which calls the attack's `arm()` while it runs.
+_TWO_TESTS = """\
+import calc
+
+
+def test_first():
+    calc.arm()
+
+
+def test_probe():
+    assert calc.answer() == 42
+"""
 
 
 @pytest.fixture
 def worktree(tmp_path):
-    toy = make_toy_repo(tmp_path / "toy")
-    tree = tmp_path / "wt"
-    subprocess.run(["git", "clone", "-q", str(toy.path), str(tree)], check=True)
-    subprocess.run(["git", "-C", str(tree), "checkout", "-q", toy.base_commit], check=True)
-    return tree
+    return toy_worktree(tmp_path)
 
 
 def _run(
@@ -240,23 +247,13 @@ def test_test_function_swapped_after_collection_is_tampering(tmp_path, worktree)
         """
         import sys
 
-        def swap():
+        def arm():
             for name, module in list(sys.modules.items()):
                 if name.endswith("test_probe"):
                     module.test_probe = lambda: None
             return 42
         """,
-        test="""\
-        import calc
-
-
-        def test_first():
-            calc.swap()
-
-
-        def test_probe():
-            assert calc.answer() == 42
-        """,
+        test=_TWO_TESTS,
     )
     _assert_not_forged(grade, evidence)
 
@@ -270,7 +267,7 @@ def test_wrapped_chain_pointing_at_the_real_test_is_tampering(tmp_path, worktree
         """
         import functools, sys
 
-        def swap():
+        def arm():
             for name, module in list(sys.modules.items()):
                 if name.endswith("test_probe"):
                     real = module.test_probe
@@ -282,17 +279,7 @@ def test_wrapped_chain_pointing_at_the_real_test_is_tampering(tmp_path, worktree
                     module.test_probe = test_probe
             return 0
         """,
-        test="""\
-        import calc
-
-
-        def test_first():
-            calc.swap()
-
-
-        def test_probe():
-            assert calc.answer() == 42
-        """,
+        test=_TWO_TESTS,
     )
     _assert_not_forged(grade, evidence)
 
@@ -304,22 +291,12 @@ def test_code_swap_with_replaced_code_object_is_tampering(tmp_path, worktree):
         """
         import sys
 
-        def swap():
+        def arm():
             for name, module in list(sys.modules.items()):
                 if name.endswith("test_probe"):
                     module.test_probe.__code__ = (lambda: None).__code__
         """,
-        test="""\
-        import calc
-
-
-        def test_first():
-            calc.swap()
-
-
-        def test_probe():
-            assert calc.answer() == 42
-        """,
+        test=_TWO_TESTS,
     )
     _assert_not_forged(grade, evidence)
 
@@ -504,18 +481,6 @@ def _item():
         if item is not None and hasattr(item, "session"):
             return item
         frame = frame.f_back
-"""
-
-_TWO_TESTS = """\
-import calc
-
-
-def test_first():
-    calc.arm()
-
-
-def test_probe():
-    assert calc.answer() == 42
 """
 
 

@@ -1,13 +1,11 @@
 """The runner for real (bubblewrap, pytest in the sandbox): what the tests can and cannot see,
 the canaries under deselection, the disk cap, and which commands are accepted."""
 
-import subprocess
-
 import pytest
 
 from dockyard_rl.sandbox import grading, isolation, runner
 from dockyard_rl.sandbox.task import FailureKind, RewardMode, TestOutcome
-from dockyard_rl.sandbox.testing_repos import make_toy_repo
+from dockyard_rl.sandbox.testing_repos import toy_worktree
 
 LIMITS = runner.RunnerLimits(
     isolation.SandboxLimits(wall_timeout_s=60, cpu_s=60, memory_bytes=2 * 1024**3),
@@ -19,11 +17,7 @@ LIMITS = runner.RunnerLimits(
 
 @pytest.fixture
 def worktree(tmp_path):
-    toy = make_toy_repo(tmp_path / "toy")
-    tree = tmp_path / "wt"
-    subprocess.run(["git", "clone", "-q", str(toy.path), str(tree)], check=True)
-    subprocess.run(["git", "-C", str(tree), "checkout", "-q", toy.base_commit], check=True)
-    return tree
+    return toy_worktree(tmp_path)
 
 
 def _run(tmp_path, worktree, test_source, args=("tests/test_probe.py",), **kwargs):

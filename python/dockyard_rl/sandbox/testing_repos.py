@@ -253,3 +253,13 @@ def make_toy_repo(path: pathlib.Path) -> ToyRepo:
         conflicting_patch=CONFLICTING_PATCH,
     )
     return dataclasses.replace(repo, wrong_patch=repo.patch_for({"calc/ops.py": OPS_WRONG}))
+
+
+def toy_worktree(root: pathlib.Path) -> pathlib.Path:
+    """A plain clone of a fresh toy repository at its base commit, at `root`/wt (the toy's own
+    repository goes to `root`/toy): what the runner's tests run pytest on."""
+    toy = make_toy_repo(root / "toy")
+    tree = root / "wt"
+    git(root, "clone", "--quiet", str(toy.path), str(tree))
+    git(tree, "checkout", "--quiet", toy.base_commit)
+    return tree
