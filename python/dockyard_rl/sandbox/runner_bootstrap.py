@@ -920,11 +920,12 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trus
             if getattr(item, "module", None) is not module:
                 reporter.send("tamper", what=f"{item.nodeid}: its module was replaced {when}")
                 return
-            # The item must run through pytest's own runtest: no method or property of its class
-            # shadowed on the instance, and its class's runtest pytest's code (by identity).
+            # The item must run through pytest's own runtest (or a conftest's, whose code is
+            # trusted by equality): no method or property of its class shadowed on the instance.
             item_class = type(item)
             runtest = getattr(item_class, "runtest", None)
-            if not is_identical(getattr(runtest, "__code__", None), trusted_codes):
+            runtest_code = getattr(runtest, "__code__", None)
+            if runtest_code is None or not frame_trusted(runtest_code):
                 reporter.send("tamper", what=f"{item.nodeid}: its runtest is not pytest's {when}")
             for key in _attributes(item):
                 if isinstance(getattr(item_class, key, None), (property, type(runtest))):

@@ -591,3 +591,20 @@ def test_honest_imports_in_every_form_are_not_tampering(tmp_path, worktree):
     )
     assert _tamper(evidence) == []
     assert grade.resolved, grade
+
+
+def test_a_conftests_own_item_class_is_trusted(tmp_path, worktree):
+    # A repository's conftest may define its own Function subclass; its runtest is trusted code
+    # (equal to what the hashed conftest compiles to), not tampering.
+    (worktree / "tests" / "conftest.py").write_text(
+        "import pytest\n\n\n"
+        "class CountingFunction(pytest.Function):\n"
+        "    def runtest(self):\n"
+        "        super().runtest()\n\n\n"
+        "def pytest_pycollect_makeitem(collector, name, obj):\n"
+        "    if name.startswith('test_') and callable(obj):\n"
+        "        return [CountingFunction.from_parent(collector, name=name)]\n"
+    )
+    grade, evidence = _run(tmp_path, worktree, "answer = lambda: 42\n", patched=[])
+    assert _tamper(evidence) == []
+    assert grade.resolved, grade
