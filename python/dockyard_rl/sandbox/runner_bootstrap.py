@@ -951,16 +951,14 @@ def make_plugin(pytest, settings, reporter, snapshot, report_path, sources, trus
             if function is None:
                 problem = "has no function"
             else:
-                name = names[-1]
 
                 def is_target(code):
                     if expected:
                         return any(code == candidate for candidate in expected)
-                    # Not defined under its own name in its file (inherited from a base class):
-                    # a function of that name from a test file or an unpatched file.
-                    return code.co_name == name and (
-                        code in sources.all_codes or sources.unpatched_qualname(code) is not None
-                    )
+                    # Not defined under its own name in its file (inherited from a base class,
+                    # or made by a factory: `test_a = make_test(1)`): code of a test file or of
+                    # a file the patch did not change.
+                    return code in sources.all_codes or sources.unpatched_qualname(code) is not None
 
                 problem = check_test_callable(function, is_target, sources, external)
                 unbound = function.__func__ if inspect.ismethod(function) else function

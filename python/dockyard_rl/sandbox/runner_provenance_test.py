@@ -418,6 +418,16 @@ def test_honest_tests_of_every_shape_pass_without_tampering(tmp_path, worktree):
 
         class TestInherits(Base):
             pass
+
+
+        def make_test(value):
+            def test():
+                assert value in (1, 2)
+
+            return test
+
+
+        test_made_1 = make_test(1)
         """,
         patched=[],
     )
@@ -429,6 +439,7 @@ def test_honest_tests_of_every_shape_pass_without_tampering(tmp_path, worktree):
         "tests/test_probe.py::test_param[1]",
         "tests/test_probe.py::TestInClass::test_method",
         "tests/test_probe.py::TestInherits::test_inherited",
+        "tests/test_probe.py::test_made_1",
     ):
         assert outcomes[node] is TestOutcome.PASSED, (node, outcomes)
 
