@@ -87,28 +87,7 @@ from sandbox_attacks_round2 import (  # noqa: E402
 _MiB = 1024 * 1024
 _TASK_TIMEOUT_S = 60.0
 _WAIT_TIMEOUT_S = 900.0
-_GIT_ENV = {
-    "PATH": "/usr/local/bin:/usr/bin:/bin",
-    "HOME": "/nonexistent",
-    "LANG": "C.UTF-8",
-    "GIT_CONFIG_NOSYSTEM": "1",
-    "GIT_CONFIG_GLOBAL": "/dev/null",
-    "GIT_TERMINAL_PROMPT": "0",
-}
-
-
-def _git(cwd: pathlib.Path, *args: str) -> str:
-    done = subprocess.run(
-        ["git", "-C", str(cwd), *args],
-        env=_GIT_ENV,
-        capture_output=True,
-        text=True,
-        errors="replace",
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"git {' '.join(args)} (in {cwd}) failed: {done.stderr.strip()}")
-    return done.stdout
+_git = sandbox_attacks.git
 
 
 def _remove_tree(path: pathlib.Path) -> None:

@@ -41,6 +41,7 @@ import hashlib
 import os
 import pathlib
 import py_compile
+import subprocess
 import tempfile
 import textwrap
 import zlib
@@ -49,6 +50,32 @@ from collections.abc import Callable
 from dockyard_rl.sandbox.task import FailureKind as FK
 
 PACKAGE = "toystats"
+
+
+# git for the attack suites, isolated from the machine's and user's git configuration.
+GIT_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/nonexistent",
+    "LANG": "C.UTF-8",
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_CONFIG_GLOBAL": "/dev/null",
+    "GIT_TERMINAL_PROMPT": "0",
+}
+
+
+def git(cwd: pathlib.Path, *args: str) -> str:
+    """Runs git in `cwd` with GIT_ENV; returns stdout, raises RuntimeError naming the failure."""
+    done = subprocess.run(
+        ["git", "-C", str(cwd), *args],
+        env=GIT_ENV,
+        capture_output=True,
+        text=True,
+        errors="replace",
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} (in {cwd}) failed: {done.stderr.strip()}")
+    return done.stdout
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,12 +36,11 @@ import base64
 import codecs
 import hashlib
 import os
-import subprocess
 import tempfile
 import textwrap
 import zlib
 
-from sandbox_attacks import PACKAGE, Attack, AttackContext, binary_new_file_patch
+from sandbox_attacks import PACKAGE, Attack, AttackContext, binary_new_file_patch, git
 
 from dockyard_rl.sandbox.task import FailureKind as FK
 
@@ -50,23 +49,9 @@ CATALOGUE = "round2"  # issue 25; class numbers 1-7 are that issue's
 ANY_FAILURE = frozenset(kind for kind in FK if kind is not FK.NONE)
 SHORT_TIMEOUT_S = 8.0  # class-5 attacks that sleep or hang: a short wall clock keeps them cheap
 
-_GIT_ENV = {
-    "PATH": "/usr/local/bin:/usr/bin:/bin",
-    "HOME": "/nonexistent",
-    "LANG": "C.UTF-8",
-    "GIT_CONFIG_NOSYSTEM": "1",
-    "GIT_CONFIG_GLOBAL": "/dev/null",
-    "GIT_TERMINAL_PROMPT": "0",
-}
-
 
 def _git(ctx: AttackContext, *args: str) -> str:
-    done = subprocess.run(
-        ["git", "-C", str(ctx.root), *args], env=_GIT_ENV, capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"git {args}: {done.stderr}")
-    return done.stdout
+    return git(ctx.root, *args)
 
 
 def _targets(ctx: AttackContext) -> str:

@@ -239,65 +239,34 @@ def test_meta_path_finder_compiling_another_test_is_tampering(tmp_path, worktree
     _assert_not_forged(grade, evidence)
 
 
-def test_test_function_swapped_after_collection_is_tampering(tmp_path, worktree):
-    # answer() runs inside the test; the swap happens while an earlier test runs.
-    grade, evidence = _run(
-        tmp_path,
-        worktree,
-        """
-        import sys
-
-        def arm():
-            for name, module in list(sys.modules.items()):
-                if name.endswith("test_probe"):
-                    module.test_probe = lambda: None
-            return 42
-        """,
-        test=_TWO_TESTS,
+@pytest.mark.parametrize(
+    "swap",
+    [
+        # a plain rebinding of the module's test function
+        "module.test_probe = lambda: None\n",
+        # functools.wraps makes the fake look like the test (name, __wrapped__, __module__);
+        # what it runs is not the test's code
+        "real = module.test_probe\n"
+        "@functools.wraps(real)\n"
+        "def test_probe():\n"
+        "    return None\n"
+        "module.test_probe = test_probe\n",
+        # the function object kept, its code replaced
+        "module.test_probe.__code__ = (lambda: None).__code__\n",
+    ],
+    ids=["rebound", "wrapped-chain", "code-swap"],
+)
+def test_test_function_swapped_after_collection_is_tampering(tmp_path, worktree, swap):
+    # arm() runs inside an earlier test; the swap must not turn test_probe green.
+    arm = (
+        "import functools, sys\n\n\n"
+        "def arm():\n"
+        "    for name, module in list(sys.modules.items()):\n"
+        "        if name.endswith('test_probe'):\n"
+        + textwrap.indent(swap, " " * 12)
+        + "    return 0\n"
     )
-    _assert_not_forged(grade, evidence)
-
-
-def test_wrapped_chain_pointing_at_the_real_test_is_tampering(tmp_path, worktree):
-    # functools.wraps makes the fake look like the test (name, __wrapped__, __module__); what it
-    # runs is not the test's code.
-    grade, evidence = _run(
-        tmp_path,
-        worktree,
-        """
-        import functools, sys
-
-        def arm():
-            for name, module in list(sys.modules.items()):
-                if name.endswith("test_probe"):
-                    real = module.test_probe
-
-                    @functools.wraps(real)
-                    def test_probe():
-                        return None
-
-                    module.test_probe = test_probe
-            return 0
-        """,
-        test=_TWO_TESTS,
-    )
-    _assert_not_forged(grade, evidence)
-
-
-def test_code_swap_with_replaced_code_object_is_tampering(tmp_path, worktree):
-    grade, evidence = _run(
-        tmp_path,
-        worktree,
-        """
-        import sys
-
-        def arm():
-            for name, module in list(sys.modules.items()):
-                if name.endswith("test_probe"):
-                    module.test_probe.__code__ = (lambda: None).__code__
-        """,
-        test=_TWO_TESTS,
-    )
+    grade, evidence = _run(tmp_path, worktree, arm, test=_TWO_TESTS)
     _assert_not_forged(grade, evidence)
 
 
