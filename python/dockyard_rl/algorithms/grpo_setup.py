@@ -184,7 +184,9 @@ def setup(config: MasterConfig) -> GRPORun:
         )
         environment = SweEnvironment(env_config, RewardPipeline(config.rewards))
         policy = create_policy(
-            config.policy, resume_from=latest.path / POLICY_DIR if latest else None
+            config.policy,
+            resume_from=latest.path / POLICY_DIR if latest else None,
+            cluster_config=config.cluster,
         )
         parts["policy"] = policy
         generation = create_generation(

@@ -28,7 +28,18 @@ NVLink).
 
 `nccl_env` becomes environment variables of that fleet's actors (bootstrap.fleet_runtime_env),
 so NCCL is configured by the deployment, never inside the training loop. Each field maps to one
-variable; `extra` takes any other NCCL_* / TORCH_NCCL_* variable.
+variable; `extra` takes any other NCCL_* / TORCH_NCCL_* variable. `heartbeat_timeout_s` is also
+the timeout of the fleet's torch process groups (`process_group_timeout`, read by the policy
+ranks when they call init_process_group): a collective that hangs longer fails instead of
+blocking forever, on gloo (CPU) as on NCCL.
+
+Who reads what: the DTensor policy's ranks (trainer fleet) and the vLLM engines (inference fleet)
+are WorkerGroups, placed by bootstrap.place_fleet (the fleet's `strategy`, waiting at most
+`placement_timeout_s`) with bootstrap.fleet_runtime_env (the fleet's `nccl_env`); the executors
+the loop starts (section `executor`) are the sandbox fleet. The JAX policy runs in the driver
+process, so it has no trainer fleet: a recipe that sets `cluster.fleets.trainer` with
+`policy.backend: jax`, or `cluster.fleets.sandbox` with `executor: null` (the executors then run
+outside the loop), fails at load time (algorithms/grpo_config.py), since nothing would read it.
 
 Not covered: autoscaling, heterogeneous per-node config files (each node process passes its own
 `node` values, e.g. through the join CLI's flags), Ray client (ray://) addresses.
@@ -37,7 +48,9 @@ Not covered: autoscaling, heterogeneous per-node config files (each node process
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import ipaddress
+import os
 import re
 from collections.abc import Mapping
 
@@ -52,6 +65,8 @@ FLEET_ROLES = ("trainer", "inference", "sandbox")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
 _NCCL_PREFIXES = ("NCCL_", "TORCH_NCCL_")
+# What `nccl_env.heartbeat_timeout_s` becomes in a fleet actor's environment.
+HEARTBEAT_TIMEOUT_ENV = "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"
 # Binary units only: "GB" would leave open whether 10**9 or 2**30 was meant.
 # Custom resource names: what `ray start --resources` accepts, minus Ray's own names.
 _RESOURCE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]*")
@@ -193,7 +208,7 @@ class NcclEnvConfig:
             "NCCL_IB_HCA": self.ib_hca,
             "NCCL_IB_DISABLE": None if self.ib_disable is None else str(int(self.ib_disable)),
             "NCCL_IB_TIMEOUT": None if self.ib_timeout is None else str(self.ib_timeout),
-            "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": (
+            HEARTBEAT_TIMEOUT_ENV: (
                 None if self.heartbeat_timeout_s is None else str(self.heartbeat_timeout_s)
             ),
             "NCCL_DEBUG": self.debug,
@@ -267,8 +282,26 @@ class ClusterConfig:
             )
 
 
+def process_group_timeout(
+    environ: Mapping[str, str] | None = None,
+) -> datetime.timedelta | None:
+    """The timeout for a torch process group of a fleet actor: its fleet's
+    `nccl_env.heartbeat_timeout_s`, which reaches the actor as TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC
+    (bootstrap.fleet_runtime_env); None (torch's default) when unset. `environ`: os.environ."""
+    value = (os.environ if environ is None else environ).get(HEARTBEAT_TIMEOUT_ENV)
+    if not value:
+        return None
+    if not value.isdigit() or int(value) <= 0:
+        raise ValueError(
+            f"{HEARTBEAT_TIMEOUT_ENV}={value!r}: must be a whole number of seconds > 0 "
+            "(set it with cluster.fleets.<role>.nccl_env.heartbeat_timeout_s)"
+        )
+    return datetime.timedelta(seconds=int(value))
+
+
 __all__ = [
     "ClusterConfig",
+    "HEARTBEAT_TIMEOUT_ENV",
     "FLEET_ROLES",
     "FleetConfig",
     "FleetsConfig",
@@ -279,4 +312,5 @@ __all__ = [
     "ROLE_ENV",
     "STRATEGIES",
     "parse_address",
+    "process_group_timeout",
 ]

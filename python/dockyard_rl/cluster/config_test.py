@@ -3,7 +3,7 @@ and bad values failing with the full key named."""
 
 import pytest
 
-from dockyard_rl.cluster.config import ClusterConfig, NcclEnvConfig
+from dockyard_rl.cluster.config import ClusterConfig, NcclEnvConfig, process_group_timeout
 from dockyard_rl.utils.config import from_dict
 
 
@@ -132,3 +132,12 @@ def test_bad_values_name_the_key(data, message):
 def test_fleet_lookup_rejects_the_driver():
     with pytest.raises(ValueError, match="'driver' is not a fleet; fleets: trainer, inference"):
         _build(None).fleets.of("driver")
+
+
+def test_heartbeat_timeout_is_the_process_group_timeout_of_the_fleets_actors():
+    # What a rank reads back from the environment fleet_runtime_env gave it.
+    env = NcclEnvConfig(heartbeat_timeout_s=90).env_vars()
+    assert process_group_timeout(env).total_seconds() == 90
+    assert process_group_timeout({}) is None  # unset: torch's default
+    with pytest.raises(ValueError, match="nccl_env.heartbeat_timeout_s"):
+        process_group_timeout({"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "soon"})

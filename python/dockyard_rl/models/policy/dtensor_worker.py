@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from dockyard_rl.cluster.config import process_group_timeout
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict, invert_permutation
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models.policy.config import PolicyConfig, learning_rate_at
@@ -156,6 +157,8 @@ class DTensorPolicyWorker:
             "nccl" if self.device.type == "cuda" else "gloo",
             rank=self.rank,
             world_size=self.world_size,
+            # cluster.fleets.trainer.nccl_env.heartbeat_timeout_s (None: torch's default).
+            timeout=process_group_timeout(),
         )
         self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
         self.model_dir = pathlib.Path(model_dir)

@@ -5,11 +5,18 @@ The one constructor signature every backend implements (so the driver never spec
     Backend(cfg: PolicyConfig, *, cache_dir: str | os.PathLike | None = None,
             resume_from: str | os.PathLike | None = None) -> PolicyInterface
 
+plus, for backends whose ranks are Ray actors (`CLUSTER_BACKENDS`: dtensor),
+`cluster_config: ClusterConfig | None = None`.
+
 - `cfg`: the validated `policy` section (models/policy/config.py).
 - `cache_dir`: the model zoo's cache directory for zoo names in `cfg.model` (None: the zoo's
   default, `$DOCKYARD_MODEL_CACHE` or ~/.cache/dockyard_rl/models).
 - `resume_from`: a directory written by the same backend's `save_checkpoint`, restored during
   construction (None: start from `cfg.model`'s weights).
+- `cluster_config`: the recipe's `cluster` section. The dtensor ranks are the trainer fleet:
+  placed with `cluster.fleets.trainer.strategy` within `cluster.placement_timeout_s`, with the
+  fleet's `nccl_env` in their environment. The jax backend runs in the driver process and takes
+  none (the config refuses `cluster.fleets.trainer` with it: algorithms/grpo_config.py).
 Construction loads the weights and fails fast with ValueError naming the key: `policy.model` not
 a zoo name or HF directory, `resume_from` missing / incomplete / for another model, and resources
 that cannot hold `policy.dp_size` ranks.
@@ -26,6 +33,7 @@ import importlib.util
 import os
 from collections.abc import Callable
 
+from dockyard_rl.cluster.config import ClusterConfig
 from dockyard_rl.models.policy.config import PolicyConfig
 from dockyard_rl.models.policy.interfaces import PolicyInterface
 
@@ -34,6 +42,8 @@ POLICY_BACKENDS: dict[str, tuple[str, str]] = {
     "dtensor": ("dockyard_rl.models.policy.dtensor_policy", "DTensorPolicy"),
     "jax": ("dockyard_rl.models.policy.jax_policy", "JaxPolicy"),
 }
+# The backends that start Ray actors of the trainer fleet, so take `cluster_config`.
+CLUSTER_BACKENDS = ("dtensor",)
 
 
 def create_policy(
@@ -41,6 +51,7 @@ def create_policy(
     *,
     cache_dir: str | os.PathLike[str] | None = None,
     resume_from: str | os.PathLike[str] | None = None,
+    cluster_config: ClusterConfig | None = None,
 ) -> PolicyInterface:
     """Builds the backend `cfg.backend` names (see the module docstring for the arguments).
 
@@ -76,10 +87,12 @@ def create_policy(
         ) from None
     # Only the options the caller set are passed on, so a backend that does not take one yet
     # still builds with the defaults.
-    options = {
+    options: dict[str, object] = {
         key: value
         for key, value in (("cache_dir", cache_dir), ("resume_from", resume_from))
         if value is not None
     }
+    if cluster_config is not None and cfg.backend in CLUSTER_BACKENDS:
+        options["cluster_config"] = cluster_config
     backend: Callable[..., PolicyInterface] = getattr(module, class_name)
     return backend(cfg, **options)

@@ -2,10 +2,14 @@
 
 The real build is a 1-rank DTensor policy (Ray on 127.0.0.1, gloo) on tiny-llama with
 activation checkpointing on, checked against a plain single-process step (recomputation must not
-change the math). Shape suffixes: B = samples, S = token positions.
+change the math); its rank also shows that the `cluster` section's trainer NCCL settings reach it
+(environment and process-group timeout). A second build shows the fleet's placement strategy and
+`cluster.placement_timeout_s` taking effect. Shape suffixes: B = samples, S = token positions.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import ray
@@ -13,6 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dockyard_rl.algorithms.loss_functions import ClippedPGLossConfig, ClippedPGLossFn, count_valid
+from dockyard_rl.cluster.bootstrap import PlacementTimeoutError
+from dockyard_rl.cluster.config import ClusterConfig, FleetConfig, FleetsConfig, NcclEnvConfig
 from dockyard_rl.cluster.local_ray import init_local_ray
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.models import zoo
@@ -84,11 +90,35 @@ def test_dtensor_backend_one_rank_with_activation_checkpointing():
     )
     loss_fn = ClippedPGLossFn(ClippedPGLossConfig(aggregation="sequence"))
 
+    # The trainer fleet's NCCL settings, as a recipe's `cluster` section gives them.
+    cluster_config = ClusterConfig(
+        fleets=FleetsConfig(
+            trainer=FleetConfig(
+                nccl_env=NcclEnvConfig(socket_ifname="lo", ib_hca="mlx5", heartbeat_timeout_s=77)
+            )
+        )
+    )
+
+    def rank_view(worker):
+        import torch.distributed as dist
+
+        group = dist.distributed_c10d._get_default_group()
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
+        names = ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC")
+        return {name: os.environ.get(name) for name in names}, timeout.total_seconds()
+
     init_local_ray(num_cpus=2, log_to_driver=False)
     try:
-        policy = factory.create_policy(cfg)
+        policy = factory.create_policy(cfg, cluster_config=cluster_config)
         try:
             assert isinstance(policy, DTensorPolicy)
+            env, timeout_s = ray.get(policy._workers.actors[0].__ray_call__.remote(rank_view))
+            assert env == {
+                "NCCL_SOCKET_IFNAME": "lo",
+                "NCCL_IB_HCA": "mlx5",
+                "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "77",
+            }
+            assert timeout_s == 77  # the ranks' process group: nccl_env.heartbeat_timeout_s
             batch["prev_logprobs"] = policy.get_logprobs(batch)
             batch["advantages"] = (
                 torch.tensor([0.5, -1.0, 2.0, 1.5])[:, None].expand(num_samples, width).clone()
@@ -118,3 +148,24 @@ def test_dtensor_backend_one_rank_with_activation_checkpointing():
     assert metrics["loss"] == pytest.approx(float(loss.detach()), abs=1e-6)
     assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
     assert metrics["learning_rate"] == cfg.optimizer.learning_rate  # no warmup by default
+
+
+def test_dtensor_ranks_are_placed_with_the_trainer_fleets_strategy_and_timeout():
+    # Two ranks that must sit on different nodes (STRICT_SPREAD) never fit the one-node local
+    # cluster: placement gives up after cluster.placement_timeout_s and names the key. With the
+    # default config (SPREAD, 60 s) the same policy is placed at once.
+    unplaceable = ClusterConfig(
+        placement_timeout_s=1,
+        fleets=FleetsConfig(trainer=FleetConfig(strategy="STRICT_SPREAD")),
+    )
+    cfg = PolicyConfig(backend="dtensor", model="tiny-llama", dp_size=2, micro_batch_size=1)
+    init_local_ray(num_cpus=2, log_to_driver=False)
+    try:
+        with pytest.raises(
+            PlacementTimeoutError,
+            match=r"trainer fleet .* STRICT_SPREAD .*cluster\.placement_timeout_s=1 s",
+        ):
+            factory.create_policy(cfg, cluster_config=unplaceable)
+    finally:
+        ray.shutdown()
+
