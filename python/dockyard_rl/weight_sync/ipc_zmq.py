@@ -24,8 +24,11 @@ finished, so a mapping is never read while the trainer rewrites it.
 
 Memory: the segments hold one packed copy of the model for the session's lifetime (counted as
 shared memory of the trainer's node); the engine adds nothing beyond vLLM's reload. Segments are
-unlinked when the session closes or the process exits normally; a killed trainer leaves
-`/dev/shm/dockyard-refit-*` files behind (remove them by hand).
+unlinked when the session closes or the process exits normally. A killed trainer cannot unlink
+them, so their names carry their owner, `dockyard-refit-o<pid>.<start time>-<session>-<bucket>`
+(utils/shared_memory.py), and the next sender on the node (and the launcher at start-up)
+reclaims the segments whose owner is dead; a live trainer's segments, e.g. another run's on the
+same node, are never touched.
 
 Trust: the CUDA IPC handle is a pickle, unpickled by the engine worker; it comes only from the
 endpoint the driver handed to the worker (the trainer's own socket on this node), as with vLLM's
@@ -47,11 +50,13 @@ from typing import Any
 import torch
 
 from dockyard_rl.kernels import refit_packer
+from dockyard_rl.utils import shared_memory
 from dockyard_rl.weight_sync.interfaces import BucketSender
 from dockyard_rl.weight_sync.push import PushWeightSynchronizer
 
 TRANSPORT = "ipc_zmq"
-SHM_DIR = "/dev/shm"
+SHM_DIR = shared_memory.SHM_DIR
+SEGMENT_PREFIX = "dockyard-refit-"
 
 
 class IpcZmqWeightSynchronizer(PushWeightSynchronizer):
@@ -110,11 +115,15 @@ class IpcZmqBucketSender(BucketSender):
         self._segments: list[torch.Tensor] = []
         self._handles: list[str] = []
         self._receivers: list[bytes] = []
+        if self._device.type != "cuda":
+            # What killed trainers left (their owner is dead); never a live process's segments.
+            shared_memory.reclaim_stale_segments(prefixes=(SEGMENT_PREFIX,))
+            owner = shared_memory.owner_tag()
         for b, size in enumerate(manifest.bucket_sizes):
             if self._device.type == "cuda":
                 segment = torch.empty(size, dtype=torch.uint8, device=self._device)
             else:
-                path = os.path.join(SHM_DIR, f"dockyard-refit-{self._session}-{b}")
+                path = os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{owner}-{self._session}-{b}")
                 with open(path, "wb") as f:
                     f.truncate(size)
                 self._paths.append(path)
@@ -245,7 +254,7 @@ def _map_bucket(message: dict[str, Any], size: int, device: torch.device) -> tor
     if size == 0:
         return torch.empty(0, dtype=torch.uint8)
     path = message["path"]
-    if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith("dockyard-refit-"):
+    if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith(SEGMENT_PREFIX):
         raise ValueError(f"announced segment {path!r} is not a dockyard refit segment in {SHM_DIR}")
     # Private mapping: the pages are the trainer's until written (the engine never writes them).
     return torch.from_file(path, shared=False, size=size, dtype=torch.uint8)

@@ -21,6 +21,7 @@ import requests
 import torch
 
 from dockyard_rl.kernels import refit_packer
+from dockyard_rl.utils import shared_memory
 from dockyard_rl.weight_sync import collective, http_push, ipc_zmq, sender, testing
 from dockyard_rl.weight_sync.bucket_stream import iter_manifest_buckets
 
@@ -275,9 +276,10 @@ def test_ipc_zmq_trainer_killed_mid_transfer_makes_the_engine_raise():
     with pytest.raises(TimeoutError, match="trainer sent nothing"):
         ipc_zmq.receive_buckets(_manifest(), spec, 0, torch.device("cpu"))
     trainer.join(30)
-    for name in os.listdir(ipc_zmq.SHM_DIR):  # the killed trainer's segments (documented)
-        if session in name:
-            os.unlink(os.path.join(ipc_zmq.SHM_DIR, name))
+    # The dead trainer's segments: what a restart's sender (or the launcher) reclaims.
+    assert [name for name in os.listdir(ipc_zmq.SHM_DIR) if session in name]
+    shared_memory.reclaim_stale_segments(prefixes=(ipc_zmq.SEGMENT_PREFIX,))
+    assert not [name for name in os.listdir(ipc_zmq.SHM_DIR) if session in name]
 
 
 def test_ipc_zmq_receiver_refuses_a_segment_outside_dev_shm():

@@ -1,0 +1,115 @@
+"""The reclaim rules of shared_memory.py against real processes and real /dev/shm segments."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from multiprocessing import shared_memory as mp_shared_memory
+
+from dockyard_rl.utils import shared_memory
+
+# A vLLM-like creator: a `psm_*` segment through multiprocessing.shared_memory (registered with
+# Python's resource tracker, as vLLM's rings are), kept mapped until the process dies.
+_PSM_CREATOR = """
+from multiprocessing import shared_memory
+import time
+segment = shared_memory.SharedMemory(create=True, size=1 << 20)
+print(segment.name, flush=True)
+time.sleep(600)
+"""
+
+
+def _path(name: str) -> str:
+    return os.path.join(shared_memory.SHM_DIR, name)
+
+
+def _age(name: str, seconds: float) -> None:
+    then = time.time() - seconds
+    os.utime(_path(name), (then, then))
+
+
+def test_owner_tag_names_this_process_and_survives_only_with_it():
+    tag = shared_memory.owner_tag()
+    pid, start = map(int, tag[1:].split("."))
+    assert pid == os.getpid() and shared_memory.owner_alive(pid, start)
+    assert shared_memory.segment_owner(f"dockyard-refit-{tag}-s-0") == (pid, start)
+    assert shared_memory.segment_owner(f"psm_{tag}") is None  # only our own names carry owners
+    assert not shared_memory.owner_alive(pid, start + 1)  # same pid, another process
+
+
+def test_a_tagged_segment_is_stale_exactly_when_its_owner_is_dead():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_tag = shared_memory.owner_tag(child.pid)  # taken while it runs
+    child.wait()
+    names = {
+        "live": f"dockyard-test-{shared_memory.owner_tag()}-{uuid.uuid4().hex[:8]}",
+        "dead": f"dockyard-test-{dead_tag}-{uuid.uuid4().hex[:8]}",
+        # pid of a live process (ours), but another start time: the pid was reused
+        "reused": f"dockyard-test-o{os.getpid()}.1-{uuid.uuid4().hex[:8]}",
+    }
+    for name in names.values():
+        open(_path(name), "wb").close()  # unmapped, just created: only the owner decides
+    try:
+        reclaimed = shared_memory.reclaim_stale_segments(prefixes=("dockyard-test-",))
+        assert sorted(reclaimed) == sorted([names["dead"], names["reused"]])
+        assert os.path.exists(_path(names["live"]))
+    finally:
+        for name in names.values():
+            if os.path.exists(_path(name)):
+                os.unlink(_path(name))
+
+
+def test_an_untagged_segment_is_reclaimed_only_unmapped_and_old():
+    # A creator SIGKILLed together with its resource tracker (its process group): the leak.
+    creator = subprocess.Popen(
+        [sys.executable, "-c", _PSM_CREATOR],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert creator.stdout is not None
+    leaked = creator.stdout.readline().strip()
+    assert leaked.startswith(shared_memory.PSM_PREFIX)
+    os.killpg(creator.pid, signal.SIGKILL)
+    creator.wait(30)
+    time.sleep(1)  # the resource tracker is gone too: nothing unlinks it
+    assert os.path.exists(_path(leaked))
+
+    mapped = mp_shared_memory.SharedMemory(create=True, size=4096)  # a live process maps it
+    young = f"psm_{uuid.uuid4().hex[:8]}"
+    open(_path(young), "wb").close()  # unmapped, but maybe not mapped *yet*
+    try:
+        _age(mapped.name, 3600)
+        assert os.path.exists(_path(leaked))
+        assert leaked not in shared_memory.stale_segments(min_age_s=3600)  # young enough
+        _age(leaked, 3600)
+        reclaimed = shared_memory.reclaim_stale_segments(prefixes=(shared_memory.PSM_PREFIX,))
+        assert leaked in reclaimed and not os.path.exists(_path(leaked))
+        assert mapped.name not in reclaimed and os.path.exists(_path(mapped.name))
+        assert young not in reclaimed and os.path.exists(_path(young))
+    finally:
+        mapped.close()
+        mapped.unlink()
+        os.unlink(_path(young))
+        if os.path.exists(_path(leaked)):
+            os.unlink(_path(leaked))
+
+
+def test_segments_in_use_sees_mappings_and_open_files_of_the_given_processes():
+    mapped = mp_shared_memory.SharedMemory(create=True, size=4096)
+    try:
+        assert mapped.name in shared_memory.segments_in_use([os.getpid()]).in_use
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            assert child.pid in shared_memory.descendants(os.getpid())
+            assert mapped.name not in shared_memory.segments_in_use([child.pid]).in_use
+        finally:
+            child.kill()
+            child.wait()
+    finally:
+        mapped.close()
+        mapped.unlink()
