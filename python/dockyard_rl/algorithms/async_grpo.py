@@ -17,6 +17,11 @@ the collector generates (vLLM pauses, swaps weights, resumes). Without it the tr
 collector first (`pause_generation` waits for the round being generated), so a sync never changes
 weights under a request.
 
+Timeouts: the trainer waits for the collector at most `async_grpo.sample_timeout_s` (for a
+step's groups, and for the round in flight before a sync without in-flight updates), and the
+collector for room in the buffer at most `async_grpo.push_timeout_s`; a hung collector or trainer
+then fails the run with a TimeoutError naming the key (async_utils/collector.py).
+
 The loss must correct for off-policy samples (`loss_fn.use_importance_sampling_correction`,
 enforced by the config): the engine's log-probs (`generation_logprobs`) are the behaviour policy.
 
@@ -35,7 +40,7 @@ import time
 
 import ray
 
-from dockyard_rl.algorithms.async_utils.collector import start_collector
+from dockyard_rl.algorithms.async_utils.collector import sample_groups, start_collector
 from dockyard_rl.algorithms.grpo import (
     finish_step,
     maybe_validate,
@@ -46,8 +51,10 @@ from dockyard_rl.algorithms.grpo_setup import GRPORun
 
 logger = logging.getLogger(__name__)
 
-# How long one `sample` call waits in the actor before the trainer checks in again.
-_SAMPLE_POLL_S = 5.0
+# How long stopping the collector waits for its loop: a normal stop lets the round in flight end;
+# after a failure (perhaps that round hung) the actor is killed soon.
+_STOP_WAIT_S = 300.0
+_STOP_WAIT_AFTER_FAILURE_S = 5.0
 
 
 def async_grpo_train(run: GRPORun) -> None:
@@ -67,6 +74,7 @@ def async_grpo_train(run: GRPORun) -> None:
         buffered=extras.get("buffer", []),
     )
     loop = asyncio.new_event_loop()
+    stop_wait_s = _STOP_WAIT_AFTER_FAILURE_S
     try:
         refresh_engine_weights(run)
         maybe_validate(run, loop, at_start=True)
@@ -74,8 +82,11 @@ def async_grpo_train(run: GRPORun) -> None:
         while run.step < config.grpo.max_num_steps:
             step = run.step + 1
             waited = time.monotonic()
-            records = _sample(
-                collector, config.grpo.num_prompts_per_step, run.synchronizer.trainer_version
+            records = sample_groups(
+                collector,
+                config.grpo.num_prompts_per_step,
+                run.synchronizer.trainer_version,
+                config.async_grpo.sample_timeout_s,
             )
             run.logger.add_time("buffer_wait", time.monotonic() - waited)
             logger.info(
@@ -91,7 +102,7 @@ def async_grpo_train(run: GRPORun) -> None:
                 if config.async_grpo.in_flight_weight_updates:
                     refresh_engine_weights(run)
                 else:
-                    ray.get(collector.pause_generation.remote())
+                    ray.get(collector.pause_generation.remote(config.async_grpo.sample_timeout_s))
                     try:
                         refresh_engine_weights(run)
                     finally:
@@ -102,19 +113,12 @@ def async_grpo_train(run: GRPORun) -> None:
             run.sampler.load_state_dict(snapshot.pop("sampler"))
             finish_step(run, loop, step, metrics, extras=snapshot)
         maybe_validate(run, loop, at_end=True)
+        stop_wait_s = _STOP_WAIT_S
     finally:
         try:
-            ray.get(collector.stop.remote(), timeout=330)
+            ray.get(collector.stop.remote(stop_wait_s), timeout=stop_wait_s + 30)
         except Exception as error:  # shutting down: the actor may be gone already
             logger.warning("stopping the trajectory collector failed: %s", error)
         ray.kill(collector)
         run.logger.finish()
         loop.close()
-
-
-def _sample(collector, num_groups: int, trainer_version: int):
-    """Waits for enough fresh groups; the actor raises if its loop has died."""
-    while True:
-        records = ray.get(collector.sample.remote(num_groups, trainer_version, _SAMPLE_POLL_S))
-        if records is not None:
-            return records

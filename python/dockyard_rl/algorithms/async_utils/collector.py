@@ -2,8 +2,8 @@
 
     collector = start_collector(runner, instances, ...)      # the actor, on the driver's node
     ray.get(collector.start.remote())
-    records = ray.get(collector.sample.remote(num_groups, trainer_version, timeout_s))
-    ray.get(collector.pause_generation.remote()) ... resume_generation   # around a weight sync
+    records = sample_groups(collector, num_groups, trainer_version, sample_timeout_s)
+    ray.get(collector.pause_generation.remote(timeout_s)) ... resume_generation  # around a sync
     state = ray.get(collector.snapshot.remote())                         # for a checkpoint
 
 One thread of the actor loops: the next `num_prompts` prompts (redone ones first) -> samples from
@@ -11,6 +11,15 @@ the engines (through an `EngineClient`) -> verdicts from the sandbox -> one grou
 pushed into the actor's age-bounded replay buffer (replay_buffer.py). The trainer's calls run
 on the actor's other threads (a threaded actor), so `sample` waits for groups while the loop
 keeps generating.
+
+Timeouts (section `async_grpo`), so a hung collector fails the run instead of hanging it:
+- `sample_timeout_s` bounds every wait of the trainer for the collector: `sample_groups` raises
+  TimeoutError naming the key when fewer than the asked groups arrived in that many seconds (the
+  engines or the executors hung, or are too slow), and so does `pause_generation` when the round
+  being generated does not finish in time. null waits indefinitely.
+- `push_timeout_s` bounds how long the loop waits for room in the full buffer (the trainer is
+  not sampling); then the loop fails with TimeoutError naming the key, and the trainer's next
+  `sample` raises it. null waits as long as it takes (the normal back-pressure).
 
 Why an actor and not a thread of the driver: generation and scoring are the slow, always-busy
 half of async GRPO; in their own process their Python work (tokenizing, parsing patches,
@@ -56,6 +65,11 @@ logger = logging.getLogger(__name__)
 
 # Task ids must not collide with validation's, which uses the step as its global step.
 _ROUND_OFFSET = 1_000_000
+# How long one `sample` call waits in the actor before the trainer checks the deadline again.
+_SAMPLE_POLL_S = 5.0
+# How much longer than its own bounded wait the actor may take to answer a `sample` call before
+# the trainer takes it as hung (it is a threaded actor: a hung round does not block `sample`).
+_REPLY_GRACE_S = 60.0
 
 
 def split_groups(rollout: Rollout) -> list[Rollout]:
@@ -116,6 +130,7 @@ class TrajectoryCollector:
         self._sampler = PromptSampler(len(self._instances), num_prompts, seed)
         self._sampler.load_state_dict(sampler_state)
         self._buffer = ReplayBuffer(buffer_config)
+        self._push_timeout_s = buffer_config.push_timeout_s
         for record in buffered:
             self._buffer.push(
                 record["group"], record["weight_version"], prompt_id=record["prompt_id"]
@@ -147,10 +162,21 @@ class TrajectoryCollector:
             self._check_alive()
             return None
 
-    def pause_generation(self) -> None:
+    def pause_generation(self, timeout_s: float | None = None) -> None:
         """Waits for the round being generated to finish; no new round starts until
-        `resume_generation` (for weight syncs without in-flight updates)."""
-        self._generation_lock.acquire()
+        `resume_generation` (for weight syncs without in-flight updates).
+
+        Raises:
+            TimeoutError: the round did not finish within `timeout_s` (the trainer passes
+                `async_grpo.sample_timeout_s`; None waits indefinitely). Nothing is paused then.
+        """
+        if not self._generation_lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
+            raise TimeoutError(
+                f"async_grpo.sample_timeout_s={timeout_s:g}: the round being generated did not "
+                f"finish within {timeout_s:g} s, so the weight sync cannot start: generation or "
+                "scoring is hung or too slow (check the engines and the sandbox executors), or "
+                "raise async_grpo.sample_timeout_s (null waits indefinitely)"
+            )
 
     def resume_generation(self) -> None:
         self._generation_lock.release()
@@ -200,7 +226,19 @@ class TrajectoryCollector:
 
     def _push(self, index: int, group: Rollout) -> None:
         versions = [s.oldest_weight_version for s in group.samples]
+        # The loop fails after async_grpo.push_timeout_s without room (None: waits until stopped).
+        waited = time.monotonic()
         while not self._stop.is_set():
+            if (
+                self._push_timeout_s is not None
+                and time.monotonic() - waited > self._push_timeout_s
+            ):
+                raise TimeoutError(
+                    f"async_grpo.push_timeout_s={self._push_timeout_s:g}: the replay buffer "
+                    f"stayed full for {self._push_timeout_s:g} s: the trainer is not sampling "
+                    "(hung or far slower than generation); check the trainer, or raise "
+                    "async_grpo.push_timeout_s (null waits as long as it takes)"
+                )
             with self._state_lock:
                 try:
                     self._buffer.push(group, versions, prompt_id=index, timeout=0)
@@ -234,6 +272,48 @@ class TrajectoryCollector:
             logger.exception("trajectory collector failed")
         finally:
             loop.close()
+
+
+def sample_groups(
+    collector, num_groups: int, trainer_version: int, timeout_s: float | None
+) -> list[GroupRecord]:
+    """The trainer's side of `sample`: `num_groups` groups for `trainer_version` from the
+    collector actor, waiting at most `timeout_s` (`async_grpo.sample_timeout_s`; None: no limit).
+
+    Raises:
+        TimeoutError: too few fresh groups arrived within `timeout_s`, or the actor did not
+            answer a bounded `sample` call at all (the message names the key).
+        RuntimeError: the collector's loop has died (its error, e.g. a push timeout).
+    """
+    import ray
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        wait_s = _SAMPLE_POLL_S
+        if deadline is not None:
+            wait_s = max(0.0, min(wait_s, deadline - time.monotonic()))
+        try:
+            records = ray.get(
+                collector.sample.remote(num_groups, trainer_version, wait_s),
+                timeout=wait_s + _REPLY_GRACE_S,
+            )
+        except ray.exceptions.GetTimeoutError:
+            # Not retried: a late answer would take groups out of the buffer that nobody gets.
+            raise TimeoutError(
+                f"async_grpo.sample_timeout_s: the trajectory collector did not answer a "
+                f"{wait_s:g} s sample call within {wait_s + _REPLY_GRACE_S:g} s: the actor is "
+                "hung; check its log"
+            ) from None
+        if records is not None:
+            return list(records)
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"async_grpo.sample_timeout_s={timeout_s:g}: the trajectory collector delivered "
+                f"fewer than {num_groups} fresh groups for weight version {trainer_version} "
+                f"within {timeout_s:g} s: generation or scoring is hung or too slow (check the "
+                "engines and the sandbox executors), or raise async_grpo.sample_timeout_s "
+                "(null waits indefinitely)"
+            )
 
 
 def start_collector(

@@ -82,10 +82,12 @@ class AsyncGRPOConfig:
             version (push checks it); when true the group's version is the oldest of them.
         push_timeout_s: how long a producer's `push` waits for free capacity before
             TimeoutError; null waits until capacity frees up or the buffer is closed (the
-            normal back-pressure when training is slower than generation).
+            normal back-pressure when training is slower than generation). The trajectory
+            collector's loop waits this long for room, then fails (async_utils/collector.py).
         sample_timeout_s: how long the trainer's `sample` waits for enough fresh groups before
             TimeoutError; null waits indefinitely. Finite by default so a dead collector fleet
-            fails the run instead of hanging it.
+            fails the run instead of hanging it. Async GRPO also bounds its wait for the round
+            in flight before a weight sync (`pause_generation`) with it.
     """
 
     max_trajectory_age_steps: int = 1
