@@ -5,6 +5,7 @@
 One synchronous step (`grpo_train`), each line below one call:
 
     1. prompts    the next `grpo.num_prompts_per_step` tasks (PromptSampler: seeded epochs)
+                  and their draw indices, from which every sample's seed derives (utils/seeding)
     2. weights    if the trainer stepped since the engines last synced: sync_weights + wake
     3. rollouts   `grpo.num_generations_per_prompt` samples per prompt from the engines
     4. rewards    each sample's patch scored by the sandbox (the repository's real tests)
@@ -20,7 +21,10 @@ A fresh run with a `warm_start` section first trains on gold answers to other ta
 that pushes scored groups into the age-bounded replay buffer; the trainer samples groups no older
 than `async_grpo.max_trajectory_age_steps` and does 5-8 (module docstring there).
 
-Setup, resume and shutdown: grpo_setup.py. Validation: validation.py.
+Setup, resume and shutdown: grpo_setup.py. Validation: validation.py. What a resumed run
+reproduces (the same prompts; the same samples, seeded per prompt draw and sample):
+docs/algorithms.md, "Resume".
+Every step logs its trained samples (`log_samples`: prompt, seed, weight versions, token digest).
 """
 
 from __future__ import annotations
@@ -38,7 +42,12 @@ from dockyard_rl.algorithms.grpo_setup import (
     setup,
     trainer_state,
 )
-from dockyard_rl.algorithms.rollouts import Rollout, build_train_batch, pad_to_dp_multiple
+from dockyard_rl.algorithms.rollouts import (
+    Rollout,
+    build_train_batch,
+    pad_to_dp_multiple,
+    sample_digest,
+)
 from dockyard_rl.algorithms.validation import validate
 from dockyard_rl.algorithms.warm_start import run_warm_start, warm_start_examples
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
@@ -69,13 +78,17 @@ def grpo_train(run: GRPORun) -> None:
         maybe_validate(run, loop, at_start=True)
         while run.step < config.max_num_steps:
             step = run.step + 1
+            first_draw = run.sampler.num_consumed  # the seeds' prompt keys (utils/seeding.py)
             instances = [run.train[i] for i in run.sampler.next_batch()]  # 1
             logger.info("step %d: prompts %s", step, json.dumps([i.instance_id for i in instances]))
             with run.logger.timer("weight_sync"):  # 2
                 refresh_engine_weights(run)
             rollout = loop.run_until_complete(
                 run.runner.run(  # 3, 4
-                    instances, num_samples=config.num_generations_per_prompt, global_step=step
+                    instances,
+                    num_samples=config.num_generations_per_prompt,
+                    global_step=step,
+                    prompt_keys=range(first_draw, first_draw + len(instances)),
                 )
             )
             run.logger.add_time("generate", rollout.generate_seconds)
@@ -131,6 +144,7 @@ def refresh_engine_weights(run: GRPORun) -> None:
 
 def train_on_rollouts(run: GRPORun, rollouts: list[Rollout], step: int) -> dict[str, float]:
     """Steps 5-7 on one or more rollouts (groups of the same step); returns the step's metrics."""
+    log_samples(step, rollouts)
     batches, stats = [], []
     for rollout in rollouts:
         batch, batch_stats = build_train_batch(rollout, run.config.grpo.advantage, run.pad_token_id)
@@ -176,6 +190,29 @@ def train_on_rollouts(run: GRPORun, rollouts: list[Rollout], step: int) -> dict[
     metrics["max_sample_age_steps"] = float(ages.max()) if len(ages) else 0.0
     metrics["skipped_update"] = 0.0
     return metrics
+
+
+def log_samples(step: int, rollouts: list[Rollout]) -> None:
+    """One log line per step naming every trained sample: its prompt, prompt key (the sampler
+    draw its seed derives from), sample index, seed, weight versions, token count and a digest
+    of its token ids. What tells a resumed run's samples from an uninterrupted run's."""
+    rows = []
+    for rollout in rollouts:
+        for b, sample in enumerate(rollout.samples):
+            g = b // rollout.num_samples
+            rows.append(
+                {
+                    "prompt": rollout.instances[g].instance_id,
+                    "key": None if rollout.prompt_keys is None else rollout.prompt_keys[g],
+                    "sample": sample.sample_index,
+                    "seed": sample.seed,
+                    "versions": list(sample.weight_versions),
+                    "oldest_version": sample.oldest_weight_version,
+                    "tokens": len(sample.response_token_ids),
+                    "digest": sample_digest(sample),
+                }
+            )
+    logger.info("step %d: samples %s", step, json.dumps(rows))
 
 
 def finish_step(

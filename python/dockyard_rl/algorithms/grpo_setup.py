@@ -209,6 +209,7 @@ def setup(config: MasterConfig) -> GRPORun:
         processor,
         max_response_tokens=config.generation.max_tokens,
         thinking_required=config.data.prompt.enable_thinking,
+        run_seed=config.grpo.seed,  # per-sample generation seeds (utils/seeding.py)
     )
     sampler = PromptSampler(len(train), config.grpo.num_prompts_per_step, config.data.seed)
     step = 0

@@ -1,7 +1,7 @@
 """One round of single-shot SWE rollouts, and the training batch built from them.
 
-    runner = RolloutRunner(generation, environment, processor, patch_format, max_tokens)
-    rollout = await runner.run(instances, num_samples=N, global_step=step)
+    runner = RolloutRunner(generation, environment, processor, max_response_tokens=T, run_seed=s)
+    rollout = await runner.run(instances, num_samples=N, global_step=step, prompt_keys=keys)
     batch, stats = build_train_batch(rollout, advantage_cfg, pad_token_id)
 
 `run`: each instance's prompt (the data layer's processor: problem statement + the code the task
@@ -9,6 +9,12 @@ touches, in the model's chat template) -> N samples from the engines -> the patc
 each response (`patch_formats.parse_model_output`) -> every sample scored by the environment
 (the sandbox executor runs the repository's tests) -> shaped rewards and sample masks.
 Samples are laid out group-contiguous: sample i belongs to prompt i // N.
+
+Seeds: with a `run_seed` and the prompts' `prompt_keys` (training: their draw indices in the prompt
+sampler's stream; validation: their positions in the validation list), sample i of a prompt is
+generated with seed `utils/seeding.sample_seed(run_seed, purpose, key, instance_id, i, turn=0)`,
+so a resumed run samples what the killed run sampled (same weights, same engine layout).
+`sample_digest` fingerprints a sample's tokens for the per-step sample log.
 
 `build_train_batch`: the (B, S) tensors the policy trains on (legend: B = samples, S = tokens,
 right-padded prompt + response). A group whose samples are all masked (no verdict: sandbox
@@ -25,6 +31,7 @@ context (the processor's token budget keeps them short; the engine refuses longe
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -42,6 +49,7 @@ from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.environments.interfaces import EnvironmentResult
 from dockyard_rl.environments.swe_env import SweRollout
 from dockyard_rl.models.generation.interfaces import GenerationSample
+from dockyard_rl.utils.seeding import prompt_seeds
 
 
 @dataclasses.dataclass
@@ -54,6 +62,8 @@ class Rollout:
     result: EnvironmentResult  # rewards_B, sample_mask_B, metadata, metrics
     generate_seconds: float = 0.0
     score_seconds: float = 0.0
+    # Per instance: the key its samples' seeds were derived from (module docstring), or None.
+    prompt_keys: list[int] | None = None
 
     @property
     def rewards_B(self) -> torch.Tensor:
@@ -91,6 +101,7 @@ class RolloutRunner:
         environment: the scorer (`SweEnvironment`).
         processor: the data layer's prompt processor (`SwePromptProcessor(tokenizer, cfg)`).
         max_response_tokens: the generation's max_tokens (the length stage's reference).
+        run_seed: the run's seed (`grpo.seed`) for per-sample seeds; None: unseeded sampling.
     """
 
     def __init__(
@@ -101,8 +112,10 @@ class RolloutRunner:
         *,
         max_response_tokens: int,
         thinking_required: bool = False,
+        run_seed: int | None = None,
     ):
         self.generation = generation
+        self.run_seed = run_seed
         self.environment = environment
         self.processor = processor
         self.max_response_tokens = max_response_tokens
@@ -118,6 +131,7 @@ class RolloutRunner:
             self.processor,
             max_response_tokens=self.max_response_tokens,
             thinking_required=self.thinking_required,
+            run_seed=self.run_seed,
         )
 
     def prompt(self, instance: SweInstance):
@@ -133,14 +147,28 @@ class RolloutRunner:
         num_samples: int,
         global_step: int,
         sampling_overrides: Mapping[str, Any] | None = None,
+        prompt_keys: Sequence[int] | None = None,
+        purpose: str = "train",
     ) -> Rollout:
+        """Generates and scores (module docstring). `prompt_keys` (one per instance) and the
+        runner's `run_seed` seed every sample; without either, sampling is unseeded."""
         start = time.monotonic()
         prompts = [self.prompt(instance) for instance in instances]
         samples: list[GenerationSample | None] = [None] * (len(instances) * num_samples)
+        seeds = None
+        if prompt_keys is not None and self.run_seed is not None:
+            seeds = prompt_seeds(
+                self.run_seed,
+                purpose,
+                list(prompt_keys),
+                [instance.instance_id for instance in instances],
+                num_samples,
+            )
         async for sample in self.generation.generate(
             [prompt.token_ids for prompt, _ in prompts],
             num_samples,
             sampling_overrides=sampling_overrides,
+            seeds=seeds,
         ):
             samples[sample.prompt_index * num_samples + sample.sample_index] = sample
         assert all(s is not None for s in samples), "the engine returned fewer samples"
@@ -171,7 +199,14 @@ class RolloutRunner:
             result,
             generate_seconds=generated - start,
             score_seconds=time.monotonic() - generated,
+            prompt_keys=None if prompt_keys is None else list(prompt_keys),
         )
+
+
+def sample_digest(sample: GenerationSample) -> str:
+    """A short fingerprint of a sample's response token ids (the per-step sample log)."""
+    data = ",".join(map(str, sample.response_token_ids)).encode()
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)

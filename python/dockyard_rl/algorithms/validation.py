@@ -4,7 +4,10 @@
 the split's first ones, so every validation of a run sees the same tasks) at
 `grpo.val_temperature` (0 = greedy), scores them in the sandbox like training samples, and
 returns: resolve_rate (pass@1), reward_mean, apply_rate (patches that applied, of all samples),
-parse_failure_rate, integrity_violations, response_length_mean. The caller logs them under
+parse_failure_rate, integrity_violations, response_length_mean. A sampled validation
+(val_temperature > 0) is seeded per task and sample (`utils/seeding.sample_seed(grpo.seed, "val",
+task index, instance id, 0)`): every validation of a run, resumed or not, draws the same noise, so
+validations differ only by the weights. The caller logs them under
 `val/` and hands them to the checkpoint manager, whose `checkpointing.metric_name` (e.g.
 `val/resolve_rate`) ranks checkpoints for retention.
 """
@@ -34,6 +37,8 @@ def validate(run, loop) -> dict[str, float]:
             num_samples=1,
             global_step=run.step,
             sampling_overrides={"temperature": config.val_temperature},
+            prompt_keys=range(len(instances)),
+            purpose="val",
         )
     )
     metrics = rollout.metrics()

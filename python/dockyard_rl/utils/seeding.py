@@ -59,7 +59,15 @@ def sample_seed(
         raise ValueError(f"sample_seed: instance_id must be a str, got {instance_id!r}")
     # A JSON list: unambiguous (no part can run into the next one) and stable.
     text = json.dumps(
-        [_DOMAIN, int(run_seed), purpose, int(prompt_key), instance_id, int(sample_index), int(turn)]
+        [
+            _DOMAIN,
+            int(run_seed),
+            purpose,
+            int(prompt_key),
+            instance_id,
+            int(sample_index),
+            int(turn),
+        ]
     )
     digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1

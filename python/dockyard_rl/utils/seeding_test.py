@@ -40,7 +40,11 @@ def test_seeds_are_stable_across_processes():
     for hash_seed in ("1", "2", "random"):
         result = subprocess.run(
             [sys.executable, "-c", code],
-            env={**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": os.pathsep.join(sys.path)},
+            env={
+                **os.environ,
+                "PYTHONHASHSEED": hash_seed,
+                "PYTHONPATH": os.pathsep.join(sys.path),
+            },
             capture_output=True,
             text=True,
             check=True,

@@ -40,6 +40,11 @@ with `pause_generation` (waits for the round being generated, starts no new one)
 `snapshot` returns, atomically, what a checkpoint needs to resume exactly: the prompt sampler's
 state, the prompts handed out but not yet buffered (generated again on resume), and the buffered
 groups with their versions.
+
+Seeds: a prompt is handed out as a ticket (instance index, draw index: its position in the
+sampler's stream), and its samples are seeded from the draw (utils/seeding.py). The ticket stays
+with the prompt when it is generated again (in flight at a checkpoint, or dropped as stale), so a
+resumed run samples it with the seeds the killed run used.
 """
 
 from __future__ import annotations
@@ -93,6 +98,7 @@ def split_groups(rollout: Rollout) -> list[Rollout]:
                 result,
                 generate_seconds=rollout.generate_seconds / len(rollout.instances),
                 score_seconds=rollout.score_seconds / len(rollout.instances),
+                prompt_keys=None if rollout.prompt_keys is None else rollout.prompt_keys[g : g + 1],
             )
         )
     return groups
@@ -107,7 +113,8 @@ class TrajectoryCollector:
         sampler_state: the `PromptSampler` state to continue from (a checkpoint's).
         num_prompts, num_samples: prompts per round, samples per prompt.
         buffer_config: the replay buffer's (`async_grpo`).
-        redo: prompts to generate first (a checkpoint's in-flight ones).
+        redo: prompts to generate first (a checkpoint's in-flight tickets; a bare index, from a
+            checkpoint written before tickets, is generated unseeded).
         buffered: a checkpoint's buffered groups, as `snapshot` returned them.
     """
 
@@ -133,12 +140,13 @@ class TrajectoryCollector:
         self._push_timeout_s = buffer_config.push_timeout_s
         for record in buffered:
             self._buffer.push(
-                record["group"], record["weight_version"], prompt_id=record["prompt_id"]
+                record["group"], record["weight_version"], prompt_id=_ticket(record["prompt_id"])
             )
         # Guards the prompt bookkeeping; never held while waiting, so snapshot() is quick.
         self._state_lock = threading.Lock()
-        self._in_flight: list[int] = []  # prompts generated but not yet in the buffer
-        self._redo = list(redo)  # prompts to hand out first
+        # Tickets (instance index, draw index or None): see the module docstring.
+        self._in_flight: list[tuple[int, int | None]] = []  # generated, not yet in the buffer
+        self._redo = [_ticket(t) for t in redo]  # to hand out first
         self._generation_lock = threading.Lock()  # held while a round generates
         self._stop = threading.Event()
         self._error: str | None = None
@@ -213,18 +221,20 @@ class TrajectoryCollector:
         if self._error is not None:
             raise RuntimeError(f"the trajectory collector failed: {self._error}")
 
-    def _next_round(self) -> list[int]:
+    def _next_round(self) -> list[tuple[int, int | None]]:
         with self._state_lock:
             # Stale groups were dropped by the buffer: their prompts go round again.
             self._redo += [dropped.prompt_id for dropped in self._buffer.pop_dropped()]
             batch = self._redo[: self._num_prompts]
             self._redo = self._redo[self._num_prompts :]
             while len(batch) < self._num_prompts:
-                batch += self._sampler.next_batch()[: self._num_prompts - len(batch)]
+                first_draw = self._sampler.num_consumed
+                drawn = self._sampler.next_batch()[: self._num_prompts - len(batch)]
+                batch += [(index, first_draw + k) for k, index in enumerate(drawn)]
             self._in_flight = list(batch)
             return batch
 
-    def _push(self, index: int, group: Rollout) -> None:
+    def _push(self, ticket: tuple[int, int | None], group: Rollout) -> None:
         versions = [s.oldest_weight_version for s in group.samples]
         # The loop fails after async_grpo.push_timeout_s without room (None: waits until stopped).
         waited = time.monotonic()
@@ -241,11 +251,11 @@ class TrajectoryCollector:
                 )
             with self._state_lock:
                 try:
-                    self._buffer.push(group, versions, prompt_id=index, timeout=0)
+                    self._buffer.push(group, versions, prompt_id=ticket, timeout=0)
                 except TimeoutError:  # full: wait outside the lock for the trainer to sample
                     pass
                 else:
-                    self._in_flight.remove(index)
+                    self._in_flight.remove(ticket)
                     return
             time.sleep(0.2)
 
@@ -253,18 +263,20 @@ class TrajectoryCollector:
         loop = asyncio.new_event_loop()
         try:
             while not self._stop.is_set():
-                indices = self._next_round()
+                tickets = self._next_round()
                 self._round += 1
+                draws = [draw for _, draw in tickets]
                 with self._generation_lock:
                     rollout = loop.run_until_complete(
                         self._runner.run(
-                            [self._instances[i] for i in indices],
+                            [self._instances[i] for i, _ in tickets],
                             num_samples=self._num_samples,
                             global_step=_ROUND_OFFSET + self._round,
+                            prompt_keys=None if None in draws else draws,
                         )
                     )
-                for index, group in zip(indices, split_groups(rollout)):
-                    self._push(index, group)
+                for ticket, group in zip(tickets, split_groups(rollout)):
+                    self._push(ticket, group)
         except BufferClosedError:
             pass
         except BaseException as error:  # surfaced to the trainer by sample()
@@ -272,6 +284,14 @@ class TrajectoryCollector:
             logger.exception("trajectory collector failed")
         finally:
             loop.close()
+
+
+def _ticket(value: Any) -> tuple[int, int | None]:
+    """A prompt ticket from a checkpoint: (index, draw) as saved, or a bare index (older)."""
+    if isinstance(value, (tuple, list)):
+        index, draw = value
+        return int(index), None if draw is None else int(draw)
+    return int(value), None
 
 
 def sample_groups(

@@ -63,7 +63,9 @@ class ScriptedRunner:
     def __init__(self, script):
         self.script = script
 
-    async def run(self, instances, *, num_samples: int, global_step: int) -> Rollout:
+    async def run(
+        self, instances, *, num_samples: int, global_step: int, prompt_keys=None
+    ) -> Rollout:
         version, fail = await self.script.begin_round.remote(list(instances))
         if fail:
             raise RuntimeError("the executor is unreachable")
@@ -91,7 +93,7 @@ class ScriptedRunner:
             metadata=tuple({} for _ in range(size)),
             metrics={},
         )
-        return Rollout(list(instances), num_samples, samples, result)
+        return Rollout(list(instances), num_samples, samples, result, prompt_keys=prompt_keys)
 
 
 def _collector(ray, script, *, sampler_state=None, max_buffer_groups=4, **kwargs):
@@ -131,10 +133,14 @@ def test_groups_follow_the_prompt_sampler_whole(ray_runtime):
     try:
         consumed = [r.prompt_id for _ in range(3) for r in _sample(ray, handle, NUM_PROMPTS, 0)]
         expected = PromptSampler(len(INSTANCES), NUM_PROMPTS, SEED)
-        assert consumed == [i for _ in range(3) for i in expected.next_batch()]
+        # Tickets: (instance index, draw index in the sampler's stream: what seeds derive from).
+        indices = [i for _ in range(3) for i in expected.next_batch()]
+        assert consumed == [(i, draw) for draw, i in enumerate(indices)]
         record = _sample(ray, handle, 1, 0)[0]
         assert record.payload.num_samples == NUM_SAMPLES and len(record.payload.samples) == 3
-        assert record.payload.instances == [INSTANCES[record.prompt_id]]
+        index, draw = record.prompt_id
+        assert record.payload.instances == [INSTANCES[index]]
+        assert record.payload.prompt_keys == [draw] == [3 * NUM_PROMPTS]
     finally:
         _stop(ray, handle)
 

@@ -68,6 +68,7 @@ class GenerationSample:
     weight_versions: tuple[int, ...]  # ascending; versions that sampled at least one token
     oldest_weight_version: int  # oldest version that contributed (<= min(weight_versions))
     engine_index: int  # which data-parallel engine produced it
+    seed: int | None = None  # the request's sampling seed (None: unseeded)
 
     def __post_init__(self) -> None:
         assert len(self.response_token_ids) == len(self.response_logprobs), (
@@ -87,9 +88,15 @@ class GenerationInterface(abc.ABC):
         num_samples_per_prompt: int,
         *,
         sampling_overrides: Mapping[str, Any] | None = None,
+        seeds: Sequence[Sequence[int]] | None = None,
     ) -> AsyncIterator[GenerationSample]:
         """Samples `num_samples_per_prompt` responses for every prompt; yields each sample as
         soon as it finishes (completion order, not prompt order).
+
+        `seeds[p][i]` is the sampling seed of sample i of prompt p (ints in [0, 2**63); the GRPO
+        loops derive them with `utils/seeding.sample_seed`, so a resumed run samples the same
+        tokens); None: the config's `seed` rule (sample i uses seed + i; null = unseeded). The
+        same seed, prompt, weights and engine layout give the same tokens.
 
         All samples of one prompt go to the same engine (they share the prompt's KV cache);
         prompts are spread over the engines by load. `sampling_overrides` replaces sampling keys
@@ -98,8 +105,9 @@ class GenerationInterface(abc.ABC):
 
         Raises (before any request is submitted):
             ValueError: empty batch, a prompt that is empty or not token ids in the vocabulary, a
-                prompt too long for max_model_len - max_tokens, num_samples_per_prompt < 1, or a
-                bad sampling override (the message names the key).
+                prompt too long for max_model_len - max_tokens, num_samples_per_prompt < 1, a
+                bad sampling override (the message names the key), or `seeds` not one list of
+                num_samples_per_prompt ints in [0, 2**63) per prompt.
             RuntimeError: after `finish_generation` without `prepare_for_generation`, or after
                 `shutdown`.
         """

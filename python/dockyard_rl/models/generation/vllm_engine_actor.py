@@ -130,6 +130,7 @@ class VllmEngineActor:
         request_id: str,
         prompt_index: int,
         sample_index: int,
+        seed: int | None = None,
     ) -> GenerationSample:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -149,7 +150,7 @@ class VllmEngineActor:
             top_k=sampling["top_k"],
             max_tokens=sampling["max_tokens"],
             stop=list(sampling["stop"]) or None,
-            seed=None if sampling["seed"] is None else sampling["seed"] + sample_index,
+            seed=seed,  # the client's choice (EngineClient._request_seed)
             logprobs=0,  # the sampled token's log-prob only
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
@@ -183,6 +184,7 @@ class VllmEngineActor:
             weight_versions=tuple(versions),
             oldest_weight_version=min([admitted_version, *versions]),
             engine_index=self._engine_index,
+            seed=seed,
         )
 
     async def update_weights(
@@ -394,6 +396,7 @@ class EngineClient:
         num_samples_per_prompt: int,
         *,
         sampling_overrides: Mapping[str, Any] | None = None,
+        seeds: Sequence[Sequence[int]] | None = None,
     ) -> AsyncIterator[GenerationSample]:
         """`GenerationInterface.generate`, validated eagerly (a plain function returning the
         async generator), so a bad call raises here, before any request exists."""
@@ -415,7 +418,15 @@ class EngineClient:
             key: getattr(config, key)
             for key in ("temperature", "top_p", "top_k", "max_tokens", "stop", "seed")
         }
-        return self._generate(prompts, num_samples_per_prompt, sampling)
+        if seeds is None:
+            # The config's rule: sample i of a prompt uses seed + i (what vLLM does for n > 1).
+            base = sampling["seed"]
+            seeds = [
+                [None if base is None else base + i for i in range(num_samples_per_prompt)]
+            ] * len(prompts)
+        else:
+            seeds = _check_seeds(seeds, len(prompts), num_samples_per_prompt)
+        return self._generate(prompts, num_samples_per_prompt, sampling, seeds)
 
     def _check_prompts(self, prompt_token_ids, config: GenerationConfig) -> list[list[int]]:
         if (
@@ -458,7 +469,11 @@ class EngineClient:
         return prompts
 
     async def _generate(
-        self, prompts: list[list[int]], num_samples: int, sampling: dict[str, Any]
+        self,
+        prompts: list[list[int]],
+        num_samples: int,
+        sampling: dict[str, Any],
+        seeds: Sequence[Sequence[int | None]],
     ) -> AsyncIterator[GenerationSample]:
         pending: dict[asyncio.Future, tuple[int, ray.ObjectRef]] = {}
         try:
@@ -469,7 +484,12 @@ class EngineClient:
                 for sample_index in range(num_samples):
                     request_id = f"p{prompt_index}-s{sample_index}-{uuid.uuid4().hex}"
                     ref = self.actors[engine].generate_sample.remote(
-                        prompt, sampling, request_id, prompt_index, sample_index
+                        prompt,
+                        sampling,
+                        request_id,
+                        prompt_index,
+                        sample_index,
+                        seeds[prompt_index][sample_index],
                     )
                     pending[asyncio.ensure_future(await_ref(ref))] = (engine, ref)
             while pending:
@@ -487,6 +507,30 @@ class EngineClient:
                 self._num_in_flight[engine] -= 1
                 if not self.closed:
                     ray.cancel(ref)
+
+
+def _check_seeds(
+    seeds: Sequence[Sequence[int]], num_prompts: int, num_samples: int
+) -> list[list[int]]:
+    """`generate`'s explicit seeds: one list of `num_samples` ints in [0, 2**63) per prompt."""
+    if (
+        isinstance(seeds, (str, bytes))
+        or not isinstance(seeds, Sequence)
+        or (len(seeds) != num_prompts)
+    ):
+        raise ValueError(
+            f"seeds must be one list of seeds per prompt ({num_prompts}), got "
+            f"{len(seeds) if isinstance(seeds, Sequence) else type(seeds).__name__}"
+        )
+    checked = []
+    for p, row in enumerate(seeds):
+        if not isinstance(row, Sequence) or len(row) != num_samples:
+            raise ValueError(f"seeds[{p}] must hold {num_samples} seeds, one per sample")
+        for seed in row:
+            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+                raise ValueError(f"seeds[{p}]: {seed!r} is not an int in [0, 2**63)")
+        checked.append(list(row))
+    return checked
 
 
 async def await_ref(ref: ray.ObjectRef) -> Any:

@@ -10,8 +10,10 @@ into those workers (`AsyncEngineArgs.worker_extension_cls`) and we reach it with
 
 - Data parallelism: each prompt (with all its n samples, which share its prefix KV cache) goes to
   the engine with the fewest samples in flight. Each sample is one vLLM request (n=1), so samples
-  stream back as they finish; sample i of a prompt uses seed `seed + i` (what vLLM itself does
-  for n > 1), so the same seed gives the same tokens.
+  stream back as they finish. Seeds: the caller's per-sample `seeds` (the GRPO loops derive one
+  per (run, prompt draw, sample): utils/seeding.py), else sample i of a prompt uses the config's
+  `seed + i` (what vLLM itself does for n > 1); the same seed gives the same tokens on the same
+  weights and engine layout.
 - Placement: the engine actors are a `WorkerGroup` of the inference fleet
   (distributed/worker_group.py): on nodes labelled for inference, with the fleet's strategy and
   NCCL environment from `cluster.fleets.inference`. On CPU each engine actor takes a bundle of 1
@@ -310,6 +312,7 @@ class VllmGeneration(GenerationInterface):
         num_samples_per_prompt: int,
         *,
         sampling_overrides: Mapping[str, Any] | None = None,
+        seeds: Sequence[Sequence[int]] | None = None,
     ) -> AsyncIterator[GenerationSample]:
         # Validate eagerly (a plain function returning the async generator), so a bad call
         # raises here, before any request exists.
@@ -319,7 +322,10 @@ class VllmGeneration(GenerationInterface):
                 "generate() after finish_generation(): call prepare_for_generation() first"
             )
         return self._client.generate(
-            prompt_token_ids, num_samples_per_prompt, sampling_overrides=sampling_overrides
+            prompt_token_ids,
+            num_samples_per_prompt,
+            sampling_overrides=sampling_overrides,
+            seeds=seeds,
         )
 
     def client(self) -> EngineClient:

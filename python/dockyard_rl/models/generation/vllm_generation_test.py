@@ -10,7 +10,8 @@ Shape suffixes: B = samples, S = tokens.
 
 Covered: starting and generating while another process holds half of the machine's memory (the
 explicit `kv_cache_memory_bytes` makes the engine independent of it; issue 13), n samples per
-prompt (shapes, finish reasons, stop strings, seeds), sampling-parameter and
+prompt (shapes, finish reasons, stop strings, seeds; explicit per-sample seeds reproduce a
+sample whatever else the engine generates beside it), sampling-parameter and
 prompt validation, manifest validation before the engine is touched, weight updates (perturbed ->
 different outputs -> original -> the same greedy tokens, log-probs equal to 1e-4), in-flight
 updates during a long generation (versions recorded per sample), both with the KV cache kept and
@@ -220,6 +221,55 @@ def test_same_seed_gives_same_tokens(loop, engine, chat_prompts):
     # Sample i uses seed + i: the samples of one prompt are not copies of each other.
     assert len({s.response_token_ids for s in first if s.prompt_index == 0}) > 1
     assert [s.response_token_ids for s in run(99)] != [s.response_token_ids for s in first]
+
+
+def test_explicit_seeds_reproduce_samples_whatever_else_is_generated(loop, engine, chat_prompts):
+    # What a resumed GRPO run relies on: per-sample seeds (utils/seeding.py) give the same tokens
+    # again, also when the prompt is batched with other prompts or sits at another position.
+    from dockyard_rl.utils.seeding import prompt_seeds
+
+    seeds = prompt_seeds(0, "train", [0, 1, 2], ["a", "b", "c"], 3)
+    overrides = {"max_tokens": 12}
+
+    def run(prompts, seeds):
+        samples = _collect(
+            loop, engine.generate(prompts, 3, sampling_overrides=overrides, seeds=seeds)
+        )
+        return {(p, i): s for (p, i), s in _by_index(samples).items()}
+
+    first = run(chat_prompts, seeds)
+    again = run(chat_prompts, seeds)
+    assert {k: s.response_token_ids for k, s in first.items()} == {
+        k: s.response_token_ids for k, s in again.items()
+    }
+    _assert_logprobs_equal(list(first.values()), [again[k] for k in first])
+    assert {s.seed for s in first.values()} == {seed for row in seeds for seed in row}
+    # Different sample indices of one prompt have different seeds and different tokens.
+    assert len({first[(0, i)].response_token_ids for i in range(3)}) > 1
+    # The last prompt alone (its seeds moved with it): the same tokens.
+    alone = run([chat_prompts[2]], [seeds[2]])
+    assert [alone[(0, i)].response_token_ids for i in range(3)] == [
+        first[(2, i)].response_token_ids for i in range(3)
+    ]
+    # Other seeds for the same prompt: other tokens.
+    other = run([chat_prompts[2]], [prompt_seeds(1, "train", [2], ["c"], 3)[0]])
+    assert [other[(0, i)].response_token_ids for i in range(3)] != [
+        first[(2, i)].response_token_ids for i in range(3)
+    ]
+
+
+@pytest.mark.parametrize(
+    "seeds, message",
+    [
+        ([[1, 2]], "one list of seeds per prompt"),
+        ([[1], [2]], r"seeds\[0\] must hold 2 seeds"),
+        ([[1, 2], [3, -1]], r"seeds\[1\]: -1 is not an int"),
+        ([[1, 2], [3, 2**63]], "is not an int in"),
+    ],
+)
+def test_bad_seeds_are_rejected_before_submission(engine, chat_prompts, seeds, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate(chat_prompts[:2], 2, seeds=seeds)
 
 
 def test_stop_string_ends_the_sample_before_it(loop, engine, tokenizer, chat_prompts):
