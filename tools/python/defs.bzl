@@ -1,11 +1,15 @@
 """Project macros for Python targets. They only add defaults to the native rules.
 
 - Every target under python/ can import `dockyard_rl...` (dep on //python:import_root).
-- `py_pytest_test`: one test target per test file, run by pytest (tools/python/pytest_main.py).
+- `py_pytest_test`: one test target per test file, run by pytest (tools/python/pytest_main.py),
+  which also fails the target when its processes leave shared-memory segments in /dev/shm.
 """
 
 _IMPORT_ROOT = "//python:import_root"
 _PYTEST_MAIN = "//tools/python:pytest_main.py"
+
+# pytest_main.py fails a target that leaves shared-memory segments behind; this finds them.
+_SHM_CHECK = "//python/dockyard_rl/utils:shared_memory"
 
 def _with_import_root(deps):
     return deps if _IMPORT_ROOT in deps else deps + [_IMPORT_ROOT]
@@ -33,7 +37,7 @@ def py_pytest_test(name, srcs, size, deps = [], args = [], **kwargs):
         main = _PYTEST_MAIN,
         size = size,
         python_version = "PY3",
-        deps = _with_import_root(deps),
+        deps = _with_import_root(deps if _SHM_CHECK in deps else deps + [_SHM_CHECK]),
         args = ["$(rootpath {})".format(src) for src in srcs] + args,
         **kwargs
     )

@@ -14,6 +14,8 @@ its memory until someone removes the file or the machine reboots. Two kinds appe
   = 160 MiB, and each worker's 240 MiB response ring). vLLM unlinks them in `__del__` and
   Python's resource tracker unlinks them when their creator dies, but neither runs when the
   creator and its resource tracker are killed together. Their names say nothing of the owner.
+- `sem.mp-<random>`: the named POSIX semaphores of `multiprocessing` locks and queues made with
+  the "spawn" context (32 bytes each), unlinked by the same resource tracker.
   (Ray's object store unlinks its own files right after mapping them: nothing of Ray's shows.)
 
 `reclaim_stale_segments()` removes, and only removes:
@@ -21,15 +23,15 @@ its memory until someone removes the file or the machine reboots. Two kinds appe
 1. an owner-tagged `dockyard-*` segment whose owner is dead: no process has its pid, or the
    process that has it started at another time (the pid was reused). A segment whose owner is
    alive is never touched, whoever it belongs to (another run on the same machine keeps its own).
-2. an untagged segment of a kind we create (`psm_*`, and `dockyard-*` names from before owner
-   tags) only when all of these hold: the file belongs to our uid; its mtime (set when it is
-   created or resized) is at least `min_age_s` old (so a segment between its creation and its
-   first mapping is safe); and no live process maps it (/proc/*/maps) or holds it open
-   (/proc/*/fd). A process whose /proc entries we may not read runs as another user: it cannot open our 0600 `psm_*`
-   files unless it is root, and we do not reclaim while some process of our own uid is
-   unreadable (except pid 1, init or a container's supervisor, which a container may hide even
-   from root). Anything else in /dev/shm (other programs' files, semaphores, locks) is not ours
-   and is never considered.
+2. an untagged segment of a kind we create (`psm_*`, `sem.mp-*`, and `dockyard-*` names from
+   before owner tags) only when all of these hold: the file belongs to our uid; its mtime (set
+   when it is created or resized) is at least `min_age_s` old (so a segment between its creation
+   and its first mapping is safe); and no live process maps it (/proc/*/maps) or holds it open
+   (/proc/*/fd). A process whose /proc entries we may not read runs as another user: it cannot
+   open our 0600 `psm_*` files unless it is root, and we do not reclaim while some process of
+   our own uid is unreadable (except pid 1, init or a container's supervisor, which a container
+   may hide even from root). Anything else in /dev/shm (other programs' files and semaphores,
+   locks) is not ours and is never considered.
 
 The rule for untagged segments assumes that whoever needs a segment keeps it mapped or open,
 which is how vLLM's rings and Python's `SharedMemory` objects work (the creator maps it for the
@@ -54,7 +56,8 @@ SHM_DIR = "/dev/shm"
 # Prefixes of the segments this project creates, directly or through vLLM.
 DOCKYARD_PREFIX = "dockyard-"
 PSM_PREFIX = "psm_"
-RECLAIMABLE_PREFIXES = (DOCKYARD_PREFIX, PSM_PREFIX)
+SEMAPHORE_PREFIX = "sem.mp-"
+RECLAIMABLE_PREFIXES = (DOCKYARD_PREFIX, PSM_PREFIX, SEMAPHORE_PREFIX)
 # An untagged segment younger than this is left alone: its creator may not have mapped it yet.
 DEFAULT_MIN_AGE_S = 60.0
 
