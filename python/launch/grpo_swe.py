@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("aiohttp.access", "filelock", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Shared memory that killed runs left in /dev/shm (utils/shared_memory.py: only dead owners').
+    from dockyard_rl.utils import shared_memory
+
+    shared_memory.reclaim_stale_segments()
     # Imported here: the loop pulls in Ray, torch and vLLM, which --help and --dry-run never need.
     from dockyard_rl.algorithms import grpo
 
