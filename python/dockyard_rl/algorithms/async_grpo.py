@@ -27,8 +27,10 @@ enforced by the config): the engine's log-probs (`generation_logprobs`) are the 
 
 Checkpoints hold, besides the policy: the collector's snapshot (its prompt sampler, the prompts of
 the round in flight, generated again on resume, and the buffered groups with their versions), so a
-resumed run trains on exactly the prompts an uninterrupted one would hand out (samples differ:
-generation is stochastic).
+resumed run trains on exactly the prompts an uninterrupted one would hand out. Samples are seeded
+per prompt draw and sample (utils/seeding.py), so a sample generated under the same weight
+versions as in the uninterrupted run is identical; which version generates a round depends on
+timing (docs/algorithms.md, "Resume").
 """
 
 from __future__ import annotations
