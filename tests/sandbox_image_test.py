@@ -5,6 +5,9 @@
 - Under podman (Debian's, run as root with its storage in the test's temp folder): the executor
   inside serves tasks of a real repository on a published 127.0.0.1 port; the gold patch
   resolves, the empty patch does not, a conftest that forces every test to pass is not resolved.
+- A SWE-bench row whose tests use another runner (a Django-like repository, tests/swebench_rows.py)
+  is graded inside the image by the official harness's command and log parser (the image's slim
+  swebench install), not by the pytest runner.
 
 Podman needs, on this kind of machine: `--runtime runc` (crun refuses the hybrid cgroup v1/v2
 layout), explicit `--ulimit`s (the default RLIMIT_NOFILE is above what the machine allows), and for
@@ -34,7 +37,9 @@ import uuid
 import pytest
 
 from dockyard_rl.sandbox.client import ExecutorClient
+from dockyard_rl.sandbox.task import FailureKind, TestOutcome
 from dockyard_rl.sandbox.testing_repos import make_toy_repo
+from tests.swebench_rows import F2P, P2P, make_django_like_repo
 from tools.oci import oci
 
 WORKSPACE = pathlib.Path(__file__).absolute().parents[1]  # also the runfiles root
@@ -178,7 +183,11 @@ def test_umoci_unpacks_the_image(tmp_path):
     ):
         assert (rootfs / path).exists(), path
     assert (rootfs / "bin").is_symlink() and (rootfs / "bin").readlink() == pathlib.Path("usr/bin")
-    assert list((rootfs / "usr/local/lib/python3.11/dist-packages").glob("pytest-*.dist-info"))
+    site = rootfs / "usr/local/lib/python3.11/dist-packages"
+    assert list(site.glob("pytest-*.dist-info"))
+    # The harness's modules (swebench_harness.py), without the clients it never uses.
+    assert (site / "swebench/harness/log_parsers/python.py").exists()
+    assert not (site / "docker").exists() and not (site / "datasets").exists()
 
 
 def _free_port() -> int:
@@ -286,3 +295,20 @@ def test_the_executor_in_the_image_scores_real_tasks(executor_url):
     assert empty.verdict is not None and not empty.verdict.resolved, empty
     assert hostile.verdict is not None and not hostile.verdict.resolved, hostile
     assert hostile.verdict.integrity_violation == ("conftest.py",)
+
+
+def test_the_executor_in_the_image_grades_a_django_row_with_the_harness(executor_url):
+    url, token, repos = executor_url
+    repo = make_django_like_repo(repos / "django-like")
+    gold = asyncio.run(_score(url, token, repo.spec(repo.gold_patch, task_id="image-dj-gold")))
+    empty = asyncio.run(_score(url, token, repo.spec("", task_id="image-dj-empty")))
+    assert gold.verdict is not None and gold.verdict.resolved, gold
+    # The verdict comes from the harness's Django parser reading unittest's verbose lines (the
+    # pytest runner would have produced neither the flag nor these lines).
+    assert "evidence: parsed_log" in gold.verdict.screening_flags, gold.verdict
+    assert f"{F2P} ... ok" in gold.verdict.log_tail
+    assert gold.verdict.fail_to_pass == {F2P: TestOutcome.PASSED}
+    assert empty.verdict is not None and not empty.verdict.resolved, empty
+    assert empty.verdict.failure_kind is FailureKind.TESTS_FAILED
+    assert empty.verdict.fail_to_pass == {F2P: TestOutcome.FAILED}
+    assert empty.verdict.pass_to_pass == {P2P: TestOutcome.PASSED}

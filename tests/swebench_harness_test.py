@@ -1,18 +1,23 @@
 """SWE-bench rows whose tests use another runner go through the official harness's test command and
 log parser (the `swebench` package), with real git, a real sandbox and real unittest output.
 
-The repository is a miniature stand-in laid out like Django's (not Django itself): its tests are
-unittest modules under tests/, run by tests/runtests.py with Django's flags, so the harness's spec
-for "django/django" 4.0 (`./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1
-<module labels>`) and its Django log parser apply unchanged. The rows are written in SWE-bench's
-own JSONL format and read by our dataset loader, which picks the harness from repo and version.
+The repository is a miniature stand-in laid out like Django's (tests/swebench_rows.py). The rows
+are written in SWE-bench's own JSONL format and read by our dataset loader, which picks the harness
+from repo and version. Also here: every lock the executor and the dataset side run from holds
+swebench, the sandbox lock's slim install loads the harness, and without swebench a row that needs
+it fails loudly instead of being graded by the pytest runner.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
+import os
 import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -20,9 +25,13 @@ from dockyard_rl.data.datasets import load_jsonl
 from dockyard_rl.sandbox import pipeline, swebench_harness
 from dockyard_rl.sandbox.task import FailureKind, TestOutcome
 from dockyard_rl.sandbox.testing_repos import git
+from tests.swebench_rows import F2P, P2P, SLUG_BUGGY, make_django_like_repo
 
 WORKSPACE = pathlib.Path(__file__).absolute().parents[1]  # also the runfiles root
 IMAGE = WORKSPACE / "tests" / "task_images" / "moonphase_task_image.tar"
+# The locks an executor or the dataset side runs from: the CPU and CUDA venvs (and fleet images),
+# and the sandbox image.
+EXECUTOR_LOCKS = ("cpu.lock.txt", "cuda.lock.txt", "sandbox.lock.txt")
 CONFIG = pipeline.PipelineConfig(
     timeout_s=120,
     cpu_time_s=120,
@@ -30,48 +39,6 @@ CONFIG = pipeline.PipelineConfig(
     max_num_processes=64,
     max_log_bytes=16 * 1024,
 )
-
-RUNTESTS = '''\
-#!/usr/bin/env python3
-"""Runs unittest modules by label, with Django's runtests.py flags (verbose output)."""
-import argparse
-import os
-import sys
-import unittest
-
-parser = argparse.ArgumentParser()
-parser.add_argument("labels", nargs="*")
-parser.add_argument("--verbosity", type=int, default=1)
-parser.add_argument("--settings")
-parser.add_argument("--parallel")
-args = parser.parse_args()
-here = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [here, os.path.dirname(here)]
-suite = unittest.defaultTestLoader.loadTestsFromNames(args.labels)
-result = unittest.TextTestRunner(verbosity=args.verbosity).run(suite)
-sys.exit(0 if result.wasSuccessful() else 1)
-'''
-SLUG_BUGGY = "def slugify(text):\n    return text.replace(' ', '-')\n"
-SLUG_FIXED = "def slugify(text):\n    return text.strip().lower().replace(' ', '-')\n"
-TESTS_BASE = """\
-import unittest
-
-from minidj.text import slugify
-
-
-class SlugTests(unittest.TestCase):
-    def test_spaces(self):
-        self.assertEqual(slugify("a b"), "a-b")
-"""
-TESTS_NEW = (
-    TESTS_BASE
-    + """
-    def test_case_and_edges(self):
-        self.assertEqual(slugify(" Hello World "), "hello-world")
-"""
-)
-F2P = "test_case_and_edges (slugs.tests.SlugTests.test_case_and_edges)"
-P2P = "test_spaces (slugs.tests.SlugTests.test_spaces)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,43 +51,13 @@ class Rows:
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory) -> Rows:
     root = tmp_path_factory.mktemp("swebench")
-    repo = root / "mirrors" / "django" / "django"
-    (repo / "minidj").mkdir(parents=True)
-    git(repo, "init", "--quiet", "--initial-branch=main")
-    (repo / "minidj" / "__init__.py").write_text("")
-    (repo / "minidj" / "text.py").write_text(SLUG_BUGGY)
-    (repo / "tests" / "slugs").mkdir(parents=True)
-    (repo / "tests" / "runtests.py").write_text(RUNTESTS)
-    (repo / "tests" / "runtests.py").chmod(0o755)
-    (repo / "tests" / "slugs" / "__init__.py").write_text("")
-    (repo / "tests" / "slugs" / "tests.py").write_text(TESTS_BASE)
-    git(repo, "add", "-A")
-    git(repo, "commit", "--quiet", "-m", "base")
-    base = git(repo, "rev-parse", "HEAD").strip()
-    (repo / "minidj" / "text.py").write_text(SLUG_FIXED)
-    (repo / "tests" / "slugs" / "tests.py").write_text(TESTS_NEW)
-    git(repo, "commit", "--quiet", "-am", "fix")
-    row = {
-        "instance_id": "django__django-90001",
-        "repo": "django/django",
-        "base_commit": base,
-        "patch": git(repo, "diff", base, "HEAD", "--", "minidj"),
-        "test_patch": git(repo, "diff", base, "HEAD", "--", "tests"),
-        "FAIL_TO_PASS": json.dumps([F2P]),
-        "PASS_TO_PASS": json.dumps([P2P]),
-        "version": "4.0",
-        "environment_setup_commit": base,
-        "problem_statement": "slugs",
-        "hints_text": "",
-        "created_at": "2026-01-01T00:00:00Z",
-    }
+    repo = make_django_like_repo(root / "mirrors" / "django" / "django")
+    row = repo.row()
     path = root / "rows.jsonl"
     path.write_text(
         json.dumps(row)
         + "\n"
-        + json.dumps(
-            {**row, "instance_id": "django__django-90002", "image": f"oci-archive:{IMAGE}"}
-        )
+        + json.dumps(repo.row("django__django-90002", image=f"oci-archive:{IMAGE}"))
         + "\n"
     )
     return Rows(path=path, repo_root=root / "mirrors", gold_patch=row["patch"])
@@ -206,3 +143,111 @@ def test_the_runner_script_is_protected_and_a_killed_run_is_not_graded(rows, tmp
     unscreened = dataclasses.replace(CONFIG, capability_screen=False)
     killed = pipeline.score_task(killer_spec, unscreened, tmp_path)
     assert not killed.resolved and killed.failure_kind is FailureKind.REPORT_UNTRUSTED, killed
+
+
+def _lock_pins(name: str) -> dict[str, str]:
+    text = (WORKSPACE / "requirements" / name).read_text()
+    return {
+        pin.lower().replace("_", "-"): version
+        for pin, version in re.findall(r"^([A-Za-z0-9_.\-]+)==(\S+) \\$", text, re.M)
+    }
+
+
+@pytest.mark.parametrize("lock", EXECUTOR_LOCKS)
+def test_every_lock_the_executor_runs_from_holds_swebench(lock):
+    # Without swebench, Django/sympy rows could not be graded at all there (see the next tests).
+    pins = _lock_pins(lock)
+    assert pins.get("swebench", "").startswith(f"{swebench_harness.SWEBENCH_MAJOR}."), (
+        f"requirements/{lock} lacks swebench {swebench_harness.SWEBENCH_MAJOR}.x: add it to the "
+        f".in file and regenerate the lock with tools/python/lock.py (command in its header)"
+    )
+    assert pins["swebench"] == _lock_pins("cpu.lock.txt")["swebench"]
+    # What the harness modules import at their top (swebench_harness._load_harness_modules).
+    assert {"requests", "unidiff", "python-dotenv"} <= set(pins), lock
+
+
+# Run in a fresh interpreter, where `swebench` has not been imported yet (argv: P2P, F2P).
+_HARNESS_CHECK = """
+import json, sys
+from dockyard_rl.sandbox import swebench_harness as h
+harness = h.parse_harness("swebench:django/django@4.0")
+passing, failing = sys.argv[1:]
+print(json.dumps({
+    "row": h.harness_for_row("django/django", "4.0"),
+    "pytest_row": h.harness_for_row("astropy/astropy", "5.0"),
+    "command": harness.test_commands("diff --git a/tests/slugs/tests.py b/tests/slugs/tests.py\\n",
+                                     None)[-1],
+    "statuses": harness.parse(f"{passing} ... ok\\n{failing} ... FAIL\\n", "d-1", [], []),
+    "loaded": sorted(m for m in ("datasets", "docker", "modal", "ghapi") if m in sys.modules),
+}))
+"""
+
+
+def test_the_sandbox_locks_slim_install_loads_the_harness(tmp_path):
+    # A site folder with exactly the sandbox lock's distributions (linked from this venv, which
+    # has the same versions), and an interpreter that sees nothing else: the image's situation.
+    site = tmp_path / "site"
+    site.mkdir()
+    for name, version in _lock_pins("sandbox.lock.txt").items():
+        dist = importlib.metadata.distribution(name)
+        assert dist.version == version, (name, dist.version, version)
+        base = pathlib.Path(dist.locate_file(""))
+        tops = {pathlib.PurePath(f).parts[0] for f in dist.files or ()}
+        for top in tops - {"..", "__pycache__"}:
+            if (base / top).exists() and not (site / top).exists():
+                (site / top).symlink_to(base / top)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            f"import sys; sys.path[:0] = [{str(site)!r}, {str(WORKSPACE / 'python')!r}]\n"
+            + _HARNESS_CHECK,
+            P2P,
+            F2P,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert result == {
+        "row": "swebench:django/django@4.0",
+        "pytest_row": None,
+        "command": "./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1 "
+        "slugs.tests",
+        "statuses": {P2P: "PASSED", F2P: "FAILED"},
+        "loaded": [],  # neither datasets nor the docker/modal clients
+    }
+
+
+def test_without_swebench_a_row_that_needs_it_fails_loudly():
+    # Never the pytest runner for a Django row: the dataset side raises, the executor refuses.
+    code = """
+import sys
+sys.modules["swebench"] = None  # as if not installed
+from dockyard_rl.sandbox import swebench_harness as h
+assert h.harness_for_row("/srv/repo", "4.0") is None  # a local repository: ours, no harness
+try:
+    h.harness_for_row("django/django", "4.0")
+except h.HarnessUnavailableError as error:
+    print("row:", error)
+try:
+    h.parse_harness("swebench:django/django@4.0")
+except ValueError as error:
+    print("executor:", error)
+"""
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(WORKSPACE / "python")},
+    )
+    assert run.returncode == 0, run.stderr
+    row, executor = run.stdout.splitlines()
+    assert row.startswith("row: the swebench package cannot be loaded in this environment")
+    assert "sandbox.lock.txt" in row
+    assert executor.startswith("executor: test_harness: 'swebench:django/django@4.0' cannot be ")

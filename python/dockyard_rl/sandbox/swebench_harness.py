@@ -8,8 +8,9 @@ parsers.
                           spec.reward_mode)
 
 A task opts in with `test_harness: "swebench:<owner/name>@<version>"`, the `repo` and `version` of
-its SWE-bench row. From the `swebench` package (PyPI, 4.x; imported on first use, it is slow to
-import) come:
+its SWE-bench row. From the `swebench` package (PyPI, 4.x; imported on first use, and only its
+harness modules: the package's own `__init__` files pull in docker, modal and the dataset tools,
+which the sandbox image leaves out) come:
 - the test command: `MAP_REPO_VERSION_TO_SPECS[repo][version]["test_cmd"]` (Django's
   `./tests/runtests.py ...`, sympy's `bin/test ...`, `tox ...`, or pytest for the others), run on
   the harness's test directives (`get_test_directives`: the files the test patch touches, as
@@ -19,6 +20,11 @@ import) come:
   when its status is PASSED or XFAIL (the harness's rule); FAIL_TO_PASS and PASS_TO_PASS ids are
   matched exactly as the parser names them, and a test the log does not name is MISSING.
 Only Python repositories are accepted (the harness's other languages need their own directives).
+
+Where swebench cannot be loaded, nothing falls back to the pytest runner: the dataset side
+(`harness_for_row`) raises HarnessUnavailableError, and the executor refuses a task that names a
+harness (`parse_harness`: ValueError, a 400 on field test_harness). Every lock the executor and the
+dataset side run from holds swebench (tests/swebench_harness_test.py checks it).
 
 Forgeability: these outcomes come from the log the tests print, and the code under test can print
 anything, e.g. "test_x ... ok". What contains that: the patch still passes every integrity check
@@ -35,20 +41,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
+import importlib
+import importlib.machinery
+import importlib.metadata
+import importlib.util
 import os
+import pathlib
 import posixpath
 import shlex
+import sys
+import types
 from collections.abc import Sequence
 
 from dockyard_rl.sandbox import grading, images
 from dockyard_rl.sandbox.runner import ScriptRun
 from dockyard_rl.sandbox.task import FailureKind, RewardMode, TestOutcome
 
-logger = logging.getLogger(__name__)
-
 PREFIX = "swebench:"
 EVIDENCE_FLAG = "evidence: parsed_log"
+SWEBENCH_MAJOR = 4  # requirements/*.in pin 4.1.0
 # SWE-bench's images keep a conda install here with the repository's environment "testbed".
 _CONDA_ACTIVATE = "/opt/miniconda3/bin/activate"
 _STATUS_TO_OUTCOME = {
@@ -60,24 +71,78 @@ _STATUS_TO_OUTCOME = {
 }
 
 
-@functools.cache
-def _warn_once(message: str) -> None:
-    logger.warning("%s; SWE-bench rows are graded with the pytest runner", message)
+class HarnessUnavailableError(RuntimeError):
+    """The swebench package cannot be loaded here: a set-up error of this environment (every
+    lock the executor and the dataset side run from holds it), never a reason to grade a row that
+    needs the harness with the pytest runner instead."""
+
+
+class _ImportedByNameOnly(types.ModuleType):
+    """Stands in for a module that a harness file imports at its top but whose functions we never
+    call (`datasets` in swebench/harness/utils.py: its dataset loaders)."""
+
+    def __getattr__(self, attribute: str):
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+
+        def unavailable(*args, **kwargs):
+            raise HarnessUnavailableError(
+                f"{self.__name__}.{attribute}: not installed in this environment (the sandbox "
+                f"image installs only what the harness's specs and parsers need)"
+            )
+
+        return unavailable
+
+
+def _load_harness_modules():
+    """Imports the four harness modules we use without running `swebench/__init__.py` and
+    `swebench/harness/__init__.py`: those import docker, modal, ghapi and the dataset collectors,
+    which the sandbox image does not install (requirements/sandbox.in). The two packages are
+    registered as empty packages over the installed folders; the modules themselves are the
+    installed files, unchanged. A `datasets` that is not installed is replaced by a placeholder
+    while they load (harness/utils.py imports its loaders by name) and removed again."""
+    if "swebench" not in sys.modules:
+        found = importlib.util.find_spec("swebench")
+        if found is None or not found.submodule_search_locations:
+            raise ImportError("No module named 'swebench'", name="swebench")
+        root = pathlib.Path(list(found.submodule_search_locations)[0])
+        for name, folder in (("swebench", root), ("swebench.harness", root / "harness")):
+            if name not in sys.modules:
+                package_spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+                package_spec.submodule_search_locations = [str(folder)]
+                sys.modules[name] = importlib.util.module_from_spec(package_spec)
+    placeholder = None
+    if "datasets" not in sys.modules and importlib.util.find_spec("datasets") is None:
+        placeholder = sys.modules["datasets"] = _ImportedByNameOnly("datasets")
+    try:
+        constants = importlib.import_module("swebench.harness.constants")
+        log_parsers = importlib.import_module("swebench.harness.log_parsers")
+        python_specs = importlib.import_module("swebench.harness.test_spec.python")
+        test_spec = importlib.import_module("swebench.harness.test_spec.test_spec")
+    finally:
+        if placeholder is not None and sys.modules.get("datasets") is placeholder:
+            del sys.modules["datasets"]
+    return constants, log_parsers, python_specs, test_spec.TestSpec
 
 
 @functools.cache
 def _swebench():
-    """The harness's tables, imported once (the package pulls in docker, modal and datasets)."""
+    """The harness's tables, imported once. Raises HarnessUnavailableError when swebench (4.x)
+    or what its harness modules import is missing."""
     try:
-        from swebench.harness import constants, log_parsers
-        from swebench.harness.test_spec import python as python_specs
-        from swebench.harness.test_spec.test_spec import TestSpec
-    except ImportError as error:
-        raise ValueError(
-            f"test_harness: the swebench package is not installed in the executor's "
-            f"environment ({error}); it is in requirements/cpu.lock.txt"
-        ) from None
-    return constants, log_parsers, python_specs, TestSpec
+        version = importlib.metadata.version("swebench")
+        loaded = _load_harness_modules()
+    except (ImportError, importlib.metadata.PackageNotFoundError) as error:
+        raise HarnessUnavailableError(
+            f"the swebench package cannot be loaded in this environment ({error}); "
+            f"requirements/cpu.lock.txt, cuda.lock.txt and sandbox.lock.txt all hold it"
+        ) from error
+    if not version.startswith(f"{SWEBENCH_MAJOR}."):
+        raise HarnessUnavailableError(
+            f"swebench {version} is installed; this harness needs {SWEBENCH_MAJOR}.x (5.x expects "
+            f"the test commands in each row)"
+        )
+    return loaded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +265,12 @@ def parse_harness(value: str) -> Harness:
             f"SWE-bench row's repo and version), got {value!r}"
         )
     repo, _, version = value[len(PREFIX) :].rpartition("@")
-    constants, log_parsers, _, _ = _swebench()
+    try:
+        constants, log_parsers, _, _ = _swebench()
+    except HarnessUnavailableError as error:
+        # The executor refuses the task (400, field test_harness) rather than grading it with
+        # the pytest runner: the client side raises on that answer, loudly.
+        raise ValueError(f"test_harness: {value!r} cannot be graded here: {error}") from None
     specs, parsers = constants.MAP_REPO_VERSION_TO_SPECS, log_parsers.MAP_REPO_TO_PARSER_PY
     if repo not in specs or repo not in parsers:
         known = ", ".join(sorted(set(specs) & set(parsers)))
@@ -219,14 +289,14 @@ def harness_for_row(repo: str, version: str) -> str | None:
     """The `test_harness` a SWE-bench row needs: "swebench:<repo>@<version>" when the harness
     knows that Python repository and version and runs its tests with something other than pytest
     (pytest tasks keep our stronger pytest runner); None otherwise, and always for a `repo` that
-    is a path or URL rather than "owner/name". Returns None when swebench is not installed."""
+    is a path or URL rather than "owner/name".
+
+    Raises HarnessUnavailableError for an "owner/name" row with a version when swebench cannot be
+    loaded: without its tables nobody can tell a Django or sympy row from a pytest one, and
+    grading the former with the pytest runner would score every patch wrong."""
     if not version or repo.count("/") != 1 or repo.startswith((".", "/")) or ":" in repo:
         return None
-    try:
-        _swebench()
-    except ValueError as error:  # not installed (e.g. the CUDA lock): say so once, then pytest
-        _warn_once(str(error))
-        return None
+    _swebench()
     try:
         harness = parse_harness(f"{PREFIX}{repo}@{version}")
     except ValueError:
