@@ -27,6 +27,13 @@ makes relative paths absolute against the workspace root and builds the dataclas
 error is a `ConfigError` (a ValueError) that starts with the file and names the full dotted key.
 `MasterConfig.__post_init__` holds the checks that span sections (async mode needs importance
 sampling, the batch must split over the data-parallel ranks, prompts must fit the context, ...).
+Every key a recipe sets takes effect. Some are read only on one path of the loop; setting one on
+the other path is a ConfigError naming the key and the fix (`UNREAD_UNLESS`): `async_grpo` with
+`grpo.mode: sync`, `cluster.fleets.sandbox` with `executor: null` (the executors then run
+outside the loop, behind `env.swe.executor_url`), `cluster.fleets.trainer` with
+`policy.backend: jax` (one driver process, no trainer fleet), and `env.swe.executor_url` with
+`executor.port: 0` (the loop points the environment at the executor it starts).
+configs/recipe_keys_test.py checks that every key of every recipe is read by product code.
 `describe_config()` lists every key with its type and default (the launcher's --help);
 `config_to_dict` / `config_to_yaml` give the resolved config back (what --dry-run prints and
 what a checkpoint stores).
@@ -115,6 +122,37 @@ MODEL_KEYS = ("policy.model", "generation.model")
 # The file the task synthesizer writes into its output folder.
 SYNTHESIZED_TASKS_FILE = "tasks.jsonl"
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+# Keys read on one path of the loop only: (dotted key, is it read under this config?, why not and
+# the fix). A recipe that sets the key where it is not read fails to load (module docstring).
+UNREAD_UNLESS: tuple[tuple[str, typing.Callable[[MasterConfig], bool], str], ...] = (
+    (
+        "async_grpo",
+        lambda config: config.grpo.mode == "async",
+        "only the asynchronous loop reads it, and grpo.mode is sync; remove the section or "
+        "set grpo.mode: async",
+    ),
+    (
+        "cluster.fleets.sandbox",
+        lambda config: config.executor is not None,
+        "executor is null: the executors run outside the loop (env.swe.executor_url names "
+        "them), so no sandbox fleet is placed; remove it, or set the executor section so the "
+        "loop starts the sandbox fleet",
+    ),
+    (
+        "cluster.fleets.trainer",
+        lambda config: config.policy.backend != "jax",
+        "policy.backend is jax, which runs in the driver process (no trainer fleet to place); "
+        "remove it, or use policy.backend: dtensor",
+    ),
+    (
+        "env.swe.executor_url",
+        lambda config: config.executor is None or config.executor.port != 0,
+        "executor.port is 0: the loop points the environment at the executor it starts on a "
+        "free port; remove env.swe.executor_url, or give executor a fixed port",
+    ),
+)
 
 
 class ConfigError(ValueError):
@@ -518,9 +556,21 @@ def master_config_from_dict(
                 built[name] = from_dict(cls, value, name)
             except TypeError as error:  # a value the section compared without checking
                 raise ValueError(f"{name}: {error}") from None
-        return MasterConfig(**built)
+        config = MasterConfig(**built)
+        _check_every_key_is_read(raw, config)
+        return config
     except ValueError as error:
         raise ConfigError(f"{source}: {_one_line(error)}") from None
+
+
+def _check_every_key_is_read(raw: Mapping[str, Any], config: MasterConfig) -> None:
+    """ValueError naming the first key of `raw` that `config`'s path of the loop never reads."""
+    for key, is_read, why in UNREAD_UNLESS:
+        node: Any = raw
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if node is not None and not is_read(config):
+            raise ValueError(f"{key}: is set but nothing reads it: {why}")
 
 
 def apply_overrides(
@@ -671,7 +721,9 @@ def load_config(
 def config_to_dict(config: Any) -> Any:
     """Plain YAML-ready data (dicts, lists, scalars) for a config dataclass tree; loading it back
     gives an equal config. Stage configs get their `type` key back; `executor.auth_token`-style
-    secrets are not special-cased because recipes may not hold them (MasterConfig checks)."""
+    secrets are not special-cased because recipes may not hold them (MasterConfig checks). A
+    MasterConfig leaves out the keys its path of the loop does not read (`UNREAD_UNLESS`), which
+    a recipe may not set."""
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         result: dict[str, Any] = {}
         stage_type = getattr(type(config), "stage_type", None)
@@ -679,6 +731,14 @@ def config_to_dict(config: Any) -> Any:
             result["type"] = stage_type
         for f in dataclasses.fields(config):
             result[f.name] = config_to_dict(getattr(config, f.name))
+        if isinstance(config, MasterConfig):
+            for key, is_read, _ in UNREAD_UNLESS:
+                if not is_read(config):
+                    *parents, leaf = key.split(".")
+                    node = result
+                    for part in parents:
+                        node = node[part]
+                    del node[leaf]
         return result
     if isinstance(config, Mapping):
         return {k: config_to_dict(v) for k, v in config.items()}

@@ -502,3 +502,66 @@ def test_every_key_path_in_describe_is_overridable(tmp_path):
     assert grpo_config.PATH_KEYS  # every path key is a listed key
     listed = {key for key, _ in keys}
     assert set(grpo_config.PATH_KEYS + grpo_config.MODEL_KEYS) <= listed
+
+
+# -- a key set where its path of the loop never reads it fails to load (UNREAD_UNLESS)
+
+_LOOPBACK_EXECUTOR = {"port": 0}
+
+
+@pytest.mark.parametrize(
+    "sections, key, fix",
+    [
+        ({"async_grpo": {"max_buffer_groups": 64}}, "async_grpo", "grpo.mode: async"),
+        (
+            {"cluster": {"fleets": {"sandbox": {"strategy": "SPREAD"}}}},
+            "cluster.fleets.sandbox",
+            "set the executor section",
+        ),
+        (
+            {"policy": {"backend": "jax"}, "cluster": {"fleets": {"trainer": {}}}},
+            "cluster.fleets.trainer",
+            "policy.backend: dtensor",
+        ),
+        (
+            {"executor": _LOOPBACK_EXECUTOR, "env": {"swe": {"executor_url": "http://h:1"}}},
+            "env.swe.executor_url",
+            "fixed port",
+        ),
+    ],
+)
+def test_a_key_nothing_reads_fails_naming_it_and_the_fix(tmp_path, sections, key, fix):
+    message = _error(_with(**sections), tmp_path)
+    assert f": {key}: is set but nothing reads it: " in message
+    assert fix in message
+
+
+def test_the_same_keys_load_where_they_are_read(tmp_path):
+    config = load_config(
+        _write(
+            tmp_path,
+            _with(
+                grpo={"mode": "async"},
+                loss_fn={"use_importance_sampling_correction": True},
+                async_grpo={"max_buffer_groups": 64},
+                executor=_LOOPBACK_EXECUTOR,
+                cluster={"fleets": {"sandbox": {"strategy": "STRICT_SPREAD"}, "trainer": {}}},
+            ),
+        ),
+        base_dir=tmp_path,
+    )
+    assert config.async_grpo.max_buffer_groups == 64
+    assert config.cluster.fleets.sandbox.strategy == "STRICT_SPREAD"
+
+
+def test_the_resolved_config_leaves_out_what_is_not_read(tmp_path):
+    # A sync recipe without an executor section: what --dry-run prints loads back.
+    recipe = _with(logger={"log_dir": str(tmp_path)})
+    config = load_config(_write(tmp_path, recipe), base_dir=tmp_path)
+    resolved = config_to_dict(config)
+    assert "async_grpo" not in resolved and "sandbox" not in resolved["cluster"]["fleets"]
+    assert "trainer" in resolved["cluster"]["fleets"] and "executor_url" in resolved["env"]["swe"]
+    again = load_config(
+        _write(tmp_path, config_to_yaml(config), "resolved.yaml"), base_dir=tmp_path
+    )
+    assert config_to_dict(again) == resolved

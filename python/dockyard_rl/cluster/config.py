@@ -253,10 +253,15 @@ class FleetsConfig:
 
     def of(self, role: str) -> FleetConfig:
         """The config of fleet `role`; ValueError for a role without a fleet."""
-        if role not in FLEET_ROLES:
+        # Spelled out (not getattr): each fleet's section is read here, for every caller.
+        fleets: dict[str, FleetConfig] = {
+            "trainer": self.trainer,
+            "inference": self.inference,
+            "sandbox": self.sandbox,
+        }
+        if role not in fleets:
             raise ValueError(f"{role!r} is not a fleet; fleets: {', '.join(FLEET_ROLES)}")
-        fleet: FleetConfig = getattr(self, role)
-        return fleet
+        return fleets[role]
 
 
 @dataclasses.dataclass(frozen=True)
