@@ -168,4 +168,3 @@ def test_dtensor_ranks_are_placed_with_the_trainer_fleets_strategy_and_timeout()
             factory.create_policy(cfg, cluster_config=unplaceable)
     finally:
         ray.shutdown()
-
