@@ -57,13 +57,14 @@ def test_dry_run_prints_the_resolved_config(recipe):
     assert "config OK (dry run: nothing started)" in result.stderr
     resolved = yaml.safe_load(result.stdout)
     assert resolved["grpo"]["run_name"] == recipe.stem
-    # Every section is printed, defaults included.
+    # Every section is printed, defaults included, except what this path of the loop does not
+    # read (grpo_config.UNREAD_UNLESS): async_grpo in sync mode.
+    assert ("async_grpo" in resolved) == (resolved["grpo"]["mode"] == "async")
     assert {
         "grpo",
         "policy",
         "generation",
         "loss_fn",
-        "async_grpo",
         "data",
         "env",
         "rewards",
