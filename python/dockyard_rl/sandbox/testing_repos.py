@@ -4,6 +4,7 @@
     spec = repo.spec(repo.gold_patch)          # a TaskSpec that scoring should resolve
     spec = repo.spec("")                       # ... and one it should not
     hostile = repo.patch_for({"calc/ops.py": "..."})   # any edit, as a unified diff vs base
+    train, val = write_toy_tasks(tmp_path, train=["toy_a"], val=["toy_v"])  # tasks.jsonl files
 
 The repository (package `calc`, tests in `tests/`):
 - base commit ("introduce mul", `base_commit`): `calc/ops.py` has add, sub, mul and clamp;
@@ -23,6 +24,7 @@ tests score these tasks with real git, real pytest and real bubblewrap.
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 import shutil
 import subprocess
@@ -144,6 +146,9 @@ diff --git a/calc/ops.py b/calc/ops.py
 )
 
 
+TOY_PROBLEM = "calc.ops.mul(3, 4) returns 7 instead of 12: it adds its arguments."
+
+
 def git(cwd: pathlib.Path, *args: str) -> str:
     """Runs git with a fixed identity and dates (deterministic commit ids); returns stdout."""
     return subprocess.run(
@@ -196,6 +201,20 @@ class ToyRepo:
             reward_mode=reward_mode,
             task_id=task_id,
         )
+
+    def dataset_row(self, instance_id: str, problem_statement: str = TOY_PROBLEM) -> dict:
+        """This repository's task as a row of a tasks.jsonl (the SWE-bench columns)."""
+        return {
+            "instance_id": instance_id,
+            "repo": str(self.path),
+            "base_commit": self.base_commit,
+            "patch": self.gold_patch,
+            "test_patch": self.test_patch,
+            "FAIL_TO_PASS": list(self.fail_to_pass),
+            "PASS_TO_PASS": list(self.pass_to_pass),
+            "problem_statement": problem_statement,
+            "version": "1.0",
+        }
 
     def patch_for(self, files: Mapping[str, str | None]) -> str:
         """A git-style unified diff from base_commit to base_commit + `files` (path -> new
@@ -263,3 +282,15 @@ def toy_worktree(root: pathlib.Path) -> pathlib.Path:
     git(root, "clone", "--quiet", str(toy.path), str(tree))
     git(tree, "checkout", "--quiet", toy.base_commit)
     return tree
+
+
+def write_toy_tasks(root: pathlib.Path, **splits: list[str]) -> list[pathlib.Path]:
+    """One tasks.jsonl per split (`root/<split>.jsonl`, in the order given), one toy repository
+    (its own git repo under `root/<split>/<name>`) per task name; instance ids `<name>__calc-1`."""
+    paths = []
+    for split, names in splits.items():
+        rows = [make_toy_repo(root / split / name).dataset_row(f"{name}__calc-1") for name in names]
+        path = root / f"{split}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        paths.append(path)
+    return paths
