@@ -11,8 +11,8 @@ one that is not its default.
 
 After the run, a second driver reads Ray's control store (GCS): every actor the run created (the
 policy ranks, the engine, the executor) ran on a node of its fleet, the two trainer ranks on two
-different nodes (STRICT_SPREAD), and every placement group the run made has its fleet's strategy from
-the recipe.
+different nodes (STRICT_SPREAD), and every placement group the run made has its fleet's strategy
+from the recipe.
 
 Not covered: several machines (the nodes share one kernel, so transports that need a separate
 host, e.g. NCCL over InfiniBand, are not exercised), node failure (cluster/bootstrap_test covers
