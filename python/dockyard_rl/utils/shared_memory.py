@@ -39,8 +39,13 @@ object's lifetime). It would misjudge a program that creates a `psm_*` segment, 
 reopens it by name more than `min_age_s` later with no process holding it in between.
 
 Called at start-up by the launcher (python/launch/grpo_swe.py) and, for its own owner-tagged
-segments only, by the ipc_zmq sender; tools/python/pytest_main.py uses `segments_in_use` and
-`descendants` to fail a test target that leaves segments behind.
+segments only, by the ipc_zmq sender. On a normal shutdown, the vLLM engine actor
+(models/generation/vllm_engine_actor.py) notes its engine's segments (`segments_of_tree`) and
+unlinks them once no process maps them (`unlink_unused`): vLLM's engine core unlinks its RPC
+ring only when the ring is garbage-collected, and Ray SIGKILLs the actor and its children
+(Python's resource tracker among them) right after the shutdown call.
+tools/python/pytest_main.py uses `segments_in_use` and `descendants` to fail a test target that
+leaves segments behind.
 """
 
 from __future__ import annotations
@@ -137,25 +142,42 @@ class SegmentUse:
 
 
 def segments_in_use(pids: Iterable[int] | None = None, shm_dir: str = SHM_DIR) -> SegmentUse:
-    """Names of files in `shm_dir` that processes `pids` (default: all) map or hold open."""
+    """Names of files in `shm_dir` that processes `pids` (default: all) map or hold open.
+
+    Files are matched by inode, not by the path /proc shows: glibc's `sem_open` maps a
+    temporary file and then links it under the semaphore's name (`sem.mp-*`), so the mapping
+    names a deleted file that is the same inode."""
     prefix = shm_dir.rstrip("/") + "/"
+    shm_dev = os.stat(shm_dir).st_dev
+    by_inode: dict[int, str] = {}
+    for name in os.listdir(shm_dir):
+        try:
+            by_inode[os.stat(os.path.join(shm_dir, name)).st_ino] = name
+        except FileNotFoundError:
+            pass
     in_use: set[str] = set()
     unreadable: set[int] = set()
     for pid in _pids() if pids is None else pids:
         try:
             with open(f"/proc/{pid}/maps") as f:
                 for line in f:
-                    at = line.find(prefix)
-                    if at >= 0:
-                        in_use.add(_segment_name(line[at + len(prefix) :]))
+                    if prefix not in line:
+                        continue
+                    # address perms offset major:minor inode path
+                    _, _, _, device, inode = line.split(None, 5)[:5]
+                    major, minor = (int(part, 16) for part in device.split(":"))
+                    if os.makedev(major, minor) == shm_dev and int(inode) in by_inode:
+                        in_use.add(by_inode[int(inode)])
             fd_dir = f"/proc/{pid}/fd"
             for fd in os.listdir(fd_dir):
                 try:
-                    target = os.readlink(os.path.join(fd_dir, fd))
+                    if not os.readlink(os.path.join(fd_dir, fd)).startswith(prefix):
+                        continue
+                    st = os.stat(os.path.join(fd_dir, fd))
                 except OSError:
                     continue  # closed meanwhile
-                if target.startswith(prefix):
-                    in_use.add(_segment_name(target[len(prefix) :]))
+                if st.st_dev == shm_dev and st.st_ino in by_inode:
+                    in_use.add(by_inode[st.st_ino])
         except (FileNotFoundError, ProcessLookupError):
             continue  # exited meanwhile: it holds nothing
         except PermissionError:
@@ -168,9 +190,38 @@ def segments_in_use(pids: Iterable[int] | None = None, shm_dir: str = SHM_DIR) -
     return SegmentUse(in_use, unreadable)
 
 
-def _segment_name(path_tail: str) -> str:
-    name = path_tail.rstrip("\n")
-    return name[: -len(" (deleted)")] if name.endswith(" (deleted)") else name
+def segments_of_tree(pid: int, prefixes: tuple[str, ...] = RECLAIMABLE_PREFIXES) -> set[str]:
+    """Segments of ours (by prefix) that process `pid` or a process below it maps or holds."""
+    use = segments_in_use(descendants(pid) | {pid})
+    return {name for name in use.in_use if name.startswith(prefixes)}
+
+
+def unlink_unused(names: Iterable[str], wait_s: float = 0.0, shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlinks those of `names` that no live process maps or holds open, waiting up to `wait_s`
+    for their users to exit; returns the names unlinked. For the segments of a process tree
+    that has just been shut down (`segments_of_tree` before, this after): the creator's own
+    clean-up may not have run."""
+    pending = set(names)
+    unlinked: list[str] = []
+    deadline = time.monotonic() + wait_s
+    while pending:
+        pending = {name for name in pending if os.path.exists(os.path.join(shm_dir, name))}
+        unused = pending - segments_in_use(shm_dir=shm_dir).in_use
+        for name in sorted(unused):
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+            except FileNotFoundError:
+                continue  # its creator unlinked it meanwhile
+            unlinked.append(name)
+        pending -= unused
+        if not pending or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if pending:
+        logger.warning("shared-memory segments still in use, left in place: %s", sorted(pending))
+    if unlinked:
+        logger.info("unlinked shared-memory segments left by exited processes: %s", unlinked)
+    return unlinked
 
 
 def stale_segments(

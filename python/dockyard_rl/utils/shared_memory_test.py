@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -101,8 +102,13 @@ def test_an_untagged_segment_is_reclaimed_only_unmapped_and_old():
 
 def test_segments_in_use_sees_mappings_and_open_files_of_the_given_processes():
     mapped = mp_shared_memory.SharedMemory(create=True, size=4096)
+    # A named semaphore is mapped under a temporary name that glibc then renames: same inode.
+    lock = multiprocessing.get_context("spawn").Lock()
+    semaphore = "sem." + lock._semlock.name.lstrip("/")  # type: ignore[attr-defined]
     try:
-        assert mapped.name in shared_memory.segments_in_use([os.getpid()]).in_use
+        in_use = shared_memory.segments_in_use([os.getpid()]).in_use
+        assert mapped.name in in_use and semaphore in in_use
+        assert semaphore not in shared_memory.stale_segments(min_age_s=0)
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         try:
             assert child.pid in shared_memory.descendants(os.getpid())

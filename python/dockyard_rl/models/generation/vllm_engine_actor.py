@@ -31,6 +31,7 @@ from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models.generation.config import GenerationConfig
 from dockyard_rl.models.generation.interfaces import GenerationSample
 from dockyard_rl.models.generation.vllm_memory_budget import kv_memory_error, vllm_kv_memory_refusal
+from dockyard_rl.utils import shared_memory
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -357,7 +358,12 @@ class VllmEngineActor:
             await http.stop()
         if self._llm is not None:
             llm, self._llm = self._llm, None
+            # vLLM's engine core unlinks its shared-memory RPC ring (`psm_*`, 160 MiB) only when
+            # garbage-collected, and Ray kills this actor and its children (the resource tracker
+            # too) right after: unlink the engine's segments once its processes are gone.
+            segments = shared_memory.segments_of_tree(os.getpid())
             llm.shutdown()
+            shared_memory.unlink_unused(segments, wait_s=10.0)
 
     def _engine(self):
         if self._llm is None:
