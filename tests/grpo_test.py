@@ -5,9 +5,9 @@ sandbox executor (bubblewrap) as a Ray actor, Ray on 127.0.0.1, toy repositories
   and 2 of `async_grpo_train` finish: metrics finite, weights changed,
   validation ran, checkpoints exist, the PNG and the TensorBoard events exist; in async mode no
   trained sample is older than `async_grpo.max_trajectory_age_steps` (the logged ages).
-- SIGKILL of the launcher's process during step 2, then the same command again: it resumes at
-  step 2 and consumes the prompts an uninterrupted run would (the logged prompt ids against the
-  seeded sampler's order).
+
+The launcher's SIGKILL and resume (prompts and samples as an uninterrupted run's) is
+python/launch/grpo_swe_resume_test.py.
 
 tiny-llama is random, so its responses carry no patch: every sample gets the invalid-action
 penalty, and the `overlong` stage (penalty growing with length) together with a stop string
@@ -18,60 +18,24 @@ and the smoke recipe.
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import re
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import yaml
 
 from dockyard_rl.algorithms import grpo
 from dockyard_rl.algorithms.grpo_config import load_config
-from dockyard_rl.data.config import load_train_validation
 from dockyard_rl.sandbox import testing_repos
-from dockyard_rl.utils.checkpoint import PromptSampler
 from dockyard_rl.utils.logger import APPLY_RATE_KEY, RESOLVE_RATE_KEY, REWARD_KEY, read_jsonl
-
-PROBLEM = "calc.ops.mul(3, 4) returns 7 instead of 12: it adds its arguments."
-
-
-def _task_rows(root: pathlib.Path, names: list[str]) -> list[dict]:
-    rows = []
-    for name in names:
-        toy = testing_repos.make_toy_repo(root / name)
-        rows.append(
-            {
-                "instance_id": f"{name}__calc-1",
-                "repo": str(toy.path),
-                "base_commit": toy.base_commit,
-                "patch": toy.gold_patch,
-                "test_patch": toy.test_patch,
-                "FAIL_TO_PASS": list(toy.fail_to_pass),
-                "PASS_TO_PASS": list(toy.pass_to_pass),
-                "problem_statement": PROBLEM,
-                "version": "1.0",
-            }
-        )
-    return rows
 
 
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
     root = tmp_path_factory.mktemp("tasks")
-    for split, names in (
-        ("train", ["toy_a", "toy_b", "toy_c"]),
-        ("val", ["toy_v"]),
-        ("warm", ["toy_w"]),
-    ):
-        (root / f"{split}.jsonl").write_text(
-            "".join(json.dumps(r) + "\n" for r in _task_rows(root / split, names))
-        )
-    return root / "train.jsonl", root / "val.jsonl"
+    train, val, _ = testing_repos.write_toy_tasks(
+        root, train=["toy_a", "toy_b", "toy_c"], val=["toy_v"], warm=["toy_w"]
+    )
+    return train, val
 
 
 def _warm_start(tasks) -> dict:
@@ -192,49 +156,3 @@ def test_async_grpo_two_steps_respects_the_age_bound(tmp_path, tasks):
     train = _check_run(run_dir, 2)
     assert all(0 <= r["train/max_sample_age_steps"] <= 1 for r in train)
     assert _weights_changed(run_dir, 2)
-
-
-def _launch(recipe: pathlib.Path, log: pathlib.Path) -> subprocess.Popen:
-    code = "import sys; from launch.grpo_swe import main; sys.exit(main(sys.argv[1:]))"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.Popen(
-        [sys.executable, "-c", code, "--config", str(recipe)],
-        env=env,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
-def _consumed(log: pathlib.Path) -> dict[int, list[str]]:
-    found = re.findall(r"step (\d+): prompts (\[.*?\])", log.read_text())
-    return {int(step): json.loads(ids) for step, ids in found}
-
-
-def test_sigkill_during_step_2_then_the_same_command_resumes(tmp_path, tasks):
-    recipe = _recipe(tmp_path, tasks, mode="sync", max_num_steps=3, val_at_start=False)
-    run_dir = tmp_path / "results" / "run"
-    first = _launch(recipe, tmp_path / "first.log")
-    deadline = time.monotonic() + 900
-    # Kill once step 1 is checkpointed and step 2 has started.
-    while not (
-        _consumed(tmp_path / "first.log").get(2) and list((run_dir / "checkpoints").glob("step_1"))
-    ):
-        assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "step 2 never started"
-        time.sleep(0.5)
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait()
-    second = _launch(recipe, tmp_path / "second.log")
-    assert second.wait(900) == 0, (tmp_path / "second.log").read_text()[-3000:]
-
-    resumed = _consumed(tmp_path / "second.log")
-    assert sorted(resumed) == [2, 3], "the second run must start at step 2"
-    config = load_config(recipe)
-    train, _ = load_train_validation(config.data)
-    sampler = PromptSampler(len(train), config.grpo.num_prompts_per_step, config.data.seed)
-    expected = {step: [train[i].instance_id for i in sampler.next_batch()] for step in (1, 2, 3)}
-    assert _consumed(tmp_path / "first.log")[1] == expected[1]
-    assert resumed == {2: expected[2], 3: expected[3]}
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows if "train/reward_mean" in r] == [1, 2, 3]

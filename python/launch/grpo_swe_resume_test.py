@@ -36,32 +36,16 @@ import yaml
 
 from dockyard_rl.sandbox import testing_repos
 
-PROBLEM = "calc.ops.mul(3, 4) returns 7 instead of 12: it adds its arguments."
 _LAUNCH_TIMEOUT_S = 900
 
 
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
     root = tmp_path_factory.mktemp("tasks")
-    for split, names in (("train", ["toy_a", "toy_b", "toy_c"]), ("val", ["toy_v"])):
-        rows = []
-        for name in names:
-            toy = testing_repos.make_toy_repo(root / split / name)
-            rows.append(
-                {
-                    "instance_id": f"{name}__calc-1",
-                    "repo": str(toy.path),
-                    "base_commit": toy.base_commit,
-                    "patch": toy.gold_patch,
-                    "test_patch": toy.test_patch,
-                    "FAIL_TO_PASS": list(toy.fail_to_pass),
-                    "PASS_TO_PASS": list(toy.pass_to_pass),
-                    "problem_statement": PROBLEM,
-                    "version": "1.0",
-                }
-            )
-        (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root / "train.jsonl", root / "val.jsonl"
+    train, val = testing_repos.write_toy_tasks(
+        root, train=["toy_a", "toy_b", "toy_c"], val=["toy_v"]
+    )
+    return train, val
 
 
 def _recipe(tmp: pathlib.Path, tasks, **grpo_keys) -> pathlib.Path:
