@@ -73,7 +73,6 @@ def _recipe(tmp: pathlib.Path, tasks, warm_start: dict | None = None, **grpo_key
             "stop": ["e"],
         },
         "loss_fn": {"use_importance_sampling_correction": True},
-        "async_grpo": {"max_trajectory_age_steps": 1, "max_buffer_groups": 4},
         "data": {
             "train_path": str(train),
             "validation_path": str(val),
@@ -97,6 +96,8 @@ def _recipe(tmp: pathlib.Path, tasks, warm_start: dict | None = None, **grpo_key
         },
         "logger": {"log_dir": str(tmp / "results"), "console": False},
     }
+    if grpo_keys.get("mode") == "async":  # a sync recipe may not set it (nothing reads it)
+        recipe["async_grpo"] = {"max_trajectory_age_steps": 1, "max_buffer_groups": 4}
     path = tmp / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
