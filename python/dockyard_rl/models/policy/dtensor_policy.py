@@ -22,18 +22,23 @@ gathers them bucket by bucket of the refit packer's layout and yields them in th
 to `policy.dtype`; the weight-sync senders run in rank 0 (`open_weight_sender`, `send_weights`:
 every rank gathers each bucket, rank 0 sends it).
 
-Checkpoints (`save_checkpoint`): the ranks write `model.safetensors`, `config.json`, tokenizer,
-`optimizer.pt`, `scheduler.pt` and `rng_rank<r>.pt` (dtensor_worker.py) into a temporary sibling
-directory; the controller adds the manifest `CHECKPOINT_MANIFEST` last, and
-`utils.checkpoint.publish_directory` fsyncs it all and renames the directory into place, so a
-crash leaves the previous checkpoint (or none) intact. transformers and vLLM load it as an
-ordinary checkpoint. Loading with the same dp_size resumes bit-exactly; with
-another dp_size the weights, optimizer and schedule still load exactly but the per-rank RNG
-streams restart from `policy.seed`.
+Checkpoints (`save_checkpoint`, dtensor_worker.py): the resume state is sharded, each rank
+writes its own part with torch.distributed.checkpoint (`dcp/`: weights and optimizer state,
+float32), plus `rng_rank<r>.pt` and (rank 0) `scheduler.pt`; then the ranks stream a Hugging Face
+export beside it (`model.safetensors` or sharded files + index, in `policy.dtype`; `config.json`;
+tokenizer), one tensor gathered at a time, which transformers and vLLM load as an ordinary model
+(the GRPO loop's engines resume from it). No rank ever holds the full model or optimizer state.
+All of it goes into a temporary sibling directory; the controller adds the manifest
+`CHECKPOINT_MANIFEST` last, and `utils.checkpoint.publish_directory` fsyncs it all and renames
+the directory into place, so a crash leaves the previous checkpoint (or none) intact. Loading
+with the same dp_size resumes bit-exactly; with another dp_size DCP reshards the weights and
+optimizer state (exactly) and the schedule loads as is, but the per-rank RNG streams restart
+from `policy.seed`. `export_hf(directory)` writes the HF export alone.
 
 Not covered: tensor, pipeline, context or expert parallelism (the mesh is 1-D); sequence
 packing into one row (token-budget packing would give ranks different numbers of microbatches,
-which FSDP's lockstep collectives forbid); sharded (multi-file) safetensors output; models whose
+which FSDP's lockstep collectives forbid); checkpoints of the earlier format 1 (full
+`optimizer.pt`: refused as incomplete); models whose
 decoder layers are not named in `_no_split_modules`; checkpoints on file systems that the ranks
 do not share (each rank writes its RNG file itself); recovering a worker group after a rank
 failed mid-collective (the group refuses further calls: recreate the policy from a checkpoint).
@@ -60,9 +65,8 @@ from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models import zoo
 from dockyard_rl.models.policy.config import PolicyConfig
 from dockyard_rl.models.policy.dtensor_worker import (
-    OPTIMIZER_FILE,
+    DCP_METADATA,
     SCHEDULER_FILE,
-    WEIGHTS_FILE,
     DTensorPolicyWorker,
     shifted_logprobs,
 )
@@ -70,7 +74,7 @@ from dockyard_rl.models.policy.interfaces import LossFunction, PolicyInterface
 from dockyard_rl.utils.checkpoint import publish_directory
 
 CHECKPOINT_MANIFEST = "dockyard_checkpoint.json"
-CHECKPOINT_FORMAT_VERSION = 1
+CHECKPOINT_FORMAT_VERSION = 2  # 2: sharded (DCP) resume state
 # Config fields that must match for a checkpoint to belong to this model.
 _IDENTITY_KEYS = (
     "architectures",
@@ -96,9 +100,8 @@ def _checkpoint_dir_problem(directory: pathlib.Path) -> str | None:
         name
         for name in (
             CHECKPOINT_MANIFEST,
-            WEIGHTS_FILE,
             "config.json",
-            OPTIMIZER_FILE,
+            DCP_METADATA,
             SCHEDULER_FILE,
         )
         if not (directory / name).is_file()
@@ -389,6 +392,7 @@ class DTensorPolicy(PolicyInterface):
     def save_checkpoint(self, directory: pathlib.Path) -> None:
         def write(tmp: pathlib.Path) -> None:
             self._call_all("save_checkpoint", str(tmp))
+            self._call_all("export_hf", str(tmp))
             step = self._call_rank0("step_count")
             config = json.loads((tmp / "config.json").read_text())
             manifest = {
@@ -404,6 +408,15 @@ class DTensorPolicy(PolicyInterface):
 
         # The ranks write into the temporary directory (a sibling, so on the same file system).
         publish_directory(directory, write)
+
+    def export_hf(self, directory: pathlib.Path) -> None:
+        """Writes the current weights as a Hugging Face model directory (safetensors in
+        `policy.dtype`, config, tokenizer) and nothing else, streamed one tensor at a time
+        (dtensor_worker.py `export_hf`), published atomically like a checkpoint. Not part of
+        PolicyInterface; `save_checkpoint` includes the same export."""
+        publish_directory(
+            pathlib.Path(directory), lambda tmp: self._call_all("export_hf", str(tmp))
+        )
 
     def _check_checkpoint_identity(self, directory: pathlib.Path) -> None:
         saved = json.loads((directory / CHECKPOINT_MANIFEST).read_text()).get("identity", {})

@@ -307,17 +307,21 @@ def test_one_rank_step_resume_and_checkpoints_across_dp_sizes(tiny_dir, train_ba
         assert _train_steps(policy, train_batch, 2) == continued
     finally:
         policy.shutdown()  # the cluster has room for one more group of 2 ranks only
-    # One rank's checkpoint resumes on 2 ranks and the other way round: the same files, equal
+    # One rank's checkpoint resumes on 2 ranks and the other way round (DCP reshards), equal
     # steps up to the order of float sums.
     two_ranks = DTensorPolicy(TINY_CFG, resume_from=tmp_path / "one_rank")
     try:
         resumed = _train_steps(two_ranks, train_batch, 2)
         two_ranks.save_checkpoint(tmp_path / "two_ranks")
+        saved_on_two = dict(two_ranks.iter_refit_weights())
         continued_on_two = _train_steps(two_ranks, train_batch, 1)
     finally:
         two_ranks.shutdown()
+    # The sharded (DCP) checkpoint of 2 ranks resharded onto 1: exactly the same weights.
     policy = DTensorPolicy(one_rank_cfg, resume_from=tmp_path / "two_ranks")
     try:
+        for name, tensor in policy.iter_refit_weights():
+            torch.testing.assert_close(tensor, saved_on_two[name], rtol=0, atol=0)
         resumed_on_one = _train_steps(policy, train_batch, 1)
     finally:
         policy.shutdown()
@@ -363,8 +367,8 @@ def test_bad_config_fails_at_setup(tiny_policy, tmp_path):
         tiny_policy.load_checkpoint(tmp_path / "no-such-checkpoint")
     directory = tmp_path / "ckpt"
     tiny_policy.save_checkpoint(directory)
-    (directory / "optimizer.pt").unlink()
-    with pytest.raises(ValueError, match=r"incomplete checkpoint.*optimizer\.pt"):
+    (directory / "dcp" / ".metadata").unlink()
+    with pytest.raises(ValueError, match=r"incomplete checkpoint.*dcp/\.metadata"):
         tiny_policy.load_checkpoint(directory)
     tiny_policy.save_checkpoint(directory)
     manifest = json.loads((directory / CHECKPOINT_MANIFEST).read_text())

@@ -4,11 +4,20 @@
 `WorkerGroup` and calls every model method on all ranks at once with equal shards (collective).
 
 `setup` joins one torch process group (gloo on CPU, NCCL on GPU) at the group's master address,
-builds a 1-D DeviceMesh "dp", loads the model with `AutoModelForCausalLM` and shards it with
-`fully_shard` per decoder layer (the classes in `_no_split_modules`), then at the root:
-parameters are DTensors `Shard(0)` over "dp", each forward all-gathers one layer at a time.
+builds a 1-D DeviceMesh "dp" and the model, sharded with `fully_shard` per decoder layer (the
+classes in `_no_split_modules`), then at the root: parameters are DTensors `Shard(0)` over "dp"
+(torch.chunk's split of dim 0), each forward all-gathers one layer at a time.
 One rank (dp_size 1) keeps plain modules unless it needs FSDP's mixed precision or offload: there
 FSDP2 only adds per-layer parameter copies and DTensor dispatch (~1.2x an eager step on CPU).
+
+Model load (no rank ever holds the full model): `from_config` on the meta device (shapes only),
+`fully_shard`, `to_empty` (allocates this rank's shards), then `load_sharded_weights` reads this
+rank's rows of each tensor from the safetensors files (single or sharded with an index), one
+tensor at a time, cast to the load dtype: float32 for the trained model, `policy.dtype` for the
+reference. Tied weights are tied again after `to_empty`; non-persistent buffers (rotary
+`inv_freq`) are recomputed with the model's `_init_weights`, as `from_pretrained` does. The
+weights equal `from_pretrained(dtype=...)`'s exactly. Peak per rank: its shard plus about one
+tensor (memory_probe.py; tests/benchmarks/policy_memory_benchmark.py for the figures).
 
 Log-probs: microbatches of `policy.micro_batch_size` rows sorted longest first, each cut to its
 longest row (rows are right-padded, attention is causal: no mask needed); the fused
@@ -25,16 +34,29 @@ layer on GPU with `policy.offload_reference_policy`).
 
 Refit: `gather_weights` all-gathers full tensors (rank 0 receives them, in `policy.dtype`);
 `send_weights` does that per bucket of a weight-sync manifest and rank 0 sends each bucket
-(weight_sync/sender.py). Checkpoints (the same files at any dp_size): rank 0 writes the HF
-files, optimizer and scheduler; every rank its RNG state.
+(weight_sync/sender.py).
+
+Checkpoints: `save_checkpoint` writes the resume state sharded with torch.distributed.checkpoint
+(`dcp/`: each rank its own shards of the float32 weights and optimizer state, nothing gathered),
+its RNG state (`rng_rank<r>.pt`) and, rank 0, the scheduler; `load_checkpoint` reads it back at
+any dp_size (DCP reshards). `export_hf` streams a Hugging Face directory (safetensors in
+`policy.dtype`, cut into files of `EXPORT_FILE_BYTES` with an index when larger; config;
+tokenizer files): every rank all-gathers one tensor at a time and rank 0 writes it at once.
+
+Not covered: checkpoints that are not safetensors (`.bin`), models whose checkpoint names differ
+from their `state_dict` names (transformers' key renames for old checkpoints), non-persistent
+buffers that `_init_weights` does not recompute (those of Llama-family rotary embeddings are).
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import math
 import os
 import pathlib
 import shutil
+import struct
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -48,8 +70,15 @@ from dockyard_rl.models.policy.interfaces import LossFunction
 from dockyard_rl.utils import process_memory
 
 WEIGHTS_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
+INDEX_FILE = "model.safetensors.index.json"
+# The sharded resume state: torch.distributed.checkpoint's directory (`.metadata` + one
+# `__<rank>_0.distcp` per saving rank).
+DCP_DIR = "dcp"
+DCP_METADATA = f"{DCP_DIR}/.metadata"
 SCHEDULER_FILE = "scheduler.pt"
+# The HF export cuts its safetensors into files of at most this much tensor data (as
+# save_pretrained does); one file is `model.safetensors`.
+EXPORT_FILE_BYTES = 5 * 1024**3
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -78,6 +107,186 @@ def _tied_duplicate_names(model: torch.nn.Module) -> dict[str, str]:
         if kept != name:
             duplicates[name] = kept
     return duplicates
+
+
+def _tie_again(model: torch.nn.Module, tied: Mapping[str, str]) -> None:
+    """Makes every duplicate name in `tied` (`_tied_duplicate_names`) the kept parameter again."""
+    for duplicate, kept in tied.items():
+        kept_param = model.get_parameter(kept)
+        if model.get_parameter(duplicate) is not kept_param:
+            module_name, _, attr = duplicate.rpartition(".")
+            setattr(model.get_submodule(module_name), attr, kept_param)
+
+
+def safetensors_files(model_dir: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Tensor name -> the file holding it, for a HF checkpoint in one `model.safetensors` or
+    sharded with `model.safetensors.index.json`.
+
+    Raises:
+        ValueError: the directory holds neither.
+    """
+    from safetensors import safe_open
+
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    single = model_dir / WEIGHTS_FILE
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise ValueError(
+        f"policy.model: {model_dir} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}; the dtensor "
+        "backend loads safetensors checkpoints (save the model with save_pretrained)"
+    )
+
+
+def _shard_rows(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rows [start, stop) of dim 0 that `Shard(0)` gives `rank`: torch.chunk's split (chunks of
+    ceil(num_rows / world_size), the last ones shorter or empty), as FSDP2 shards."""
+    chunk = -(-num_rows // world_size)
+    start = min(rank * chunk, num_rows)
+    return start, min(start + chunk, num_rows)
+
+
+def _read_rows(
+    path: pathlib.Path, name: str, start: int, stop: int | None
+) -> tuple[tuple[int, ...], torch.Tensor]:
+    """The full shape of tensor `name` and its rows [start, stop) (all of it when stop is None).
+
+    The file is opened per tensor on purpose: safetensors memory-maps it, and the pages a read
+    touches stay in this process's resident set until the map is closed; one open per tensor
+    bounds them by one tensor instead of letting them add up to this rank's whole shard.
+    """
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        piece = f.get_slice(name)
+        shape = tuple(piece.get_shape())
+        if stop is None or len(shape) == 0 or shape[0] < stop:  # whole (or wrong: caller says)
+            return shape, f.get_tensor(name)
+        return shape, piece[start:stop]
+
+
+def _init_non_persistent_buffers(model: torch.nn.Module) -> None:
+    """Recomputes buffers that no checkpoint holds (rotary `inv_freq`): `to_empty` left them
+    uninitialised. Uses the model's own `_init_weights`, as `from_pretrained` does; the
+    modules that own such buffers (rotary embeddings) have no parameters for it to touch."""
+    for module in model.modules():
+        if getattr(module, "_non_persistent_buffers_set", None):
+            model._init_weights(module)
+
+
+def load_sharded_weights(model: torch.nn.Module, model_dir: pathlib.Path) -> None:
+    """Fills a materialised (`to_empty`) model from the HF safetensors in `model_dir`, reading
+    only this rank's rows of every `Shard(0)` DTensor and the whole of plain tensors, one tensor
+    at a time, cast to the parameter's dtype (as `from_pretrained(dtype=...)` casts).
+
+    Tied weights are filled once (a checkpoint holds only the first name); non-persistent buffers
+    are recomputed. Every rank reads the files itself: no collective.
+
+    Raises:
+        ValueError: the files lack a parameter or persistent buffer of the model, or hold a
+            tensor of another shape.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    files = safetensors_files(model_dir)
+    tied = _tied_duplicate_names(model)
+    state = model.state_dict(keep_vars=True)  # parameters and persistent buffers
+    missing = sorted(name for name in state if name not in files and name not in tied)
+    if missing:
+        raise ValueError(
+            f"policy.model: the safetensors in {model_dir} lack {len(missing)} tensor(s) of "
+            f"{type(model).__name__}, e.g. {missing[:3]}; is config.json that of these weights?"
+        )
+    _init_non_persistent_buffers(model)
+    with torch.no_grad():
+        for name, target in state.items():
+            if name in tied:
+                continue
+            if isinstance(target, DTensor):
+                # FSDP2's layout: a 1-D mesh, Shard(0) (module docstring).
+                assert tuple(target.placements) == (Shard(0),), (name, target.placements)
+                local = target.to_local()
+                mesh = target.device_mesh
+                start, stop = _shard_rows(target.shape[0], mesh.get_local_rank(), mesh.size())
+                assert local.shape[0] == stop - start, (name, local.shape, start, stop)
+            else:
+                local, start, stop = target, 0, None
+            shape, piece = _read_rows(files[name], name, start, stop)
+            if shape != tuple(target.shape):
+                raise ValueError(
+                    f"policy.model: {name} in {files[name]} has shape {shape}, the model's "
+                    f"is {tuple(target.shape)}; is config.json that of these weights?"
+                )
+            local.copy_(piece)
+
+
+# safetensors' dtype names (the format's spec).
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def plan_export_files(
+    entries: Sequence[tuple[str, tuple[int, ...], torch.dtype]], max_file_bytes: int
+) -> list[list[tuple[str, tuple[int, ...], torch.dtype]]]:
+    """`entries` (name, shape, dtype) cut in order into files of at most `max_file_bytes` of
+    tensor data each (a larger tensor gets a file of its own), as HF shards checkpoints."""
+    files: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = math.prod(entry[1]) * entry[2].itemsize
+        if files[-1] and size + nbytes > max_file_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(entry)
+        size += nbytes
+    return files
+
+
+def write_safetensors_streamed(
+    path: pathlib.Path,
+    entries: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+    tensors: Iterator[torch.Tensor],
+) -> None:
+    """Writes a safetensors file of `entries` (name, shape, dtype), taking their data one tensor
+    at a time from `tensors` (in the same order): the header is known from the shapes alone, so
+    the file never needs all tensors in memory at once (safetensors' `save_file` does).
+
+    Format: 8-byte little-endian header length, the JSON header (padded with spaces to a
+    multiple of 8), then the tensors' bytes back to back, row-major, little-endian.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype in entries:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header_bytes)))
+        f.write(header_bytes)
+        for name, shape, dtype in entries:
+            tensor = next(tensors)
+            assert tuple(tensor.shape) == tuple(shape) and tensor.dtype == dtype, name
+            # A byte view of the tensor's own memory: no copy beyond `contiguous` (a no-op here).
+            f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def shifted_logprobs(
@@ -136,31 +345,8 @@ class DTensorPolicyWorker:
     def setup(
         self, model_dir: str, master_addr: str, master_port: int, num_threads: int
     ) -> dict[str, Any]:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-
         cfg = self.cfg
-        os.environ.update(
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=str(master_port),
-            RANK=str(self.rank),
-            WORLD_SIZE=str(self.world_size),
-            LOCAL_RANK="0",
-        )
-        # Ray exposes exactly the GPU of this actor's bundle, if any, as cuda:0.
-        self.device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        else:
-            torch.set_num_threads(num_threads)
-        dist.init_process_group(
-            "nccl" if self.device.type == "cuda" else "gloo",
-            rank=self.rank,
-            world_size=self.world_size,
-            # cluster.fleets.trainer.nccl_env.heartbeat_timeout_s (None: torch's default).
-            timeout=process_group_timeout(),
-        )
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+        self.init_process_group(master_addr, master_port, num_threads)
         self.model_dir = pathlib.Path(model_dir)
         torch.manual_seed(cfg.seed)
         self.model = self._build_model(trainable=True)
@@ -186,16 +372,48 @@ class DTensorPolicyWorker:
             "vocab_size": int(self.model.config.vocab_size),
         }
 
+    def init_process_group(self, master_addr: str, master_port: int, num_threads: int) -> None:
+        """Joins the ranks' process group and builds the "dp" mesh (the first part of `setup`;
+        memory_probe.py calls it alone to load models by themselves)."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK="0",
+        )
+        # Ray exposes exactly the GPU of this actor's bundle, if any, as cuda:0.
+        self.device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        else:
+            torch.set_num_threads(num_threads)
+        dist.init_process_group(
+            "nccl" if self.device.type == "cuda" else "gloo",
+            rank=self.rank,
+            world_size=self.world_size,
+            # cluster.fleets.trainer.nccl_env.heartbeat_timeout_s (None: torch's default).
+            timeout=process_group_timeout(),
+        )
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("dp",))
+
     def _build_model(self, trainable: bool) -> torch.nn.Module:
+        """The model built on the meta device, sharded, then materialised with only this rank's
+        shard of every weight read from the safetensors files (module docstring: Model load)."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         cfg = self.cfg
         compute_dtype = refit_packer.DTYPES[cfg.dtype]
         # Trainable: float32 master weights, bf16 compute through FSDP's mixed precision.
         # Reference: loaded directly in the compute dtype (it has no optimizer state).
         load_dtype = torch.float32 if trainable else compute_dtype
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=load_dtype)
+        config = AutoConfig.from_pretrained(self.model_dir)
+        with torch.device("meta"):  # shapes only: no memory, no random init
+            model = AutoModelForCausalLM.from_config(config, dtype=load_dtype)
         kwargs: dict[str, Any] = {"mesh": self.mesh}
         if trainable and compute_dtype != torch.float32:
             kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -218,8 +436,13 @@ class DTensorPolicyWorker:
                 fully_shard(layer, **kwargs)
             # The root group holds what is left: embeddings, final norm, (tied) lm_head.
             fully_shard(model, **kwargs)
-        if "offload_policy" not in kwargs:
-            model.to(self.device)
+        # Allocates this rank's shards (uninitialised); an offloaded model keeps them on the CPU.
+        # to_empty gives each name of a shared (tied) parameter a new parameter of its own on a
+        # plain module: tie them again.
+        tied = _tied_duplicate_names(model)
+        model.to_empty(device="cpu" if "offload_policy" in kwargs else self.device)
+        _tie_again(model, tied)
+        load_sharded_weights(model, self.model_dir)
         return model
 
     # -- log-probs
@@ -366,29 +589,107 @@ class DTensorPolicyWorker:
     # -- checkpoints
 
     def save_checkpoint(self, directory: str) -> None:
-        from safetensors.torch import save_file
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
+        """Collective. The sharded resume state: every rank writes its own shards of the weights
+        and optimizer state (torch.distributed.checkpoint, under `DCP_DIR`) and its RNG state;
+        rank 0 the scheduler. Nothing is gathered: no rank holds more than its shard."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         directory = pathlib.Path(directory)
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        # Both are collectives; with cpu_offload only rank 0 receives the full dicts.
-        model_state = get_model_state_dict(self.model, options=options)
-        optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        # Sharded (DTensor) state dicts keyed by parameter name: views, no copies.
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        dcp.save(
+            {"model": model_state, "optimizer": optimizer_state},
+            checkpoint_id=directory / DCP_DIR,
+        )
         torch.save(self._rng_state(), directory / f"rng_rank{self.rank}.pt")
-        if self.rank != 0:
-            return
-        # A HF checkpoint holds a tied weight once; safetensors also refuses shared storage.
-        weights = {
-            name: tensor.contiguous()
-            for name, tensor in model_state.items()
+        if self.rank == 0:
+            torch.save(self.scheduler.state_dict(), directory / SCHEDULER_FILE)
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Collective. Restores what `save_checkpoint` wrote, at any dp_size: DCP reads each
+        rank's rows of every tensor from whichever saved shards hold them (resharding)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        directory = pathlib.Path(directory)
+        # The current tensors are the destination (a fresh optimizer's state is created first,
+        # by zero-gradient steps with lr 0 inside get_state_dict, so that DCP has a target).
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=directory / DCP_DIR)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
+        self.scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE, weights_only=True))
+        rng_file = directory / f"rng_rank{self.rank}.pt"
+        if rng_file.is_file():
+            self._set_rng_state(torch.load(rng_file, weights_only=False))
+        else:
+            torch.manual_seed(self.cfg.seed + self.rank)
+
+    def export_hf(self, directory: str, max_file_bytes: int = EXPORT_FILE_BYTES) -> None:
+        """Collective. A Hugging Face model directory in `directory`: safetensors in
+        `policy.dtype` (one `model.safetensors`, or files of at most `max_file_bytes` with
+        `model.safetensors.index.json`), `config.json`, and the tokenizer and generation files
+        of the model directory.
+
+        Streams: every rank all-gathers one tensor at a time, rank 0 writes it and drops it, so
+        no rank ever holds more than its shard plus one full tensor. A tied weight is written
+        once, under its first name, as HF checkpoints do.
+        """
+        from torch.distributed.tensor import DTensor
+
+        directory = pathlib.Path(directory)
+        export_dtype = refit_packer.DTYPES[self.cfg.dtype]
+        state = {
+            name: tensor.detach()
+            for name, tensor in self.model.state_dict(keep_vars=True).items()
             if name not in self.tied_duplicates
         }
-        save_file(weights, directory / WEIGHTS_FILE, metadata={"format": "pt"})
-        self.model.config.save_pretrained(directory)
+        # Floating tensors in the export dtype; others (integer buffers) as they are.
+        entries = [
+            (name, tuple(t.shape), export_dtype if t.is_floating_point() else t.dtype)
+            for name, t in state.items()
+        ]
+        files = plan_export_files(entries, max_file_bytes)
+
+        def full_tensors() -> Iterator[torch.Tensor]:
+            for name, _, dtype in entries:
+                tensor = state[name]
+                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                yield full.to(dtype)
+
+        tensors = full_tensors()
+        if self.rank != 0:
+            for _ in tensors:  # the all-gathers, in step with rank 0
+                pass
+            return
+        names = (
+            [WEIGHTS_FILE]
+            if len(files) == 1
+            else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+        )
+        try:
+            for name, file_entries in zip(names, files):
+                write_safetensors_streamed(directory / name, file_entries, tensors)
+        except BaseException:
+            for _ in tensors:  # finish the all-gathers, so the other ranks are not left waiting
+                pass
+            raise
+        if len(files) > 1:
+            total = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in entries)
+            weight_map = {
+                entry[0]: name for name, file_entries in zip(names, files) for entry in file_entries
+            }
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        config = copy.deepcopy(self.model.config)
+        config.dtype = export_dtype
+        config.save_pretrained(directory)
         for source in self.model_dir.iterdir():
             # Tokenizer, generation config, chat template: everything but weights and config.
             if (
@@ -398,31 +699,6 @@ class DTensorPolicyWorker:
                 and not source.name.endswith((".safetensors", ".bin", ".pt", ".pth", ".index.json"))
             ):
                 shutil.copy2(source, directory / source.name)
-        torch.save(optimizer_state, directory / OPTIMIZER_FILE)
-        torch.save(self.scheduler.state_dict(), directory / SCHEDULER_FILE)
-
-    def load_checkpoint(self, directory: str) -> None:
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        directory = pathlib.Path(directory)
-        weights = load_file(directory / WEIGHTS_FILE)
-        for duplicate, kept in self.tied_duplicates.items():
-            weights[duplicate] = weights[kept]
-        options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, weights, options=options)
-        optimizer_state = torch.load(directory / OPTIMIZER_FILE, weights_only=True)
-        set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
-        self.scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE, weights_only=True))
-        rng_file = directory / f"rng_rank{self.rank}.pt"
-        if rng_file.is_file():
-            self._set_rng_state(torch.load(rng_file, weights_only=False))
-        else:
-            torch.manual_seed(self.cfg.seed + self.rank)
 
     def _rng_state(self) -> dict[str, Any]:
         state = {"cpu": torch.get_rng_state()}
