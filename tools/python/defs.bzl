@@ -14,6 +14,16 @@ _SHM_CHECK = "//python/dockyard_rl/utils:shared_memory"
 def _with_import_root(deps):
     return deps if _IMPORT_ROOT in deps else deps + [_IMPORT_ROOT]
 
+def _with_shm_check(deps):
+    package, name = _SHM_CHECK[2:].split(":")
+    spellings = [_SHM_CHECK]
+    if native.package_name() == package:
+        spellings += [":" + name, name]
+    for spelling in spellings:
+        if spelling in deps:
+            return deps
+    return deps + [_SHM_CHECK]
+
 def py_library(name, deps = [], **kwargs):
     native.py_library(name = name, deps = _with_import_root(deps), **kwargs)
 
@@ -37,7 +47,7 @@ def py_pytest_test(name, srcs, size, deps = [], args = [], **kwargs):
         main = _PYTEST_MAIN,
         size = size,
         python_version = "PY3",
-        deps = _with_import_root(deps if _SHM_CHECK in deps else deps + [_SHM_CHECK]),
+        deps = _with_import_root(_with_shm_check(deps)),
         args = ["$(rootpath {})".format(src) for src in srcs] + args,
         **kwargs
     )

@@ -11,8 +11,8 @@ reboot). After pytest and its processes have exited, a segment fails the target 
 - it is new (its name, or its inode, was not there when the target started);
 - it is this target's: during the run it was mapped or open in this process tree (sampled every
   `SAMPLE_INTERVAL_S` from /proc), or its name carries the owner tag of a process of the tree
-  (dockyard_rl/utils/shared_memory.py). Other targets run in parallel under Bazel, and their
-  segments are never blamed on this one;
+  (dockyard_rl/utils/shared_memory.py: pid, start time and pid namespace). Other targets run
+  in parallel under Bazel, and their segments are never blamed on this one;
 - no live process maps it or holds it open, after up to `GRACE_S` for the tree's processes to
   finish their teardown (this process is a child subreaper, so orphaned grandchildren, e.g. an
   engine core whose Ray worker was killed, stay in the tree and are waited for).
@@ -71,6 +71,7 @@ class _ShmWatch:
     def __init__(self):
         self._baseline = _snapshot()  # before pytest starts
         self._child_pid = -1
+        self._namespace = shared_memory.pid_namespace()
         self.ours: dict[str, int] = {}  # name -> inode
         self._tree_pids: set[int] = set()
         self._stop = threading.Event()
@@ -91,7 +92,11 @@ class _ShmWatch:
             used = shared_memory.segments_in_use(pids).in_use
             for name, inode in new.items():
                 owner = shared_memory.segment_owner(name)
-                if name in used or (owner is not None and owner[0] in self._tree_pids):
+                if name in used or (
+                    owner is not None
+                    and owner[2] == self._namespace  # pids of other namespaces mean nothing here
+                    and owner[0] in self._tree_pids
+                ):
                     self.ours[name] = inode
         return pids
 
@@ -154,7 +159,7 @@ def _report(leaked: dict[str, int]) -> None:
 
 
 def main() -> int:
-    if os.environ.get(_CHILD_ENV):
+    if os.environ.pop(_CHILD_ENV, None):  # not inherited by the tests' own processes
         return run_pytest(sys.argv[1:])
     # Orphans of the tree (a killed worker's children) are reparented here, not to init.
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)

@@ -60,7 +60,8 @@ def _run(tmp_path, kill: bool, sleep: float = 1.0) -> tuple[subprocess.Completed
 
 def test_a_test_whose_processes_leak_a_segment_fails_and_the_segment_is_removed(tmp_path):
     result, name = _run(tmp_path, kill=True, sleep=600)
-    assert result.returncode != 0, result.stdout + result.stderr
+    still_there = os.path.exists(os.path.join(SHM_DIR, name))
+    assert result.returncode != 0, f"{name} left: {still_there}\n{result.stdout}{result.stderr}"
     assert "1 passed" in result.stdout  # the test itself passed: the check failed the target
     assert f"/dev/shm/{name}" in result.stderr and "was not left as found" in result.stderr
     assert not os.path.exists(os.path.join(SHM_DIR, name))

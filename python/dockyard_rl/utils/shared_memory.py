@@ -5,10 +5,12 @@ A process that is SIGKILLed (OOM killer, `kill -9`, Ray killing a worker and its
 Bazel timeout) unlinks nothing: every segment it created stays in /dev/shm, a tmpfs, and keeps
 its memory until someone removes the file or the machine reboots. Two kinds appear in our runs:
 
-- `dockyard-<kind>-o<pid>.<start>-...`: ours (weight_sync/ipc_zmq.py's refit buckets, one file
-  per bucket). `owner_tag()` puts the creating process's pid and its start time (field 22 of
-  /proc/<pid>/stat: clock ticks since boot) in the name. /dev/shm is emptied at boot, so pid +
-  start time names exactly one process for the file's whole life, even after the pid is reused.
+- `dockyard-<kind>-o<pid>.<start>.<pidns>-...`: ours (weight_sync/ipc_zmq.py's refit buckets,
+  one file per bucket). `owner_tag()` puts the creating process's pid, its start time (field 22
+  of /proc/<pid>/stat: clock ticks since boot) and its pid namespace in the name. /dev/shm is
+  emptied at boot, so these name exactly one process for the file's whole life, even after the
+  pid is reused; the namespace matters because a test under Bazel's linux-sandbox (or a process
+  in a container sharing /dev/shm) has pids of its own namespace.
 - `psm_<hex>`: Python's `multiprocessing.shared_memory`, made by vLLM's shm_broadcast
   `MessageQueue` rings (the engine core's RPC broadcast ring, `VLLM_MQ_MAX_CHUNK_BYTES_MB` x 10
   = 160 MiB, and each worker's 240 MiB response ring). vLLM unlinks them in `__del__` and
@@ -20,11 +22,14 @@ its memory until someone removes the file or the machine reboots. Two kinds appe
 
 `reclaim_stale_segments()` removes, and only removes:
 
-1. an owner-tagged `dockyard-*` segment whose owner is dead: no process has its pid, or the
-   process that has it started at another time (the pid was reused). A segment whose owner is
-   alive is never touched, whoever it belongs to (another run on the same machine keeps its own).
-2. an untagged segment of a kind we create (`psm_*`, `sem.mp-*`, and `dockyard-*` names from
-   before owner tags) only when all of these hold: the file belongs to our uid; its mtime (set
+1. an owner-tagged `dockyard-*` segment of our pid namespace whose owner is dead: no process
+   has its pid, or the process that has it started at another time (the pid was reused). A
+   segment whose owner is alive is never touched, whoever it belongs to (another run on the same
+   machine keeps its own).
+2. any other segment of a kind we create (`psm_*`, `sem.mp-*`, `dockyard-*` names from before
+   owner tags or of another pid namespace) only when all of these hold: this process sees every
+   process of the machine (`sees_every_process`: not so inside a sandbox or container, where
+   nothing untagged is ever reclaimed); the file belongs to our uid; its mtime (set
    when it is created or resized) is at least `min_age_s` old (so a segment between its creation
    and its first mapping is safe); and no live process maps it (/proc/*/maps) or holds it open
    (/proc/*/fd). A process whose /proc entries we may not read runs as another user: it cannot
@@ -66,7 +71,7 @@ RECLAIMABLE_PREFIXES = (DOCKYARD_PREFIX, PSM_PREFIX, SEMAPHORE_PREFIX)
 # An untagged segment younger than this is left alone: its creator may not have mapped it yet.
 DEFAULT_MIN_AGE_S = 60.0
 
-_OWNER_TAG = re.compile(r"-o(\d+)\.(\d+)-")
+_OWNER_TAG = re.compile(r"-o(\d+)\.(\d+)\.(\d+)-")
 
 logger = logging.getLogger(__name__)
 
@@ -85,21 +90,27 @@ def process_start_time(pid: int) -> int | None:
     return int(fields[19])  # field 22 of the whole line
 
 
+def pid_namespace() -> int:
+    """Inode of this process's pid namespace: pids mean something only inside one."""
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
 def owner_tag(pid: int | None = None) -> str:
-    """`o<pid>.<start time>` of process `pid` (default: this one), for a segment's name."""
+    """`o<pid>.<start time>.<pid namespace>` of process `pid` (default: this one; it must be in
+    this process's pid namespace), for a segment's name."""
     pid = os.getpid() if pid is None else pid
     start = process_start_time(pid)
     if start is None:
         raise ValueError(f"no running process {pid}")
-    return f"o{pid}.{start}"
+    return f"o{pid}.{start}.{pid_namespace()}"
 
 
-def segment_owner(name: str) -> tuple[int, int] | None:
-    """(pid, start time) of an owner-tagged dockyard segment name, else None."""
+def segment_owner(name: str) -> tuple[int, int, int] | None:
+    """(pid, start time, pid namespace) of an owner-tagged dockyard segment name, else None."""
     if not name.startswith(DOCKYARD_PREFIX):
         return None
     match = _OWNER_TAG.search(name)
-    return (int(match.group(1)), int(match.group(2))) if match else None
+    return (int(match.group(1)), int(match.group(2)), int(match.group(3))) if match else None
 
 
 def owner_alive(pid: int, start: int) -> bool:
@@ -109,6 +120,31 @@ def owner_alive(pid: int, start: int) -> bool:
 
 def _pids() -> list[int]:
     return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def sees_every_process(attempts: int = 5) -> bool:
+    """Whether /proc shows every thread the kernel runs, i.e. no process is hidden from us.
+
+    Inside a nested pid namespace (Bazel's linux-sandbox runs each test in one; containers do
+    too) /proc shows only that namespace, while /proc/loadavg's thread count is the kernel's.
+    Counts move while we count: true only when the kernel's count is the same before and after
+    our count and equals it, on one of `attempts` tries."""
+    for _ in range(attempts):
+        before = _kernel_threads()
+        visible = 0
+        for pid in _pids():
+            try:
+                visible += len(os.listdir(f"/proc/{pid}/task"))
+            except OSError:
+                continue
+        if before == visible == _kernel_threads():
+            return True
+    return False
+
+
+def _kernel_threads() -> int:
+    with open("/proc/loadavg") as f:
+        return int(f.read().split()[3].split("/")[1])
 
 
 def descendants(pid: int) -> set[int]:
@@ -232,14 +268,15 @@ def stale_segments(
     """Segments of `shm_dir` that the module docstring's rules call stale: name -> why."""
     stale: dict[str, str] = {}
     untagged: list[str] = []
+    namespace = pid_namespace()
     for name in sorted(os.listdir(shm_dir)):
         if not name.startswith(prefixes):
             continue
         owner = segment_owner(name)
-        if owner is not None:
-            if not owner_alive(*owner):
+        if owner is not None and owner[2] == namespace:
+            if not owner_alive(owner[0], owner[1]):
                 stale[name] = f"its owner, process {owner[0]}, is dead"
-        else:
+        else:  # no owner, or one in another pid namespace: its pid means nothing here
             untagged.append(name)
     if not untagged:
         return stale
@@ -253,6 +290,13 @@ def stale_segments(
         if st.st_uid == uid and now - st.st_mtime >= min_age_s:
             candidates.append(name)
     if not candidates:
+        return stale
+    if not sees_every_process():
+        logger.info(
+            "not reclaiming untagged segments in %s: processes of other pid namespaces are "
+            "hidden from this one (a sandbox or container) and may use them",
+            shm_dir,
+        )
         return stale
     use = segments_in_use(shm_dir=shm_dir)
     if uid in use.unreadable_uids:
