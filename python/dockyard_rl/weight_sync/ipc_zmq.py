@@ -25,10 +25,10 @@ finished, so a mapping is never read while the trainer rewrites it.
 Memory: the segments hold one packed copy of the model for the session's lifetime (counted as
 shared memory of the trainer's node); the engine adds nothing beyond vLLM's reload. Segments are
 unlinked when the session closes or the process exits normally. A killed trainer cannot unlink
-them, so their names carry their owner, `dockyard-refit-o<pid>.<start time>.<pid
-namespace>-<session>-<bucket>` (utils/shared_memory.py), and the next sender on the node (and the
-launcher at start-up) reclaims the segments whose owner is dead; a live trainer's segments, e.g.
-another run's on the same node, are never touched.
+them, so their names carry their owner (pid, start time, pid namespace; utils/shared_memory.py),
+`dockyard-refit-o<pid>.<start>.<pidns>-<session>-<bucket>`, and the next sender on the node (and
+the launcher at start-up) reclaims the segments whose owner is dead; a live trainer's segments,
+e.g. another run's on the same node, are never touched.
 
 Trust: the CUDA IPC handle is a pickle, unpickled by the engine worker; it comes only from the
 endpoint the driver handed to the worker (the trainer's own socket on this node), as with vLLM's
