@@ -102,3 +102,18 @@ def test_a_new_sender_session_reclaims_a_killed_trainers_segments(trainers):
     finally:
         sender.close_session(session)
     assert _segments(session) == []
+
+
+def test_close_all_sessions_unlinks_every_segment_of_this_process():
+    # What a policy worker's shutdown calls before Ray kills its process.
+    weights = {"w": torch.ones(16)}
+    manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(weights), 8192)
+    sessions = [f"test-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    for session in sessions:
+        sender.open_session(
+            session, "ipc_zmq", manifest.to_dict(), {"num_receivers": 1, "timeout_s": 5}
+        )
+    assert all(_segments(session) for session in sessions)
+    sender.close_all_sessions()
+    sender.close_all_sessions()  # idempotent
+    assert not any(_segments(session) for session in sessions)

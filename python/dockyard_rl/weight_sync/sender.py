@@ -76,6 +76,17 @@ def close_session(session: str) -> None:
         closing.sender.close()
 
 
+def close_all_sessions() -> None:
+    """Closes every session of this process (idempotent). For a policy worker's `shutdown`: Ray
+    kills the worker's process right after, and a killed process unlinks nothing (ipc_zmq's
+    shared-memory segments would stay in /dev/shm until the next run reclaims them)."""
+    with _SESSIONS_LOCK:
+        closing = list(_SESSIONS.values())
+        _SESSIONS.clear()
+    for session in closing:
+        session.sender.close()
+
+
 def send_weights(
     session: str,
     manifest: refit_packer.Manifest,

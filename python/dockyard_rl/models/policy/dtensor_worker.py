@@ -726,5 +726,8 @@ class DTensorPolicyWorker:
     def shutdown(self) -> None:
         import torch.distributed as dist
 
+        from dockyard_rl.weight_sync import sender
+
+        sender.close_all_sessions()  # Ray kills this process next: it would leave them in /dev/shm
         if dist.is_initialized():
             dist.destroy_process_group()
