@@ -9,11 +9,8 @@ sandbox executor (bubblewrap) as a Ray actor, Ray on 127.0.0.1, toy repositories
 The launcher's SIGKILL and resume (prompts and samples as an uninterrupted run's) is
 python/launch/grpo_swe_resume_test.py.
 
-tiny-llama is random, so its responses carry no patch: every sample gets the invalid-action
-penalty, and the `overlong` stage (penalty growing with length) together with a stop string
-(responses end at varying lengths) gives the groups different rewards, hence non-zero advantages
-and a real update. Scoring patches through the executor is covered by tests/swe_end_to_end_test.py
-and the smoke recipe.
+tiny-llama is random (algorithms/testing_recipes.py says how its runs still update). Scoring
+patches through the executor is covered by tests/swe_end_to_end_test.py and the smoke recipe.
 """
 
 from __future__ import annotations
@@ -21,9 +18,8 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-import yaml
 
-from dockyard_rl.algorithms import grpo
+from dockyard_rl.algorithms import grpo, testing_recipes
 from dockyard_rl.algorithms.grpo_config import load_config
 from dockyard_rl.sandbox import testing_repos
 from dockyard_rl.utils.logger import APPLY_RATE_KEY, RESOLVE_RATE_KEY, REWARD_KEY, read_jsonl
@@ -44,63 +40,17 @@ def _warm_start(tasks) -> dict:
 
 
 def _recipe(tmp: pathlib.Path, tasks, warm_start: dict | None = None, **grpo_keys) -> pathlib.Path:
-    train, val = tasks
-    recipe = {
-        "warm_start": warm_start,
-        "grpo": {
-            "num_prompts_per_step": 2,
-            "num_generations_per_prompt": 2,
-            "max_num_steps": 2,
-            "val_period": 1,
-            "val_at_start": True,
-            "val_num_prompts": 1,
-            "run_name": "run",
-            **grpo_keys,
-        },
-        "policy": {
-            "model": "tiny-llama",
-            "dp_size": 1,
-            "micro_batch_size": 4,
-            "optimizer": {"learning_rate": 1.0e-3},
-        },
-        "generation": {
-            "model": "tiny-llama",
-            "max_model_len": 1024,
-            "kv_cache_memory_bytes": "64MiB",
-            "enforce_eager": True,
-            "temperature": 1.0,
-            "max_tokens": 24,
-            "stop": ["e"],
-        },
-        "loss_fn": {"use_importance_sampling_correction": True},
-        "data": {
-            "train_path": str(train),
-            "validation_path": str(val),
-            "prompt": {"patch_format": "diff", "max_context_tokens": 512},
-        },
-        "env": {"swe": {"task_timeout_s": 120, "poll_interval_s": 0.2}},
-        "rewards": {
-            "stages": [
-                {"type": "integrity"},
-                {"type": "invalid_action", "penalty": -1.0},
-                {"type": "overlong", "threshold": 1, "max_length": 24},
-            ]
-        },
-        "executor": {"port": 0, "num_workers": 2, "work_dir": str(tmp / "executor")},
-        "cluster": {"node": {"num_cpus": 4}},
-        "checkpointing": {
-            "checkpoint_dir": "checkpoints",
-            "save_period": 1,
-            "keep_top_k": 2,
-            "metric_name": "val/reward_mean",
-        },
-        "logger": {"log_dir": str(tmp / "results"), "console": False},
+    grpo_keys = {
+        "max_num_steps": 2,
+        "val_period": 1,
+        "val_at_start": True,
+        "val_num_prompts": 1,
+        **grpo_keys,
     }
-    if grpo_keys.get("mode") == "async":  # a sync recipe may not set it (nothing reads it)
-        recipe["async_grpo"] = {"max_trajectory_age_steps": 1, "max_buffer_groups": 4}
-    path = tmp / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    checkpointing = {"keep_top_k": 2, "metric_name": "val/reward_mean"}
+    recipe = testing_recipes.toy_recipe(tmp, *tasks, grpo=grpo_keys, checkpointing=checkpointing)
+    recipe["warm_start"] = warm_start
+    return testing_recipes.write_recipe(tmp, recipe)
 
 
 def _check_run(run_dir: pathlib.Path, num_steps: int) -> list[dict]:

@@ -22,21 +22,14 @@ placement errors).
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import queue
-import secrets
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import threading
 
 import pytest
 import yaml
 
+from dockyard_rl.cluster.testing import JoinProcess, free_port, join_environment
 from dockyard_rl.sandbox import testing_repos
 
 WORKSPACE = pathlib.Path(__file__).absolute().parents[1]
@@ -73,79 +66,32 @@ print(json.dumps({"nodes": nodes, "actors": actors, "groups": groups}))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class _Node:
-    """One `join` process (a Ray node of `role`); `started` waits for its first stdout line."""
-
-    def __init__(self, env: dict[str, str], role: str, *args: str):
-        self.role = role
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "dockyard_rl.cluster.join", *args],
-            env={**env, "DOCKYARD_FLEET_ROLE": role},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(
-            target=lambda: [self._lines.put(line) for line in self.process.stdout], daemon=True
-        ).start()
-
-    def started(self, timeout: float = 180) -> str:
-        """The node's id (from `join: <role> node|head <id> at ...`)."""
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            self.process.kill()
-            raise AssertionError(
-                f"{self.role} node did not start: {self.process.stderr.read()[-3000:]}"
-            ) from None
-        assert line.startswith(f"join: {self.role} "), line
-        return line.split()[3]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-
-
 @pytest.fixture(scope="module")
 def cluster():
     """(head address, environment for the cluster's processes, role -> node ids)."""
-    temp_dir = tempfile.mkdtemp(prefix="dym", dir="/tmp")  # short: Ray's socket paths
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "DOCKYARD_"))}
-    env.update(
-        PYTHONPATH=os.pathsep.join(sys.path),
-        RAY_TMPDIR=temp_dir,
-        RAY_AUTH_TOKEN=secrets.token_hex(32),
-    )
-    port = _free_port()
+    port = free_port()
     address = f"127.0.0.1:{port}"
-    nodes: list[_Node] = []
-    try:
-        head = _Node(env, "driver", "--head", "--port", str(port), "--num-cpus", "0")
-        nodes.append(head)
-        ids = {"driver": [head.started()]}
-        # The trainer nodes have room for both ranks each: only the strategy keeps them apart.
-        # One at a time: raylets registering at once overload the head's GCS on 2 cores.
-        for role, cpus in (("trainer", 2), ("trainer", 2), ("inference", 2), ("sandbox", 1)):
-            nodes.append(_Node(env, role, "--address", address, "--num-cpus", str(cpus)))
-            ids.setdefault(role, []).append(nodes[-1].started())
-        yield address, env, ids
-    finally:
-        for node in reversed(nodes):
-            node.stop()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    nodes: list[JoinProcess] = []
+    with join_environment() as env:
+        try:
+            head = JoinProcess(env, "driver", "--head", "--port", str(port), "--num-cpus", "0")
+            nodes.append(head)
+            ids = {"driver": [_node_id(head)]}
+            # One at a time: raylets registering at once overload the head's GCS on 2 cores.
+            # The trainer nodes have room for both ranks each: only the strategy keeps them apart.
+            for role, cpus in (("trainer", 2), ("trainer", 2), ("inference", 2), ("sandbox", 1)):
+                nodes.append(JoinProcess(env, role, "--address", address, "--num-cpus", str(cpus)))
+                ids.setdefault(role, []).append(_node_id(nodes[-1]))
+            yield address, env, ids
+        finally:
+            for node in reversed(nodes):
+                node.stop()
+
+
+def _node_id(node: JoinProcess) -> str:
+    line = node.wait_started()  # "join: <role> head|node <node id> at ..."
+    assert line.startswith(f"join: {node.role} "), line
+    return line.split()[3]
 
 
 def _recipe(tmp: pathlib.Path, address: str) -> pathlib.Path:

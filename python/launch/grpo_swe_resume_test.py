@@ -32,8 +32,8 @@ import sys
 import time
 
 import pytest
-import yaml
 
+from dockyard_rl.algorithms import testing_recipes
 from dockyard_rl.sandbox import testing_repos
 
 _LAUNCH_TIMEOUT_S = 900
@@ -49,61 +49,10 @@ def tasks(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
 
 
 def _recipe(tmp: pathlib.Path, tasks, **grpo_keys) -> pathlib.Path:
-    train, val = tasks
-    recipe = {
-        "grpo": {
-            "num_prompts_per_step": 2,
-            "num_generations_per_prompt": 2,
-            "val_period": 0,
-            "val_at_start": False,
-            "val_at_end": False,
-            "run_name": "run",
-            **grpo_keys,
-        },
-        "policy": {
-            "model": "tiny-llama",
-            "dp_size": 1,
-            "micro_batch_size": 4,
-            "optimizer": {"learning_rate": 1.0e-3},
-        },
-        "generation": {
-            "model": "tiny-llama",
-            "max_model_len": 1024,
-            "kv_cache_memory_bytes": "64MiB",
-            "enforce_eager": True,
-            "temperature": 1.0,
-            "max_tokens": 24,
-            "stop": ["e"],
-        },
-        "loss_fn": {"use_importance_sampling_correction": True},
-        "data": {
-            "train_path": str(train),
-            "validation_path": str(val),
-            "prompt": {"patch_format": "diff", "max_context_tokens": 512},
-        },
-        "env": {"swe": {"task_timeout_s": 120, "poll_interval_s": 0.2}},
-        "rewards": {
-            "stages": [
-                {"type": "integrity"},
-                {"type": "invalid_action", "penalty": -1.0},
-                {"type": "overlong", "threshold": 1, "max_length": 24},
-            ]
-        },
-        "executor": {"port": 0, "num_workers": 2, "work_dir": str(tmp / "executor")},
-        "cluster": {"node": {"num_cpus": 4}},
-        "checkpointing": {
-            "checkpoint_dir": "checkpoints",
-            "save_period": 1,
-            "keep_top_k": 10,
-            "metric_name": "train/reward_mean",
-        },
-        "logger": {"log_dir": str(tmp / "results"), "console": False},
-    }
-    if grpo_keys.get("mode") == "async":
-        recipe["async_grpo"] = {"max_trajectory_age_steps": 1, "max_buffer_groups": 4}
-    path = tmp / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    grpo_keys = {"val_period": 0, "val_at_start": False, "val_at_end": False, **grpo_keys}
+    checkpointing = {"keep_top_k": 10, "metric_name": "train/reward_mean"}
+    recipe = testing_recipes.toy_recipe(tmp, *tasks, grpo=grpo_keys, checkpointing=checkpointing)
+    return testing_recipes.write_recipe(tmp, recipe)
 
 
 def _launch(recipe: pathlib.Path, log: pathlib.Path) -> subprocess.Popen:

@@ -2,19 +2,13 @@
 seen by a driver with their role labels and resources, and both exiting 0 on SIGTERM."""
 
 import json
-import os
-import queue
-import secrets
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
-import threading
 
 import pytest
+
+from dockyard_rl.cluster.testing import JoinProcess, free_port, join_environment
 
 _DRIVER = textwrap.dedent("""
     import json, sys, ray
@@ -29,60 +23,17 @@ _DRIVER = textwrap.dedent("""
 
 @pytest.fixture
 def env():
-    temp_dir = tempfile.mkdtemp(prefix="dyj", dir="/tmp")  # short: Ray's socket paths
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "DOCKYARD_"))}
-    env.update(
-        PYTHONPATH=os.pathsep.join(sys.path),
-        RAY_TMPDIR=temp_dir,
-        RAY_AUTH_TOKEN=secrets.token_hex(32),
-    )
-    yield env
-    shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class _Join:
-    """One `join` process; `wait_started` returns its first stdout line."""
-
-    def __init__(self, env, role, *args):
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "dockyard_rl.cluster.join", *args],
-            env={**env, "DOCKYARD_FLEET_ROLE": role},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self._lines = queue.Queue()
-        threading.Thread(
-            target=lambda: [self._lines.put(line) for line in self.process.stdout], daemon=True
-        ).start()
-
-    def wait_started(self, timeout=120) -> str:
-        try:
-            return self._lines.get(timeout=timeout)
-        except queue.Empty:
-            self.process.kill()
-            raise AssertionError(
-                f"join did not start: {self.process.stderr.read()[-2000:]}"
-            ) from None
-
-    def stop(self) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=60)
+    with join_environment() as env:
+        yield env
 
 
 def test_a_node_joins_a_head_with_its_label_and_both_stop_cleanly(env):
-    port = _free_port()
-    head = _Join(env, "inference", "--head", "--port", str(port), "--num-cpus", "1")
+    port = free_port()
+    head = JoinProcess(env, "inference", "--head", "--port", str(port), "--num-cpus", "1")
     node = None
     try:
         assert head.wait_started().startswith("join: inference head ")
-        node = _Join(
+        node = JoinProcess(
             env,
             "sandbox",
             "--address",

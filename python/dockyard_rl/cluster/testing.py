@@ -12,6 +12,14 @@ would otherwise write the cluster's address to /tmp/ray/ray_current_cluster, whe
 `ray.init()` of someone else would find it) and a fresh token (RAY_AUTH_TOKEN, token mode on) that
 every node and the driver share. Both are restored on exit.
 
+The nodes of a deployment are separate processes of the join CLI instead (join.py):
+
+    with join_environment() as env:
+        head = JoinProcess(env, "driver", "--head", "--port", str(port), "--num-cpus", "0")
+        head.wait_started()              # "join: driver head <node id> at 127.0.0.1 in ..."
+        ...
+        head.stop()                      # SIGTERM: 0 after a clean stop
+
 Not covered: GPUs (use `resources` to stand in for accelerators), node failure injection beyond
 `remove_node`.
 """
@@ -20,9 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import secrets
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -107,4 +121,76 @@ def fleet_cluster(specs: Sequence[NodeSpec]) -> Iterator[FleetCluster]:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-__all__ = ["FleetCluster", "fleet_cluster"]
+@contextlib.contextmanager
+def join_environment() -> Iterator[dict[str, str]]:
+    """The environment for `join` processes (and drivers) of one private cluster on this
+    machine: this process's, minus RAY_* / DOCKYARD_* settings, plus this process's import path,
+    a private RAY_TMPDIR and a fresh shared token. The folder is removed on exit."""
+    temp_dir = tempfile.mkdtemp(prefix="dyj", dir="/tmp")  # short: Ray's socket paths
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "DOCKYARD_"))}
+    env.update(
+        PYTHONPATH=os.pathsep.join(sys.path),
+        RAY_TMPDIR=temp_dir,
+        RAY_AUTH_TOKEN=secrets.token_hex(32),
+    )
+    try:
+        yield env
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class JoinProcess:
+    """One `join` CLI process (a Ray node of `role`, as a deployment starts it), in a session
+    of its own. `wait_started` returns its first stdout line:
+    `join: <role> head|node <node id> at <ip> in cluster <address>`."""
+
+    def __init__(self, env: Mapping[str, str], role: str, *args: str):
+        self.role = role
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "dockyard_rl.cluster.join", *args],
+            env={**env, ROLE_ENV: role},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read_lines, daemon=True).start()
+
+    def _read_lines(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self._lines.put(line)
+
+    def wait_started(self, timeout: float = 180) -> str:
+        """The first stdout line; AssertionError with the process's stderr if none came."""
+        try:
+            return self._lines.get(timeout=timeout)
+        except queue.Empty:
+            self.process.kill()
+            assert self.process.stderr is not None
+            raise AssertionError(
+                f"{self.role} join did not start: {self.process.stderr.read()[-3000:]}"
+            ) from None
+
+    def stop(self, timeout: float = 60) -> int | None:
+        """SIGTERM, then its exit status (None if it had exited already); after `timeout`
+        seconds its whole session is killed."""
+        if self.process.poll() is not None:
+            return None
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            return self.process.wait()
+
+
+__all__ = ["FleetCluster", "JoinProcess", "fleet_cluster", "free_port", "join_environment"]
