@@ -9,7 +9,9 @@ loops log every trained sample per step (`grpo.log_samples`: seed, weight versio
 the token ids), and the tests compare those lines.
 
 - sync: every sample of every step after the resumed checkpoint is identical (same seed, same
-  token digest, same length) to the uninterrupted run's sample of that step.
+  token digest, same length) to the uninterrupted run's sample of that step. Its checkpoints
+  hold no HF export (`checkpointing.export_hf: false`), so the resumed engine starts from the
+  export the restored policy writes at resume: a wrong start would change the samples.
 - async: a sample is identified by its seed (prompt draw index, instance, sample index). Every
   sample trained after the resume whose seed the uninterrupted run also trained with the same
   weight versions has the same tokens, and there is at least one (in the runs measured here only
@@ -48,9 +50,9 @@ def tasks(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
     return train, val
 
 
-def _recipe(tmp: pathlib.Path, tasks, **grpo_keys) -> pathlib.Path:
+def _recipe(tmp: pathlib.Path, tasks, export_hf: bool, **grpo_keys) -> pathlib.Path:
     grpo_keys = {"val_period": 0, "val_at_start": False, "val_at_end": False, **grpo_keys}
-    checkpointing = {"keep_top_k": 10, "metric_name": "train/reward_mean"}
+    checkpointing = {"keep_top_k": 10, "metric_name": "train/reward_mean", "export_hf": export_hf}
     recipe = testing_recipes.toy_recipe(tmp, *tasks, grpo=grpo_keys, checkpointing=checkpointing)
     return testing_recipes.write_recipe(tmp, recipe)
 
@@ -87,17 +89,20 @@ def _first_step(log: pathlib.Path) -> int:
     return min(steps)
 
 
-def _run_three_times(tmp_path, tasks, mode: str, num_steps: int, kill_after: int):
+def _run_three_times(tmp_path, tasks, mode: str, num_steps: int, kill_after: int, export_hf: bool):
     """Uninterrupted run, killed run, resumed run; returns their logs and the run directory."""
     plain_dir, crash_dir = tmp_path / "plain", tmp_path / "crash"
     plain_dir.mkdir()
     crash_dir.mkdir()
     plain_log = plain_dir / "run.log"
     _finish(
-        _launch(_recipe(plain_dir, tasks, mode=mode, max_num_steps=num_steps), plain_log), plain_log
+        _launch(
+            _recipe(plain_dir, tasks, export_hf, mode=mode, max_num_steps=num_steps), plain_log
+        ),
+        plain_log,
     )
 
-    recipe = _recipe(crash_dir, tasks, mode=mode, max_num_steps=num_steps)
+    recipe = _recipe(crash_dir, tasks, export_hf, mode=mode, max_num_steps=num_steps)
     checkpoints = crash_dir / "results" / "run" / "checkpoints"
     killed_log = crash_dir / "killed.log"
     killed = _launch(recipe, killed_log)
@@ -120,9 +125,12 @@ def _run_three_times(tmp_path, tasks, mode: str, num_steps: int, kill_after: int
 
 def test_sync_resume_after_sigkill_samples_what_an_uninterrupted_run_samples(tmp_path, tasks):
     num_steps = 4
-    plain_log, resumed_log, _, resumed_from = _run_three_times(
-        tmp_path, tasks, "sync", num_steps, kill_after=2
+    plain_log, resumed_log, checkpoint, resumed_from = _run_three_times(
+        tmp_path, tasks, "sync", num_steps, kill_after=2, export_hf=False
     )
+    # The engine resumed from the policy's export at resume (the checkpoint has none).
+    assert not list((checkpoint / "policy").glob("*.safetensors*"))
+    assert list((checkpoint.parents[1] / "engine_start").glob("*.safetensors"))
     plain, resumed = _samples(plain_log), _samples(resumed_log)
     compared = list(range(resumed_from + 1, num_steps + 1))
     assert sorted(resumed) == compared
@@ -145,7 +153,7 @@ def test_async_resume_after_sigkill_samples_what_an_uninterrupted_run_samples(tm
 
     num_steps = 5
     plain_log, resumed_log, checkpoint, resumed_from = _run_three_times(
-        tmp_path, tasks, "async", num_steps, kill_after=2
+        tmp_path, tasks, "async", num_steps, kill_after=2, export_hf=True
     )
     restored = {
         record["prompt_id"][1]

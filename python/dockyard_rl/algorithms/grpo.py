@@ -253,7 +253,9 @@ def save_checkpoint(run: GRPORun, extras: dict | None = None) -> None:
     state = trainer_state(run, extras)
 
     def write(directory):
-        run.policy.save_checkpoint(directory / POLICY_DIR)
+        run.policy.save_checkpoint(
+            directory / POLICY_DIR, export_hf=run.config.checkpointing.export_hf
+        )
         save_trainer_state(directory / TRAINER_STATE_DIR, state)
 
     start = time.monotonic()

@@ -25,6 +25,7 @@ import logging
 import os
 import pathlib
 import random
+import shutil
 import uuid
 
 import numpy as np
@@ -38,8 +39,10 @@ from dockyard_rl.data.config import load_train_validation
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.environments.swe_env import SweEnvironment
 from dockyard_rl.models import zoo
+from dockyard_rl.models.generation.config import GenerationConfig
 from dockyard_rl.models.generation.factory import create_generation
 from dockyard_rl.models.policy.factory import create_policy
+from dockyard_rl.models.policy.interfaces import PolicyInterface
 from dockyard_rl.rewards.shaping import RewardPipeline
 from dockyard_rl.utils.checkpoint import (
     CheckpointInfo,
@@ -190,7 +193,7 @@ def setup(config: MasterConfig) -> GRPORun:
         )
         parts["policy"] = policy
         generation = create_generation(
-            _engine_config(config, latest),
+            _engine_config(config, latest, policy, run_dir),
             cluster_config=config.cluster,
             initial_weight_version=resumed.weight_version if resumed else 0,
         )
@@ -301,11 +304,28 @@ def _sandbox(config: MasterConfig):
     return fleet, dataclasses.replace(config.env.swe, executor_url=fleet.urls[0])
 
 
-def _engine_config(config: MasterConfig, latest: CheckpointInfo | None):
-    """The engines start from the checkpoint's policy weights when resuming."""
+# Where a resumed run's engines start from when its checkpoint holds no HF export.
+ENGINE_START_DIR = "engine_start"
+_HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+
+
+def _engine_config(
+    config: MasterConfig,
+    latest: CheckpointInfo | None,
+    policy: PolicyInterface,
+    run_dir: pathlib.Path,
+) -> GenerationConfig:
+    """The engines start from the resumed policy's weights: the checkpoint's HF export, or, for
+    a checkpoint saved with `checkpointing.export_hf: false`, an export the restored policy
+    writes now into `<run dir>/engine_start` (replaced at every such resume)."""
     if latest is None:
         return config.generation
-    return dataclasses.replace(config.generation, model=str(latest.path / POLICY_DIR))
+    policy_dir = latest.path / POLICY_DIR
+    if not any((policy_dir / name).is_file() for name in _HF_WEIGHTS):
+        policy_dir = run_dir / ENGINE_START_DIR
+        shutil.rmtree(policy_dir, ignore_errors=True)
+        policy.export_hf(policy_dir)
+    return dataclasses.replace(config.generation, model=str(policy_dir))
 
 
 def _tokenizer(config: MasterConfig):

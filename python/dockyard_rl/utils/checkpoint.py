@@ -8,6 +8,7 @@ checkpoint directory, the trainer state, and the deterministic prompt sampler.
       keep_top_k: 3                         # null = keep every checkpoint
       metric_name: val/resolve_rate         # validation metric that ranks checkpoints
       higher_is_better: true
+      export_hf: true                       # a Hugging Face export in every checkpoint
 
 Layout of `checkpoint_dir` (one `CheckpointManager` per directory):
 
@@ -20,6 +21,12 @@ Layout of `checkpoint_dir` (one `CheckpointManager` per directory):
         extras/<name>.pt        one torch.save file per extra payload (replay buffer, ...)
       manifest.json             written LAST, fsynced: step, metrics, time, "complete": true
     step_20/ ...
+
+`export_hf: true` asks the policy for a Hugging Face model directory (safetensors, config,
+tokenizer) in each checkpoint's `policy/`, loadable by transformers and vLLM as is: what users
+evaluate or serve, and what a resumed run's engines start from. `false` saves the time and disk
+of writing the full weights at every save (the sharded resume state is still complete): a resume
+then has the policy export its weights once, into `<run dir>/engine_start`, for the engines.
     .tmp-step_30-<pid>-<rnd>/   a save in progress (or a crashed one: removed at the next start)
     .trash-step_10-<hex>/       a checkpoint being deleted (likewise removed)
 
@@ -94,9 +101,10 @@ class CheckpointingConfig:
     keep_top_k: int | None = 3  # null = keep all; else top k by metric + latest
     metric_name: str | None = "val/resolve_rate"
     higher_is_better: bool = True
+    export_hf: bool = True  # a Hugging Face export in every checkpoint (module docstring)
 
     def __post_init__(self):
-        for name in ("enabled", "higher_is_better"):
+        for name in ("enabled", "higher_is_better", "export_hf"):
             require(
                 isinstance(getattr(self, name), bool),
                 name,

@@ -24,16 +24,18 @@ every rank gathers each bucket, rank 0 sends it).
 
 Checkpoints (`save_checkpoint`, dtensor_worker.py): the resume state is sharded, each rank
 writes its own part with torch.distributed.checkpoint (`dcp/`: weights and optimizer state,
-float32), plus `rng_rank<r>.pt` and (rank 0) `scheduler.pt`; then the ranks stream a Hugging Face
-export beside it (`model.safetensors` or sharded files + index, in `policy.dtype`; `config.json`;
+float32), plus `rng_rank<r>.pt` and (rank 0) `scheduler.pt`; then, with `export_hf` (the
+default; `checkpointing.export_hf` in the GRPO loop), the ranks stream a Hugging Face export
+beside it (`model.safetensors` or sharded files + index, in `policy.dtype`; `config.json`;
 tokenizer), one tensor gathered at a time, which transformers and vLLM load as an ordinary model
-(the GRPO loop's engines resume from it). No rank ever holds the full model or optimizer state.
-All of it goes into a temporary sibling directory; the controller adds the manifest
-`CHECKPOINT_MANIFEST` last, and `utils.checkpoint.publish_directory` fsyncs it all and renames
-the directory into place, so a crash leaves the previous checkpoint (or none) intact. Loading
-with the same dp_size resumes bit-exactly; with another dp_size DCP reshards the weights and
-optimizer state (exactly) and the schedule loads as is, but the per-rank RNG streams restart
-from `policy.seed`. `export_hf(directory)` writes the HF export alone.
+(the GRPO loop's engines resume from it, or from an export made at resume). No rank ever holds
+the full model or optimizer state. All of it goes into a temporary sibling directory; the
+controller adds the manifest `CHECKPOINT_MANIFEST` last, and
+`utils.checkpoint.publish_directory` fsyncs it all and renames the directory into place, so a
+crash leaves the previous checkpoint (or none) intact. Loading with the same dp_size resumes
+bit-exactly; with another dp_size DCP reshards the weights and optimizer state (exactly) and the
+schedule loads as is, but the per-rank RNG streams restart from `policy.seed`.
+`export_hf(directory)` writes the HF export alone.
 
 Not covered: tensor, pipeline, context or expert parallelism (the mesh is 1-D); sequence
 packing into one row (token-budget packing would give ranks different numbers of microbatches,
@@ -49,6 +51,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -389,12 +392,15 @@ class DTensorPolicy(PolicyInterface):
         if self._workers is not None and self._broken is None:
             self._call_rank0("close_weight_sender", session)
 
-    def save_checkpoint(self, directory: pathlib.Path) -> None:
+    def save_checkpoint(self, directory: pathlib.Path, *, export_hf: bool = True) -> None:
         def write(tmp: pathlib.Path) -> None:
             self._call_all("save_checkpoint", str(tmp))
-            self._call_all("export_hf", str(tmp))
+            if export_hf:
+                self._call_all("export_hf", str(tmp))
+            else:  # the architecture still goes with the sharded state (the export writes it)
+                shutil.copy2(self.model_dir / "config.json", tmp / "config.json")
             step = self._call_rank0("step_count")
-            config = json.loads((tmp / "config.json").read_text())
+            config = json.loads((self.model_dir / "config.json").read_text())
             manifest = {
                 "format_version": CHECKPOINT_FORMAT_VERSION,
                 "backend": "dtensor",
@@ -412,8 +418,8 @@ class DTensorPolicy(PolicyInterface):
     def export_hf(self, directory: pathlib.Path) -> None:
         """Writes the current weights as a Hugging Face model directory (safetensors in
         `policy.dtype`, config, tokenizer) and nothing else, streamed one tensor at a time
-        (dtensor_worker.py `export_hf`), published atomically like a checkpoint. Not part of
-        PolicyInterface; `save_checkpoint` includes the same export."""
+        (dtensor_worker.py `export_hf`), published atomically like a checkpoint;
+        `save_checkpoint(export_hf=True)` includes the same export."""
         publish_directory(
             pathlib.Path(directory), lambda tmp: self._call_all("export_hf", str(tmp))
         )

@@ -257,18 +257,22 @@ def test_save_load_resume_is_bit_identical(tiny_policy, train_batch, first_step,
     directory = tmp_path / "ckpt"
     tiny_policy.save_checkpoint(directory)
     tiny_policy.save_checkpoint(directory)  # overwriting an existing checkpoint is atomic too
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary leftovers
+    bare = tmp_path / "bare"
+    tiny_policy.save_checkpoint(bare, export_hf=False)  # the sharded resume state alone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "ckpt"]  # no leftovers
+    assert list(directory.glob("*.safetensors")) and not list(bare.glob("*.safetensors*"))
     manifest = json.loads((directory / CHECKPOINT_MANIFEST).read_text())
     assert manifest["dp_size"] == 2 and manifest["step"] >= 1
 
     continued = [tiny_policy.train(train_batch, LOSS_FN) for _ in range(2)]
-    tiny_policy.load_checkpoint(directory)
-    resumed = [tiny_policy.train(train_batch, LOSS_FN) for _ in range(2)]
-    # Step 1 checks the weights, step 2 also the optimizer moments and the schedule.
-    for a, b in zip(continued, resumed):
-        assert a["loss"] == b["loss"]
-        assert a["grad_norm"] == b["grad_norm"]
-        assert a["learning_rate"] == b["learning_rate"]
+    for resume_from in (directory, bare):
+        tiny_policy.load_checkpoint(resume_from)
+        resumed = [tiny_policy.train(train_batch, LOSS_FN) for _ in range(2)]
+        # Step 1 checks the weights, step 2 also the optimizer moments and the schedule.
+        for a, b in zip(continued, resumed, strict=True):
+            assert a["loss"] == b["loss"], resume_from.name
+            assert a["grad_norm"] == b["grad_norm"], resume_from.name
+            assert a["learning_rate"] == b["learning_rate"], resume_from.name
 
     # The checkpoint is an ordinary HF checkpoint: transformers loads it, with its tokenizer.
     tiny_policy.load_checkpoint(directory)

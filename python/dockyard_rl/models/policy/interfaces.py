@@ -132,11 +132,17 @@ class PolicyInterface(abc.ABC):
         sender.close_session(session)
 
     @abc.abstractmethod
-    def save_checkpoint(self, directory: pathlib.Path) -> None:
-        """Writes HF-format weights (safetensors + config + tokenizer, loadable by transformers
-        and vLLM) and the optimizer, scheduler and RNG state, so that `load_checkpoint` resumes
-        exactly (the next step's loss is bit-identical). Written atomically: a crash leaves the
-        previous checkpoint intact."""
+    def save_checkpoint(self, directory: pathlib.Path, *, export_hf: bool = True) -> None:
+        """Writes the weights and the optimizer, scheduler and RNG state, so that
+        `load_checkpoint` resumes exactly (the next step's loss is bit-identical), and with
+        `export_hf` also HF-format weights (`export_hf`'s files) beside them. A backend whose
+        resume state is that format writes it either way. Written atomically: a crash leaves
+        the previous checkpoint intact."""
+
+    @abc.abstractmethod
+    def export_hf(self, directory: pathlib.Path) -> None:
+        """Writes the current weights as a Hugging Face model directory (safetensors + config +
+        tokenizer, loadable by transformers and vLLM) and nothing else, atomically."""
 
     @abc.abstractmethod
     def load_checkpoint(self, directory: pathlib.Path) -> None:

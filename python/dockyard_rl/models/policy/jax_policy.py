@@ -634,29 +634,38 @@ class JaxPolicy(PolicyInterface):
         ):
             yield name, _torch_from_numpy(array.astype(self._compute_dtype, copy=False))
 
-    def save_checkpoint(self, directory: pathlib.Path) -> None:
+    def _write_hf(self, tmp: pathlib.Path) -> None:
+        """The float32 weights in HF names and layouts, config and tokenizer files in `tmp`."""
+        from safetensors.numpy import save_file
+
+        weights = dict(llama_nnx.iter_hf_weights(self.model_config, nnx.to_pure_dict(self._params)))
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for source in (self.model_dir, self.tokenizer_dir):
+            for path in sorted(source.iterdir()):
+                if (
+                    path.is_file()
+                    and not path.name.startswith(".")
+                    and not path.name.endswith(_NOT_COPIED)
+                    and path.name != "model.safetensors.index.json"
+                    and not (tmp / path.name).exists()
+                ):
+                    shutil.copy2(path, tmp / path.name)
+        hf_config = json.loads((self.model_dir / "config.json").read_text())
+        hf_config["dtype"] = "float32"  # the master weights we wrote
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+
+    def export_hf(self, directory: pathlib.Path) -> None:
+        self._check_open()
+        publish_directory(pathlib.Path(directory), self._write_hf)
+
+    def save_checkpoint(self, directory: pathlib.Path, *, export_hf: bool = True) -> None:
+        """The HF files are this backend's resume weights: written whatever `export_hf` says."""
         from safetensors.numpy import save_file
 
         self._check_open()
 
         def write(tmp: pathlib.Path) -> None:
-            weights = dict(
-                llama_nnx.iter_hf_weights(self.model_config, nnx.to_pure_dict(self._params))
-            )
-            save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            for source in (self.model_dir, self.tokenizer_dir):
-                for path in sorted(source.iterdir()):
-                    if (
-                        path.is_file()
-                        and not path.name.startswith(".")
-                        and not path.name.endswith(_NOT_COPIED)
-                        and path.name != "model.safetensors.index.json"
-                        and not (tmp / path.name).exists()
-                    ):
-                        shutil.copy2(path, tmp / path.name)
-            hf_config = json.loads((self.model_dir / "config.json").read_text())
-            hf_config["dtype"] = "float32"  # the master weights we wrote
-            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+            self._write_hf(tmp)
             leaves, treedef = jax.tree.flatten(self._opt_state)
             save_file(
                 {
