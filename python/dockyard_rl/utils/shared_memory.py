@@ -260,6 +260,14 @@ def unlink_unused(names: Iterable[str], wait_s: float = 0.0, shm_dir: str = SHM_
     return unlinked
 
 
+def segment_names(
+    prefixes: tuple[str, ...] = RECLAIMABLE_PREFIXES, shm_dir: str = SHM_DIR
+) -> set[str]:
+    """The entries of `shm_dir` whose names start with one of `prefixes` (default: the kinds
+    this module reclaims)."""
+    return {name for name in os.listdir(shm_dir) if name.startswith(prefixes)}
+
+
 def stale_segments(
     min_age_s: float = DEFAULT_MIN_AGE_S,
     prefixes: tuple[str, ...] = RECLAIMABLE_PREFIXES,
@@ -269,9 +277,7 @@ def stale_segments(
     stale: dict[str, str] = {}
     untagged: list[str] = []
     namespace = pid_namespace()
-    for name in sorted(os.listdir(shm_dir)):
-        if not name.startswith(prefixes):
-            continue
+    for name in sorted(segment_names(prefixes, shm_dir)):
         owner = segment_owner(name)
         if owner is not None and owner[2] == namespace:
             if not owner_alive(owner[0], owner[1]):

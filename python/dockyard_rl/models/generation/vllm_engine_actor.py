@@ -67,15 +67,6 @@ def _output_since(marks: list[tuple[str, int]], max_bytes: int = 8 << 20) -> str
 # The engine actor
 
 
-def _our_segments() -> set[str]:
-    """The /dev/shm entries of the kinds this project's processes make (shared_memory.py)."""
-    return {
-        name
-        for name in os.listdir(shared_memory.SHM_DIR)
-        if name.startswith(shared_memory.RECLAIMABLE_PREFIXES)
-    }
-
-
 class VllmEngineActor:
     """One vLLM AsyncLLM in a Ray async actor (create with `ray.remote(VllmEngineActor)`).
 
@@ -121,13 +112,13 @@ class VllmEngineActor:
         os.environ.setdefault("VLLM_HOST_IP", ray.util.get_node_ip_address())
         start = time.monotonic()
         marks = _output_marks()
-        segments_before = _our_segments()
+        segments_before = shared_memory.segment_names()
         try:
             self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_kwargs))
         except Exception as error:
             # vLLM kills its processes on a failed start before they unlink their rings (the
             # workers' `psm_*`, 240 MiB each): the new segments nobody holds any more are theirs.
-            shared_memory.unlink_unused(_our_segments() - segments_before, wait_s=5.0)
+            shared_memory.unlink_unused(shared_memory.segment_names() - segments_before, wait_s=5.0)
             # The cause is only in the engine processes' log lines (vllm_memory_budget.py).
             refusal = vllm_kv_memory_refusal(_output_since(marks))
             if refusal is None:
