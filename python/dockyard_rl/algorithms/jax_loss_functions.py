@@ -36,17 +36,22 @@ def clipped_pg_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """`ClippedPGLossFn.__call__` in jax.numpy (traceable, differentiable w.r.t. logprobs_BS).
 
-    `batch` holds float arrays `prev_logprobs`, `advantages`, `token_mask` (B, S), `sample_mask`
-    (B,), plus `generation_logprobs` with IS correction and `reference_policy_logprobs` when the
-    KL is used or reported (its presence decides, as in torch). `token_norm` / `seq_norm` are the
-    normalisers, max(1, global count) — what ClippedPGLossFn derives from its global counts after
-    checking them; callers validate the batch (masks 0/1, counts) before tracing this.
+    `batch` holds float arrays `advantages`, `token_mask` (B, S), `sample_mask` (B,), plus
+    `prev_logprobs` (B, S) unless this is the batch's only optimizer step (absent: the detached
+    `logprobs_BS` stand in for them, ratio exactly 1, as in torch), plus `generation_logprobs`
+    with IS correction and `reference_policy_logprobs` when the KL is used or reported (its
+    presence decides, as in torch). `token_norm` / `seq_norm` are the normalisers, max(1, global
+    count) — what ClippedPGLossFn derives from its global counts after checking them; callers
+    validate the batch (masks 0/1, counts) before tracing this.
     Returns (float32 loss, metrics as 0-d arrays; the same keys as the torch function).
     """
     cfg = config
     dtype = jnp.promote_types(logprobs_BS.dtype, jnp.float32)
 
     def get(key: str) -> jax.Array:
+        if key == "prev_logprobs" and key not in batch:
+            # The only optimizer step on this batch: the old policy is the current one.
+            return jax.lax.stop_gradient(logprobs_BS.astype(dtype))
         return jax.lax.stop_gradient(batch[key].astype(dtype))
 
     valid_BS = (batch["token_mask"] != 0) & (batch["sample_mask"] != 0)[:, None]

@@ -512,11 +512,11 @@ class JaxPolicy(PolicyInterface):
         num_valid_tokens, num_valid_sequences = count_valid(batch)
         if ported:
             loss_keys = list(loss_fn.required_batch_keys)
-            if (
-                "reference_policy_logprobs" in batch
-                and "reference_policy_logprobs" not in loss_keys
-            ):
-                loss_keys.append("reference_policy_logprobs")  # reported as a metric, as in torch
+            # Optional keys travel when present: the reference KL is reported as a metric, and
+            # prev_logprobs is absent only on a batch's single on-policy step (loss_functions).
+            for key in ("reference_policy_logprobs", "prev_logprobs"):
+                if key in batch and key not in loss_keys:
+                    loss_keys.append(key)
             for key in loss_keys:
                 shape = (num_rows,) if key == "sample_mask" else (num_rows, seq_len)
                 check_tensor(batch, key, shape, "required by the loss function's config")
