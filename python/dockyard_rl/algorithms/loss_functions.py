@@ -10,6 +10,14 @@ Per valid token t of sample b (all quantities are per token; A is the already-br
 
 and the per-token losses are aggregated with global normalisers (see "Aggregation").
 
+Old policy: logp_old is `batch["prev_logprobs"]`, the trainer's log-probs taken once before the
+first optimizer step on a rollout batch (algorithms/mini_batches.py); later mini-batches and
+epochs are then off-policy and the clip binds. When a batch gets exactly ONE optimizer step the
+old policy IS the current one, so the caller may leave `prev_logprobs` out: the loss then uses
+the training forward's own log-probs, detached (r == 1 exactly; same loss value and gradient as
+with a separate log-prob pass, without its cost). A missing key is the signal, in both this
+module and its jax port (jax_loss_functions.py).
+
 Shape legend (suffixes on tensor names): B = samples (sequences) in this microbatch,
 S = token positions. Every (B, S) tensor must be aligned the same way: position s holds the
 log-prob / advantage / mask of the same token s; shifting logits to token log-probs is the
@@ -270,7 +278,8 @@ class ClippedPGLossFn:
     @property
     def required_batch_keys(self) -> tuple[str, ...]:
         """The batch keys `__call__` reads under this config (what workers must ship)."""
-        keys = ["prev_logprobs", "advantages", "token_mask", "sample_mask"]
+        # prev_logprobs is optional: absent means "on-policy, one optimizer step" (module docstring).
+        keys = ["advantages", "token_mask", "sample_mask"]
         if self.config.use_importance_sampling_correction:
             keys.append("generation_logprobs")
         if self.config.reference_kl_coef > 0:
@@ -288,12 +297,13 @@ class ClippedPGLossFn:
 
         Args:
             logprobs_BS: current policy's log-probs of the taken tokens; carries the gradient.
-            batch: mapping (e.g. BatchedDataDict) of tensors: `prev_logprobs` (B, S),
-                `advantages` (B, S), `token_mask` (B, S), `sample_mask` (B,); plus
+            batch: mapping (e.g. BatchedDataDict) of tensors: `advantages` (B, S), `token_mask` (B, S), `sample_mask` (B,); plus
                 `generation_logprobs` (B, S) with importance-sampling correction and
                 `reference_policy_logprobs` (B, S) with reference_kl_coef > 0 (if present
-                while the coefficient is 0, the KL is still reported as a metric). Only
-                logprobs_BS receives gradients; batch tensors are detached.
+                while the coefficient is 0, the KL is still reported as a metric);
+                `prev_logprobs` (B, S), the old policy's log-probs, or absent when this is the
+                batch's only optimizer step (then logprobs_BS.detach() stands in for them).
+                Only logprobs_BS receives gradients; batch tensors are detached.
             global_num_valid_tokens / global_num_valid_sequences: `count_valid` totals over the
                 GLOBAL batch (all microbatches, all DP ranks).
 
@@ -331,12 +341,13 @@ class ClippedPGLossFn:
             )
         shape_BS = tuple(logprobs_BS.shape)
         _check_masks(batch, shape_BS)
-        check_tensor(
-            batch,
-            "prev_logprobs",
-            shape_BS,
-            "(B, S), the trainer's old-policy log-probs, same shape as logprobs_BS",
-        )
+        if "prev_logprobs" in batch:
+            check_tensor(
+                batch,
+                "prev_logprobs",
+                shape_BS,
+                "(B, S), the trainer's old-policy log-probs, same shape as logprobs_BS",
+            )
         check_tensor(
             batch,
             "advantages",
@@ -366,6 +377,9 @@ class ClippedPGLossFn:
         device = logprobs_BS.device
 
         def get(key: str) -> torch.Tensor:
+            if key == "prev_logprobs" and key not in batch:
+                # The only optimizer step on this batch: the old policy is the current one.
+                return logprobs_BS.detach().to(dtype)
             return batch[key].detach().to(device=device, dtype=dtype)
 
         valid_BS = _valid_mask_BS(batch).to(device)

@@ -203,6 +203,29 @@ def test_first_step_ratio_and_kl_are_exactly_one_and_zero_per_token():
         torch.testing.assert_close(grad_BS, expected, rtol=0, atol=1e-16)
 
 
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+@pytest.mark.parametrize("dual_clip_c", [None, 3.0])
+def test_missing_prev_logprobs_is_the_on_policy_step_exactly(aggregation, dual_clip_c):
+    """Without prev_logprobs (one optimizer step per batch, no separate log-prob pass) the loss,
+    its gradient and every metric are bit-identical to passing the same weights' log-probs."""
+    logp_BS, batch = random_batch(torch.Generator().manual_seed(11), 5, 7)
+    cfg = ClippedPGLossConfig(
+        aggregation=aggregation,
+        dual_clip_c=dual_clip_c,
+        use_importance_sampling_correction=True,
+        reference_kl_coef=0.05,
+    )
+    explicit = dict(batch, prev_logprobs=logp_BS.clone())
+    skipped = {key: value for key, value in batch.items() if key != "prev_logprobs"}
+    loss_e, metrics_e, grad_e = run_loss(cfg, logp_BS, explicit)
+    loss_s, metrics_s, grad_s = run_loss(cfg, logp_BS, skipped)
+    assert loss_s.item() == loss_e.item()
+    assert torch.equal(grad_s, grad_e)
+    assert metrics_s == metrics_e
+    assert metrics_s["num_valid_tokens"] > 0 and metrics_s["ratio_mean"] == 1.0
+    assert metrics_s["clip_fraction"] == 0.0 and metrics_s["ratio_max"] == 1.0
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Against the reference implementation.
 # ---------------------------------------------------------------------------------------------
@@ -475,8 +498,8 @@ def test_count_valid():
 
 
 def test_required_batch_keys():
+    # prev_logprobs is optional: absent = the batch's single on-policy optimizer step.
     assert ClippedPGLossFn(ClippedPGLossConfig()).required_batch_keys == (
-        "prev_logprobs",
         "advantages",
         "token_mask",
         "sample_mask",
@@ -566,7 +589,6 @@ def _valid_inputs():
 @pytest.mark.parametrize(
     "key, cfg",
     [
-        ("prev_logprobs", ClippedPGLossConfig()),
         ("advantages", ClippedPGLossConfig()),
         ("token_mask", ClippedPGLossConfig()),
         ("sample_mask", ClippedPGLossConfig()),
