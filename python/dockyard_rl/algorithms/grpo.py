@@ -44,12 +44,14 @@ from dockyard_rl.algorithms.grpo_setup import (
 )
 from dockyard_rl.algorithms.rollouts import (
     Rollout,
-    build_train_batch,
-    pad_to_dp_multiple,
-    sample_digest,
+    assemble_train_batch,
+    rollout_metrics,
+    sample_log_rows,
+    valid_weight_versions,
 )
 from dockyard_rl.algorithms.validation import validate
 from dockyard_rl.algorithms.warm_start import run_warm_start, warm_start_examples
+from dockyard_rl.data_plane.experience import RemoteBatch
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.utils.checkpoint import save_trainer_state
 
@@ -145,44 +147,39 @@ def refresh_engine_weights(run: GRPORun) -> None:
 def train_on_rollouts(run: GRPORun, rollouts: list[Rollout], step: int) -> dict[str, float]:
     """Steps 5-7 on one or more rollouts (groups of the same step); returns the step's metrics."""
     log_samples(step, rollouts)
-    batches, stats = [], []
-    for rollout in rollouts:
-        batch, batch_stats = build_train_batch(rollout, run.config.grpo.advantage, run.pad_token_id)
-        stats.append(batch_stats)
-        if batch is not None:
-            batches.append(batch)
-    metrics = _rollout_metrics(rollouts)
+    batch, stats = assemble_train_batch(
+        rollouts, run.config.grpo.advantage, run.pad_token_id, run.config.policy.dp_size
+    )
+    metrics = rollout_metrics(rollouts)
     metrics["dropped_groups"] = float(sum(s.num_dropped_groups for s in stats))
-    if not batches:
+    return train_batch(run, batch, step, metrics)
+
+
+def train_batch(
+    run: GRPORun, batch: BatchedDataDict | RemoteBatch | None, step: int, metrics: dict[str, float]
+) -> dict[str, float]:
+    """Steps 6-7 on a step's batch: a BatchedDataDict in the driver, or the handle of one whose
+    shards wait in the policy's ranks (async GRPO with a data plane: log-probs are then stored
+    rank-side, and `get_logprobs` returns None). None: every group was dropped, no update.
+    Adds the training metrics to `metrics` and returns it."""
+    if batch is None:
         logger.warning(
             "step %d: every group was masked (sandbox infrastructure errors); no update this step",
             step,
         )
         metrics["skipped_update"] = 1.0
         return metrics
-    batch = (
-        BatchedDataDict.concat(
-            batches,
-            pad_values={
-                "input_ids": run.pad_token_id,
-                "token_mask": 0,
-                "advantages": 0,
-                "generation_logprobs": 0,
-            },
-        )
-        if len(batches) > 1
-        else batches[0]
-    )
-    batch = pad_to_dp_multiple(batch, run.config.policy.dp_size)
     with run.logger.timer("logprobs"):
-        batch["prev_logprobs"] = run.policy.get_logprobs(batch)
+        _store(batch, "prev_logprobs", run.policy.get_logprobs(batch))
         if (
             run.config.loss_fn.reference_kl_coef > 0
             and not run.config.grpo.skip_reference_policy_logprobs
         ):
-            batch["reference_policy_logprobs"] = run.policy.get_reference_policy_logprobs(batch)
+            _store(
+                batch, "reference_policy_logprobs", run.policy.get_reference_policy_logprobs(batch)
+            )
     # Versions behind the weights being trained (step - 1, or step after a warm start).
-    ages = run.synchronizer.trainer_version - batch["weight_version"][batch["sample_mask"] > 0]
+    ages = run.synchronizer.trainer_version - valid_weight_versions(batch)
     with run.logger.timer("train"):
         train_metrics = run.policy.train(batch, run.loss_fn)
     run.synchronizer.mark_stale()
@@ -192,26 +189,23 @@ def train_on_rollouts(run: GRPORun, rollouts: list[Rollout], step: int) -> dict[
     return metrics
 
 
+def _store(batch: BatchedDataDict | RemoteBatch, key: str, logprobs_BS) -> None:
+    """Puts log-probs into a driver-side batch; a RemoteBatch's stay in the ranks (None)."""
+    if isinstance(batch, RemoteBatch):
+        assert logprobs_BS is None, "log-probs of a RemoteBatch stay in the policy's ranks"
+    else:
+        batch[key] = logprobs_BS
+
+
 def log_samples(step: int, rollouts: list[Rollout]) -> None:
-    """One log line per step naming every trained sample: its prompt, prompt key (the sampler
-    draw its seed derives from), sample index, seed, weight versions, token count and a digest
-    of its token ids. What tells a resumed run's samples from an uninterrupted run's."""
-    rows = []
-    for rollout in rollouts:
-        for b, sample in enumerate(rollout.samples):
-            g = b // rollout.num_samples
-            rows.append(
-                {
-                    "prompt": rollout.instances[g].instance_id,
-                    "key": None if rollout.prompt_keys is None else rollout.prompt_keys[g],
-                    "sample": sample.sample_index,
-                    "seed": sample.seed,
-                    "versions": list(sample.weight_versions),
-                    "oldest_version": sample.oldest_weight_version,
-                    "tokens": len(sample.response_token_ids),
-                    "digest": sample_digest(sample),
-                }
-            )
+    """One log line per step naming every trained sample (rollouts.sample_log_rows: prompt,
+    prompt key, sample index, seed, weight versions, token count, token digest). What tells a
+    resumed run's samples from an uninterrupted run's."""
+    log_sample_rows(step, sample_log_rows(rollouts))
+
+
+def log_sample_rows(step: int, rows: list[dict]) -> None:
+    """`log_samples` from rows already made (async GRPO's collector makes them)."""
     logger.info("step %d: samples %s", step, json.dumps(rows))
 
 
@@ -263,12 +257,3 @@ def save_checkpoint(run: GRPORun, extras: dict | None = None) -> None:
     logger.info("step %d: checkpoint %s (%.1f s)", run.step, path, time.monotonic() - start)
 
 
-def _rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
-    """Sample-weighted means of the rollouts' metrics."""
-    weights = [len(r.samples) for r in rollouts]
-    per_rollout = [r.metrics() for r in rollouts]
-    keys = set().union(*per_rollout)
-    return {
-        key: sum(w * m.get(key, 0.0) for w, m in zip(weights, per_rollout)) / sum(weights)
-        for key in sorted(keys)
-    }

@@ -288,3 +288,78 @@ def pad_to_dp_multiple(batch: BatchedDataDict, multiple: int) -> BatchedDataDict
     padding = batch.select_indices([size - 1] * missing)
     padding["sample_mask"] = torch.zeros_like(padding["sample_mask"])
     return BatchedDataDict.concat([batch, padding])
+
+
+# Padding of each field when batches of different widths are concatenated.
+_CONCAT_PAD_FIELDS = ("token_mask", "advantages", "generation_logprobs")
+
+
+def assemble_train_batch(
+    rollouts: Sequence[Rollout],
+    advantage_cfg: AdvantageConfig,
+    pad_token_id: int,
+    dp_size: int,
+) -> tuple[BatchedDataDict | None, list[BatchStats]]:
+    """One step's training batch from its rollouts: `build_train_batch` of each, concatenated
+    (right-padded to the widest), padded to a multiple of `dp_size` (`pad_to_dp_multiple`).
+    None when every group was dropped. The one place a step's batch is built: the driver's
+    loops and, with a data plane, async GRPO's collector actor call it."""
+    batches, stats = [], []
+    for rollout in rollouts:
+        batch, batch_stats = build_train_batch(rollout, advantage_cfg, pad_token_id)
+        stats.append(batch_stats)
+        if batch is not None:
+            batches.append(batch)
+    if not batches:
+        return None, stats
+    batch = (
+        BatchedDataDict.concat(
+            batches,
+            pad_values={"input_ids": pad_token_id, **dict.fromkeys(_CONCAT_PAD_FIELDS, 0)},
+        )
+        if len(batches) > 1
+        else batches[0]
+    )
+    return pad_to_dp_multiple(batch, dp_size), stats
+
+
+def rollout_metrics(rollouts: Sequence[Rollout]) -> dict[str, float]:
+    """Sample-weighted means of the rollouts' metrics."""
+    weights = [len(r.samples) for r in rollouts]
+    per_rollout = [r.metrics() for r in rollouts]
+    keys = set().union(*per_rollout)
+    return {
+        key: sum(w * m.get(key, 0.0) for w, m in zip(weights, per_rollout)) / sum(weights)
+        for key in sorted(keys)
+    }
+
+
+def sample_log_rows(rollouts: Sequence[Rollout]) -> list[dict[str, Any]]:
+    """One row per sample for the per-step sample log: its prompt, prompt key (the sampler
+    draw its seed derives from), sample index, seed, weight versions, token count and a digest
+    of its token ids (what tells a resumed run's samples from an uninterrupted run's)."""
+    rows = []
+    for rollout in rollouts:
+        for b, sample in enumerate(rollout.samples):
+            g = b // rollout.num_samples
+            rows.append(
+                {
+                    "prompt": rollout.instances[g].instance_id,
+                    "key": None if rollout.prompt_keys is None else rollout.prompt_keys[g],
+                    "sample": sample.sample_index,
+                    "seed": sample.seed,
+                    "versions": list(sample.weight_versions),
+                    "oldest_version": sample.oldest_weight_version,
+                    "tokens": len(sample.response_token_ids),
+                    "digest": sample_digest(sample),
+                }
+            )
+    return rows
+
+
+def valid_weight_versions(batch) -> torch.Tensor:
+    """The weight version of every sample with sample_mask 1 (int64): of a training batch, or
+    of a `data_plane.experience.RemoteBatch`, which carries them for the driver."""
+    if isinstance(batch, BatchedDataDict):
+        return batch["weight_version"][batch["sample_mask"] > 0]
+    return torch.tensor(batch.valid_weight_versions, dtype=torch.int64)
