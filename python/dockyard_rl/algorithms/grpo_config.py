@@ -169,6 +169,9 @@ class GRPOConfig:
     # Single-shot only: one response (a patch) per rollout. Multi-turn agents are not built yet.
     max_rollout_turns: int = 1
     max_num_steps: int = 100
+    # Samples per validation task (n): pass_at_1 and pass_at_<n> (validation.py); n > 1 needs
+    # val_temperature > 0 (greedy samples are identical).
+    val_num_samples: int = 1
     # Validate every this many optimizer steps on the held-out split; 0 = never (except the
     # val_at_start / val_at_end runs).
     val_period: int = 0
@@ -224,6 +227,18 @@ class GRPOConfig:
             is_number(self.val_temperature) and self.val_temperature >= 0,
             "val_temperature",
             f"must be a number >= 0 (0 = greedy), got {self.val_temperature!r}",
+        )
+        require(
+            is_int(self.val_num_samples) and self.val_num_samples >= 1,
+            "val_num_samples",
+            f"must be an integer >= 1, got {self.val_num_samples!r}",
+        )
+        require(
+            self.val_num_samples == 1 or self.val_temperature > 0,
+            "val_num_samples",
+            f"is {self.val_num_samples} but grpo.val_temperature is 0 (greedy): every sample "
+            "of a task would be the same; set grpo.val_temperature > 0 (e.g. 0.7) for pass@k, "
+            "or grpo.val_num_samples: 1 for greedy validation",
         )
         require(
             is_int(self.seed) and self.seed >= 0,
@@ -406,7 +421,18 @@ class MasterConfig:
             )
 
     def _check_synthesis(self) -> None:
-        checks = [(self.synthesis, "data", self.data.dataset, self.data.train_path, "synthesis")]
+        data = self.data
+        checks = [
+            (self.synthesis, "data", data.dataset, data.train_path, "train_path", "synthesis"),
+            (
+                data.validation_synthesis,
+                "data",
+                data.dataset,
+                data.validation_path,
+                "validation_path",
+                "data.validation_synthesis",
+            ),
+        ]
         if self.warm_start is not None:
             checks.append(
                 (
@@ -417,7 +443,7 @@ class MasterConfig:
                     "warm_start.synthesis",
                 )
             )
-        for synthesis, section, dataset, train_path, name in checks:
+        for synthesis, section, dataset, train_path, path_key, name in checks:
             if synthesis is None:
                 continue
             require(
@@ -428,7 +454,7 @@ class MasterConfig:
             )
             require(
                 pathlib.PurePath(train_path or "").name == SYNTHESIZED_TASKS_FILE,
-                f"{section}.train_path",
+                f"{section}.{path_key}",
                 f"({train_path}) must be <folder>/"
                 f"{SYNTHESIZED_TASKS_FILE} when the {name} section is set: the synthesizer "
                 "writes that file into the folder",
@@ -475,6 +501,7 @@ _SCALAR_NAMES = {
     str: "a string",
     type(None): "null",
 }
+                    "train_path",
 
 
 def _matches(value: Any, scalar: type) -> bool:

@@ -114,8 +114,18 @@ def run_directory(config: MasterConfig) -> pathlib.Path:
 
 def ensure_task_data(config: MasterConfig) -> None:
     """Synthesizes a task set whose file is missing: `data.train_path` when `synthesis` is set,
-    `warm_start.train_path` when `warm_start.synthesis` is."""
+    `data.validation_path` when `data.validation_synthesis` is, `warm_start.train_path` when
+    `warm_start.synthesis` is."""
     wanted = [(config.data.train_path, config.synthesis, "synthesis", "data.train_path")]
+    if config.data.validation_synthesis is not None:
+        wanted.append(
+            (
+                config.data.validation_path,
+                config.data.validation_synthesis,
+                "data.validation_synthesis",
+                "data.validation_path",
+            )
+        )
     if config.warm_start is not None:
         wanted.append(
             (

@@ -5,6 +5,9 @@
       train_path: /data/swe/tasks.jsonl
       validation_fraction: 0.1       # split by repository (or validation_path: a separate file)
       seed: 0
+      # optional: the held-out split made once by the task synthesizer when validation_path
+      # (then <folder>/tasks.jsonl) is missing; same keys as the recipe's `synthesis` section
+      validation_synthesis: {packages: [bundled:pocketmath]}
       prompt: {patch_format: search_replace, max_context_tokens: 6000}
 
 `load_train_validation(cfg)` returns (train, validation) instance lists: the training file is
@@ -14,6 +17,11 @@ split by repository of the training file (no repository on both sides) when
 `seed` (the same on every machine); `max_train_instances` keeps a prefix of the result. A
 validation repository that also appears in a separate training file is an error, not a warning:
 it would leak the validation tasks into training.
+
+`validation_synthesis` (a TaskSynthesisConfig, data/synthesis/task_synthesis.py) makes the
+validation file when it is missing, as the recipe's `synthesis` section does for `train_path`
+(algorithms/grpo_setup.ensure_task_data): a held-out task set from other packages than the
+training ones, e.g. `bundled:pocketmath` beside `bundled:pocketcalc` (docs/learning_run.md).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import dataclasses
 from dockyard_rl.data import datasets
 from dockyard_rl.data.processors import PromptConfig
 from dockyard_rl.data.schema import SweInstance
+from dockyard_rl.data.synthesis.task_synthesis import TaskSynthesisConfig
 from dockyard_rl.utils.config import is_int, require
 
 
@@ -35,6 +44,9 @@ class DataConfig:
     validation_path: str | None = None  # a separate validation set (same loader)...
     validation_fraction: float = 0.0  # ...or this share split off by repository (0 = none)
     min_validation_repos: int = 1
+    # Makes validation_path when it is missing (module docstring); null = validation_path must
+    # exist (or no validation_path).
+    validation_synthesis: TaskSynthesisConfig | None = None
     shuffle: bool = True
     seed: int = 0
     max_train_instances: int | None = None  # null = all
@@ -72,6 +84,12 @@ class DataConfig:
             self.validation_path is None or self.validation_fraction == 0.0,
             "validation_fraction",
             "must be 0 when validation_path is set (use one source of validation instances)",
+        )
+        require(
+            self.validation_synthesis is None or self.validation_path is not None,
+            "validation_synthesis",
+            "is set but data.validation_path is not: name the file it makes "
+            "(<folder>/tasks.jsonl), or remove validation_synthesis",
         )
         for name in ("min_validation_repos", "seed"):
             value = getattr(self, name)

@@ -16,6 +16,11 @@ mutated into one of them is the easiest honest task there is: the name, the code
 assertion together give the fix away, yet only a patch that makes the tests pass is rewarded.
 It is the learning run's task set (`bundled:pocketcalc`, docs/learning_run.md).
 
+`make_pocketmath_sdist(dest_dir)` writes `pocketmath-1.0.tar.gz`: pocketcalc's held-out partner,
+the same kind of one-line functions and tests (`triple`, `is_odd`, `second`, ...) but none of
+pocketcalc's, so its tasks measure whether what the learning run learned on pocketcalc transfers
+(`data.validation_synthesis: {packages: [bundled:pocketmath]}`).
+
 `make_flaky_sdist(dest_dir)` writes `flakycalc-1.0.tar.gz`: a few one-line functions with
 deterministic tests, plus `FLAKY_TEST`, a test that fails one run in three whatever the code.
 The flaky-test checks of the synthesizer and the validator use it; it is not in `BUNDLED` (a
@@ -339,6 +344,185 @@ def test_maximum_first():
 }
 
 
+MATH_NAME = "pocketmath"
+
+# pocketcalc's held-out partner: the same kind of one-line functions and tests, none of them
+# pocketcalc's, so a model trained on pocketcalc's tasks has never seen these.
+_MATH_FILES = {
+    "PKG-INFO": f"Metadata-Version: 2.1\nName: {MATH_NAME}\nVersion: {VERSION}\n"
+    f"Summary: one-line math helpers\n",
+    "pyproject.toml": f'[project]\nname = "{MATH_NAME}"\nversion = "{VERSION}"\n',
+    "README.md": "# pocketmath\n\nOne-line math helpers.\n",
+    "pocketmath/__init__.py": "from pocketmath.maths import *  # noqa: F401,F403\n",
+    "pocketmath/maths.py": '''"""Math helpers, one line each."""
+
+
+def triple(x):
+    return x * 3
+
+
+def cube(x):
+    return x * x * x
+
+
+def decrement(x):
+    return x - 1
+
+
+def half(x):
+    return x / 2
+
+
+def negate(x):
+    return -x
+
+
+def remainder(a, b):
+    return a % b
+
+
+def area(width, height):
+    return width * height
+
+
+def distance(a, b):
+    return abs(a - b)
+
+
+def is_odd(n):
+    return n % 2 == 1
+
+
+def is_negative(x):
+    return x < 0
+
+
+def is_zero(x):
+    return x == 0
+
+
+def is_teenager(age):
+    return 13 <= age <= 19
+
+
+def second(items):
+    return items[1]
+
+
+def count(items):
+    return len(items)
+
+
+def total(items):
+    return sum(items)
+
+
+def minimum(a, b):
+    if a < b:
+        return a
+    return b
+''',
+    "tests/__init__.py": "",
+    "tests/test_maths.py": """\
+from pocketmath.maths import (area, count, cube, decrement, distance, half, is_negative, is_odd,
+                              is_teenager, is_zero, minimum, negate, remainder, second, total,
+                              triple)
+
+
+def test_triple():
+    assert triple(4) == 12
+
+
+def test_cube():
+    assert cube(3) == 27
+
+
+def test_decrement():
+    assert decrement(10) == 9
+
+
+def test_half():
+    assert half(10) == 5
+
+
+def test_negate():
+    assert negate(5) == -5
+
+
+def test_remainder():
+    assert remainder(17, 5) == 2
+
+
+def test_area():
+    assert area(3, 4) == 12
+
+
+def test_distance():
+    assert distance(2, 7) == 5
+
+
+def test_distance_reversed():
+    assert distance(7, 2) == 5
+
+
+def test_is_odd():
+    assert is_odd(7)
+
+
+def test_is_odd_even():
+    assert not is_odd(4)
+
+
+def test_is_negative():
+    assert is_negative(-3)
+
+
+def test_is_negative_zero():
+    assert not is_negative(0)
+
+
+def test_is_zero():
+    assert is_zero(0)
+
+
+def test_is_zero_nonzero():
+    assert not is_zero(5)
+
+
+def test_is_teenager():
+    assert is_teenager(13)
+
+
+def test_is_teenager_child():
+    assert not is_teenager(12)
+
+
+def test_is_teenager_adult():
+    assert not is_teenager(20)
+
+
+def test_second():
+    assert second([4, 5, 6]) == 5
+
+
+def test_count():
+    assert count([1, 2, 3]) == 3
+
+
+def test_total():
+    assert total([1, 2, 3]) == 6
+
+
+def test_minimum():
+    assert minimum(3, 8) == 3
+
+
+def test_minimum_second():
+    assert minimum(9, 2) == 2
+""",
+}
+
+
 FLAKY_NAME = "flakycalc"
 FLAKY_TEST = "tests/test_draw.py::test_fails_one_run_in_three"
 FLAKY_FAIL_PROBABILITY = 1 / 3
@@ -407,6 +591,11 @@ def make_pocketcalc_sdist(dest_dir: pathlib.Path) -> pathlib.Path:
     return _write_sdist(dest_dir, CALC_NAME, _CALC_FILES)
 
 
+def make_pocketmath_sdist(dest_dir: pathlib.Path) -> pathlib.Path:
+    """Writes pocketmath (pocketcalc's held-out partner) into `dest_dir`; returns the archive."""
+    return _write_sdist(dest_dir, MATH_NAME, _MATH_FILES)
+
+
 def make_flaky_sdist(dest_dir: pathlib.Path) -> pathlib.Path:
     """Writes flakycalc into `dest_dir` and returns the archive's path."""
     return _write_sdist(dest_dir, FLAKY_NAME, _FLAKY_FILES)
@@ -433,4 +622,8 @@ def _write_sdist(
 
 
 # Name -> writer(dest_dir) -> archive: the packages `bundled:<name>` refers to.
-BUNDLED = {NAME: make_toy_sdist, CALC_NAME: make_pocketcalc_sdist}
+BUNDLED = {
+    NAME: make_toy_sdist,
+    CALC_NAME: make_pocketcalc_sdist,
+    MATH_NAME: make_pocketmath_sdist,
+}
