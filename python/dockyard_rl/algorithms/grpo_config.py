@@ -169,9 +169,6 @@ class GRPOConfig:
     # Single-shot only: one response (a patch) per rollout. Multi-turn agents are not built yet.
     max_rollout_turns: int = 1
     max_num_steps: int = 100
-    # Samples per validation task (n): pass_at_1 and pass_at_<n> (validation.py); n > 1 needs
-    # val_temperature > 0 (greedy samples are identical).
-    val_num_samples: int = 1
     # Validate every this many optimizer steps on the held-out split; 0 = never (except the
     # val_at_start / val_at_end runs).
     val_period: int = 0
@@ -179,6 +176,9 @@ class GRPOConfig:
     val_at_end: bool = False
     val_num_prompts: int | None = None  # null = the whole validation split
     val_temperature: float = 0.0  # 0 = greedy
+    # Samples per validation task (n): pass_at_1 and pass_at_<n> (validation.py); n > 1 needs
+    # val_temperature > 0 (greedy samples are identical).
+    val_num_samples: int = 1
     seed: int = 0  # the driver's RNGs (random, numpy, torch) at setup
     # Skip the reference policy's forward pass; only valid with loss_fn.reference_kl_coef = 0.
     skip_reference_policy_logprobs: bool = False
@@ -440,6 +440,7 @@ class MasterConfig:
                     "warm_start",
                     self.warm_start.dataset,
                     self.warm_start.train_path,
+                    "train_path",
                     "warm_start.synthesis",
                 )
             )
@@ -501,7 +502,6 @@ _SCALAR_NAMES = {
     str: "a string",
     type(None): "null",
 }
-                    "train_path",
 
 
 def _matches(value: Any, scalar: type) -> bool:
