@@ -10,8 +10,11 @@ One synchronous step (`grpo_train`), each line below one call:
     3. rollouts   `grpo.num_generations_per_prompt` samples per prompt from the engines
     4. rewards    each sample's patch scored by the sandbox (the repository's real tests)
     5. batch      leave-one-out advantages per group; all-masked groups dropped (rollouts.py)
-    6. logprobs   the trainer's log-probs of the samples (and the reference's for a KL term)
-    7. train      one ClippedPGLossFn optimizer step; the synchronizer marks the weights stale
+    6. logprobs   the old policy's log-probs of the samples, when the step makes more than one
+                  optimizer step (and the reference's for a KL term)
+    7. train      ClippedPGLossFn optimizer steps: `grpo.train_mini_batch_size` samples each,
+                  `grpo.num_epochs` passes (mini_batches.py); then the synchronizer marks the
+                  weights stale once (a weight version is a trainer step, not an optimizer step)
     8. record     metrics and stage times logged; validation and checkpoints on their periods
 
 A fresh run with a `warm_start` section first trains on gold answers to other tasks
@@ -41,6 +44,11 @@ from dockyard_rl.algorithms.grpo_setup import (
     GRPORun,
     setup,
     trainer_state,
+)
+from dockyard_rl.algorithms.mini_batches import (
+    mini_batch_plan,
+    mini_batch_seed,
+    train_mini_batches,
 )
 from dockyard_rl.algorithms.rollouts import (
     Rollout,
@@ -169,20 +177,46 @@ def train_batch(
         )
         metrics["skipped_update"] = 1.0
         return metrics
+    # The step's optimizer steps (mini_batches.py): mini-batches x epochs, shuffled by a seed a
+    # resume derives again. A RemoteBatch's rows stay rank-side: one optimizer step, as before.
+    config = run.config.grpo
+    plan = None
+    if isinstance(batch, BatchedDataDict):
+        plan = mini_batch_plan(
+            batch.batch_size,
+            config.train_mini_batch_size,
+            config.num_epochs,
+            mini_batch_seed(config.seed, step),
+        )
+    elif config.optimizer_steps_per_step > 1:
+        raise ValueError(
+            "grpo.train_mini_batch_size / grpo.num_epochs give several optimizer steps per "
+            "step, which the data-plane path does not split yet; set them to null / 1"
+        )
     with run.logger.timer("logprobs"):
-        _store(batch, "prev_logprobs", run.policy.get_logprobs(batch))
-        if (
-            run.config.loss_fn.reference_kl_coef > 0
-            and not run.config.grpo.skip_reference_policy_logprobs
-        ):
+        # The old policy's log-probs, once before the first optimizer step; a single optimizer
+        # step skips the pass (the training forward has them: loss_functions, "Old policy").
+        if plan is None or len(plan) > 1:
+            _store(batch, "prev_logprobs", run.policy.get_logprobs(batch))
+        if run.config.loss_fn.reference_kl_coef > 0 and not config.skip_reference_policy_logprobs:
             _store(
                 batch, "reference_policy_logprobs", run.policy.get_reference_policy_logprobs(batch)
             )
     # Versions behind the weights being trained (step - 1, or step after a warm start).
     ages = run.synchronizer.trainer_version - valid_weight_versions(batch)
     with run.logger.timer("train"):
-        train_metrics = run.policy.train(batch, run.loss_fn)
+        if plan is None:
+            train_metrics = run.policy.train(batch, run.loss_fn)
+            train_metrics.update(optimizer_steps=1.0, logprobs_pass_skipped=0.0)
+        else:
+            train_metrics = train_mini_batches(
+                run.policy, batch, run.loss_fn, plan, run.config.policy.dp_size
+            )
+    # ONE weight version per trainer step, however many optimizer steps it made: a version is a
+    # publication to the engines (sample ages and max_trajectory_age_steps count trainer steps).
     run.synchronizer.mark_stale()
+    for key in ("optimizer_steps", "logprobs_pass_skipped"):
+        metrics[key] = float(train_metrics.pop(key))
     metrics.update({f"loss/{k}": float(v) for k, v in train_metrics.items()})
     metrics["max_sample_age_steps"] = float(ages.max()) if len(ages) else 0.0
     metrics["skipped_update"] = 0.0

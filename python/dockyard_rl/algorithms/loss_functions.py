@@ -278,7 +278,7 @@ class ClippedPGLossFn:
     @property
     def required_batch_keys(self) -> tuple[str, ...]:
         """The batch keys `__call__` reads under this config (what workers must ship)."""
-        # prev_logprobs is optional: absent means "on-policy, one optimizer step" (module docstring).
+        # prev_logprobs is optional: absent = the batch's one on-policy step (module docstring).
         keys = ["advantages", "token_mask", "sample_mask"]
         if self.config.use_importance_sampling_correction:
             keys.append("generation_logprobs")
@@ -297,7 +297,8 @@ class ClippedPGLossFn:
 
         Args:
             logprobs_BS: current policy's log-probs of the taken tokens; carries the gradient.
-            batch: mapping (e.g. BatchedDataDict) of tensors: `advantages` (B, S), `token_mask` (B, S), `sample_mask` (B,); plus
+            batch: mapping (e.g. BatchedDataDict) of tensors: `advantages` (B, S),
+                `token_mask` (B, S), `sample_mask` (B,); plus
                 `generation_logprobs` (B, S) with importance-sampling correction and
                 `reference_policy_logprobs` (B, S) with reference_kl_coef > 0 (if present
                 while the coefficient is 0, the KL is still reported as a metric);
