@@ -30,8 +30,7 @@ sampling, the batch must split over the data-parallel ranks, prompts must fit th
 Every key a recipe sets takes effect. Some are read only on one path of the loop; setting one on
 the other path is a ConfigError naming the key and the fix (`UNREAD_UNLESS`): `async_grpo` with
 `grpo.mode: sync`, `cluster.fleets.sandbox` with `executor: null` (the executors then run
-outside the loop, behind `env.swe.executor_url`), `cluster.fleets.trainer` with
-`policy.backend: jax` (one driver process, no trainer fleet), and `env.swe.executor_url` with
+outside the loop, behind `env.swe.executor_url`), and `env.swe.executor_url` with
 `executor.port: 0` (the loop points the environment at the executor it starts).
 configs/recipe_keys_test.py checks that every key of every recipe is read by product code.
 `describe_config()` lists every key with its type and default (the launcher's --help);
@@ -139,12 +138,6 @@ UNREAD_UNLESS: tuple[tuple[str, typing.Callable[[MasterConfig], bool], str], ...
         "executor is null: the executors run outside the loop (env.swe.executor_url names "
         "them), so no sandbox fleet is placed; remove it, or set the executor section so the "
         "loop starts the sandbox fleet",
-    ),
-    (
-        "cluster.fleets.trainer",
-        lambda config: config.policy.backend != "jax",
-        "policy.backend is jax, which runs in the driver process (no trainer fleet to place); "
-        "remove it, or use policy.backend: dtensor",
     ),
     (
         "env.swe.executor_url",

@@ -519,11 +519,6 @@ _LOOPBACK_EXECUTOR = {"port": 0}
             "set the executor section",
         ),
         (
-            {"policy": {"backend": "jax"}, "cluster": {"fleets": {"trainer": {}}}},
-            "cluster.fleets.trainer",
-            "policy.backend: dtensor",
-        ),
-        (
             {"executor": _LOOPBACK_EXECUTOR, "env": {"swe": {"executor_url": "http://h:1"}}},
             "env.swe.executor_url",
             "fixed port",
@@ -552,6 +547,15 @@ def test_the_same_keys_load_where_they_are_read(tmp_path):
     )
     assert config.async_grpo.max_buffer_groups == 64
     assert config.cluster.fleets.sandbox.strategy == "STRICT_SPREAD"
+
+
+def test_the_trainer_fleet_is_read_with_the_jax_policy(tmp_path):
+    # The jax policy is a trainer-fleet actor (models/policy/jax_fleet.py): the section applies.
+    recipe = _with(
+        policy={"backend": "jax"}, cluster={"fleets": {"trainer": {"strategy": "STRICT_PACK"}}}
+    )
+    config = load_config(_write(tmp_path, recipe), base_dir=tmp_path)
+    assert config.cluster.fleets.trainer.strategy == "STRICT_PACK"
 
 
 def test_the_resolved_config_leaves_out_what_is_not_read(tmp_path):

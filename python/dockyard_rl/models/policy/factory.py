@@ -5,7 +5,7 @@ The one constructor signature every backend implements (so the driver never spec
     Backend(cfg: PolicyConfig, *, cache_dir: str | os.PathLike | None = None,
             resume_from: str | os.PathLike | None = None) -> PolicyInterface
 
-plus, for backends whose ranks are Ray actors (`CLUSTER_BACKENDS`: dtensor),
+plus, for backends that run as Ray actors of the trainer fleet (`CLUSTER_BACKENDS`: both),
 `cluster_config: ClusterConfig | None = None`.
 
 - `cfg`: the validated `policy` section (models/policy/config.py).
@@ -13,17 +13,18 @@ plus, for backends whose ranks are Ray actors (`CLUSTER_BACKENDS`: dtensor),
   default, `$DOCKYARD_MODEL_CACHE` or ~/.cache/dockyard_rl/models).
 - `resume_from`: a directory written by the same backend's `save_checkpoint`, restored during
   construction (None: start from `cfg.model`'s weights).
-- `cluster_config`: the recipe's `cluster` section. The dtensor ranks are the trainer fleet:
-  placed with `cluster.fleets.trainer.strategy` within `cluster.placement_timeout_s`, with the
-  fleet's `nccl_env` in their environment. The jax backend runs in the driver process and takes
-  none (the config refuses `cluster.fleets.trainer` with it: algorithms/grpo_config.py).
+- `cluster_config`: the recipe's `cluster` section. The dtensor ranks, and the jax backend's one
+  actor, are the trainer fleet: placed by distributed/worker_group.py with
+  `cluster.fleets.trainer.strategy` and the fleet's node labels within
+  `cluster.placement_timeout_s`, with the fleet's environment (`nccl_env`).
 Construction loads the weights and fails fast with ValueError naming the key: `policy.model` not
 a zoo name or HF directory, `resume_from` missing / incomplete / for another model, and resources
 that cannot hold `policy.dp_size` ranks.
 
 Backends (imported lazily, so a driver using one never imports the other's framework):
   dtensor  dockyard_rl.models.policy.dtensor_policy.DTensorPolicy   (torch FSDP2, Ray actors)
-  jax      dockyard_rl.models.policy.jax_policy.JaxPolicy           (flax.nnx, jax Mesh)
+  jax      dockyard_rl.models.policy.jax_fleet.JaxFleetPolicy       (flax.nnx, jax Mesh, one
+           Ray actor holding jax_policy.JaxPolicy; the driver never imports jax)
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ from dockyard_rl.models.policy.interfaces import PolicyInterface
 # backend name -> (module, class); the keys must equal config.BACKENDS.
 POLICY_BACKENDS: dict[str, tuple[str, str]] = {
     "dtensor": ("dockyard_rl.models.policy.dtensor_policy", "DTensorPolicy"),
-    "jax": ("dockyard_rl.models.policy.jax_policy", "JaxPolicy"),
+    "jax": ("dockyard_rl.models.policy.jax_fleet", "JaxFleetPolicy"),
 }
 # The backends that start Ray actors of the trainer fleet, so take `cluster_config`.
-CLUSTER_BACKENDS = ("dtensor",)
+CLUSTER_BACKENDS = ("dtensor", "jax")
 
 
 def create_policy(
