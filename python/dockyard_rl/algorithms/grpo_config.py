@@ -162,7 +162,7 @@ class GRPOConfig:
     # Single-shot only: one response (a patch) per rollout. Multi-turn agents are not built yet.
     max_rollout_turns: int = 1
     max_num_steps: int = 100
-    # Validate every this many optimizer steps on the held-out split; 0 = never (except the
+    # Validate every this many steps on the held-out split; 0 = never (except the
     # val_at_start / val_at_end runs).
     val_period: int = 0
     val_at_start: bool = False
@@ -181,6 +181,13 @@ class GRPOConfig:
     # Names the run directory <logger.log_dir>/<run_name> (metrics, checkpoints); keep it stable
     # across a resume. null = the recipe file's name without .yaml (load_config fills it in).
     run_name: str | None = None
+    # PPO-style mini-batches (algorithms/mini_batches.py): samples per optimizer step, null = the
+    # whole batch. Must divide num_samples_per_step and be a multiple of policy.dp_size.
+    train_mini_batch_size: int | None = None
+    # Passes over each rollout batch. A step makes ceil(B / train_mini_batch_size) * num_epochs
+    # optimizer steps, all against the log-probs of the weights the step began with: every one
+    # after the first is off-policy, which is what makes loss_fn's clip bind.
+    num_epochs: int = 1
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
 
     def __post_init__(self) -> None:
@@ -246,10 +253,29 @@ class GRPOConfig:
             f"must be 1-100 letters, digits, '.', '_' or '-' (it names a folder), "
             f"or null (= the recipe's file name), got {self.run_name!r}",
         )
+        require(
+            is_int(self.num_epochs) and self.num_epochs >= 1,
+            "num_epochs",
+            f"must be an integer >= 1 (passes over each rollout batch), got {self.num_epochs!r}",
+        )
+        mini = self.train_mini_batch_size
+        require(
+            mini is None or (is_int(mini) and mini >= 1 and self.num_samples_per_step % mini == 0),
+            "train_mini_batch_size",
+            f"must be null (the whole batch) or an integer >= 1 that divides the samples per "
+            f"step, num_prompts_per_step x num_generations_per_prompt = "
+            f"{self.num_samples_per_step}, got {mini!r}",
+        )
 
     @property
     def num_samples_per_step(self) -> int:
         return self.num_prompts_per_step * self.num_generations_per_prompt
+
+    @property
+    def optimizer_steps_per_step(self) -> int:
+        """Optimizer (and LR-scheduler) steps per trainer step on a full batch."""
+        mini = self.train_mini_batch_size or self.num_samples_per_step
+        return self.num_samples_per_step // mini * self.num_epochs
 
     @property
     def validation_enabled(self) -> bool:
@@ -308,6 +334,14 @@ class MasterConfig:
             f"({policy.dp_size}) must divide the samples per step, grpo.num_prompts_per_step"
             f" x grpo.num_generations_per_prompt = {grpo.num_samples_per_step}: every "
             "data-parallel rank trains on the same number of samples",
+        )
+        require(
+            grpo.train_mini_batch_size is None
+            or grpo.train_mini_batch_size % policy.dp_size == 0,
+            "grpo.train_mini_batch_size",
+            f"({grpo.train_mini_batch_size}) must be a multiple of policy.dp_size "
+            f"({policy.dp_size}): every data-parallel rank trains on the same number of samples "
+            "in each optimizer step",
         )
         require(
             grpo.num_generations_per_prompt == 1 or generation.temperature > 0,
