@@ -39,6 +39,11 @@ class SchedulerConfig:
     lr(step) = peak * step / warmup_steps                                  for step < warmup
              = peak * (r + (1 - r) * (1 + cos(pi * progress)) / 2)        afterwards, where
     progress = min(1, (step - warmup) / (total_steps - warmup)), r = min_lr_ratio.
+
+    `step` counts OPTIMIZER steps (every `PolicyInterface.train` call is one, the warm start's
+    included), not GRPO steps: with `grpo.train_mini_batch_size` / `grpo.num_epochs` a GRPO step
+    makes `grpo.optimizer_steps_per_step` of them, so size warmup_steps and total_steps in those
+    units (total_steps = grpo.max_num_steps x optimizer_steps_per_step decays over the whole run).
     """
 
     warmup_steps: int = 0
