@@ -9,10 +9,10 @@ subprocess builds the policy on `smollm2-135m-instruct` and runs `--warmup-steps
 random advantages). Reported per backend:
 
 - tokens/s: the median over timed steps of the tokens in the batch / the wall time of `train`
-  (driver side: for dtensor it includes the Ray round trip and the batch transfer);
+  (driver side: it includes the Ray round trip and the batch transfer to the trainer actors);
 - peak memory over the timed steps, after setup: on CPU the resident set high-water mark
   (VmHWM, reset through /proc/self/clear_refs after the warm-up), summed over the dtensor ranks'
-  processes, the process's own for jax (which runs in the driver); on GPU the peak device bytes
+  processes, the jax actor's for jax (models/policy/jax_fleet.py); on GPU the peak device bytes
   (torch's max allocated for dtensor, summed over ranks; jax's peak_bytes_in_use);
 - x eager: the backend's step time over a plain eager torch step on the same batch (the median
   over timed steps of the ratio). The baseline is one process of transformers + torch, no Ray,
@@ -38,8 +38,6 @@ import statistics
 import subprocess
 import sys
 import time
-
-from dockyard_rl.utils import process_memory
 
 BACKENDS = ("dtensor", "jax")
 
@@ -181,10 +179,9 @@ def _worker(args: argparse.Namespace) -> dict:
     num_samples, width = args.batch_size, args.seq_len
     # Started (and warmed up) first, so that it does not share the machine with the setup.
     eager = _EagerBaseline(args) if args.eager_baseline else None
-    if backend == "dtensor":
-        from dockyard_rl.cluster.local_ray import init_local_ray
+    from dockyard_rl.cluster.local_ray import init_local_ray
 
-        init_local_ray(log_to_driver=False)
+    init_local_ray(log_to_driver=False)  # both backends run as trainer-fleet actors
     start = time.perf_counter()
     try:
         policy = create_policy(cfg)
@@ -198,11 +195,7 @@ def _worker(args: argparse.Namespace) -> dict:
         batch["prev_logprobs"] = policy.get_logprobs(batch)
         for _ in range(args.warmup_steps):
             policy.train(batch, loss_fn)
-        if backend == "dtensor":
-            policy.memory_stats(reset=True)
-        else:
-            if not process_memory.reset_peak_rss():
-                raise RuntimeError("cannot reset the peak RSS through /proc/self/clear_refs")
+        policy.memory_stats(reset=True)  # the actors' (dtensor ranks, the jax actor)
         step_seconds, losses = [], []
         for index in range(args.steps):
             if eager is not None and index % 2 == 0:
@@ -213,19 +206,9 @@ def _worker(args: argparse.Namespace) -> dict:
             losses.append(metrics["loss"])
             if eager is not None and index % 2 == 1:
                 eager_seconds.append(eager.step())
-        if backend == "dtensor":
-            stats = policy.memory_stats()
-            peak_bytes = sum(s.get("peak_device_bytes", s["peak_rss_bytes"]) for s in stats)
-            memory_kind = "device" if "peak_device_bytes" in stats[0] else "RSS"
-        else:
-            import jax
-
-            device = jax.devices()[0]
-            if device.platform == "cpu":
-                peak_bytes, memory_kind = process_memory.status_bytes("VmHWM") or 0, "RSS"
-            else:
-                peak_bytes = int(device.memory_stats().get("peak_bytes_in_use", 0))
-                memory_kind = "device"
+        stats = policy.memory_stats()
+        peak_bytes = sum(s.get("peak_device_bytes", s["peak_rss_bytes"]) for s in stats)
+        memory_kind = "device" if "peak_device_bytes" in stats[0] else "RSS"
     finally:
         policy.shutdown()
         if eager is not None:

@@ -33,13 +33,12 @@ the timeout of the fleet's torch process groups (`process_group_timeout`, read b
 ranks when they call init_process_group): a collective that hangs longer fails instead of
 blocking forever, on gloo (CPU) as on NCCL.
 
-Who reads what: the DTensor policy's ranks (trainer fleet) and the vLLM engines (inference fleet)
-are WorkerGroups, placed by bootstrap.place_fleet (the fleet's `strategy`, waiting at most
+Who reads what: the DTensor policy's ranks or the jax policy's actor (trainer fleet) and the vLLM
+engines (inference fleet) are WorkerGroups, placed by bootstrap.place_fleet (the fleet's `strategy`, waiting at most
 `placement_timeout_s`) with bootstrap.fleet_runtime_env (the fleet's `nccl_env`); the executors
-the loop starts (section `executor`) are the sandbox fleet. The JAX policy runs in the driver
-process, so it has no trainer fleet: a recipe that sets `cluster.fleets.trainer` with
-`policy.backend: jax`, or `cluster.fleets.sandbox` with `executor: null` (the executors then run
-outside the loop), fails at load time (algorithms/grpo_config.py), since nothing would read it.
+the loop starts (section `executor`) are the sandbox fleet. A recipe that sets
+`cluster.fleets.sandbox` with `executor: null` (the executors then run outside the loop) fails at
+load time (algorithms/grpo_config.py), since nothing would read it.
 
 Not covered: autoscaling, heterogeneous per-node config files (each node process passes its own
 `node` values, e.g. through the join CLI's flags), Ray client (ray://) addresses.

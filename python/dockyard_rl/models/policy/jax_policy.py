@@ -1,10 +1,13 @@
 """The JAX/Flax NNX policy backend (`policy.backend: jax`): `JaxPolicy`, a `PolicyInterface`.
 
-One `JaxPolicy` object runs in the driver process and drives every local jax device itself (a jax
-program is single-controller: the "ranks" of the interface are the devices of one `Mesh`, so no
-actor group is needed; the driver calls every method, and each returns when all devices are done).
-Constructor: `JaxPolicy(cfg, *, cache_dir=None, resume_from=None, tokenizer_dir=None)`, the
-signature factory.py documents plus `tokenizer_dir`. Weights come from the same HF safetensors
+One `JaxPolicy` object drives every local jax device of its process itself (a jax program is
+single-controller: the "ranks" of the interface are the devices of one `Mesh`; each method returns
+when all devices are done). In a training run it lives in a Ray actor of the trainer fleet:
+`policy.backend: jax` builds `jax_fleet.JaxFleetPolicy`, the driver's controller, which forwards
+every call to a `JaxPolicyWorker` actor holding this object (the weight-sync sender runs there
+too), so the driver never imports jax. Used directly, as its tests do, it runs in the caller's
+process. Constructor: `JaxPolicy(cfg, *, cache_dir=None, resume_from=None, tokenizer_dir=None)`,
+the signature factory.py documents plus `tokenizer_dir`. Weights come from the same HF safetensors
 checkpoint the DTensor backend and vLLM load (`models/zoo.py` names or a local directory) into the
 flax.nnx Llama-family model of `llama_nnx.py`.
 
