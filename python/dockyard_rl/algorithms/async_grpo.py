@@ -25,6 +25,14 @@ then fails the run with a TimeoutError naming the key (async_utils/collector.py)
 The loss must correct for off-policy samples (`loss_fn.use_importance_sampling_correction`,
 enforced by the config): the engine's log-probs (`generation_logprobs`) are the behaviour policy.
 
+Experience over the data plane (`data_plane: {transport: ray_direct}`): the collector actor
+builds each step's training batch itself (the same rollouts.assemble_train_batch) and sends
+shard r to policy rank r (data_plane/experience.py); the trainer gets a `RemoteBatch` handle,
+the step's metrics and its sample-log rows, and the policy's ranks compute log-probs and train
+from the shards they hold. No experience tensor passes through the driver. The plane connects
+the collector (producer) to the ranks (receivers) once, when the collector starts, and closes
+when it stops. `data_plane: null` keeps the driver path (`sample_groups`).
+
 Checkpoints hold, besides the policy: the collector's snapshot (its prompt sampler, the prompts of
 the round in flight, generated again on resume, and the buffered groups with their versions), so a
 resumed run trains on exactly the prompts an uninterrupted one would hand out. Samples are seeded
@@ -42,11 +50,17 @@ import time
 
 import ray
 
-from dockyard_rl.algorithms.async_utils.collector import sample_groups, start_collector
+from dockyard_rl.algorithms.async_utils.collector import (
+    sample_groups,
+    send_step_groups,
+    start_collector,
+)
 from dockyard_rl.algorithms.grpo import (
     finish_step,
+    log_sample_rows,
     maybe_validate,
     refresh_engine_weights,
+    train_batch,
     train_on_rollouts,
 )
 from dockyard_rl.algorithms.grpo_setup import GRPORun
@@ -74,29 +88,48 @@ def async_grpo_train(run: GRPORun) -> None:
         buffer_config=config.async_grpo,
         redo=extras.get("in_flight", []),
         buffered=extras.get("buffer", []),
+        data_plane=config.data_plane is not None,
     )
     loop = asyncio.new_event_loop()
     stop_wait_s = _STOP_WAIT_AFTER_FAILURE_S
+    plane = None
     try:
+        if config.data_plane is not None:
+            plane = connect_data_plane(run, collector)
         refresh_engine_weights(run)
         maybe_validate(run, loop, at_start=True)
         ray.get(collector.start.remote())
         while run.step < config.grpo.max_num_steps:
             step = run.step + 1
             waited = time.monotonic()
-            records = sample_groups(
-                collector,
-                config.grpo.num_prompts_per_step,
-                run.synchronizer.trainer_version,
-                config.async_grpo.sample_timeout_s,
-            )
-            run.logger.add_time("buffer_wait", time.monotonic() - waited)
-            logger.info(
-                "step %d: prompts %s",
-                step,
-                json.dumps([r.payload.instances[0].instance_id for r in records]),
-            )
-            metrics = train_on_rollouts(run, [r.payload for r in records], step)
+            if plane is None:
+                records = sample_groups(
+                    collector,
+                    config.grpo.num_prompts_per_step,
+                    run.synchronizer.trainer_version,
+                    config.async_grpo.sample_timeout_s,
+                )
+                run.logger.add_time("buffer_wait", time.monotonic() - waited)
+                logger.info(
+                    "step %d: prompts %s",
+                    step,
+                    json.dumps([r.payload.instances[0].instance_id for r in records]),
+                )
+                metrics = train_on_rollouts(run, [r.payload for r in records], step)
+            else:
+                # The wait includes building the batch and sending it to the ranks.
+                experience = send_step_groups(
+                    collector,
+                    config.grpo.num_prompts_per_step,
+                    run.synchronizer.trainer_version,
+                    config.async_grpo.sample_timeout_s,
+                    step,
+                    transfer_grace_s=config.policy.dp_size * config.data_plane.transfer_timeout_s,
+                )
+                run.logger.add_time("buffer_wait", time.monotonic() - waited)
+                logger.info("step %d: prompts %s", step, json.dumps(experience.prompts))
+                log_sample_rows(step, experience.sample_rows)
+                metrics = train_batch(run, experience.batch, step, experience.metrics)
             metrics.update(
                 {f"async/{k}": v for k, v in ray.get(collector.metrics.remote()).items()}
             )
@@ -121,6 +154,31 @@ def async_grpo_train(run: GRPORun) -> None:
             ray.get(collector.stop.remote(stop_wait_s), timeout=stop_wait_s + 30)
         except Exception as error:  # shutting down: the actor may be gone already
             logger.warning("stopping the trajectory collector failed: %s", error)
+        if plane is not None:
+            plane.close()
         ray.kill(collector)
         run.logger.finish()
         loop.close()
+
+
+def connect_data_plane(run: GRPORun, collector):
+    """The data plane from the collector actor (producer, on the driver's node) to the policy's
+    rank actors (receivers, on the trainer fleet), endpoints opened in each; returns the plane
+    (`close()` it when the collector stops). Raises ValueError for actors that cannot take part
+    (data_plane/ray_direct.py) or a policy backend without receivers."""
+    from dockyard_rl.data_plane.factory import create_data_plane
+
+    config = run.config.data_plane
+    plane = create_data_plane(config, name=f"grpo-{run.run_dir.name}")
+    try:
+        endpoints = plane.connect([collector], run.policy.data_plane_receivers())
+        run.policy.open_data_plane(endpoints.receivers, config.receive_timeout_s)
+        ray.get(
+            collector.open_data_plane.remote(
+                endpoints.senders[0], run.config.grpo.advantage, run.pad_token_id
+            )
+        )
+    except BaseException:
+        plane.close()
+        raise
+    return plane

@@ -328,6 +328,8 @@ class MasterConfig:
                 f"grpo.num_prompts_per_step ({grpo.num_prompts_per_step}): one step samples "
                 "that many groups from the buffer",
             )
+        if self.data_plane is not None and grpo.mode == "async":
+            self._check_data_plane()
         require(
             grpo.num_samples_per_step % policy.dp_size == 0,
             "policy.dp_size",
@@ -406,6 +408,31 @@ class MasterConfig:
         self._check_checkpointing()
         self._check_executor()
         self._check_synthesis()
+
+    def _check_data_plane(self) -> None:
+        """`data_plane` set in async mode: the collector actor sends each step's batch straight
+        to the dtensor ranks (data_plane/experience.py). Sync mode generates in the driver, so
+        its experience keeps the driver path whatever this section says (docs/algorithms.md)."""
+        require(
+            self.data_plane.transport == "ray_direct",
+            "data_plane.transport",
+            f"must be ray_direct for the GRPO loop, got {self.data_plane.transport!r}: the "
+            "collector actor and the trainer ranks are separate processes (in_memory connects "
+            "one process only); data_plane: null keeps experience on the driver path",
+        )
+        require(
+            self.policy.backend == "dtensor",
+            "data_plane",
+            f"is set but policy.backend is {self.policy.backend}: only the dtensor ranks "
+            "receive experience over the data plane; set data_plane: null",
+        )
+        require(
+            self.grpo.optimizer_steps_per_step == 1,
+            "data_plane",
+            "is set with several optimizer steps per batch (grpo.train_mini_batch_size / "
+            "num_epochs): the ranks train their whole shard in one step; set data_plane: null "
+            "for mini-batches",
+        )
 
     def _check_rewards(self) -> None:
         for index, stage in enumerate(self.rewards.stages):

@@ -169,12 +169,6 @@ def setup(config: MasterConfig) -> GRPORun:
     ensure_task_data(config)
     train, validation = load_train_validation(config.data)
     warm_start_instances = _warm_start_instances(config, train + validation)
-    if config.data_plane is not None:
-        logger.warning(
-            "data_plane: set, but the GRPO loop does not use a data plane yet: "
-            "scored groups reach the trainer through Ray's object store. Set "
-            "data_plane: null to silence this"
-        )
 
     os.environ.setdefault("DOCKYARD_FLEET_ROLE", "driver")
     from dockyard_rl.cluster.bootstrap import init_ray

@@ -37,6 +37,15 @@ Weight updates: with in-flight updates the trainer syncs the engines while the l
 with `pause_generation` (waits for the round being generated, starts no new one) and
 `resume_generation`, so weights never change under a request.
 
+Experience over the data plane (`data_plane` set): instead of `sample`, the trainer calls
+`send_step_groups` -> the actor's `send_step`: it takes the step's groups from the buffer,
+builds the step's training batch itself (rollouts.assemble_train_batch, the driver's own code),
+sends shard r to trainer rank r over the data plane (data_plane/experience.py) and returns only
+a `StepExperience`: the batch's handle, the step's metrics and sample-log rows. The tensors
+never pass through the driver. The groups leave the buffer exactly as with `sample`, so the
+checkpoint guarantees below are the same: a step's groups are in the last checkpoint's snapshot
+until the step that trained them is checkpointed.
+
 `snapshot` returns, atomically, what a checkpoint needs to resume exactly: the prompt sampler's
 state, the prompts handed out but not yet buffered (generated again on resume), and the buffered
 groups with their versions.
@@ -50,6 +59,7 @@ resumed run samples it with the seeds the killed run used.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -62,8 +72,15 @@ from dockyard_rl.algorithms.async_utils.replay_buffer import (
     GroupRecord,
     ReplayBuffer,
 )
-from dockyard_rl.algorithms.rollouts import Rollout, RolloutRunner
+from dockyard_rl.algorithms.rollouts import (
+    Rollout,
+    RolloutRunner,
+    assemble_train_batch,
+    rollout_metrics,
+    sample_log_rows,
+)
 from dockyard_rl.data.schema import SweInstance
+from dockyard_rl.data_plane.experience import RemoteBatch
 from dockyard_rl.utils.checkpoint import PromptSampler
 
 logger = logging.getLogger(__name__)
@@ -75,6 +92,23 @@ _SAMPLE_POLL_S = 5.0
 # How much longer than its own bounded wait the actor may take to answer a `sample` call before
 # the trainer takes it as hung (it is a threaded actor: a hung round does not block `sample`).
 _REPLY_GRACE_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepExperience:
+    """What the driver gets for a step whose batch went to the ranks over the data plane.
+
+    Attributes:
+        batch: the handle the policy trains on, or None when every group was dropped.
+        prompts: the groups' instance ids (the step's prompt log line).
+        metrics: rollouts.rollout_metrics of the groups plus `dropped_groups`.
+        sample_rows: rollouts.sample_log_rows of the groups (the per-step sample log).
+    """
+
+    batch: RemoteBatch | None
+    prompts: list[str]
+    metrics: dict[str, float]
+    sample_rows: list[dict[str, Any]]
 
 
 def split_groups(rollout: Rollout) -> list[Rollout]:
@@ -169,6 +203,48 @@ class TrajectoryCollector:
         except TimeoutError:
             self._check_alive()
             return None
+
+    def open_data_plane(
+        self, sender_specs: Sequence[Any], advantage_cfg: Any, pad_token_id: int
+    ) -> None:
+        """Opens this actor's senders to the trainer ranks (`endpoints.senders[0]`, rank order);
+        `send_step` builds batches with `advantage_cfg` (`grpo.advantage`) and `pad_token_id`."""
+        self._senders = [spec.open() for spec in sender_specs]
+        self._advantage_cfg, self._pad_token_id = advantage_cfg, pad_token_id
+
+    def send_step(
+        self, num_groups: int, trainer_version: int, timeout_s: float, step: int
+    ) -> StepExperience | None:
+        """`sample`, then the step's batch built here and sent to the ranks (module docstring);
+        None after `timeout_s` without enough groups (nothing sent).
+
+        Raises:
+            RuntimeError: the loop has died.
+            DataPlaneError: a send failed (fatal for the run: resume from the last checkpoint).
+        """
+        from dockyard_rl.algorithms.loss_functions import count_valid
+        from dockyard_rl.data_plane.experience import send_step_shards
+
+        records = self.sample(num_groups, trainer_version, timeout_s)
+        if records is None:
+            return None
+        rollouts = [record.payload for record in records]
+        batch, stats = assemble_train_batch(
+            rollouts, self._advantage_cfg, self._pad_token_id, len(self._senders)
+        )
+        metrics = rollout_metrics(rollouts)
+        metrics["dropped_groups"] = float(sum(s.num_dropped_groups for s in stats))
+        remote = None
+        if batch is not None:
+            remote = send_step_shards(
+                self._senders, batch, step=step, num_valid=count_valid(batch)
+            )
+        return StepExperience(
+            batch=remote,
+            prompts=[r.instances[0].instance_id for r in rollouts],
+            metrics=metrics,
+            sample_rows=sample_log_rows(rollouts),
+        )
 
     def pause_generation(self, timeout_s: float | None = None) -> None:
         """Waits for the round being generated to finish; no new round starts until
@@ -305,6 +381,43 @@ def sample_groups(
             answer a bounded `sample` call at all (the message names the key).
         RuntimeError: the collector's loop has died (its error, e.g. a push timeout).
     """
+    records = _poll_collector(
+        lambda wait_s: collector.sample.remote(num_groups, trainer_version, wait_s),
+        num_groups,
+        trainer_version,
+        timeout_s,
+        _REPLY_GRACE_S,
+    )
+    return list(records)
+
+
+def send_step_groups(
+    collector,
+    num_groups: int,
+    trainer_version: int,
+    timeout_s: float | None,
+    step: int,
+    transfer_grace_s: float,
+) -> StepExperience:
+    """The trainer's side of `send_step` (module docstring): as `sample_groups`, but the batch
+    goes to the trainer ranks over the data plane and only a `StepExperience` comes back.
+    `transfer_grace_s`: how much longer than a plain `sample` the actor may take to answer
+    (the sends: e.g. the number of ranks x `data_plane.transfer_timeout_s`). Raises as
+    `sample_groups`, and the actor's DataPlaneError (wrapped by Ray) when a send failed."""
+    return _poll_collector(
+        lambda wait_s: collector.send_step.remote(num_groups, trainer_version, wait_s, step),
+        num_groups,
+        trainer_version,
+        timeout_s,
+        _REPLY_GRACE_S + transfer_grace_s,
+    )
+
+
+def _poll_collector(
+    call, num_groups: int, trainer_version: int, timeout_s: float | None, grace_s: float
+) -> Any:
+    """Repeats `call(wait_s)` (an ObjectRef of a bounded collector call answering None while
+    too few groups are there) until it answers or `timeout_s` passes (TimeoutError)."""
     import ray
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -313,19 +426,16 @@ def sample_groups(
         if deadline is not None:
             wait_s = max(0.0, min(wait_s, deadline - time.monotonic()))
         try:
-            records = ray.get(
-                collector.sample.remote(num_groups, trainer_version, wait_s),
-                timeout=wait_s + _REPLY_GRACE_S,
-            )
+            records = ray.get(call(wait_s), timeout=wait_s + grace_s)
         except ray.exceptions.GetTimeoutError:
             # Not retried: a late answer would take groups out of the buffer that nobody gets.
             raise TimeoutError(
                 f"async_grpo.sample_timeout_s: the trajectory collector did not answer a "
-                f"{wait_s:g} s sample call within {wait_s + _REPLY_GRACE_S:g} s: the actor is "
+                f"{wait_s:g} s sample call within {wait_s + grace_s:g} s: the actor is "
                 "hung; check its log"
             ) from None
         if records is not None:
-            return list(records)
+            return records
         if deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError(
                 f"async_grpo.sample_timeout_s={timeout_s:g}: the trajectory collector delivered "
@@ -342,18 +452,25 @@ def start_collector(
     sampler_state: dict[str, Any],
     *,
     cluster_config,
+    data_plane: bool = False,
     **kwargs: Any,
 ):
     """Starts a `TrajectoryCollector` actor on this (the driver's) node and returns its handle;
-    `kwargs` go to the constructor. Ray must be running."""
+    `kwargs` go to the constructor. `data_plane`: declare it a data-plane producer (tensor
+    transport and the `data_plane` concurrency group, data_plane/ray_direct.py). Ray must be
+    running."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from dockyard_rl.cluster.bootstrap import fleet_runtime_env
 
+    actor_cls = ray.remote(TrajectoryCollector)
+    if data_plane:
+        from dockyard_rl.data_plane.ray_direct import data_plane_actor_options
+
+        actor_cls = ray.remote(**data_plane_actor_options())(TrajectoryCollector)
     return (
-        ray.remote(TrajectoryCollector)
-        .options(
+        actor_cls.options(
             num_cpus=0,
             # The trainer's sample / pause / snapshot / stop calls wait concurrently with each
             # other.

@@ -61,6 +61,8 @@ import torch
 from dockyard_rl.algorithms.loss_functions import combine_metrics, count_valid
 from dockyard_rl.cluster.config import ClusterConfig
 from dockyard_rl.cluster.local_ray import init_local_ray
+from dockyard_rl.data_plane.experience import RemoteBatch
+from dockyard_rl.data_plane.ray_direct import data_plane_actor_options
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.distributed.worker_group import WorkerGroup
 from dockyard_rl.distributed.workers import WorkerError
@@ -193,8 +195,10 @@ class DTensorPolicy(PolicyInterface):
         # steps 1.5-3x slower than the same code in the driver). Ranks keep the raylet's (the
         # driver's, when it started Ray), as Ray's own job supervisor does for drivers.
         runtime_env = {"env_vars": {"RAY_worker_niceness": "0"}}
+        # Declared as data-plane receivers (tensor transport, a `data_plane` concurrency group),
+        # so async GRPO's collector can send them experience; unused otherwise.
         self._workers = WorkerGroup(
-            DTensorPolicyWorker,
+            ray.remote(**data_plane_actor_options())(DTensorPolicyWorker),
             dp_size,
             "trainer",
             self._cluster_config,
@@ -322,7 +326,10 @@ class DTensorPolicy(PolicyInterface):
     def get_reference_policy_logprobs(self, batch: BatchedDataDict) -> torch.Tensor:
         return self._logprobs(batch, reference=True)
 
-    def _logprobs(self, batch: BatchedDataDict, reference: bool) -> torch.Tensor:
+    def _logprobs(self, batch: BatchedDataDict | RemoteBatch, reference: bool) -> torch.Tensor:
+        if isinstance(batch, RemoteBatch):  # computed and kept in the ranks, beside the shard
+            self._call_all("get_remote_logprobs", batch, reference)
+            return None
         self._check_batch(batch)
         sharded = self._shard(batch, ("input_ids", "input_lengths"))
         results = self._call_all(
@@ -330,7 +337,13 @@ class DTensorPolicy(PolicyInterface):
         )
         return sharded.unshard([{"logprobs": r} for r in results])["logprobs"]
 
-    def train(self, batch: BatchedDataDict, loss_fn: LossFunction) -> dict[str, float]:
+    def train(
+        self, batch: BatchedDataDict | RemoteBatch, loss_fn: LossFunction
+    ) -> dict[str, float]:
+        if isinstance(batch, RemoteBatch):
+            start = time.perf_counter()
+            results = self._call_all("train_remote", batch, loss_fn)
+            return self._train_metrics(results, batch.num_tokens, time.perf_counter() - start)
         loss_keys = tuple(getattr(loss_fn, "required_batch_keys", ()))
         required = tuple(dict.fromkeys(("token_mask", "sample_mask", *loss_keys)))
         self._check_batch(batch, required)
@@ -348,8 +361,12 @@ class DTensorPolicy(PolicyInterface):
             ],
         )
         elapsed = time.perf_counter() - start
+        return self._train_metrics(results, int(batch["input_lengths"].sum()), elapsed)
+
+    def _train_metrics(
+        self, results: list[dict[str, Any]], num_tokens: int, elapsed: float
+    ) -> dict[str, float]:
         metrics = combine_metrics([m for result in results for m in result["metrics"]])
-        num_tokens = int(batch["input_lengths"].sum())
         metrics.update(
             grad_norm=results[0]["grad_norm"],
             learning_rate=results[0]["learning_rate"],
@@ -357,6 +374,21 @@ class DTensorPolicy(PolicyInterface):
             tokens_per_second=num_tokens / elapsed,
         )
         return metrics
+
+    def data_plane_receivers(self) -> list[Any]:
+        """The rank actors, in rank order: the data plane's receivers (rank r gets shard r)."""
+        return self._workers.actors
+
+    def open_data_plane(self, receiver_specs: Sequence[Any], receive_timeout_s: float) -> None:
+        """Each rank opens its receiver (`DataPlaneEndpoints.receivers`, rank order)."""
+        self._call_all(
+            "open_data_plane", per_rank_args=[(spec, receive_timeout_s) for spec in receiver_specs]
+        )
+
+    def data_plane_stats(self) -> list[dict[str, Any]]:
+        """Per rank: its receiver's counters and the (producer, seq, step) of every shard it
+        received (data_plane/experience.py ShardInbox.stats)."""
+        return self._call_all("data_plane_stats")
 
     def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         if self._refit_info is None:

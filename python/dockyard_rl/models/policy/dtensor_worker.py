@@ -518,6 +518,34 @@ class DTensorPolicyWorker:
             "learning_rate": float(learning_rate),
         }
 
+    # -- experience over the data plane (data_plane/experience.py): the shard of a RemoteBatch
+    # is received once, kept here with its log-probs, trained on, then dropped.
+
+    def open_data_plane(self, receiver_spec: Any, receive_timeout_s: float) -> None:
+        from dockyard_rl.data_plane.experience import ShardInbox
+
+        self.inbox = ShardInbox(receiver_spec.open(), receive_timeout_s)
+
+    def get_remote_logprobs(self, remote: Any, reference: bool) -> None:
+        from dockyard_rl.data_plane.experience import PREV_LOGPROBS, REFERENCE_LOGPROBS
+
+        shard = self.inbox.shard(remote)
+        shard[REFERENCE_LOGPROBS if reference else PREV_LOGPROBS] = self.get_logprobs(
+            shard, reference
+        )
+
+    def train_remote(self, remote: Any, loss_fn: LossFunction) -> dict[str, Any]:
+        try:
+            shard = self.inbox.shard(remote)
+            return self.train(
+                shard, loss_fn, remote.num_valid_tokens, remote.num_valid_sequences
+            )
+        finally:
+            self.inbox.drop(remote)
+
+    def data_plane_stats(self) -> dict[str, Any]:
+        return self.inbox.stats()
+
     def step_count(self) -> int:
         return int(self.scheduler.last_epoch)
 

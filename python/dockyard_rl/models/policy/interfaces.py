@@ -19,6 +19,15 @@ Batch layout (a `BatchedDataDict`; suffixes: B = sequences, S = token positions)
 Log-prob alignment: logprobs_BS[b, t] = log p(input_ids[b, t] | input_ids[b, :t]); column 0 (no
 context) and padding positions are 0. This is the alignment the loss function expects.
 
+Experience over the data plane (async GRPO with a `data_plane` section): instead of a
+BatchedDataDict, `get_logprobs`, `get_reference_policy_logprobs` and `train` may take a
+`data_plane.experience.RemoteBatch`, a handle to a global batch whose shards were sent straight
+to the ranks (rank r: shard r). Each rank receives its shard once and keeps it; the log-prob
+methods then store their result rank-side in the shard (`prev_logprobs`,
+`reference_policy_logprobs`) and return None; `train` trains on it and the ranks drop it.
+Backends that support it implement `data_plane_receivers` and `open_data_plane`; the defaults
+raise ValueError.
+
 Call order: construct (loads weights, fails fast on bad config) -> any number of
 get_logprobs / get_reference_policy_logprobs / train / prepare_refit_info / iter_refit_weights /
 save_checkpoint / load_checkpoint, in any order -> shutdown() (idempotent). `train` is the only
@@ -130,6 +139,26 @@ class PolicyInterface(abc.ABC):
         from dockyard_rl.weight_sync import sender
 
         sender.close_session(session)
+
+    # -- experience over the data plane (module docstring). Only the driver calls these, once at
+    # setup: `plane.connect([collector], policy.data_plane_receivers())`, then
+    # `policy.open_data_plane(endpoints.receivers, receive_timeout_s)`.
+
+    def data_plane_receivers(self) -> list[Any]:
+        """The Ray actors that receive the shards, in rank order (declared with
+        `data_plane.ray_direct.data_plane_actor_options()`)."""
+        raise ValueError(
+            f"data_plane: the {type(self).__name__} policy backend does not take experience "
+            "over the data plane; set data_plane: null (or use policy.backend: dtensor)"
+        )
+
+    def open_data_plane(self, receiver_specs: Any, receive_timeout_s: float) -> None:
+        """Each rank opens its receiver spec (`DataPlaneEndpoints.receivers`, rank order) and
+        waits at most `receive_timeout_s` for a shard later."""
+        raise ValueError(
+            f"data_plane: the {type(self).__name__} policy backend does not take experience "
+            "over the data plane; set data_plane: null"
+        )
 
     @abc.abstractmethod
     def save_checkpoint(self, directory: pathlib.Path, *, export_hf: bool = True) -> None:
