@@ -10,6 +10,10 @@ The synthesis tests use it, and so can recipes: `bundled:toystats` in `synthesis
 easiest honest task set we have: small pure functions, each bug visible in a few lines, graded
 by real tests.
 
+`make_toyseries_sdist(dest_dir)` writes `toyseries-1.0.tar.gz`: toystats' held-out partner, the
+same kind of small multi-line functions and a class (`normalize`, `mode`, `Tally`, ...) with the
+same test-suite features, none of toystats' functions (`bundled:toyseries`).
+
 `make_pocketcalc_sdist(dest_dir)` writes `pocketcalc-1.0.tar.gz`: one-line functions whose names
 say what they compute (`add`, `is_even`, `last`, ...), each checked by a test or two. A bug
 mutated into one of them is the easiest honest task there is: the name, the code and the failing
@@ -185,6 +189,159 @@ def test_full():
 def test_bad_size():
     with pytest.raises(ValueError):
         Window(0)
+""",
+}
+
+
+SERIES_NAME = "toyseries"
+
+# toystats' held-out partner: the same kind of small multi-line functions and a class, with the
+# same test-suite features (parametrize, a test class, a conftest fixture reading a data file, a
+# pytest.ini in tests/), none of toystats' functions.
+_SERIES_FILES = {
+    "PKG-INFO": f"Metadata-Version: 2.1\nName: {SERIES_NAME}\nVersion: {VERSION}\n"
+    f"Summary: small helpers for number series\n",
+    "pyproject.toml": f'[project]\nname = "{SERIES_NAME}"\nversion = "{VERSION}"\n',
+    "README.md": "# toyseries\n\nSmall helpers for number series.\n",
+    "toyseries/__init__.py": "from toyseries.series import cumulative_sum, mode, normalize, span\n"
+    "from toyseries.tally import Tally\n",
+    "toyseries/series.py": '''"""Series helpers."""
+
+
+def normalize(values):
+    """values scaled to [0, 1]."""
+    low, high = min(values), max(values)
+    if low == high:
+        raise ValueError("all values are equal")
+    return [(value - low) / (high - low) for value in values]
+
+
+def cumulative_sum(values):
+    result = []
+    total = 0
+    for value in values:
+        total += value
+        result.append(total)
+    return result
+
+
+def mode(values):
+    if not values:
+        raise ValueError("mode of an empty sequence")
+    counts = {}
+    for value in values:
+        counts[value] = counts.get(value, 0) + 1
+    return max(counts, key=counts.get)
+
+
+def span(values):
+    if not values:
+        return 0
+    return max(values) - min(values)
+''',
+    "toyseries/tally.py": '''"""A capped tally."""
+
+
+class Tally:
+    def __init__(self, limit):
+        if limit <= 0:
+            raise ValueError("limit must be positive")
+        self.limit = limit
+        self.count = 0
+
+    def add(self, amount=1):
+        self.count += amount
+        if self.count > self.limit:
+            self.count = self.limit
+        return self
+
+    def remaining(self):
+        return self.limit - self.count
+
+    def done(self):
+        return self.count >= self.limit
+''',
+    "tests/__init__.py": "",
+    "tests/pytest.ini": "[pytest]\nmarkers =\n    slow: a slow test\n",
+    "tests/conftest.py": """import pathlib
+
+import pytest
+
+
+@pytest.fixture
+def readings():
+    path = pathlib.Path(__file__).parent / "data" / "readings.txt"
+    return [int(line) for line in path.read_text().split()]
+""",
+    "tests/data/readings.txt": "4\n2\n7\n2\n9\n2\n5\n",
+    "tests/test_series.py": """import pytest
+
+from toyseries import cumulative_sum, mode, normalize, span
+
+
+@pytest.mark.parametrize("values, expected", [([0, 5, 10], [0.0, 0.5, 1.0]), ([3, 1], [1.0, 0.0])])
+def test_normalize(values, expected):
+    assert normalize(values) == pytest.approx(expected)
+
+
+def test_normalize_rejects_equal_values():
+    with pytest.raises(ValueError):
+        normalize([4, 4])
+
+
+def test_cumulative_sum():
+    assert cumulative_sum([1, 2, 3, 4]) == [1, 3, 6, 10]
+
+
+def test_cumulative_sum_empty():
+    assert cumulative_sum([]) == []
+
+
+class TestMode:
+    def test_single_winner(self):
+        assert mode([3, 1, 3, 2]) == 3
+
+    def test_readings(self, readings):
+        assert mode(readings) == 2
+
+    def test_empty(self):
+        with pytest.raises(ValueError):
+            mode([])
+
+
+def test_span(readings):
+    assert span(readings) == 7
+
+
+def test_span_empty():
+    assert span([]) == 0
+""",
+    "tests/test_tally.py": """import pytest
+
+from toyseries import Tally
+
+
+def test_add_counts():
+    assert Tally(10).add().add(3).count == 4
+
+
+def test_add_is_capped():
+    assert Tally(5).add(4).add(4).count == 5
+
+
+def test_remaining():
+    assert Tally(6).add(2).remaining() == 4
+
+
+def test_done():
+    tally = Tally(2)
+    assert not tally.add().done()
+    assert tally.add().done()
+
+
+def test_bad_limit():
+    with pytest.raises(ValueError):
+        Tally(0)
 """,
 }
 
@@ -586,6 +743,11 @@ def make_toy_sdist(dest_dir: pathlib.Path, *, src_layout: bool = False) -> pathl
     return _write_sdist(dest_dir, NAME, _FILES, src_layout=src_layout)
 
 
+def make_toyseries_sdist(dest_dir: pathlib.Path) -> pathlib.Path:
+    """Writes toyseries (toystats' held-out partner) into `dest_dir`; returns the archive."""
+    return _write_sdist(dest_dir, SERIES_NAME, _SERIES_FILES)
+
+
 def make_pocketcalc_sdist(dest_dir: pathlib.Path) -> pathlib.Path:
     """Writes pocketcalc into `dest_dir` and returns the archive's path."""
     return _write_sdist(dest_dir, CALC_NAME, _CALC_FILES)
@@ -626,4 +788,5 @@ BUNDLED = {
     NAME: make_toy_sdist,
     CALC_NAME: make_pocketcalc_sdist,
     MATH_NAME: make_pocketmath_sdist,
+    SERIES_NAME: make_toyseries_sdist,
 }
