@@ -2,7 +2,7 @@
 
 Backends (one module each, picked by `policy.backend` through factory.py):
   dtensor   torch FSDP2 (`fully_shard` per decoder layer) over a DeviceMesh, one Ray actor per rank
-  jax       a flax.nnx Llama-family model sharded over a jax Mesh, in one Ray actor per host
+  jax       a flax.nnx Llama-family model sharded over a jax Mesh, in one Ray actor
 
 Who calls what. The GRPO loop runs in a driver process and holds ONE `PolicyInterface` object.
 For multi-rank backends that object is a thin controller over a group of rank actors: each
