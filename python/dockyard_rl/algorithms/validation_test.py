@@ -191,3 +191,18 @@ def test_greedy_with_several_samples_is_a_config_error_naming_the_keys():
     }
     with pytest.raises(ConfigError, match="grpo.val_num_samples: is 8 but grpo.val_temperature"):
         master_config_from_dict(raw, "recipe.yaml")
+
+
+def test_a_synthesized_held_out_split_must_be_named_tasks_jsonl(tmp_path):
+    # data.validation_synthesis writes <folder>/tasks.jsonl, so validation_path must name it.
+    data = {
+        "train_path": "/data/tasks.jsonl",
+        "validation_path": str(tmp_path / "held_out.jsonl"),
+        "validation_synthesis": {"packages": ["bundled:pocketmath"]},
+        "prompt": {"max_context_tokens": 1024},
+    }
+    with pytest.raises(ConfigError, match="data.validation_path: .* must be <folder>/tasks.jsonl"):
+        master_config_from_dict({"data": data}, "recipe.yaml")
+    data["validation_path"] = str(tmp_path / "pocketmath" / "tasks.jsonl")
+    config = master_config_from_dict({"data": data, "grpo": {"val_period": 5}}, "recipe.yaml")
+    assert config.data.validation_synthesis.packages == ("bundled:pocketmath",)

@@ -102,3 +102,19 @@ def test_bad_rows_and_missing_files_fail_at_load(tmp_path):
         load_train_validation(
             from_dict(DataConfig, {"train_path": str(tmp_path / "no.jsonl")}, "data")
         )
+
+
+def test_validation_synthesis_needs_the_file_it_makes(train_file, tmp_path):
+    synthesis = {"packages": ["bundled:pocketmath"]}
+    with pytest.raises(ValueError, match="data.validation_synthesis: is set but data.validation"):
+        from_dict(DataConfig, {"train_path": train_file, "validation_synthesis": synthesis}, "data")
+    cfg = from_dict(
+        DataConfig,
+        {
+            "train_path": train_file,
+            "validation_path": str(tmp_path / "pocketmath" / "tasks.jsonl"),
+            "validation_synthesis": synthesis,
+        },
+        "data",
+    )
+    assert cfg.validation_synthesis.packages == ("bundled:pocketmath",)
