@@ -34,9 +34,9 @@ ranks when they call init_process_group): a collective that hangs longer fails i
 blocking forever, on gloo (CPU) as on NCCL.
 
 Who reads what: the DTensor policy's ranks or the jax policy's actor (trainer fleet) and the vLLM
-engines (inference fleet) are WorkerGroups, placed by bootstrap.place_fleet (the fleet's `strategy`, waiting at most
-`placement_timeout_s`) with bootstrap.fleet_runtime_env (the fleet's `nccl_env`); the executors
-the loop starts (section `executor`) are the sandbox fleet. A recipe that sets
+engines (inference fleet) are WorkerGroups, placed by bootstrap.place_fleet (the fleet's
+`strategy`, waiting at most `placement_timeout_s`) with bootstrap.fleet_runtime_env (the fleet's
+`nccl_env`); the executors the loop starts (section `executor`) are the sandbox fleet. A recipe that sets
 `cluster.fleets.sandbox` with `executor: null` (the executors then run outside the loop) fails at
 load time (algorithms/grpo_config.py), since nothing would read it.
 
