@@ -36,9 +36,9 @@ blocking forever, on gloo (CPU) as on NCCL.
 Who reads what: the DTensor policy's ranks or the jax policy's actor (trainer fleet) and the vLLM
 engines (inference fleet) are WorkerGroups, placed by bootstrap.place_fleet (the fleet's
 `strategy`, waiting at most `placement_timeout_s`) with bootstrap.fleet_runtime_env (the fleet's
-`nccl_env`); the executors the loop starts (section `executor`) are the sandbox fleet. A recipe that sets
-`cluster.fleets.sandbox` with `executor: null` (the executors then run outside the loop) fails at
-load time (algorithms/grpo_config.py), since nothing would read it.
+`nccl_env`); the executors the loop starts (section `executor`) are the sandbox fleet. A recipe
+that sets `cluster.fleets.sandbox` with `executor: null` (the executors then run outside the loop)
+fails at load time (algorithms/grpo_config.py), since nothing would read it.
 
 Not covered: autoscaling, heterogeneous per-node config files (each node process passes its own
 `node` values, e.g. through the join CLI's flags), Ray client (ray://) addresses.
