@@ -13,8 +13,8 @@ driver until every rank holds its shard (data_plane/experience.py's split for bo
 - driver path: the collector returns the batch (`ray.get` into the driver), the driver shards
   it and passes shard r to rank r as a task argument (what `sample_groups` + DTensorPolicy do);
 - data plane: the driver asks the collector to send the step (`send_step_shards`: shard r to
-  rank r over Ray Direct Transport, gloo) and each rank to take its shard (`ShardInbox`); the
-  driver only sees the `RemoteBatch` handle.
+  rank r's inbox actor over Ray Direct Transport, gloo) and each rank to take its shard from its
+  inbox (node-local object store); the driver only sees the `RemoteBatch` handle.
 
 Reported per path: median / min / max seconds over `--reps` after `--warmup`, and the bytes
 that pass through the driver (tensor bytes received + sent, or the pickled handle). Nothing is
@@ -72,23 +72,16 @@ class Collector:
 
 
 class Rank:
-    """A trainer rank: takes its shard (as a task argument, or from its data-plane inbox)."""
-
-    def __init__(self):
-        self._inbox = None
-
-    def open(self, spec, receive_timeout_s: float) -> None:
-        from dockyard_rl.data_plane.experience import ShardInbox
-
-        self._inbox = ShardInbox(spec.open(), receive_timeout_s)
+    """A trainer rank: takes its shard as a task argument, or from its inbox actor (what a
+    DTensor rank does: data_plane/experience.py)."""
 
     def take(self, shard) -> int:
         return tensor_bytes(shard)
 
-    def take_remote(self, remote) -> int:
-        received = tensor_bytes(self._inbox.shard(remote))
-        self._inbox.drop(remote)
-        return received
+    def take_from(self, inbox, remote) -> int:
+        import ray
+
+        return tensor_bytes(ray.get(inbox.take.remote(remote)))
 
 
 def _timed(function, reps: int, warmup: int) -> list[float]:
@@ -114,19 +107,22 @@ def main() -> None:
     import ray
 
     from dockyard_rl.cluster.local_ray import init_local_ray
-    from dockyard_rl.data_plane.experience import shard_for_ranks
+    from dockyard_rl.data_plane.experience import shard_for_ranks, start_inbox_actors
     from dockyard_rl.data_plane.factory import create_data_plane
     from dockyard_rl.data_plane.ray_direct import data_plane_actor_options
 
     init_local_ray(log_to_driver=False)
     options = data_plane_actor_options()
-    collector = ray.remote(**options)(Collector).options(num_cpus=0).remote(args.samples, args.seq_len)
-    ranks = [ray.remote(**options)(Rank).options(num_cpus=0).remote() for _ in range(args.ranks)]
+    collector_cls = ray.remote(**options)(Collector)
+    collector = collector_cls.options(num_cpus=0).remote(args.samples, args.seq_len)
+    ranks = [ray.remote(Rank).options(num_cpus=0).remote() for _ in range(args.ranks)]
+    node = ray.get_runtime_context().get_node_id()
+    inboxes = start_inbox_actors([node] * args.ranks, {})
     plane = create_data_plane({"transport": "ray_direct", "max_in_flight_batches": 1})
-    endpoints = plane.connect([collector], ranks)
+    endpoints = plane.connect([collector], inboxes)
     ray.get(
         [collector.open.remote(endpoints.senders[0])]
-        + [rank.open.remote(endpoints.receiver(r), 120.0) for r, rank in enumerate(ranks)]
+        + [inbox.open.remote(endpoints.receiver(r), 120.0) for r, inbox in enumerate(inboxes)]
     )
     total_bytes = tensor_bytes(make_batch(args.samples, args.seq_len))
     through_driver = {}
@@ -142,7 +138,9 @@ def main() -> None:
 
     def data_plane_path() -> None:
         remote = ray.get(collector.send_step.remote(next(steps)))
-        received = ray.get([rank.take_remote.remote(remote) for rank in ranks])
+        received = ray.get(
+            [rank.take_from.remote(inbox, remote) for rank, inbox in zip(ranks, inboxes)]
+        )
         assert sum(received) == total_bytes
         through_driver["data plane (ray_direct, gloo)"] = 2 * len(pickle.dumps(remote))
 

@@ -196,7 +196,7 @@ def train_batch(
     with run.logger.timer("logprobs"):
         # The old policy's log-probs, once before the first optimizer step; a single optimizer
         # step skips the pass (the training forward has them: loss_functions, "Old policy").
-        if plan is None or len(plan) > 1:
+        if plan is not None and len(plan) > 1:
             _store(batch, "prev_logprobs", run.policy.get_logprobs(batch))
         if run.config.loss_fn.reference_kl_coef > 0 and not config.skip_reference_policy_logprobs:
             _store(
@@ -206,8 +206,8 @@ def train_batch(
     ages = run.synchronizer.trainer_version - valid_weight_versions(batch)
     with run.logger.timer("train"):
         if plan is None:
-            train_metrics = run.policy.train(batch, run.loss_fn)
-            train_metrics.update(optimizer_steps=1.0, logprobs_pass_skipped=0.0)
+            train_metrics = run.policy.train(batch, run.loss_fn)  # a RemoteBatch: one step
+            train_metrics.update(optimizer_steps=1.0, logprobs_pass_skipped=1.0)
         else:
             train_metrics = train_mini_batches(
                 run.policy, batch, run.loss_fn, plan, run.config.policy.dp_size
@@ -289,5 +289,3 @@ def save_checkpoint(run: GRPORun, extras: dict | None = None) -> None:
     start = time.monotonic()
     path = run.checkpoints.save(run.step, write)
     logger.info("step %d: checkpoint %s (%.1f s)", run.step, path, time.monotonic() - start)
-
-

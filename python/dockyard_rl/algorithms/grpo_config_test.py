@@ -569,3 +569,37 @@ def test_the_resolved_config_leaves_out_what_is_not_read(tmp_path):
         _write(tmp_path, config_to_yaml(config), "resolved.yaml"), base_dir=tmp_path
     )
     assert config_to_dict(again) == resolved
+
+
+@pytest.mark.parametrize(
+    "sections, expected",
+    [
+        ({"data_plane": {"transport": "in_memory"}}, "data_plane.transport: must be ray_direct"),
+        (
+            {"data_plane": {}, "policy": {"backend": "jax"}},
+            "data_plane: is set but policy.backend is jax",
+        ),
+        (
+            {"data_plane": {}, "grpo": {"mode": "async", "num_epochs": 2}},
+            "data_plane: is set with several optimizer steps",
+        ),
+    ],
+)
+def test_async_experience_over_the_data_plane_is_checked_at_load(tmp_path, sections, expected):
+    # Async GRPO sends experience collector -> dtensor ranks (async_grpo.py); sync keeps the
+    # driver path whatever the section says.
+    raw = _with(grpo={"mode": "async"}, loss_fn={"use_importance_sampling_correction": True})
+    for section, values in sections.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    assert expected in _error(raw, tmp_path)
+    assert load_config(_write(tmp_path, _with(data_plane={})), base_dir=tmp_path).data_plane
+
+
+def test_async_experience_over_the_data_plane_loads(tmp_path):
+    raw = _with(
+        grpo={"mode": "async"},
+        loss_fn={"use_importance_sampling_correction": True},
+        data_plane={"transport": "ray_direct"},
+    )
+    config = load_config(_write(tmp_path, raw), base_dir=tmp_path)
+    assert config.data_plane.transport == "ray_direct"

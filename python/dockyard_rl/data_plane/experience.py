@@ -10,6 +10,14 @@ the driver.
     shard = inbox.shard(remote)   # receives once, then cached: log-probs and train reuse it
     inbox.drop(remote)            # after train
 
+Where the receivers live: Ray's gloo group (the CPU tensor transport of ray_direct) is built on
+torch.distributed's default process group, of which a process has one, and a policy rank's is
+its FSDP group already. So each rank gets a `ShardInboxActor` of its own on its node (no
+torch process group, no CPU reserved): the data plane delivers shard r into inbox r, and rank r
+takes it from there with one node-local Ray call (the node's shared-memory object store; never
+the driver). With NCCL on GPU the same holds (Ray's NCCL groups are separate communicators,
+but one inbox per rank keeps one code path).
+
 Shards: `batch.shard_by_batch_size(num_ranks, balance_by="input_lengths")`, the split
 `DTensorPolicy` makes of a driver-side batch (equal sample counts, balanced tokens), so both
 paths train on identical shards. Shard r travels on channel producer -> receiver r with the
@@ -185,3 +193,45 @@ class ShardInbox:
             "received": list(self.received),
             "num_cached": self.num_cached,
         }
+
+
+class ShardInboxActor:
+    """A trainer rank's data-plane receiver in an actor of its own (module docstring, "Where
+    the receivers live"). Declare with `ray.remote(**data_plane_actor_options())`; start with
+    `start_inbox_actors`. `take(remote)` hands the shard over once (the rank caches it)."""
+
+    def __init__(self) -> None:
+        self._inbox: ShardInbox | None = None
+
+    def open(self, receiver_spec: Any, receive_timeout_s: float) -> None:
+        self._inbox = ShardInbox(receiver_spec.open(), receive_timeout_s)
+
+    def take(self, remote: RemoteBatch) -> BatchedDataDict:
+        """This rank's shard of `remote` (ShardInbox.shard's errors), then forgotten here."""
+        assert self._inbox is not None, "open() first"
+        shard = self._inbox.shard(remote)
+        self._inbox.drop(remote)
+        return shard
+
+    def stats(self) -> dict[str, Any]:
+        assert self._inbox is not None, "open() first"
+        return self._inbox.stats()
+
+
+def start_inbox_actors(node_ids: Sequence[str], runtime_env: dict[str, Any]) -> list[Any]:
+    """One `ShardInboxActor` on each node of `node_ids` (a rank's node, rank order), pinned
+    there, with no CPU reserved (it only waits and copies). Ray must be running."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from dockyard_rl.data_plane.ray_direct import data_plane_actor_options
+
+    actor_cls = ray.remote(**data_plane_actor_options())(ShardInboxActor)
+    return [
+        actor_cls.options(
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            runtime_env=runtime_env,
+        ).remote()
+        for node_id in node_ids
+    ]

@@ -88,7 +88,9 @@ def test_a_shard_of_another_step_is_refused(plane):
     senders, inboxes = plane
     send_step_shards(senders, _batch(1), step=1, num_valid=(1, 1))
     stale = RemoteBatch(7, 0, 4, 10, 1, 1, ())
-    with pytest.raises(DataPlaneError, match="expected the shard of step 7 .seq 0., received seq 0 of step 1"):
+    with pytest.raises(
+        DataPlaneError, match="expected the shard of step 7 .seq 0., received seq 0 of step 1"
+    ):
         inboxes[1].shard(stale)
 
 

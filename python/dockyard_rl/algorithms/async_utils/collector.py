@@ -236,9 +236,7 @@ class TrajectoryCollector:
         metrics["dropped_groups"] = float(sum(s.num_dropped_groups for s in stats))
         remote = None
         if batch is not None:
-            remote = send_step_shards(
-                self._senders, batch, step=step, num_valid=count_valid(batch)
-            )
+            remote = send_step_shards(self._senders, batch, step=step, num_valid=count_valid(batch))
         return StepExperience(
             batch=remote,
             prompts=[r.instances[0].instance_id for r in rollouts],
@@ -469,16 +467,13 @@ def start_collector(
         from dockyard_rl.data_plane.ray_direct import data_plane_actor_options
 
         actor_cls = ray.remote(**data_plane_actor_options())(TrajectoryCollector)
-    return (
-        actor_cls.options(
-            num_cpus=0,
-            # The trainer's sample / pause / snapshot / stop calls wait concurrently with each
-            # other.
-            max_concurrency=8,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(
-                ray.get_runtime_context().get_node_id(), soft=False
-            ),
-            runtime_env=fleet_runtime_env("driver", cluster_config),
-        )
-        .remote(runner, instances, sampler_state, **kwargs)
-    )
+    return actor_cls.options(
+        num_cpus=0,
+        # The trainer's sample / pause / snapshot / stop calls wait concurrently with each
+        # other.
+        max_concurrency=8,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False
+        ),
+        runtime_env=fleet_runtime_env("driver", cluster_config),
+    ).remote(runner, instances, sampler_state, **kwargs)

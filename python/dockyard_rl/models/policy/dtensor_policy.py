@@ -61,8 +61,7 @@ import torch
 from dockyard_rl.algorithms.loss_functions import combine_metrics, count_valid
 from dockyard_rl.cluster.config import ClusterConfig
 from dockyard_rl.cluster.local_ray import init_local_ray
-from dockyard_rl.data_plane.experience import RemoteBatch
-from dockyard_rl.data_plane.ray_direct import data_plane_actor_options
+from dockyard_rl.data_plane.experience import RemoteBatch, start_inbox_actors
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.distributed.worker_group import WorkerGroup
 from dockyard_rl.distributed.workers import WorkerError
@@ -153,6 +152,7 @@ class DTensorPolicy(PolicyInterface):
         self._workers: WorkerGroup | None = None
         self._broken: str | None = None
         self._refit_info: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+        self._inboxes: list[Any] = []  # data-plane shard inboxes, one per rank (if used)
         # Fail fast, before any actor starts: the model and the checkpoint must exist.
         try:
             self.model_dir = zoo.resolve_model(cfg.model, cache_dir=cache_dir)
@@ -195,10 +195,8 @@ class DTensorPolicy(PolicyInterface):
         # steps 1.5-3x slower than the same code in the driver). Ranks keep the raylet's (the
         # driver's, when it started Ray), as Ray's own job supervisor does for drivers.
         runtime_env = {"env_vars": {"RAY_worker_niceness": "0"}}
-        # Declared as data-plane receivers (tensor transport, a `data_plane` concurrency group),
-        # so async GRPO's collector can send them experience; unused otherwise.
         self._workers = WorkerGroup(
-            ray.remote(**data_plane_actor_options())(DTensorPolicyWorker),
+            DTensorPolicyWorker,
             dp_size,
             "trainer",
             self._cluster_config,
@@ -376,19 +374,40 @@ class DTensorPolicy(PolicyInterface):
         return metrics
 
     def data_plane_receivers(self) -> list[Any]:
-        """The rank actors, in rank order: the data plane's receivers (rank r gets shard r)."""
-        return self._workers.actors
+        """One shard inbox actor per rank, on the rank's node, in rank order (started on the
+        first call): the data plane's receivers (data_plane/experience.py says why not the
+        ranks themselves)."""
+        import ray
+
+        from dockyard_rl.cluster.bootstrap import fleet_runtime_env
+
+        if not self._inboxes:
+            node_ids = [info.node_id for info in self._workers.worker_infos]
+            self._inboxes = start_inbox_actors(
+                node_ids, fleet_runtime_env("trainer", self._cluster_config)
+            )
+            ray.get([inbox.__ray_ready__.remote() for inbox in self._inboxes])
+        return list(self._inboxes)
 
     def open_data_plane(self, receiver_specs: Sequence[Any], receive_timeout_s: float) -> None:
-        """Each rank opens its receiver (`DataPlaneEndpoints.receivers`, rank order)."""
+        """Inbox r opens receiver r (`DataPlaneEndpoints.receivers`, rank order); rank r takes
+        its shards from inbox r."""
+        import ray
+
+        inboxes, specs = self.data_plane_receivers(), list(receiver_specs)
+        ray.get([inbox.open.remote(spec, receive_timeout_s) for inbox, spec in zip(inboxes, specs)])
         self._call_all(
-            "open_data_plane", per_rank_args=[(spec, receive_timeout_s) for spec in receiver_specs]
+            "open_data_plane", per_rank_args=[(inbox, receive_timeout_s) for inbox in inboxes]
         )
 
     def data_plane_stats(self) -> list[dict[str, Any]]:
-        """Per rank: its receiver's counters and the (producer, seq, step) of every shard it
-        received (data_plane/experience.py ShardInbox.stats)."""
-        return self._call_all("data_plane_stats")
+        """Per rank: its inbox's receiver counters, the (producer, seq, step) of every shard it
+        received (ShardInbox.stats) and `num_cached`, the shards the rank still holds."""
+        import ray
+
+        inbox_stats = ray.get([inbox.stats.remote() for inbox in self._inboxes])
+        cached = self._call_all("num_cached_shards")
+        return [{**stats, "num_cached": n} for stats, n in zip(inbox_stats, cached)]
 
     def prepare_refit_info(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         if self._refit_info is None:
@@ -490,6 +509,12 @@ class DTensorPolicy(PolicyInterface):
         return self._call_all("memory_stats", reset)
 
     def shutdown(self) -> None:
+        if self._inboxes:
+            import ray
+
+            for inbox in self._inboxes:
+                ray.kill(inbox)
+            self._inboxes = []
         if self._workers is not None:
             workers, self._workers = self._workers, None
             # A broken group may hang in its collective: kill it without the clean shutdown.

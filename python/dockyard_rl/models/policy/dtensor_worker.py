@@ -518,33 +518,41 @@ class DTensorPolicyWorker:
             "learning_rate": float(learning_rate),
         }
 
-    # -- experience over the data plane (data_plane/experience.py): the shard of a RemoteBatch
-    # is received once, kept here with its log-probs, trained on, then dropped.
+    # -- experience over the data plane (data_plane/experience.py): this rank takes the shard of
+    # a RemoteBatch from its inbox actor once, keeps it with its log-probs, trains, drops it.
 
-    def open_data_plane(self, receiver_spec: Any, receive_timeout_s: float) -> None:
-        from dockyard_rl.data_plane.experience import ShardInbox
+    def open_data_plane(self, inbox: Any, receive_timeout_s: float) -> None:
+        self.inbox, self.inbox_timeout_s = inbox, receive_timeout_s
+        self.shards: dict[Any, BatchedDataDict] = {}
 
-        self.inbox = ShardInbox(receiver_spec.open(), receive_timeout_s)
+    def _remote_shard(self, remote: Any) -> BatchedDataDict:
+        import ray
+
+        if remote not in self.shards:
+            self.shards.clear()  # a shard of an earlier step that never trained (failed step)
+            # The inbox waits receive_timeout_s itself and raises naming the key.
+            self.shards[remote] = ray.get(
+                self.inbox.take.remote(remote), timeout=self.inbox_timeout_s + 60
+            )
+        return self.shards[remote]
 
     def get_remote_logprobs(self, remote: Any, reference: bool) -> None:
         from dockyard_rl.data_plane.experience import PREV_LOGPROBS, REFERENCE_LOGPROBS
 
-        shard = self.inbox.shard(remote)
+        shard = self._remote_shard(remote)
         shard[REFERENCE_LOGPROBS if reference else PREV_LOGPROBS] = self.get_logprobs(
             shard, reference
         )
 
     def train_remote(self, remote: Any, loss_fn: LossFunction) -> dict[str, Any]:
         try:
-            shard = self.inbox.shard(remote)
-            return self.train(
-                shard, loss_fn, remote.num_valid_tokens, remote.num_valid_sequences
-            )
+            shard = self._remote_shard(remote)
+            return self.train(shard, loss_fn, remote.num_valid_tokens, remote.num_valid_sequences)
         finally:
-            self.inbox.drop(remote)
+            self.shards.pop(remote, None)
 
-    def data_plane_stats(self) -> dict[str, Any]:
-        return self.inbox.stats()
+    def num_cached_shards(self) -> int:
+        return len(getattr(self, "shards", {}))
 
     def step_count(self) -> int:
         return int(self.scheduler.last_epoch)
