@@ -338,8 +338,7 @@ class MasterConfig:
             "data-parallel rank trains on the same number of samples",
         )
         require(
-            grpo.train_mini_batch_size is None
-            or grpo.train_mini_batch_size % policy.dp_size == 0,
+            grpo.train_mini_batch_size is None or grpo.train_mini_batch_size % policy.dp_size == 0,
             "grpo.train_mini_batch_size",
             f"({grpo.train_mini_batch_size}) must be a multiple of policy.dp_size "
             f"({policy.dp_size}): every data-parallel rank trains on the same number of samples "
