@@ -329,7 +329,7 @@ class MasterConfig:
                 "that many groups from the buffer",
             )
         if self.data_plane is not None and grpo.mode == "async":
-            self._check_data_plane()
+            self._check_data_plane(self.data_plane)
         require(
             grpo.num_samples_per_step % policy.dp_size == 0,
             "policy.dp_size",
@@ -408,14 +408,14 @@ class MasterConfig:
         self._check_executor()
         self._check_synthesis()
 
-    def _check_data_plane(self) -> None:
+    def _check_data_plane(self, data_plane: DataPlaneConfig) -> None:
         """`data_plane` set in async mode: the collector actor sends each step's batch straight
         to the dtensor ranks (data_plane/experience.py). Sync mode generates in the driver, so
         its experience keeps the driver path whatever this section says (docs/algorithms.md)."""
         require(
-            self.data_plane.transport == "ray_direct",
+            data_plane.transport == "ray_direct",
             "data_plane.transport",
-            f"must be ray_direct for the GRPO loop, got {self.data_plane.transport!r}: the "
+            f"must be ray_direct for the GRPO loop, got {data_plane.transport!r}: the "
             "collector actor and the trainer ranks are separate processes (in_memory connects "
             "one process only); data_plane: null keeps experience on the driver path",
         )
