@@ -85,11 +85,17 @@ def _weights_changed(run_dir: pathlib.Path, num_steps: int) -> bool:
 
 
 def test_sync_grpo_two_steps_after_a_warm_start(tmp_path, tasks):
-    config = load_config(_recipe(tmp_path, tasks, warm_start=_warm_start(tasks), mode="sync"))
+    # Two mini-batches per step: the second optimizer step of each is off-policy.
+    recipe = _recipe(
+        tmp_path, tasks, warm_start=_warm_start(tasks), mode="sync", train_mini_batch_size=2
+    )
+    config = load_config(recipe)
     grpo.run(config)
     run_dir = tmp_path / "results" / "run"
     train = _check_run(run_dir, 2)
     assert all(r["train/max_sample_age_steps"] == 0.0 for r in train)  # on-policy
+    assert all(r["train/optimizer_steps"] == 2.0 for r in train)
+    assert all(r["train/logprobs_pass_skipped"] == 0.0 for r in train)
     assert _weights_changed(run_dir, 2)
     # The warm start ran first, learned its one example, and is step 0 of the run.
     (warm,) = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "warm_start/num_examples" in r]
@@ -106,4 +112,6 @@ def test_async_grpo_two_steps_respects_the_age_bound(tmp_path, tasks):
     run_dir = tmp_path / "results" / "run"
     train = _check_run(run_dir, 2)
     assert all(0 <= r["train/max_sample_age_steps"] <= 1 for r in train)
+    # One optimizer step per batch: the training forward's log-probs are the old policy's.
+    assert all(r["train/logprobs_pass_skipped"] == 1.0 for r in train)
     assert _weights_changed(run_dir, 2)

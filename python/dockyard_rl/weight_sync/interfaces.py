@@ -22,7 +22,7 @@ States and the only legal order (anything else raises WeightSyncOrderError):
 - READY: the engine holds the trainer's current weights (engine_version == trainer_version) and
   is awake. The state right after construction.
 - STALE: the trainer has stepped since the last sync; the engine holds an older, complete
-  version. `mark_stale()` again (several optimizer steps without a sync) stays STALE and adds a
+  version. `mark_stale()` again (several trainer steps without a sync) stays STALE and adds a
   pending version.
 - SYNCING: `sync_weights()` is running the transfer hook. Every other state-changing call
   raises (including `mark_stale()`: the trainer must not step while its weights are read).
@@ -31,7 +31,9 @@ States and the only legal order (anything else raises WeightSyncOrderError):
   overwritten and must not be used; `is_stale` is true; `sync_weights()` retries. `mark_stale()`
   is allowed (the trainer may step before the retry) and the state stays FAILED.
 
-Versions: weight version k = the weights after k optimizer steps. `trainer_version` starts at
+Versions: weight version k = the weights after k publications: the loop calls `mark_stale()`
+once per trainer step (however many optimizer steps its mini-batches made) and once after a
+warm start, so sample ages count trainer steps. `trainer_version` starts at
 `initial_version` (what the engine was built from) and goes up by one per `mark_stale()`;
 `engine_version` is the last version fully transferred. Both only increase.
 
