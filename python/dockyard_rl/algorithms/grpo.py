@@ -178,40 +178,30 @@ def train_batch(
         metrics["skipped_update"] = 1.0
         return metrics
     # The step's optimizer steps (mini_batches.py): mini-batches x epochs, shuffled by a seed a
-    # resume derives again. A RemoteBatch's rows stay rank-side: one optimizer step, as before.
+    # resume derives again. The same plan of global rows for a RemoteBatch (the ranks map the
+    # rows onto their shards).
     config = run.config.grpo
-    plan = None
-    if isinstance(batch, BatchedDataDict):
-        plan = mini_batch_plan(
-            batch.batch_size,
-            config.train_mini_batch_size,
-            config.num_epochs,
-            mini_batch_seed(config.seed, step),
-        )
-    elif config.optimizer_steps_per_step > 1:
-        raise ValueError(
-            "grpo.train_mini_batch_size / grpo.num_epochs give several optimizer steps per "
-            "step, which the data-plane path does not split yet; set them to null / 1"
-        )
+    plan = mini_batch_plan(
+        batch.batch_size,
+        config.train_mini_batch_size,
+        config.num_epochs,
+        mini_batch_seed(config.seed, step),
+    )
     with run.logger.timer("logprobs"):
         # The old policy's log-probs, once before the first optimizer step; a single optimizer
         # step skips the pass (the training forward has them: loss_functions, "Old policy").
-        if plan is not None and len(plan) > 1:
-            _store(batch, "prev_logprobs", run.policy.get_logprobs(batch))
+        if len(plan) > 1:
+            batch = _store(batch, "prev_logprobs", run.policy.get_logprobs(batch))
         if run.config.loss_fn.reference_kl_coef > 0 and not config.skip_reference_policy_logprobs:
-            _store(
+            batch = _store(
                 batch, "reference_policy_logprobs", run.policy.get_reference_policy_logprobs(batch)
             )
     # Versions behind the weights being trained (step - 1, or step after a warm start).
     ages = run.synchronizer.trainer_version - valid_weight_versions(batch)
     with run.logger.timer("train"):
-        if plan is None:
-            train_metrics = run.policy.train(batch, run.loss_fn)  # a RemoteBatch: one step
-            train_metrics.update(optimizer_steps=1.0, logprobs_pass_skipped=1.0)
-        else:
-            train_metrics = train_mini_batches(
-                run.policy, batch, run.loss_fn, plan, run.config.policy.dp_size
-            )
+        train_metrics = train_mini_batches(
+            run.policy, batch, run.loss_fn, plan, run.config.policy.dp_size
+        )
     # ONE weight version per trainer step, however many optimizer steps it made: a version is a
     # publication to the engines (sample ages and max_trajectory_age_steps count trainer steps).
     run.synchronizer.mark_stale()
@@ -223,12 +213,16 @@ def train_batch(
     return metrics
 
 
-def _store(batch: BatchedDataDict | RemoteBatch, key: str, logprobs_BS) -> None:
-    """Puts log-probs into a driver-side batch; a RemoteBatch's stay in the ranks (None)."""
+def _store(
+    batch: BatchedDataDict | RemoteBatch, key: str, logprobs_BS
+) -> BatchedDataDict | RemoteBatch:
+    """Puts log-probs into a driver-side batch; a RemoteBatch's stay in the ranks (None): the
+    returned handle records that they hold `key`."""
     if isinstance(batch, RemoteBatch):
         assert logprobs_BS is None, "log-probs of a RemoteBatch stay in the policy's ranks"
-    else:
-        batch[key] = logprobs_BS
+        return batch.with_rank_side_key(key)
+    batch[key] = logprobs_BS
+    return batch
 
 
 def log_samples(step: int, rollouts: list[Rollout]) -> None:

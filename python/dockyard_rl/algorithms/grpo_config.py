@@ -411,7 +411,8 @@ class MasterConfig:
     def _check_data_plane(self, data_plane: DataPlaneConfig) -> None:
         """`data_plane` set in async mode: the collector actor sends each step's batch straight
         to the dtensor ranks (data_plane/experience.py). Sync mode generates in the driver, so
-        its experience keeps the driver path whatever this section says (docs/algorithms.md)."""
+        its experience keeps the driver path whatever this section says (docs/algorithms.md).
+        Mini-batches and epochs work on either path (the same plan: algorithms/mini_batches.py)."""
         require(
             data_plane.transport == "ray_direct",
             "data_plane.transport",
@@ -424,13 +425,6 @@ class MasterConfig:
             "data_plane",
             f"is set but policy.backend is {self.policy.backend}: only the dtensor ranks "
             "receive experience over the data plane; set data_plane: null",
-        )
-        require(
-            self.grpo.optimizer_steps_per_step == 1,
-            "data_plane",
-            "is set with several optimizer steps per batch (grpo.train_mini_batch_size / "
-            "num_epochs): the ranks train their whole shard in one step; set data_plane: null "
-            "for mini-batches",
         )
 
     def _check_rewards(self) -> None:

@@ -4,8 +4,11 @@
                            mini_batch_seed(grpo.seed, step))
     metrics = train_mini_batches(policy, batch, loss_fn, plan, dp_size)
 
-The contract, for every path that trains (the driver's `train_on_rollouts` today; a worker-side
-path that holds the batch itself can call the same two functions on its rows):
+The contract, for every path that trains: the driver's batch (`train_on_rollouts`) and a
+`RemoteBatch` whose shards wait in the policy's ranks (async GRPO with a data plane) get the
+SAME plan over the global rows 0..B-1; for a RemoteBatch each optimizer step is
+`policy.train(remote.select(rows, last=...))` and the ranks map the rows onto their shards
+(data_plane/experience.py, "Mini-batches"):
 
 - `mini_batch_plan` is a pure function: per epoch a seeded permutation of the batch's rows, cut
   into consecutive mini-batches of `train_mini_batch_size` rows (the last one of an epoch smaller
@@ -15,14 +18,16 @@ path that holds the batch itself can call the same two functions on its rows):
   One mini-batch per epoch (null size) keeps the rows in order: no shuffle is needed.
 - The old policy's log-probs (`prev_logprobs`) are taken ONCE, before the first optimizer step,
   with the weights that start the step; every mini-batch of every epoch is scored against them,
-  so the later ones are off-policy and the PPO clip (and dual clip) binds. When the plan has a
+  so the later ones are off-policy and the PPO clip (and dual clip) binds (a RemoteBatch's are
+  taken and kept rank-side, beside the shard). When the plan has a
   single optimizer step the separate log-prob pass is skipped: the loss uses the training
   forward's own log-probs (loss_functions.py, "Old policy"), the same loss and gradient for
   one forward pass less; the metric `logprobs_pass_skipped` says so.
 - Each mini-batch is one `PolicyInterface.train` call, i.e. one optimizer step and one
   LR-scheduler step; its loss is normalised by the MINI-batch's own valid-token / sequence counts
-  (the policy computes them with `count_valid` on what it is given). Rows padded for data
-  parallelism carry sample_mask 0 and count nowhere.
+  (the policy computes them with `count_valid` on what it is given; the dtensor ranks sum their
+  rows' counts for a RemoteBatch). Rows padded for data parallelism carry sample_mask 0 and
+  count nowhere.
 - The weight version (weight_sync: `mark_stale`, `trainer_version`, sample ages in async mode)
   counts trainer STEPS, i.e. weight publications, not optimizer steps: the caller marks the
   weights stale once after all of a step's optimizer steps. The LR schedule counts optimizer
@@ -44,6 +49,7 @@ import torch
 
 from dockyard_rl.algorithms.loss_functions import MAX_METRICS
 from dockyard_rl.algorithms.rollouts import pad_to_dp_multiple
+from dockyard_rl.data_plane.experience import PREV_LOGPROBS, RemoteBatch
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.models.policy.interfaces import LossFunction, PolicyInterface
 
@@ -91,7 +97,7 @@ def mini_batch_plan(
 
 def train_mini_batches(
     policy: PolicyInterface,
-    batch: BatchedDataDict[Any],
+    batch: BatchedDataDict[Any] | RemoteBatch,
     loss_fn: LossFunction,
     plan: Sequence[torch.Tensor],
     dp_size: int,
@@ -101,6 +107,9 @@ def train_mini_batches(
     `batch`: the unpadded rollout batch with the loss's keys except `prev_logprobs` (taken here
     when the plan has more than one step; a caller-supplied one is used as is), optionally
     `reference_policy_logprobs`. Each mini-batch is padded to a multiple of `dp_size`.
+    Or a `RemoteBatch` (a dtensor policy's ranks hold it): the same, with the log-probs rank-side
+    (`rank_side_keys` says which the caller had taken); the ranks pad, and drop the shard after
+    the last optimizer step.
 
     Returns the loss and policy metrics combined over the optimizer steps (means; MAX_METRICS:
     max; num_tokens: sum) plus `optimizer_steps` and `logprobs_pass_skipped` (1.0 when the
@@ -109,13 +118,21 @@ def train_mini_batches(
     """
     if not plan:
         raise ValueError("train_mini_batches needs a plan with at least one optimizer step")
-    skipped = len(plan) == 1 and "prev_logprobs" not in batch
-    if len(plan) > 1 and "prev_logprobs" not in batch:
-        batch = batch.copy()  # the caller's dict keeps its keys
-        batch["prev_logprobs"] = padded_logprobs(policy.get_logprobs, batch, dp_size)
+    remote = isinstance(batch, RemoteBatch)
+    has_prev = PREV_LOGPROBS in (batch.rank_side_keys if remote else batch)
+    skipped = len(plan) == 1 and not has_prev
+    if len(plan) > 1 and not has_prev:
+        if remote:
+            policy.get_logprobs(batch)  # kept by the ranks beside their shards
+        else:
+            batch = batch.copy()  # the caller's dict keeps its keys
+            batch[PREV_LOGPROBS] = padded_logprobs(policy.get_logprobs, batch, dp_size)
     results = []
-    for rows in plan:
-        mini = pad_to_dp_multiple(batch.select_indices(rows), dp_size)
+    for index, rows in enumerate(plan):
+        if remote:
+            mini = batch.select(rows, last=index == len(plan) - 1)
+        else:
+            mini = pad_to_dp_multiple(batch.select_indices(rows), dp_size)
         results.append(policy.train(mini, loss_fn))
     metrics = combine_optimizer_steps(results)
     metrics["optimizer_steps"] = float(len(plan))

@@ -4,11 +4,13 @@ the driver.
     # producer (async GRPO's collector actor), once per step:
     remote = send_step_shards(senders, batch, step=s)       # shard r -> rank r; returns a handle
     # driver: only the handle travels (a few ints), never the tensors
-    policy.get_logprobs(remote); policy.train(remote, loss_fn)
+    policy.get_logprobs(remote)                      # kept rank-side, beside the shard
+    for i, rows in enumerate(plan):                  # mini_batches.mini_batch_plan(B, ...)
+        policy.train(remote.select(rows, last=i == len(plan) - 1), loss_fn)
     # each trainer rank actor:
     inbox = ShardInbox(receiver_spec.open())
     shard = inbox.shard(remote)   # receives once, then cached: log-probs and train reuse it
-    inbox.drop(remote)            # after train
+    inbox.drop(remote)            # after the step's last optimizer step
 
 Where the receivers live: Ray's gloo group (the CPU tensor transport of ray_direct) is built on
 torch.distributed's default process group, of which a process has one, and a policy rank's is
@@ -23,6 +25,15 @@ Shards: `batch.shard_by_batch_size(num_ranks, balance_by="input_lengths")`, the 
 paths train on identical shards. Shard r travels on channel producer -> receiver r with the
 data plane's sequence numbers; every rank's channel carries one batch per step, so all ranks see
 the same seq for a step and `RemoteBatch.seq` names it. The shard's metadata holds the step.
+
+Mini-batches (algorithms/mini_batches.py): the driver plans a step's optimizer steps over the
+GLOBAL rows 0..B-1 exactly as for a driver-side batch, and hands the policy `remote.select(rows)`
+per optimizer step. `shard_rows` (the global row of each row of each rank's shard) lets the
+policy map them to each rank's own rows (`rank_rows`): rows of a mini-batch fall unevenly on the
+ranks, so every rank's list is padded with masked rows (`PAD_ROW`; `select_shard_rows` makes them
+copies with sample_mask 0) to the longest, and every rank runs the same number of microbatches
+(FSDP's collectives need that). The loss's normalisers are the mini-batch's global valid counts
+(`count_valid` of each rank's rows, summed over the ranks).
 
 Exactly once, bounded: the data plane's (interfaces.py). A rank takes each seq once (the inbox
 checks the delivery is the handle's step and seq, so a rank never trains a stale or foreign
@@ -43,6 +54,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from dockyard_rl.data_plane.interfaces import (
     DataPlaneError,
     DataPlaneReceiver,
@@ -56,6 +69,8 @@ logger = logging.getLogger(__name__)
 # Written worker-side by `get_logprobs` / `get_reference_policy_logprobs` on a RemoteBatch.
 PREV_LOGPROBS = "prev_logprobs"
 REFERENCE_LOGPROBS = "reference_policy_logprobs"
+# In `rank_rows`: a padding row (a masked copy of a real row, `select_shard_rows`).
+PAD_ROW = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +86,14 @@ class RemoteBatch:
             (the loss's global normalisers; every rank needs the totals).
         valid_weight_versions: the weight version of every sample with sample_mask 1 (the
             driver's staleness metric).
+        shard_rows: per rank, the global row of each row of its shard, in shard order
+            (the `shard_indices` of `shard_for_ranks`' split); empty in a handle built without them.
+        rows: the global rows one `train` call trains (one optimizer step: `select`); None is
+            the whole batch.
+        last: whether the ranks drop the shard after that `train` call (the step's last
+            optimizer step).
+        rank_side_keys: the log-probs the ranks were asked to keep beside the shard
+            (`with_rank_side_key`: PREV_LOGPROBS, REFERENCE_LOGPROBS).
     """
 
     step: int
@@ -80,11 +103,80 @@ class RemoteBatch:
     num_valid_tokens: int
     num_valid_sequences: int
     valid_weight_versions: tuple[int, ...]
+    shard_rows: tuple[tuple[int, ...], ...] = ()
+    rows: tuple[int, ...] | None = None
+    last: bool = True
+    rank_side_keys: frozenset[str] = frozenset()
+
+    def select(self, rows: Sequence[int] | Any, *, last: bool) -> RemoteBatch:
+        """The handle of one optimizer step on global `rows` (ints or a 1-D int tensor, e.g. a
+        `mini_batch_plan` entry); `last`: the ranks drop the shard after it.
+
+        Raises:
+            ValueError: a row outside [0, batch_size), or no rows.
+        """
+        picked = tuple(int(row) for row in rows)
+        if not picked or min(picked) < 0 or max(picked) >= self.batch_size:
+            raise ValueError(
+                f"RemoteBatch.select: rows must be a non-empty subset of [0, {self.batch_size})"
+            )
+        return dataclasses.replace(self, rows=picked, last=last)
+
+    def with_rank_side_key(self, key: str) -> RemoteBatch:
+        """This handle, recording that the ranks now keep `key` (log-probs) beside the shard."""
+        return dataclasses.replace(self, rank_side_keys=self.rank_side_keys | {key})
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """(step, seq): the shard's identity, the same for every `select` of this batch."""
+        return self.step, self.seq
+
+    def rank_rows(self) -> list[list[int]]:
+        """Per rank, its shard's rows (local indices) that `rows` names, in `rows`' order,
+        padded with PAD_ROW to the same length on every rank (module docstring). The whole
+        shard, unpadded, when `rows` is None.
+
+        Raises:
+            ValueError: the handle has no `shard_rows`.
+        """
+        if not self.shard_rows:
+            raise ValueError("this RemoteBatch carries no shard_rows (send_step_shards sets them)")
+        if self.rows is None:
+            return [list(range(len(global_rows))) for global_rows in self.shard_rows]
+        where = {
+            g: (r, i)
+            for r, global_rows in enumerate(self.shard_rows)
+            for i, g in enumerate(global_rows)
+        }
+        per_rank: list[list[int]] = [[] for _ in self.shard_rows]
+        for row in self.rows:
+            rank, local = where[row]
+            per_rank[rank].append(local)
+        longest = max(len(local_rows) for local_rows in per_rank)
+        return [local_rows + [PAD_ROW] * (longest - len(local_rows)) for local_rows in per_rank]
 
 
 def shard_for_ranks(batch: BatchedDataDict, num_ranks: int) -> list[BatchedDataDict]:
     """The ranks' shards of `batch`, exactly as DTensorPolicy shards a driver-side batch."""
-    return list(batch.shard_by_batch_size(num_ranks, balance_by="input_lengths").shards)
+    return list(_sharded(batch, num_ranks).shards)
+
+
+def _sharded(batch: BatchedDataDict, num_ranks: int) -> Any:
+    return batch.shard_by_batch_size(num_ranks, balance_by="input_lengths")
+
+
+def select_shard_rows(shard: BatchedDataDict, local_rows: Sequence[int]) -> BatchedDataDict:
+    """The rows `local_rows` of a rank's shard (one `RemoteBatch.rank_rows` entry), new tensors.
+    A PAD_ROW is a copy of the first real row (of shard row 0 when there is none) with
+    sample_mask 0, as `rollouts.pad_to_dp_multiple` pads: it counts nowhere in the loss."""
+    real = [row for row in local_rows if row != PAD_ROW]
+    filler = real[0] if real else 0
+    picked = shard.select_indices([filler if row == PAD_ROW else row for row in local_rows])
+    padding = torch.tensor([row == PAD_ROW for row in local_rows])
+    if bool(padding.any()):
+        mask = picked["sample_mask"]
+        picked["sample_mask"] = torch.where(padding, torch.zeros_like(mask), mask)
+    return picked
 
 
 def send_step_shards(
@@ -112,10 +204,8 @@ def send_step_shards(
         )
     num_valid_tokens, num_valid_sequences = num_valid
     valid = batch["sample_mask"] > 0
-    seqs = {
-        sender.send(shard, {"step": step})
-        for sender, shard in zip(senders, shard_for_ranks(batch, len(senders)))
-    }
+    sharded = _sharded(batch, len(senders))
+    seqs = {sender.send(shard, {"step": step}) for sender, shard in zip(senders, sharded.shards)}
     # Every channel carries one batch per step: a difference means a channel lost or repeated one.
     assert len(seqs) == 1, f"ranks' channels disagree on the sequence number: {sorted(seqs)}"
     return RemoteBatch(
@@ -126,6 +216,7 @@ def send_step_shards(
         num_valid_tokens=num_valid_tokens,
         num_valid_sequences=num_valid_sequences,
         valid_weight_versions=tuple(int(v) for v in batch["weight_version"][valid].tolist()),
+        shard_rows=tuple(tuple(rows) for rows in sharded.shard_indices),
     )
 
 

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from dockyard_rl.data_plane.experience import (
+    PAD_ROW,
     RemoteBatch,
     ShardInbox,
+    select_shard_rows,
     send_step_shards,
     shard_for_ranks,
 )
@@ -47,6 +49,7 @@ def test_each_rank_receives_its_shard_once_keeps_it_then_drops_it(plane):
     for step in (1, 2):
         batch = _batch(step)
         remote = send_step_shards(senders, batch, step=step, num_valid=(17, 3))
+        sharded = batch.shard_by_batch_size(NUM_RANKS, balance_by="input_lengths")
         assert remote == RemoteBatch(
             step=step,
             seq=step - 1,
@@ -55,6 +58,7 @@ def test_each_rank_receives_its_shard_once_keeps_it_then_drops_it(plane):
             num_valid_tokens=17,
             num_valid_sequences=3,
             valid_weight_versions=(3, 4, 4),
+            shard_rows=tuple(tuple(rows) for rows in sharded.shard_indices),
         )
         expected = shard_for_ranks(batch, NUM_RANKS)
         for inbox, shard in zip(inboxes, expected):
@@ -106,3 +110,33 @@ def test_a_batch_that_does_not_split_evenly_is_refused(plane):
     senders, _ = plane
     with pytest.raises(ValueError, match="not a multiple of the 2 trainer ranks"):
         send_step_shards(senders, _batch(1, size=3), step=1, num_valid=(1, 1))
+
+
+def test_a_mini_batch_maps_global_rows_onto_each_ranks_shard_padded_to_equal_length(plane):
+    senders, inboxes = plane
+    batch = _batch(3)
+    batch["row"] = torch.arange(4)  # each row's global index, to see where it went
+    remote = send_step_shards(senders, batch, step=1, num_valid=(1, 1))
+    shards = [inbox.shard(remote) for inbox in inboxes]
+    # The whole batch: every rank its whole shard, in shard order, unpadded.
+    assert remote.rank_rows() == [[0, 1], [0, 1]]
+    # Two rows on one rank's shard and one on the other's: the second is padded.
+    rank0 = shards[0]["row"].tolist()
+    rows = [rank0[1], shards[1]["row"][1].item(), rank0[0]]
+    mini = remote.select(torch.tensor(rows), last=False)
+    assert mini.rows == tuple(rows) and not mini.last and mini.key == remote.key
+    assert mini.rank_rows() == [[1, 0], [1, PAD_ROW]]
+    picked = [select_shard_rows(s, r) for s, r in zip(shards, mini.rank_rows())]
+    assert picked[0]["row"].tolist() == [rank0[1], rank0[0]]
+    # Padding: copies of the rank's first real row with sample_mask 0; the shard is untouched.
+    assert picked[1]["row"].tolist() == [rows[1]] * 2
+    assert picked[1]["sample_mask"].tolist() == [batch["sample_mask"][rows[1]].item(), 0.0]
+    assert shards[1]["sample_mask"].tolist() == batch["sample_mask"][shards[1]["row"]].tolist()
+    # A rank with none of the rows trains masked copies of its shard's row 0.
+    only0 = remote.select([rank0[0]], last=True).rank_rows()
+    assert only0 == [[0], [PAD_ROW]]
+    assert select_shard_rows(shards[1], only0[1])["sample_mask"].tolist() == [0.0]
+    with pytest.raises(ValueError, match=r"non-empty subset of \[0, 4\)"):
+        remote.select([4], last=True)
+    with pytest.raises(ValueError, match="carries no shard_rows"):
+        RemoteBatch(1, 0, 8, 10, 1, 1, ()).rank_rows()

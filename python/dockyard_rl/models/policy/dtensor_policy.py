@@ -16,6 +16,12 @@ beyond balance: FSDP's per-layer collectives need every rank to run the same num
 forward/backward passes. The loss's global normalisers come from `count_valid` over the whole
 global batch, once, here.
 
+A `RemoteBatch` (data_plane/experience.py) is a handle: its shards already wait in the ranks
+(split as above), log-probs stay there beside them, and `train(remote.select(rows, last=...))`
+is one optimizer step on global `rows`: each rank trains its shard's rows of them, padded with
+masked rows to the same count on every rank, normalised by the rows' global valid counts (an
+all-reduce of each rank's `count_valid`: the same numbers as the driver path's).
+
 Refit seam: `prepare_refit_info` lists `named_parameters()` (HF names; a tied `lm_head.weight`
 is omitted, as in a HF checkpoint, since it is the embedding itself); `iter_refit_weights`
 gathers them bucket by bucket of the refit packer's layout and yields them in that order, cast
@@ -339,9 +345,14 @@ class DTensorPolicy(PolicyInterface):
         self, batch: BatchedDataDict | RemoteBatch, loss_fn: LossFunction
     ) -> dict[str, float]:
         if isinstance(batch, RemoteBatch):
+            # One optimizer step on the handle's rows (all of them when `rows` is None): each
+            # rank trains its shard's rows of them, padded to the same count (experience.py).
             start = time.perf_counter()
-            results = self._call_all("train_remote", batch, loss_fn)
-            return self._train_metrics(results, batch.num_tokens, time.perf_counter() - start)
+            results = self._call_all(
+                "train_remote", per_rank_args=[(batch, loss_fn, rows) for rows in batch.rank_rows()]
+            )
+            num_tokens = sum(result["num_tokens"] for result in results)
+            return self._train_metrics(results, num_tokens, time.perf_counter() - start)
         loss_keys = tuple(getattr(loss_fn, "required_batch_keys", ()))
         required = tuple(dict.fromkeys(("token_mask", "sample_mask", *loss_keys)))
         self._check_batch(batch, required)

@@ -519,22 +519,24 @@ class DTensorPolicyWorker:
         }
 
     # -- experience over the data plane (data_plane/experience.py): this rank takes the shard of
-    # a RemoteBatch from its inbox actor once, keeps it with its log-probs, trains, drops it.
+    # a RemoteBatch from its inbox actor once, keeps it with its log-probs through the step's
+    # optimizer steps (each on its rows of one mini-batch), drops it after the last.
 
     def open_data_plane(self, inbox: Any, receive_timeout_s: float) -> None:
         self.inbox, self.inbox_timeout_s = inbox, receive_timeout_s
-        self.shards: dict[Any, BatchedDataDict] = {}
+        # (step, seq) -> the shard: every `select` of a RemoteBatch shares it.
+        self.shards: dict[tuple[int, int], BatchedDataDict] = {}
 
     def _remote_shard(self, remote: Any) -> BatchedDataDict:
         import ray
 
-        if remote not in self.shards:
+        if remote.key not in self.shards:
             self.shards.clear()  # a shard of an earlier step that never trained (failed step)
             # The inbox waits receive_timeout_s itself and raises naming the key.
-            self.shards[remote] = ray.get(
+            self.shards[remote.key] = ray.get(
                 self.inbox.take.remote(remote), timeout=self.inbox_timeout_s + 60
             )
-        return self.shards[remote]
+        return self.shards[remote.key]
 
     def get_remote_logprobs(self, remote: Any, reference: bool) -> None:
         from dockyard_rl.data_plane.experience import PREV_LOGPROBS, REFERENCE_LOGPROBS
@@ -544,12 +546,39 @@ class DTensorPolicyWorker:
             shard, reference
         )
 
-    def train_remote(self, remote: Any, loss_fn: LossFunction) -> dict[str, Any]:
+    def train_remote(
+        self, remote: Any, loss_fn: LossFunction, local_rows: Sequence[int]
+    ) -> dict[str, Any]:
+        """One optimizer step on this rank's `local_rows` of the shard (`remote.rank_rows()[rank]`:
+        the same length on every rank, padding rows masked), normalised by the optimizer step's
+        global valid counts; drops the shard after `remote.last` (or a failure). Adds
+        `num_tokens`: the input lengths of this rank's real (unpadded) rows."""
+        from dockyard_rl.algorithms.loss_functions import count_valid
+        from dockyard_rl.data_plane.experience import PAD_ROW, select_shard_rows
+
         try:
             shard = self._remote_shard(remote)
-            return self.train(shard, loss_fn, remote.num_valid_tokens, remote.num_valid_sequences)
-        finally:
-            self.shards.pop(remote, None)
+            rows = select_shard_rows(shard, local_rows)
+            num_valid_tokens, num_valid_sequences = self._global_counts(count_valid(rows))
+            result = self.train(rows, loss_fn, num_valid_tokens, num_valid_sequences)
+            real = torch.tensor([row != PAD_ROW for row in local_rows])
+            result["num_tokens"] = int(rows["input_lengths"][real].sum())
+        except BaseException:
+            self.shards.pop(remote.key, None)
+            raise
+        if remote.last:
+            self.shards.pop(remote.key, None)
+        return result
+
+    def _global_counts(self, local: tuple[int, int]) -> tuple[int, int]:
+        """`count_valid` of this rank's rows summed over the ranks (collective): the loss's
+        normalisers, what `count_valid` of the whole optimizer step's rows gives the driver."""
+        import torch.distributed as dist
+
+        counts = torch.tensor(local, dtype=torch.int64, device=self.device)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(counts)
+        return int(counts[0]), int(counts[1])
 
     def num_cached_shards(self) -> int:
         return len(getattr(self, "shards", {}))
