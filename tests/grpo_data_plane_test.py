@@ -7,7 +7,10 @@ Proved in the driver process: the driver-side paths (`sample_groups`, which retu
 and `assemble_train_batch`, which builds a batch) are never called, and the policy is only ever
 handed `RemoteBatch` handles; the ranks report every step's shard received exactly once, with
 seqs 0..N-1 in step order, nothing duplicated, nothing left cached; each step trains all
-num_prompts_per_step x num_generations_per_prompt samples and changes the weights.
+num_prompts_per_step x num_generations_per_prompt samples and changes the weights. With
+`grpo.train_mini_batch_size` half the batch, each step is 2 optimizer steps on the rank-side
+shards (the driver's plan of global rows, `RemoteBatch.select`), after one rank-side log-prob
+pass; the shard is dropped after the second.
 """
 
 from __future__ import annotations
@@ -33,12 +36,15 @@ def tasks(tmp_path_factory):
 
 def test_async_grpo_trains_from_shards_sent_over_the_data_plane(tmp_path, tasks, monkeypatch):
     recipe = testing_recipes.toy_recipe(
-        tmp_path, *tasks, grpo={"mode": "async", "max_num_steps": NUM_STEPS}
+        tmp_path,
+        *tasks,
+        grpo={"mode": "async", "max_num_steps": NUM_STEPS, "train_mini_batch_size": 2},
     )
     recipe["policy"]["dp_size"] = 2
     recipe["data_plane"] = {"transport": "ray_direct", "receive_timeout_s": 120}
     config = load_config(testing_recipes.write_recipe(tmp_path, recipe))
     num_samples = config.grpo.num_samples_per_step
+    assert config.grpo.optimizer_steps_per_step == 2
 
     def driver_path(*args, **kwargs):
         raise AssertionError("experience took the driver path")
@@ -68,9 +74,18 @@ def test_async_grpo_trains_from_shards_sent_over_the_data_plane(tmp_path, tasks,
 
     assert handed, "the policy was never called"
     assert all(isinstance(batch, RemoteBatch) for _, batch in handed), handed
+    # Two optimizer steps per step on the same shards; together they cover the batch once.
     trained = [batch for method, batch in handed if method == "train"]
-    assert [(b.step, b.seq) for b in trained] == [(s + 1, s) for s in range(NUM_STEPS)]
+    assert [(b.step, b.seq, b.last) for b in trained] == [
+        (s + 1, s, last) for s in range(NUM_STEPS) for last in (False, True)
+    ]
+    for first, second in zip(trained[::2], trained[1::2]):
+        assert sorted(first.rows + second.rows) == list(range(num_samples))
+        assert len(first.rows) == len(second.rows) == 2
     assert all(b.batch_size == num_samples for b in trained)
+    # The old policy's log-probs: one pass per step, before its first optimizer step.
+    logprob_steps = [b.step for method, b in handed if method == "get_logprobs"]
+    assert logprob_steps == [s + 1 for s in range(NUM_STEPS)]
     assert len(rank_stats) == 2
     for stats in rank_stats:
         assert stats["received"] == [("producer-0", s, s + 1) for s in range(NUM_STEPS)]
@@ -82,6 +97,11 @@ def test_async_grpo_trains_from_shards_sent_over_the_data_plane(tmp_path, tasks,
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "train/reward_mean" in r]
     assert [r["step"] for r in rows] == list(range(1, NUM_STEPS + 1))
     assert all(r["train/skipped_update"] == 0.0 for r in rows)
-    assert [r["train/loss/num_tokens"] for r in rows] == [float(b.num_tokens) for b in trained]
+    assert [r["train/loss/num_tokens"] for r in rows] == [
+        float(b.num_tokens) for b in trained[1::2]
+    ]
+    assert all(r["train/optimizer_steps"] == 2.0 for r in rows)
+    assert all(r["train/logprobs_pass_skipped"] == 0.0 for r in rows)
+    assert all("train/loss/clip_fraction" in r for r in rows)
     assert all(0 <= r["train/max_sample_age_steps"] <= 1 for r in rows)
     assert (run_dir / "checkpoints" / f"step_{NUM_STEPS}").is_dir()

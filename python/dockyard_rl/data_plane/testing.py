@@ -165,6 +165,20 @@ class ExperienceProducer:
         return self._cached
 
 
+class StepProducer:
+    """Async GRPO's collector in miniature: one sender per trainer rank, a step's batch sent with
+    `experience.send_step_shards` (returns the RemoteBatch handle)."""
+
+    def open(self, specs: Any) -> None:
+        self._senders = [spec.open() for spec in specs]
+
+    def send_step(self, batch: BatchedDataDict, step: int) -> Any:
+        from dockyard_rl.algorithms.loss_functions import count_valid
+        from dockyard_rl.data_plane.experience import send_step_shards
+
+        return send_step_shards(self._senders, batch, step=step, num_valid=count_valid(batch))
+
+
 class ExperienceTrainer:
     """The trainer side: opens its receiver and receives on its main thread, like a training
     loop would, while deliveries arrive on the data-plane threads."""

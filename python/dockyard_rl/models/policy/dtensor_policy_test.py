@@ -334,6 +334,64 @@ def test_one_rank_step_resume_and_checkpoints_across_dp_sizes(tiny_dir, train_ba
     assert continued_on_two[0][2] == learning_rate_at(3, TINY_CFG.optimizer, TINY_CFG.scheduler)
 
 
+def test_mini_batches_over_the_data_plane_match_the_driver_path(tiny_policy, first_step, tmp_path):
+    """The same batch and plan (2 epochs of mini-batches of 3, 3, 2 samples: rows fall unevenly
+    on the 2 ranks), trained once from the driver (BatchedDataDict) and once from shards sent over
+    the data plane (RemoteBatch): the same losses, metrics and weights."""
+    from dockyard_rl.algorithms.mini_batches import mini_batch_plan, train_mini_batches
+    from dockyard_rl.data_plane.experience import PAD_ROW, REFERENCE_LOGPROBS
+    from dockyard_rl.data_plane.factory import create_data_plane
+    from dockyard_rl.data_plane.ray_direct import data_plane_actor_options
+    from dockyard_rl.data_plane.testing import StepProducer
+
+    batch = _make_batch(vocab_size=512, num_samples=8, seed=3)
+    batch["sample_mask"][5] = 0.0  # a masked sample counts nowhere on either path
+    batch["advantages"] = torch.linspace(-1.0, 1.2, 8)[:, None].expand(8, 16).clone()
+    batch["weight_version"] = torch.zeros(8, dtype=torch.int64)
+    plan = mini_batch_plan(8, 3, 2, seed=5)
+    # After the fixtures' first step (they assume it is the group's very first); restored below.
+    tiny_policy.save_checkpoint(tmp_path / "start", export_hf=False)
+    start = dict(tiny_policy.iter_refit_weights())
+
+    driver_batch = batch.copy()
+    driver_batch[REFERENCE_LOGPROBS] = tiny_policy.get_reference_policy_logprobs(batch)
+    driver = train_mini_batches(tiny_policy, driver_batch, LOSS_FN, plan, TINY_CFG.dp_size)
+    driver_weights = dict(tiny_policy.iter_refit_weights())
+
+    tiny_policy.load_checkpoint(tmp_path / "start")
+    plane = create_data_plane({"transport": "ray_direct", "max_in_flight_batches": 1})
+    producer = ray.remote(**data_plane_actor_options())(StepProducer).options(num_cpus=0).remote()
+    try:
+        endpoints = plane.connect([producer], tiny_policy.data_plane_receivers())
+        ray.get(producer.open.remote(endpoints.senders[0]))
+        tiny_policy.open_data_plane(endpoints.receivers, 60.0)
+        remote = ray.get(producer.send_step.remote(batch, 1))
+        assert any(
+            PAD_ROW in rows for m in plan for rows in remote.select(m, last=False).rank_rows()
+        )
+        assert tiny_policy.get_reference_policy_logprobs(remote) is None  # kept rank-side
+        remote = remote.with_rank_side_key(REFERENCE_LOGPROBS)
+        over_plane = train_mini_batches(tiny_policy, remote, LOSS_FN, plan, TINY_CFG.dp_size)
+        remote_weights = dict(tiny_policy.iter_refit_weights())
+        assert [stats["num_cached"] for stats in tiny_policy.data_plane_stats()] == [0, 0]
+    finally:
+        tiny_policy.load_checkpoint(tmp_path / "start")  # the module's policy as it was
+        plane.close()
+        ray.kill(producer)
+
+    assert driver["optimizer_steps"] == over_plane["optimizer_steps"] == 6.0
+    assert driver["logprobs_pass_skipped"] == over_plane["logprobs_pass_skipped"] == 0.0
+    assert 0.0 < over_plane["clip_fraction"]  # the later mini-batches are off-policy
+    # The driver path also counts its padding rows' tokens; the ranks count the rows trained.
+    assert over_plane["num_tokens"] == 2 * int(batch["input_lengths"].sum())
+    for key in driver.keys() - {"num_tokens", "tokens_per_second"}:
+        assert over_plane[key] == pytest.approx(driver[key], rel=1e-4, abs=1e-6), key
+    for name, tensor in driver_weights.items():
+        torch.testing.assert_close(remote_weights[name], tensor, rtol=1e-4, atol=1e-6)
+    assert driver_weights.keys() == remote_weights.keys()
+    assert any(not torch.equal(driver_weights[name], t) for name, t in start.items())
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input and bad config
 
