@@ -91,6 +91,8 @@ logger = logging.getLogger(__name__)
 WORKER_EXTENSION_CLS = "dockyard_rl.models.generation.vllm_worker_extension.VllmWorkerExtension"
 
 # Environment of the engine actors and, through inheritance, of vLLM's processes.
+# vLLM's default token budget per engine step (SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS).
+_CPU_MIN_BATCHED_TOKENS = 2048
 _ENGINE_ENV = {
     # vLLM forces spawn inside Ray actors anyway; say it explicitly (forking a process that runs
     # Ray's threads is unsafe).
@@ -126,6 +128,22 @@ def checkpoint_refit_info(
                 info[name] = (tuple(f.get_slice(name).get_shape()), dtype)
     return info
 
+
+
+def _cpu_scheduler_kwargs(max_model_len: int) -> dict[str, Any]:
+    """Scheduler settings of a CPU engine: every prompt prefilled in one piece.
+
+    Our samples are seeded per request (utils/seeding.py). When chunked prefill splits a prompt,
+    vLLM rewinds that request's generator after the partial step (`gen.set_offset(...)`), which
+    torch's CPU generators do not support: the engine core dies with "CPU Generator does not use
+    offset" as soon as a step's prompts exceed the token budget (2048 by default; e.g. 32 prompts
+    of 230 tokens). Without chunked prefill a prompt is scheduled whole or not at all, so the
+    budget must hold the longest one: max_model_len tokens.
+    """
+    return {
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": max(max_model_len, _CPU_MIN_BATCHED_TOKENS),
+    }
 
 class VllmGeneration(GenerationInterface):
     """`num_engines` vLLM engines behind one `GenerationInterface` (see the module docstring).
@@ -236,6 +254,8 @@ class VllmGeneration(GenerationInterface):
             disable_log_stats=True,
             seed=0 if config.seed is None else config.seed,
         )
+        if num_gpus == 0:
+            engine_kwargs.update(_cpu_scheduler_kwargs(config.max_model_len))
         self._actors = []
         try:
             self._workers = self._start_group(engine_kwargs, num_gpus)

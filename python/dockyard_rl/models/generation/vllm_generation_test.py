@@ -43,8 +43,9 @@ from dockyard_rl.models.generation.vllm_generation import VllmGeneration, ensure
 CONFIG = GenerationConfig(
     model="smollm2-135m-instruct",
     dtype="float32",
-    max_model_len=512,
-    # 45 KiB per token: ~5.8k tokens, eleven 512-token sequences, plenty for these tests. An
+    # Above vLLM's per-step token budget (2048), so one prompt can be longer than a step prefills.
+    max_model_len=2600,
+    # 45 KiB per token: ~5.8k tokens, plenty for these tests. An
     # explicit size, so the engine starts whatever else holds memory on the machine.
     kv_cache_memory_bytes="256MiB",
     enforce_eager=True,  # no torch.compile: the engine starts in well under half the time
@@ -258,6 +259,26 @@ def test_explicit_seeds_reproduce_samples_whatever_else_is_generated(loop, engin
     ]
 
 
+def test_seeded_prompt_longer_than_one_engine_step(loop, engine):
+    # A seeded sample whose prompt is longer than what one engine step prefills (2048 tokens; in
+    # a GRPO step the same happens when many prompts share a step's budget). With chunked prefill
+    # vLLM rewinds a partly prefilled seeded request's generator, which a CPU generator cannot do,
+    # and the engine core died ("CPU Generator does not use offset"); CPU engines now prefill
+    # every prompt whole (vllm_generation._cpu_scheduler_kwargs).
+    from dockyard_rl.utils.seeding import prompt_seeds
+
+    prompts = [list(range(1000, 3400)), list(range(2000, 2100))]  # 2400 and 100 tokens
+    seeds = prompt_seeds(0, "train", range(2), ["long", "short"], 2)
+    together = _by_index(_collect(loop, engine.generate(prompts, 2, seeds=seeds)))
+    assert sorted(together) == [(p, i) for p in range(2) for i in range(2)]
+    assert all(len(s.response_token_ids) > 0 for s in together.values())
+    # The same seeds alone: the same tokens.
+    alone = _by_index(_collect(loop, engine.generate(prompts[:1], 2, seeds=seeds[:1])))
+    assert [alone[(0, i)].response_token_ids for i in range(2)] == [
+        together[(0, i)].response_token_ids for i in range(2)
+    ]
+
+
 @pytest.mark.parametrize(
     "seeds, message",
     [
@@ -301,7 +322,7 @@ def test_stop_string_ends_the_sample_before_it(loop, engine, tokenizer, chat_pro
         ({"top_p": 0.0}, "generation.top_p"),
         ({"top_k": -3}, "generation.top_k"),
         ({"max_tokens": 0}, "generation.max_tokens"),
-        ({"max_tokens": 512}, "generation.max_tokens"),
+        ({"max_tokens": CONFIG.max_model_len}, "generation.max_tokens"),
         ({"stop": [""]}, "generation.stop"),
         ({"seed": -1}, "generation.seed"),
         ({"beam_width": 4}, "beam_width"),
@@ -320,7 +341,7 @@ def test_bad_sampling_params_are_rejected_before_submission(engine, chat_prompts
         ([[]], 1, r"prompt_token_ids\[0\] must be a non-empty"),
         ([[1, 2], [5, -1]], 1, r"prompt_token_ids\[1\]: -1 is not a token id"),
         ([[1, 10**9]], 1, "is not a token id"),
-        ([[1] * 505], 1, "more than max_model_len - max_tokens"),
+        ([[1] * (CONFIG.max_model_len - 7)], 1, "more than max_model_len - max_tokens"),
         ([[1, 2]], 0, "num_samples_per_prompt"),
     ],
 )
