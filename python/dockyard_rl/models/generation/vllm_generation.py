@@ -129,7 +129,6 @@ def checkpoint_refit_info(
     return info
 
 
-
 def _cpu_scheduler_kwargs(max_model_len: int) -> dict[str, Any]:
     """Scheduler settings of a CPU engine: every prompt prefilled in one piece.
 
@@ -144,6 +143,7 @@ def _cpu_scheduler_kwargs(max_model_len: int) -> dict[str, Any]:
         "enable_chunked_prefill": False,
         "max_num_batched_tokens": max(max_model_len, _CPU_MIN_BATCHED_TOKENS),
     }
+
 
 class VllmGeneration(GenerationInterface):
     """`num_engines` vLLM engines behind one `GenerationInterface` (see the module docstring).
