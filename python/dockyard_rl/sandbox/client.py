@@ -13,6 +13,11 @@ the server returns the same task instead of creating a second one.
 Not covered: load balancing over several executors (the caller picks the URL), and cancelling a
 task on the server (the API has no cancel).
 
+Sessions (multi-turn agents; the executor's /session/* routes, sandbox/sessions.py):
+`open_session` -> session id (idempotent: the id is fixed before the first try), `call_tool` ->
+`ToolResult` (a bad tool call is `ok=False` with the reason in `error`, not an exception),
+`session_diff` -> the tree's patch, `close_session` (a session already gone is not an error).
+
 Errors: `ExecutorRequestError` for answers that retrying cannot fix (400, 401, 404, 409, 413),
 `ExecutorUnavailableError` when retries are exhausted, `TimeoutError` when `wait` runs out of time,
 `ExecutorProtocolError` when an answer is not what the API says (not a JSON object, a task record
@@ -100,6 +105,53 @@ class TaskResult:
     @property
     def done(self) -> bool:
         return self.status in _TERMINAL
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolResult:
+    """One session tool call's answer (POST /session/{id}/call): `output` is the observation,
+    `error` says what was wrong when `ok` is False; `exhausted` once a budget is spent; `budget`
+    has turns_left, wall_s_left, cpu_s_left, output_bytes_left."""
+
+    ok: bool
+    output: str
+    error: str | None
+    truncated: bool
+    elapsed_s: float
+    exhausted: bool
+    budget: dict[str, float]
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ToolResult:
+        """Raises ExecutorProtocolError for a body that is not a tool call's answer."""
+        if not isinstance(data, Mapping):
+            raise ExecutorProtocolError(f"tool result: not a JSON object: {_short(data)}")
+        checks = {
+            "ok": lambda v: isinstance(v, bool),
+            "output": lambda v: isinstance(v, str),
+            "error": lambda v: v is None or isinstance(v, str),
+            "truncated": lambda v: isinstance(v, bool),
+            "elapsed_s": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+            "exhausted": lambda v: isinstance(v, bool),
+            "budget": lambda v: (
+                isinstance(v, Mapping)
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v.values())
+            ),
+        }
+        for name, check in checks.items():
+            if name not in data or not check(data[name]):
+                raise ExecutorProtocolError(
+                    f"tool result: {name} missing or mistyped: {_short(data.get(name))}"
+                )
+        return cls(
+            ok=data["ok"],
+            output=data["output"],
+            error=data["error"],
+            truncated=data["truncated"],
+            elapsed_s=float(data["elapsed_s"]),
+            exhausted=data["exhausted"],
+            budget={str(k): float(v) for k, v in data["budget"].items()},
+        )
 
 
 class _Retryable(Exception):
@@ -220,6 +272,50 @@ class ExecutorClient:
 
     async def healthz(self) -> dict[str, Any]:
         return await self._request("GET", "/healthz")
+
+    # -- sessions -------------------------------------------------------------------------------
+
+    async def open_session(
+        self, spec: TaskSpec | Mapping[str, Any], session_id: str | None = None
+    ) -> str:
+        """Opens a session on the task (its patch is never sent); returns the session id.
+        Retrying is idempotent: the id is fixed before the first try (generated when None)."""
+        body = spec.to_dict() if isinstance(spec, TaskSpec) else dict(spec)
+        for name in ("patch", "task_id"):
+            body.pop(name, None)
+        body["session_id"] = session_id or uuid.uuid4().hex
+        data = await self._request("POST", "/session/open", json_body=body)
+        if not isinstance(data.get("session_id"), str):
+            raise ExecutorProtocolError(
+                f"open_session: no session_id in the answer: {_short(data)}"
+            )
+        return data["session_id"]
+
+    async def call_tool(self, session_id: str, tool: str, args: Mapping[str, Any]) -> ToolResult:
+        """Runs one tool call in the session. A 5xx or lost connection is retried like every
+        request: a call that reached the executor before the connection broke runs twice then
+        (the session's budget counts both)."""
+        data = await self._request(
+            "POST",
+            f"/session/{session_id}/call",
+            json_body={"tool": tool, "args": dict(args) if isinstance(args, Mapping) else args},
+        )
+        return ToolResult.from_dict(data)
+
+    async def session_diff(self, session_id: str) -> str:
+        """The session tree's unified diff against base_commit (score it as a task's patch)."""
+        data = await self._request("GET", f"/session/{session_id}/diff")
+        if not isinstance(data.get("patch"), str):
+            raise ExecutorProtocolError(f"session_diff: no patch in the answer: {_short(data)}")
+        return data["patch"]
+
+    async def close_session(self, session_id: str) -> None:
+        """Closes the session and frees its tree; a session already gone (404) is fine."""
+        try:
+            await self._request("DELETE", f"/session/{session_id}")
+        except ExecutorRequestError as error:
+            if error.status != 404:
+                raise
 
     # -- transport ------------------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ Covers the service's own knobs: where it listens, how many tasks it scores at on
 queues, how large a patch it accepts, the optional bearer token, where it keeps task records and
 worktrees, and how it retries infrastructure failures. How one task is scored (the default test
 timeout, rlimits, the mirror cache) is the nested `pipeline` section (pipeline.PipelineConfig, which
-holds those defaults and validates them).
+holds those defaults and validates them). Multi-turn agent sessions are the nested `sessions`
+section (sessions.SessionConfig: how many at once, idle timeout, per-session budgets).
 
 Security note: the executor runs code a model wrote. Binding anything but a loopback address
 exposes it to the network, so a non-loopback `host` requires `auth_token`.
@@ -17,6 +18,7 @@ import os
 import pathlib
 
 from dockyard_rl.sandbox.pipeline import PipelineConfig
+from dockyard_rl.sandbox.sessions import SessionConfig
 from dockyard_rl.utils.addresses import is_loopback
 from dockyard_rl.utils.config import is_int, is_number, require
 
@@ -52,6 +54,8 @@ class ExecutorConfig:
     shutdown_grace_s: float = 30.0  # how long a shutdown waits for running tasks
     # Scoring one task; `pipeline.timeout_s` is the test-run wall clock when a task names none.
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    # Multi-turn agent sessions (sessions.SessionConfig: max_sessions, idle_timeout_s, budgets).
+    sessions: SessionConfig = dataclasses.field(default_factory=SessionConfig)
 
     def __post_init__(self) -> None:
         require(
@@ -130,6 +134,11 @@ class ExecutorConfig:
             isinstance(self.pipeline, PipelineConfig),
             "pipeline",
             f"must be a mapping of pipeline settings, got {self.pipeline!r}",
+        )
+        require(
+            isinstance(self.sessions, SessionConfig),
+            "sessions",
+            f"must be a mapping of session settings, got {self.sessions!r}",
         )
 
     @property

@@ -15,6 +15,21 @@
     GET  /metrics       Prometheus text format (prometheus_client; the metrics are listed in
                         metrics.py). No auth: it reveals counts, not tasks.
 
+Multi-turn agent sessions (sessions.py; docs/sandbox.md "Sessions"), authenticated like /task/*:
+    POST   /session/open      task fields as in /task/submit (no patch; the test_patch is never
+                              applied) + optional session_id -> {"session_id", "budget",
+                              "idle_timeout_s", ...}: 201 opened | 200 same id and spec again
+                              | 400 bad field | 409 id open for another spec | 413 body too
+                              large | 429 max_sessions open (Retry-After) | 503 shutting down
+                              or the checkout failed (Retry-After)
+    POST   /session/{id}/call {"tool": str, "args": object} -> 200 CallResult (a bad tool call is
+                              ok:false, never a 4xx) | 400 body not an object, tool not a string
+                              | 404 unknown, closed or expired session
+    GET    /session/{id}/diff {"patch": the tree's diff against base_commit} | 404 | 413 larger
+                              than max_patch_bytes
+    GET    /session/{id}      {"session_id", "turns_used", "budget", "idle_s", "age_s", ...}
+    DELETE /session/{id}      {"closed": true} | 404
+
 Every error body is JSON {"error": "<message>", "field": "<field or null>"}.
 
 Submissions are checked before anything is stored: the body's size, the fields
@@ -46,7 +61,7 @@ import uuid
 
 from aiohttp import web
 
-from dockyard_rl.sandbox import pipeline, repo_cache, runner, swebench_harness
+from dockyard_rl.sandbox import pipeline, repo_cache, runner, sessions, swebench_harness
 from dockyard_rl.sandbox.metrics import EXPOSITION_CONTENT_TYPE
 from dockyard_rl.sandbox.store import QueueFullError, TaskConflictError
 from dockyard_rl.sandbox.task import TaskSpec, TaskStatus, TaskValidationError
@@ -216,6 +231,103 @@ def create_app(executor: TaskExecutor) -> web.Application:
         # Passed as a header: aiohttp's content_type argument refuses a charset parameter.
         return web.Response(body=body, headers={"Content-Type": EXPOSITION_CONTENT_TYPE})
 
+    # -- sessions (sessions.py): the manager's own thread pool does the work, off the loop --
+
+    manager = executor.sessions
+
+    async def json_object(request: web.Request) -> dict | web.Response:
+        """The request's JSON object body, or the error response to send instead."""
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"request body exceeds {max_body_bytes} bytes", "body")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+            return _error(400, f"body: not valid JSON ({error})", "body")
+        if not isinstance(body, dict):
+            return _error(400, "body: must be a JSON object", "body")
+        return body
+
+    def session_not_found(error: sessions.SessionNotFoundError) -> web.Response:
+        return _error(404, str(error), "session_id")
+
+    async def open_session(request: web.Request) -> web.Response:
+        if (response := unauthorized(request)) is not None:
+            return response
+        body = await json_object(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            spec, session_id = sessions.parse_open_request(body)
+            if len(spec.test_patch.encode("utf-8", "surrogatepass")) > config.max_patch_bytes:
+                return _error(
+                    413,
+                    f"test_patch: larger than max_patch_bytes = {config.max_patch_bytes}",
+                    "test_patch",
+                )
+            # In the manager's pool: the checks (a local repo path, the test_patch) and the
+            # checkout take a while.
+            info, created = await manager.in_pool(manager.open, spec, session_id)
+        except TaskValidationError as error:
+            return _error(400, str(error), error.field)
+        except sessions.SessionConflictError as error:
+            return _error(409, str(error), "session_id")
+        except sessions.TooManySessionsError as error:
+            return _error(429, str(error), None, headers={"Retry-After": str(config.retry_after_s)})
+        except (sessions.SessionsShuttingDownError, pipeline.InfrastructureError) as error:
+            return _error(503, str(error), None, headers={"Retry-After": str(config.retry_after_s)})
+        except ValueError as error:
+            return _error(400, str(error), None)
+        return web.json_response(info, status=201 if created else 200)
+
+    async def call_tool(request: web.Request) -> web.Response:
+        if (response := unauthorized(request)) is not None:
+            return response
+        body = await json_object(request)
+        if isinstance(body, web.Response):
+            return body
+        tool = body.get("tool")
+        if not isinstance(tool, str):
+            return _error(400, f"tool: must be a string naming a tool, got {tool!r:.100}", "tool")
+        try:
+            result = await manager.call_async(
+                request.match_info["session_id"], tool, body.get("args")
+            )
+        except sessions.SessionNotFoundError as error:
+            return session_not_found(error)
+        return web.json_response(result.to_dict())
+
+    async def session_diff(request: web.Request) -> web.Response:
+        if (response := unauthorized(request)) is not None:
+            return response
+        try:
+            patch = await manager.in_pool(manager.diff, request.match_info["session_id"])
+        except sessions.SessionNotFoundError as error:
+            return session_not_found(error)
+        except sessions.DiffTooLargeError as error:
+            return _error(413, str(error), "patch")
+        except pipeline.InfrastructureError as error:
+            return _error(503, str(error), None, headers={"Retry-After": str(config.retry_after_s)})
+        return web.json_response({"patch": patch})
+
+    async def session_info(request: web.Request) -> web.Response:
+        if (response := unauthorized(request)) is not None:
+            return response
+        try:
+            return web.json_response(manager.info(request.match_info["session_id"]))
+        except sessions.SessionNotFoundError as error:
+            return session_not_found(error)
+
+    async def close_session(request: web.Request) -> web.Response:
+        if (response := unauthorized(request)) is not None:
+            return response
+        try:
+            await manager.in_pool(manager.close, request.match_info["session_id"])
+        except sessions.SessionNotFoundError as error:
+            return session_not_found(error)
+        return web.json_response({"closed": True})
+
     app = web.Application(client_max_size=max_body_bytes)
     app.add_routes(
         [
@@ -223,6 +335,11 @@ def create_app(executor: TaskExecutor) -> web.Application:
             web.get("/task/{task_id}", get_task),
             web.get("/healthz", healthz),
             web.get("/metrics", metrics),
+            web.post("/session/open", open_session),
+            web.post("/session/{session_id}/call", call_tool),
+            web.get("/session/{session_id}/diff", session_diff),
+            web.get("/session/{session_id}", session_info),
+            web.delete("/session/{session_id}", close_session),
         ]
     )
     return app

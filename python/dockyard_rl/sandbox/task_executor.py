@@ -23,6 +23,10 @@ Shutdown (`stop`): workers finish their current task within `shutdown_grace_s`; 
 running after that is put back to QUEUED without spending its attempt, so the next start re-runs
 it.
 
+Sessions: the executor also owns a `sessions.SessionManager` (`self.sessions`), the multi-turn
+agents' working trees; `start` wipes what a previous run left of them and starts their idle
+reaper, `stop` closes them all. They share nothing with the worker threads but the work root.
+
 `pipeline_score_fn` is the production scoring function (pipeline.score_task), the default; tests
 inject their own (`ScoreFn`).
 """
@@ -40,6 +44,7 @@ from collections.abc import Callable
 from dockyard_rl.sandbox import pipeline
 from dockyard_rl.sandbox.config import ExecutorConfig
 from dockyard_rl.sandbox.metrics import ExecutorMetrics, ImageStatsFn
+from dockyard_rl.sandbox.sessions import SessionManager
 from dockyard_rl.sandbox.store import RecoveryReport, TaskRecord, TaskStore
 from dockyard_rl.sandbox.task import TaskSpec, TaskStatus, Verdict
 
@@ -104,6 +109,9 @@ class TaskExecutor:
         self._accepting = False
         self._stopping = threading.Event()  # workers start no new task once set
         self._abandoned = False  # set when stop() gave up on running tasks: workers write nothing
+        self.sessions = SessionManager(
+            config.sessions, config.pipeline, config.work_path, config.max_patch_bytes
+        )
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -125,6 +133,8 @@ class TaskExecutor:
             )
         for task_id in report.requeued:
             self._queue.put(task_id)
+        # Sessions do not survive a restart: their directories are wiped before any opens.
+        self.sessions.start()
         for index in range(self.config.num_workers):
             worker = threading.Thread(
                 target=self._worker_loop, name=f"executor-worker-{index}", daemon=True
@@ -146,6 +156,7 @@ class TaskExecutor:
             for timer in self._retry_timers:
                 timer.cancel()  # the task stays QUEUED in the store: the next start re-runs it
             self._retry_timers.clear()
+        self.sessions.stop(grace_s)
         # Workers take no new task once _stopping is set; ids left on the in-memory queue are
         # QUEUED in the store, so the next start runs them. The sentinels wake idle workers.
         for _ in self._workers:
