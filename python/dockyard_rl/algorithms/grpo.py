@@ -37,6 +37,7 @@ import json
 import logging
 import time
 
+from dockyard_rl.algorithms.agent_rollouts import AgentRolloutRunner, agent_user_message
 from dockyard_rl.algorithms.grpo_config import MasterConfig
 from dockyard_rl.algorithms.grpo_setup import (
     POLICY_DIR,
@@ -58,7 +59,11 @@ from dockyard_rl.algorithms.rollouts import (
     valid_weight_versions,
 )
 from dockyard_rl.algorithms.validation import validate
-from dockyard_rl.algorithms.warm_start import run_warm_start, warm_start_examples
+from dockyard_rl.algorithms.warm_start import (
+    agent_warm_start_examples,
+    run_warm_start,
+    warm_start_examples,
+)
 from dockyard_rl.data_plane.experience import RemoteBatch
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.utils.checkpoint import save_trainer_state
@@ -117,13 +122,23 @@ def maybe_warm_start(run: GRPORun) -> None:
     if config is None or run.resumed is not None:
         return
     start = time.monotonic()
-    examples, skipped = warm_start_examples(run.warm_start_instances, run.runner.processor)
+    if isinstance(run.runner, AgentRolloutRunner):
+        examples, skipped = agent_warm_start_examples(
+            run.warm_start_instances,
+            run.runner.environment.renderer,
+            agent_user_message,
+            max_tokens=run.config.env.agent.max_episode_tokens,
+        )
+        answer_format = "tool-use demonstration"
+    else:
+        examples, skipped = warm_start_examples(run.warm_start_instances, run.runner.processor)
+        answer_format = f"{run.config.data.prompt.patch_format} format"
     logger.info(
         "warm start: %d examples (%d tasks skipped: their gold patch cannot be written "
-        "in the %s format), %d epochs",
+        "as a %s), %d epochs",
         len(examples),
         skipped,
-        run.config.data.prompt.patch_format,
+        answer_format,
         config.num_epochs,
     )
     history = run_warm_start(

@@ -12,7 +12,8 @@ of the package that owns it, so its defaults and per-key checks live there and n
 | `async_grpo`    | AsyncGRPOConfig (async_utils/replay_buffer.py); read in async mode only   |
 | `data`          | DataConfig (data/config.py)                                               |
 | `synthesis`     | TaskSynthesisConfig (data/synthesis/task_synthesis.py); null = off        |
-| `env`           | EnvConfig (here): `env.swe` SweEnvironmentConfig (environments/config.py) |
+| `env`           | EnvConfig (here): `env.swe` SweEnvironmentConfig and `env.agent`          |
+|                 | AgentEnvironmentConfig (environments/config.py)                           |
 | `rewards`       | RewardShapingConfig (rewards/shaping.py)                                  |
 | `executor`      | ExecutorConfig (sandbox/config.py); null = use a running executor         |
 | `cluster`       | ClusterConfig (cluster/config.py)                                         |
@@ -78,11 +79,15 @@ from dockyard_rl.cluster.config import ClusterConfig
 from dockyard_rl.data.config import DataConfig
 from dockyard_rl.data.synthesis.task_synthesis import TaskSynthesisConfig
 from dockyard_rl.data_plane.config import DataPlaneConfig
-from dockyard_rl.environments.config import SweEnvironmentConfig
+from dockyard_rl.environments.config import AgentEnvironmentConfig, SweEnvironmentConfig
 from dockyard_rl.models import zoo
 from dockyard_rl.models.generation.config import GenerationConfig
 from dockyard_rl.models.policy.config import PolicyConfig
-from dockyard_rl.rewards.shaping import OverlongStageConfig, RewardShapingConfig
+from dockyard_rl.rewards.shaping import (
+    OverlongStageConfig,
+    RewardShapingConfig,
+    TurnLimitStageConfig,
+)
 from dockyard_rl.sandbox.config import ExecutorConfig
 from dockyard_rl.utils.checkpoint import CheckpointingConfig
 from dockyard_rl.utils.config import from_dict, is_int, is_number, optional_dataclass, require
@@ -140,6 +145,12 @@ UNREAD_UNLESS: tuple[tuple[str, typing.Callable[[MasterConfig], bool], str], ...
         "loop starts the sandbox fleet",
     ),
     (
+        "env.agent",
+        lambda config: config.grpo.max_rollout_turns > 1,
+        "grpo.max_rollout_turns is 1: single-shot rollouts have no agent episodes; remove the "
+        "section or set grpo.max_rollout_turns > 1",
+    ),
+    (
         "env.swe.executor_url",
         lambda config: config.executor is None or config.executor.port != 0,
         "executor.port is 0: the loop points the environment at the executor it starts on a "
@@ -159,7 +170,9 @@ class GRPOConfig:
     num_prompts_per_step: int = 32
     # Rollouts per prompt: the group GRPO's baseline is computed over (>= 2).
     num_generations_per_prompt: int = 8
-    # Single-shot only: one response (a patch) per rollout. Multi-turn agents are not built yet.
+    # 1: single-shot (one response, a patch, per rollout). > 1: a multi-turn agent that works in
+    # an executor session with tools for up to this many model turns (environments/agent_env.py,
+    # limits in env.agent).
     max_rollout_turns: int = 1
     max_num_steps: int = 100
     # Validate every this many steps on the held-out split; 0 = never (except the
@@ -208,10 +221,10 @@ class GRPOConfig:
                 f"must be an integer >= {minimum}{hint}, got {value!r}",
             )
         require(
-            self.max_rollout_turns == 1 and is_int(self.max_rollout_turns),
+            is_int(self.max_rollout_turns) and self.max_rollout_turns >= 1,
             "max_rollout_turns",
-            f"only single-shot rollouts (1) are supported, got "
-            f"{self.max_rollout_turns!r}; set it to 1",
+            f"must be an integer >= 1 (1 = single-shot, more = a multi-turn agent), got "
+            f"{self.max_rollout_turns!r}",
         )
         for key in ("val_at_start", "val_at_end", "skip_reference_policy_logprobs"):
             value = getattr(self, key)
@@ -287,6 +300,8 @@ class EnvConfig:
     """YAML section `env`: the environment(s) rollouts are scored in (today the SWE one)."""
 
     swe: SweEnvironmentConfig = dataclasses.field(default_factory=SweEnvironmentConfig)
+    # The multi-turn agent's episode limits; read when grpo.max_rollout_turns > 1.
+    agent: AgentEnvironmentConfig = dataclasses.field(default_factory=AgentEnvironmentConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,6 +419,7 @@ class MasterConfig:
                 "data.validation_fraction or data.validation_path, or turn validation off",
             )
         self._check_rewards()
+        self._check_agent()
         self._check_checkpointing()
         self._check_executor()
         self._check_synthesis()
@@ -436,6 +452,32 @@ class MasterConfig:
                     f"({stage.threshold}) must be below generation.max_tokens "
                     f"({self.generation.max_tokens}), or the penalty never applies",
                 )
+
+    def _check_agent(self) -> None:
+        multi_turn = self.grpo.max_rollout_turns > 1
+        for index, stage in enumerate(self.rewards.stages):
+            require(
+                multi_turn or not isinstance(stage, TurnLimitStageConfig),
+                f"rewards.stages[{index}]",
+                "is a turn_limit stage but grpo.max_rollout_turns is 1: it acts on multi-turn "
+                "episodes only; remove it or set grpo.max_rollout_turns > 1",
+            )
+        if not multi_turn:
+            return
+        agent = self.env.agent
+        require(
+            agent.max_episode_tokens <= self.generation.max_model_len,
+            "env.agent.max_episode_tokens",
+            f"({agent.max_episode_tokens}) must be <= generation.max_model_len "
+            f"({self.generation.max_model_len}): every turn is generated from the whole "
+            "episode so far; lower it or raise max_model_len",
+        )
+        require(
+            agent.max_turn_tokens <= self.generation.max_tokens,
+            "env.agent.max_turn_tokens",
+            f"({agent.max_turn_tokens}) must be <= generation.max_tokens "
+            f"({self.generation.max_tokens}), the engines' per-request limit",
+        )
 
     def _check_checkpointing(self) -> None:
         ckpt = self.checkpointing

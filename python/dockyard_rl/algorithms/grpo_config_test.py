@@ -201,7 +201,22 @@ def test_keep_top_k_without_metric_name(tmp_path):
 @pytest.mark.parametrize(
     "sections, expected",
     [
-        ({"grpo": {"max_rollout_turns": 2}}, "grpo.max_rollout_turns: only single-shot"),
+        ({"grpo": {"max_rollout_turns": 0}}, "grpo.max_rollout_turns: must be an integer >= 1"),
+        (
+            {"grpo": {"max_rollout_turns": 4}, "env": {"agent": {"max_episode_tokens": 8192}}},
+            "env.agent.max_episode_tokens: (8192) must be <= generation.max_model_len",
+        ),
+        (
+            {
+                "grpo": {"max_rollout_turns": 4},
+                "env": {"agent": {"max_episode_tokens": 2048, "max_turn_tokens": 1000}},
+            },
+            "env.agent.max_turn_tokens: (1000) must be <= generation.max_tokens (512)",
+        ),
+        (
+            {"rewards": {"stages": [{"type": "turn_limit"}]}},
+            "rewards.stages[0]: is a turn_limit stage but grpo.max_rollout_turns is 1",
+        ),
         ({"grpo": {"mode": "pipelined"}}, "grpo.mode: must be one of sync, async"),
         ({"grpo": {"num_generations_per_prompt": 1}}, "grpo.num_generations_per_prompt"),
         (
@@ -523,6 +538,7 @@ _LOOPBACK_EXECUTOR = {"port": 0}
             "env.swe.executor_url",
             "fixed port",
         ),
+        ({"env": {"agent": {"max_turn_tokens": 64}}}, "env.agent", "grpo.max_rollout_turns > 1"),
     ],
 )
 def test_a_key_nothing_reads_fails_naming_it_and_the_fix(tmp_path, sections, key, fix):

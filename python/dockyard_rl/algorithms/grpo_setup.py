@@ -31,12 +31,15 @@ import uuid
 import numpy as np
 import torch
 
+from dockyard_rl.algorithms.agent_rollouts import AgentRolloutRunner
 from dockyard_rl.algorithms.grpo_config import MasterConfig, config_to_dict, config_to_yaml
 from dockyard_rl.algorithms.loss_functions import ClippedPGLossFn
 from dockyard_rl.algorithms.rollouts import RolloutRunner
 from dockyard_rl.data import datasets
 from dockyard_rl.data.config import load_train_validation
 from dockyard_rl.data.schema import SweInstance
+from dockyard_rl.environments.agent_env import AgentEnvironment
+from dockyard_rl.environments.agent_tools import ChatRenderer
 from dockyard_rl.environments.swe_env import SweEnvironment
 from dockyard_rl.models import zoo
 from dockyard_rl.models.generation.config import GenerationConfig
@@ -71,7 +74,7 @@ class GRPORun:
     policy: object
     generation: object
     environment: SweEnvironment
-    runner: RolloutRunner
+    runner: RolloutRunner | AgentRolloutRunner
     synchronizer: object
     loss_fn: ClippedPGLossFn
     logger: Logger
@@ -210,14 +213,31 @@ def setup(config: MasterConfig) -> GRPORun:
 
     tokenizer = _tokenizer(config)
     processor = datasets.get_processor(config.data.processor)(tokenizer, config.data.prompt)
-    runner = RolloutRunner(
-        generation,
-        environment,
-        processor,
-        max_response_tokens=config.generation.max_tokens,
-        thinking_required=config.data.prompt.enable_thinking,
-        run_seed=config.grpo.seed,  # per-sample generation seeds (utils/seeding.py)
-    )
+    runner: RolloutRunner | AgentRolloutRunner
+    if config.grpo.max_rollout_turns > 1:
+        # A multi-turn agent: episodes in executor sessions, final diffs scored by `environment`.
+        agent = config.env.agent
+        runner = AgentRolloutRunner(
+            generation,
+            AgentEnvironment(
+                agent,
+                environment,
+                ChatRenderer(tokenizer),
+                max_rollout_turns=config.grpo.max_rollout_turns,
+            ),
+            max_response_tokens=config.grpo.max_rollout_turns * agent.max_turn_tokens,
+            thinking_required=config.data.prompt.enable_thinking,
+            run_seed=config.grpo.seed,
+        )
+    else:
+        runner = RolloutRunner(
+            generation,
+            environment,
+            processor,
+            max_response_tokens=config.generation.max_tokens,
+            thinking_required=config.data.prompt.enable_thinking,
+            run_seed=config.grpo.seed,  # per-sample generation seeds (utils/seeding.py)
+        )
     sampler = PromptSampler(len(train), config.grpo.num_prompts_per_step, config.data.seed)
     step = 0
     if resumed is not None:

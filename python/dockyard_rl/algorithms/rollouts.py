@@ -223,7 +223,8 @@ def build_train_batch(
     """The training batch of `rollout` (module docstring); None when every group was dropped.
 
     Keys: input_ids (B, S) int64, input_lengths (B,), token_mask (B, S) float (1 on response
-    tokens), sample_mask (B,) float, advantages (B, S) float (the sample's advantage on each
+    tokens the policy generated: a multi-turn sample's `response_mask` zeroes its tool outputs),
+    sample_mask (B,) float, advantages (B, S) float (the sample's advantage on each
     response token), generation_logprobs (B, S) float (the engine's, 0 off the response),
     weight_version (B,) int64 (the oldest version that produced the sample).
     """
@@ -250,7 +251,11 @@ def build_train_batch(
     token_mask_BS = batch["token_mask"]
     generation_logprobs_BS = torch.zeros_like(token_mask_BS)
     for b, sample in enumerate(samples):
-        generation_logprobs_BS[b, token_mask_BS[b] > 0] = torch.tensor(sample.response_logprobs)
+        response = token_mask_BS[b] > 0
+        generation_logprobs_BS[b, response] = torch.tensor(sample.response_logprobs)
+        if sample.response_mask is not None:
+            # A multi-turn episode: tool outputs and chat markup are context, not actions.
+            token_mask_BS[b, response] = torch.tensor(sample.response_mask, dtype=torch.float32)
     batch.update(
         sample_mask=sample_mask_B.float(),
         advantages=broadcast_to_tokens(advantages_B, token_mask_BS),

@@ -27,7 +27,11 @@ policy's own `train`, so its optimizer, scheduler and learning rate apply (the s
 warm-up counts these steps). The GRPO loop runs it once, in a fresh run before step 1, and
 checkpoints the result as step 0; a resumed run never repeats it.
 
-Not covered: a separate learning rate or optimizer for the warm start, multi-turn examples.
+Multi-turn agents (`grpo.max_rollout_turns` > 1) warm-start on tool-use demonstrations instead
+(`agent_warm_start_examples`): each gold patch played as an episode of view, replace, run_tests
+and submit, trained on the assistant's turns only.
+
+Not covered: a separate learning rate or optimizer for the warm start.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from dockyard_rl.data import datasets
 from dockyard_rl.data.patch_formats import git_file_reader, gold_answer
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.data.synthesis.task_synthesis import TaskSynthesisConfig
+from dockyard_rl.data.tool_demonstrations import build_demonstrations
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.utils.config import is_int, require
 
@@ -92,6 +97,9 @@ class WarmStartExample:
     instance_id: str
     prompt_token_ids: tuple[int, ...]
     answer_token_ids: tuple[int, ...]  # ends with the end-of-sequence token
+    # Multi-turn demonstrations: 1 on the assistant's tokens, 0 on the tool outputs between its
+    # turns (context, not trained on). None: every answer token is trained on.
+    answer_mask: tuple[int, ...] | None = None
 
 
 def warm_start_examples(
@@ -126,12 +134,49 @@ def warm_start_examples(
     return examples, skipped
 
 
+def agent_warm_start_examples(
+    instances: Sequence[SweInstance], renderer, user_message, *, max_tokens: int
+) -> tuple[list[WarmStartExample], int]:
+    """(examples, tasks skipped) for a multi-turn agent: each task's gold patch played as a
+    tool-use episode (`data/tool_demonstrations.py`: view, replace per hunk, run_tests, submit),
+    tokenized by the rollouts' `renderer` from the prompt `user_message(instance)` gives, so the
+    warm start trains on the token sequences episodes produce. Tool outputs are masked."""
+    items = [
+        (instance, git_file_reader(instance.repo, instance.base_commit), user_message(instance))
+        for instance in instances
+    ]
+    demos, skipped = build_demonstrations(items, renderer, max_tokens=max_tokens)
+    if skipped:
+        logger.info("warm start: demonstrations skipped by reason: %s", dict(skipped))
+    messages = {instance.instance_id: message for instance, _, message in items}
+    examples = []
+    for demo in demos:
+        prompt_length = len(renderer.initial_prompt_ids(messages[demo.instance_id]))
+        examples.append(
+            WarmStartExample(
+                demo.instance_id,
+                demo.token_ids[:prompt_length],
+                demo.token_ids[prompt_length:],
+                demo.mask[prompt_length:],
+            )
+        )
+    return examples, sum(skipped.values())
+
+
 def examples_batch(examples: Sequence[WarmStartExample], pad_token_id: int) -> BatchedDataDict:
     """The (B, S) batch the policy trains on: prompt + answer, right-padded; token_mask is 1 on
-    the answer tokens (the layout of a GRPO batch, rollouts.pack_sequences)."""
+    the answer tokens (the layout of a GRPO batch, rollouts.pack_sequences), times the answer
+    mask of a multi-turn demonstration."""
     batch = pack_sequences(
         [(e.prompt_token_ids, e.answer_token_ids) for e in examples], pad_token_id
     )
+    for b, example in enumerate(examples):
+        if example.answer_mask is not None:
+            start = len(example.prompt_token_ids)
+            end = start + len(example.answer_token_ids)
+            batch["token_mask"][b, start:end] = torch.tensor(
+                example.answer_mask, dtype=batch["token_mask"].dtype
+            )
     batch["sample_mask"] = torch.ones(len(examples))
     return batch
 

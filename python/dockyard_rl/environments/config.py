@@ -31,7 +31,7 @@ from typing import Any
 from dockyard_rl.sandbox.task import RewardMode
 from dockyard_rl.utils.config import is_int, is_number, require
 
-__all__ = ["SweEnvironmentConfig"]
+__all__ = ["AgentEnvironmentConfig", "SweEnvironmentConfig"]
 
 # Task ids the executor accepts are [A-Za-z0-9._-]{1,128}; the environment appends about 40
 # characters (step, index, instance hash, retry generation) to the prefix.
@@ -116,3 +116,47 @@ class SweEnvironmentConfig:
     @property
     def reward_mode_enum(self) -> RewardMode:
         return RewardMode(self.reward_mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentEnvironmentConfig:
+    """Config section `env.agent`: the multi-turn agent's episode limits (agent_env.py).
+
+        env:
+          agent:
+            max_turn_tokens: 256          # tokens the model may generate in one turn
+            max_episode_tokens: 4096      # prompt + every turn + every tool output
+            max_observation_chars: 4000   # a tool output longer than this is cut (head kept)
+            max_concurrent_episodes: 32   # episodes in flight, each holding an executor session
+
+    The number of turns is `grpo.max_rollout_turns`; the executor's session budgets (tool calls,
+    wall clock, CPU, output bytes) are the executor's `sessions` section. An episode whose next
+    turn would not fit in `max_episode_tokens` ends there (`context_limit`), and is scored like
+    one that ran out of turns. `max_episode_tokens` must fit the engines' `max_model_len`
+    (checked with the whole recipe).
+    """
+
+    max_turn_tokens: int = 256
+    max_episode_tokens: int = 4096
+    max_observation_chars: int = 4000
+    max_concurrent_episodes: int = 32
+
+    def __post_init__(self) -> None:
+        for name, minimum in (
+            ("max_turn_tokens", 8),
+            ("max_episode_tokens", 64),
+            ("max_observation_chars", 100),
+            ("max_concurrent_episodes", 1),
+        ):
+            value = getattr(self, name)
+            require(
+                is_int(value) and value >= minimum,
+                name,
+                f"must be an integer >= {minimum}, got {value!r}",
+            )
+        require(
+            self.max_turn_tokens < self.max_episode_tokens,
+            "max_turn_tokens",
+            f"must be below max_episode_tokens ({self.max_episode_tokens}), got "
+            f"{self.max_turn_tokens}",
+        )

@@ -107,6 +107,8 @@ class SweRollout:
         invalid_reason: why no patch could be extracted; set exactly when `patch` is None.
         response_text, response_length, max_response_length, thinking_required: passed to the
             reward pipeline (format and length stages).
+        episode_end: how a multi-turn episode ended (`agent_env.EPISODE_ENDS`), passed to the
+            reward pipeline (turn_limit stage); None for a single-shot sample.
     """
 
     instance: TaskSpec
@@ -116,6 +118,8 @@ class SweRollout:
     response_length: int = 0
     max_response_length: int = 1
     thinking_required: bool = False
+    # Multi-turn episodes only (agent_env.py): how the episode ended, for the turn_limit stage.
+    episode_end: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.instance, TaskSpec):
@@ -179,14 +183,24 @@ class SweEnvironment(Environment):
             )
         )
 
-    def task_id(self, global_step: int, index: int, instance_id: str, generation: int = 0) -> str:
-        """The deterministic task id of sample `index` of step `global_step`.
+    @property
+    def client_factory(self) -> ClientFactory:
+        """What makes this environment's executor clients (the multi-turn environment opens its
+        sessions with the same URL, token and timeouts)."""
+        return self._client_factory
 
-        The instance id is hashed: it may hold characters task ids may not ('/'), and the hash
-        makes a step whose batch order changed resolve to different tasks instead of a conflict.
+    def task_id(
+        self, global_step: int, index: int, instance_id: str, generation: int = 0, patch: str = ""
+    ) -> str:
+        """The deterministic task id of sample `index` of step `global_step` with `patch`.
+
+        The instance id and the patch are hashed: the id may hold characters task ids may not
+        ('/'), and the hash makes a retried step whose batch order or patches changed (a
+        multi-turn episode replayed against tools whose output varies) resolve to different
+        tasks instead of a conflict, while the same sample resolves to the same task.
         `generation` > 0 names a resubmission after an INFRA_ERROR.
         """
-        digest = hashlib.sha256(instance_id.encode()).hexdigest()[:16]
+        digest = hashlib.sha256(f"{instance_id}\0{patch}".encode()).hexdigest()[:16]
         task_id = f"{self.config.task_id_prefix}-s{global_step}-i{index}-{digest}"
         return task_id if generation == 0 else f"{task_id}-r{generation}"
 
@@ -242,10 +256,11 @@ class SweEnvironment(Environment):
         generation = 0
         last_error = "no try made"
         num_tries = 0
-        task_id = self.task_id(global_step, index, instance_id)
+        patch = rollout.patch or ""
+        task_id = self.task_id(global_step, index, instance_id, patch=patch)
         async with semaphore:
             for num_tries in range(1, self.config.max_infra_retries + 2):
-                task_id = self.task_id(global_step, index, instance_id, generation)
+                task_id = self.task_id(global_step, index, instance_id, generation, patch)
                 spec = dataclasses.replace(
                     rollout.instance,
                     patch=rollout.patch,
@@ -388,6 +403,7 @@ class SweEnvironment(Environment):
             max_response_length=rollout.max_response_length,
             response_text=rollout.response_text,
             thinking_required=rollout.thinking_required,
+            episode_end=rollout.episode_end,
         )
         if result is None:  # parse failure: never submitted
             return SampleOutcome(

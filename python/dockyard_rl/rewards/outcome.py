@@ -16,7 +16,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["SCREENING_CATEGORIES", "SampleOutcome", "screening_category"]
+__all__ = ["EPISODE_ENDS", "SCREENING_CATEGORIES", "SampleOutcome", "screening_category"]
 
 # The categories of the sandbox's static screening of a patch (dockyard_rl.sandbox.screening
 # writes its flags as "category: token"). Listed here so the reward config can be checked at
@@ -30,6 +30,11 @@ SCREENING_CATEGORIES: tuple[str, ...] = (
     "introspection",  # stack frames, gc.get_objects, audit hooks
     "binary_content",  # a git binary hunk: content the screening cannot read
 )
+
+
+# How a multi-turn episode can end (SampleOutcome.episode_end); every one but "submit" means the
+# agent stopped without deciding it was done.
+EPISODE_ENDS: tuple[str, ...] = ("submit", "turn_limit", "context_limit", "budget")
 
 
 def screening_category(flag: str) -> str:
@@ -56,6 +61,9 @@ class SampleOutcome:
         screening_flags: what the sandbox's static screening flagged in the patch, each
             "category: token" (e.g. "forced_exit: os._exit"; categories in
             SCREENING_CATEGORIES). A list is stored as a tuple.
+        episode_end: how a multi-turn episode ended: "submit" (the agent submitted),
+            "turn_limit" (out of turns), "context_limit" (out of tokens) or "budget" (the
+            executor session's budget was spent); None for a single-shot sample.
     """
 
     reward: float
@@ -68,6 +76,7 @@ class SampleOutcome:
     held_out_files: tuple[str, ...] = ()
     thinking_required: bool = False
     screening_flags: tuple[str, ...] = ()
+    episode_end: str | None = None
 
     def __post_init__(self):
         if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)):
@@ -105,6 +114,10 @@ class SampleOutcome:
         object.__setattr__(
             self, "screening_flags", _strings("screening_flags", self.screening_flags, "flag")
         )
+        if self.episode_end is not None and self.episode_end not in EPISODE_ENDS:
+            raise ValueError(
+                f"episode_end: must be one of {EPISODE_ENDS} or None, got {self.episode_end!r}"
+            )
 
 
 def _strings(name: str, value: Sequence[str], what: str) -> tuple[str, ...]:

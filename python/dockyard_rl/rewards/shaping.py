@@ -40,6 +40,11 @@ Stage types and their keys (defaults in brackets):
   `-max_penalty * clip((length - threshold) / (max_length - threshold), 0, 1)`: 0 up to
   `threshold`, linear down to `-max_penalty` at `max_length`, `-max_penalty` beyond.
   Metadata: `overlong/penalty` (<= 0).
+- `turn_limit` (multi-turn episodes): `penalty` [-0.5, <= 0]. An episode that ended without the
+  agent's `submit` (out of turns, tokens or session budget: `episode_end` not "submit") ADDS
+  `penalty`; its final diff was still scored, so a fix left unsubmitted keeps most of its reward
+  but less than a submitted one. Single-shot samples (`episode_end` None) are untouched.
+  Metadata: `turn_limit/episode_end`.
 - `scale`: `scale` [1.0], `shift` [0.0], `clip_min` [null], `clip_max` [null].
   reward -> clip(scale * reward + shift, clip_min, clip_max). Metadata: `scale/clipped`.
 
@@ -78,6 +83,7 @@ __all__ = [
     "ScreeningStageConfig",
     "ShapingResult",
     "StageResult",
+    "TurnLimitStageConfig",
 ]
 
 
@@ -214,6 +220,22 @@ class OverlongStageConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TurnLimitStageConfig:
+    """`{type: turn_limit, penalty}`: a multi-turn episode that ended unsubmitted -> + `penalty`."""
+
+    stage_type: ClassVar[str] = "turn_limit"
+    penalty: float = -0.5
+
+    def __post_init__(self):
+        _require_number(self.penalty, "penalty")
+        require(
+            self.penalty <= 0,
+            "penalty",
+            f"must be <= 0 (it is added to the reward), got {self.penalty}",
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class ScaleStageConfig:
     """`{type: scale, scale, shift, clip_min, clip_max}`: clip(scale * r + shift)."""
 
@@ -242,6 +264,7 @@ StageConfig = (
     | ScreeningStageConfig
     | MalformedThinkingStageConfig
     | OverlongStageConfig
+    | TurnLimitStageConfig
     | ScaleStageConfig
 )
 
@@ -394,6 +417,14 @@ class OverlongStage(RewardStage):
         return -self.cfg.max_penalty * excess / (max_length - threshold) if excess else 0.0
 
 
+class TurnLimitStage(RewardStage):
+    def apply(self, reward: float, outcome: SampleOutcome) -> StageResult:
+        end = outcome.episode_end
+        if end is None or end == "submit":
+            return StageResult(reward, False, {"episode_end": end})
+        return StageResult(reward + float(self.cfg.penalty), True, {"episode_end": end})
+
+
 class ScaleStage(RewardStage):
     def apply(self, reward: float, outcome: SampleOutcome) -> StageResult:
         value = self.cfg.scale * reward + self.cfg.shift
@@ -412,6 +443,7 @@ _STAGES: dict[str, tuple[type, type[RewardStage]]] = {
     "screening": (ScreeningStageConfig, ScreeningStage),
     "malformed_thinking": (MalformedThinkingStageConfig, MalformedThinkingStage),
     "overlong": (OverlongStageConfig, OverlongStage),
+    "turn_limit": (TurnLimitStageConfig, TurnLimitStage),
     "scale": (ScaleStageConfig, ScaleStage),
 }
 STAGE_TYPES: tuple[str, ...] = tuple(_STAGES)

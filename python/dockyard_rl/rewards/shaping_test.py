@@ -268,6 +268,34 @@ def test_order_matters():
     assert pipeline({"type": "invalid_action"}, OVERLONG)([no_patch]).rewards == (-1.5,)
 
 
+@pytest.mark.parametrize(
+    "end, expected, triggered",
+    [
+        (None, 1.0, False),  # single-shot: never touched
+        ("submit", 1.0, False),
+        ("turn_limit", 0.75, True),
+        ("context_limit", 0.75, True),
+        ("budget", 0.75, True),
+    ],
+)
+def test_turn_limit_penalises_unsubmitted_episodes(end, expected, triggered):
+    shaper = pipeline({"type": "turn_limit", "penalty": -0.25})
+    result = shaper([outcome(1.0, 10, patch_applied=True, episode_end=end)])
+    assert result.rewards == (expected,)
+    assert result.metadata[0]["turn_limit/triggered"] is triggered
+    assert result.metadata[0]["turn_limit/episode_end"] == end
+
+
+def test_turn_limit_adds_to_the_no_patch_penalty_and_checks_its_config():
+    no_change = outcome(0.0, 10, patch_parsed=False, episode_end="turn_limit")
+    shaper = pipeline({"type": "invalid_action"}, {"type": "turn_limit"})
+    assert shaper([no_change]).rewards == (-1.5,)
+    with pytest.raises(ValueError, match=r"stages\[0\].penalty: must be <= 0"):
+        pipeline({"type": "turn_limit", "penalty": 0.5})
+    with pytest.raises(ValueError, match="episode_end: must be one of"):
+        outcome(0.0, 10, episode_end="gave_up")
+
+
 def test_full_recipe_metadata_and_metrics():
     shaper = pipeline(
         {"type": "integrity"},
@@ -277,7 +305,8 @@ def test_full_recipe_metadata_and_metrics():
         OVERLONG,
         SCALE,
     )
-    assert shaper.stage_types == STAGE_TYPES
+    # Every stage but turn_limit (multi-turn only: test_turn_limit_* below).
+    assert shaper.stage_types == tuple(t for t in STAGE_TYPES if t != "turn_limit")
     samples = [
         outcome(1.0, 10, patch_applied=True),  # Resolved, short: 2 * 1 - 1 = 1.
         outcome(1.0, 100, patch_applied=True),  # Resolved, overlong: 2 * 0.5 - 1 = 0.
@@ -366,7 +395,7 @@ def test_yaml_recipe_parses_with_defaults():
         (
             [{"type": "overlength"}],
             r"^rewards\.stages\[0\]\.type: unknown stage type 'overlength'; valid types: "
-            r"integrity, invalid_action, screening, malformed_thinking, overlong, scale$",
+            r"integrity, invalid_action, screening, malformed_thinking, overlong, turn_limit, scale$",
         ),
         (
             [SCALE, {"penalty": -1.0}],

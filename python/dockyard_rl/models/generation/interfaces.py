@@ -69,12 +69,20 @@ class GenerationSample:
     oldest_weight_version: int  # oldest version that contributed (<= min(weight_versions))
     engine_index: int  # which data-parallel engine produced it
     seed: int | None = None  # the request's sampling seed (None: unseeded)
+    # Multi-turn episodes (environments/agent_env.py): 1 on the tokens the policy generated, 0 on
+    # the tool outputs and chat markup between turns (trained on: never; their logprobs are 0).
+    # None: every response token is the policy's (a single engine sample).
+    response_mask: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         assert len(self.response_token_ids) == len(self.response_logprobs), (
             len(self.response_token_ids),
             len(self.response_logprobs),
         )
+        assert self.response_mask is None or (
+            len(self.response_mask) == len(self.response_token_ids)
+            and set(self.response_mask) <= {0, 1}
+        ), "response_mask: one 0/1 per response token"
         assert self.finish_reason in FINISH_REASONS, self.finish_reason
 
 
