@@ -1,0 +1,324 @@
+"""Multi-turn tool-use demonstrations made from gold patches, for the agent's warm start.
+
+    renderer = ChatRenderer(tokenizer)
+    demo = build_demonstration(instance, git_file_reader(repo, instance.base_commit), renderer,
+                               user_message=task_prompt)          # Demonstration | Skipped
+    demos, skipped = build_demonstrations(items, renderer)        # skipped: Counter of reasons
+
+A demonstration is the episode an agent that knows the fix would play, in the tool format of
+`environments/agent_tools.py`:
+1. per file the gold patch modifies: `view` of the range its hunks touch (VIEW_MARGIN lines
+   around them, ranges merged while a view stays within the tool's 200 lines), then one `replace`
+   per hunk: `old` is the hunk's old lines (context and removed) as they are in the file at that
+   point, `new` the hunk's new lines with the same surrounding text. When `old` is not unique in
+   the file, it is widened by one line above and below at a time (at most MAX_WIDEN times) until
+   it is; otherwise the task is skipped (`ambiguous_hunk`). A new file is one `write_file`.
+2. `run_tests` without arguments (the task's test command);
+3. `submit`.
+
+Observations are what the session's tools answer, rendered by `render_observation`: `view`'s
+numbered lines ("{n:>5}\\t{line}", computed here from the base file exactly as the session's view
+tool numbers them), REPLACE_OUTPUT / WRITE_OUTPUT for edits, and for `run_tests` a fixed
+placeholder (RUN_TESTS_OUTPUT): the tests are not run when demonstrations are built, so the
+demonstration does not show pytest's real output. `submit` has no observation: the episode ends.
+
+Tokens come from the same `ChatRenderer` the rollouts use (prompt, each call as the model would
+generate it, ending with the end-of-turn token, then `observation_ids`), so a warm start trains
+on exactly the token sequences rollouts produce. `mask` is 1 on the assistant's tokens only: the
+calls and the end-of-turn token that ends each of them.
+
+Skipped tasks (a `Skipped` with a `SkipReason` and detail; `build_demonstrations` counts them):
+a patch that does not parse, deletes, renames or changes only the mode of a file, is binary,
+touches a file missing at the base commit, has a hunk that does not match the base file, or a
+hunk whose text stays ambiguous; and a demonstration longer than `max_tokens`.
+
+Not covered: exploring with `search`, failed attempts or test output in the demonstration (it
+goes straight to the fix), and files with "\\r"-only line endings (lines split on "\\n").
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from collections.abc import Iterable, Sequence
+
+import unidiff
+from unidiff.constants import LINE_TYPE_NO_NEWLINE
+
+from dockyard_rl.data.patch_formats import ReadFile
+from dockyard_rl.data.schema import SweInstance
+from dockyard_rl.environments.agent_tools import (
+    MAX_VIEW_LINES,
+    ChatRenderer,
+    ToolCall,
+    render_observation,
+    render_tool_call,
+)
+
+__all__ = [
+    "Demonstration",
+    "SkipReason",
+    "Skipped",
+    "UnsupportedPatchError",
+    "build_demonstration",
+    "build_demonstrations",
+    "demonstration_calls",
+    "numbered_lines",
+]
+
+VIEW_MARGIN = 3  # lines shown around the changed ranges
+MAX_WIDEN = 20  # at most this many lines added above and below a hunk to make it unique
+REPLACE_OUTPUT = "Replaced 1 occurrence in {path}."
+WRITE_OUTPUT = "Wrote {path}."
+RUN_TESTS_OUTPUT = "(tests ran)"
+
+
+class SkipReason(str, enum.Enum):
+    UNPARSABLE_PATCH = "unparsable_patch"
+    UNSUPPORTED_CHANGE = "unsupported_change"  # delete, rename, mode-only, binary
+    MISSING_FILE = "missing_file"
+    HUNK_MISMATCH = "hunk_mismatch"
+    AMBIGUOUS_HUNK = "ambiguous_hunk"
+    TOO_LONG = "too_long"
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    instance_id: str
+    reason: SkipReason
+    detail: str
+
+
+class UnsupportedPatchError(ValueError):
+    """The gold patch cannot be played with the tools; `reason` says why (counted), `detail`
+    names the file and hunk."""
+
+    def __init__(self, reason: SkipReason, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclasses.dataclass(frozen=True)
+class Demonstration:
+    """One episode. `token_ids` and `mask` have the same length; mask[i] is 1 where token i is
+    the assistant's. `observations[i]` answers `calls[i]`; the last call (submit) has none."""
+
+    instance_id: str
+    token_ids: tuple[int, ...]
+    mask: tuple[int, ...]
+    calls: tuple[ToolCall, ...]
+    observations: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Result:
+    """An observed tool result (the fields `render_observation` reads)."""
+
+    output: str
+    ok: bool = True
+    error: str | None = None
+    truncated: bool = False
+    exhausted: bool = False
+
+
+def _lines(text: str) -> list[str]:
+    """Lines with their "\\n" (the last one may lack it): split on "\\n" only, as diffs are."""
+    parts = text.split("\n")
+    return [part + "\n" for part in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+
+
+def numbered_lines(content: str, start_line: int = 1, end_line: int | None = None) -> str:
+    """The session's view of lines start_line..end_line (inclusive, 1-based, at most
+    MAX_VIEW_LINES): "{n:>5}\\t{line}" joined by newlines."""
+    lines = _lines(content)
+    last = len(lines) if end_line is None else min(end_line, len(lines))
+    last = min(last, start_line + MAX_VIEW_LINES - 1)
+    return "\n".join(
+        f"{n:>5}\t{lines[n - 1].removesuffix(chr(10))}" for n in range(start_line, last + 1)
+    )
+
+
+def _hunk_sides(hunk: unidiff.Hunk) -> tuple[list[str], list[str]]:
+    """The hunk's old and new lines; a line followed by "\\ No newline at end of file" loses its
+    newline on the side(s) it belongs to."""
+    old: list[str] = []
+    new: list[str] = []
+    lines = list(hunk)
+    for i, line in enumerate(lines):
+        if line.line_type == LINE_TYPE_NO_NEWLINE:
+            continue
+        value = line.value
+        if i + 1 < len(lines) and lines[i + 1].line_type == LINE_TYPE_NO_NEWLINE:
+            value = value.removesuffix("\n")
+        if not line.is_added:
+            old.append(value)
+        if not line.is_removed:
+            new.append(value)
+    return old, new
+
+
+def _unique(content: str, text: str) -> bool:
+    first = content.find(text)
+    return bool(text) and first >= 0 and content.find(text, first + 1) < 0
+
+
+def _view_ranges(patched: unidiff.PatchedFile, num_lines: int) -> list[tuple[int, int]]:
+    """1-based inclusive line ranges covering the hunks' old lines with VIEW_MARGIN around them,
+    merged while a range stays within MAX_VIEW_LINES."""
+    ranges: list[tuple[int, int]] = []
+    for hunk in patched:
+        first = max(1, hunk.source_start - VIEW_MARGIN)
+        last = min(num_lines, hunk.source_start + max(hunk.source_length, 1) - 1 + VIEW_MARGIN)
+        last = max(first, min(last, first + MAX_VIEW_LINES - 1))
+        if ranges and first <= ranges[-1][1] + 1 and last - ranges[-1][0] < MAX_VIEW_LINES:
+            ranges[-1] = (ranges[-1][0], max(last, ranges[-1][1]))
+        else:
+            ranges.append((first, last))
+    return ranges
+
+
+def _file_calls(patched: unidiff.PatchedFile, content: str) -> list[tuple[ToolCall, str]]:
+    path = patched.path
+    calls: list[tuple[ToolCall, str]] = []
+    for first, last in _view_ranges(patched, len(_lines(content))):
+        call = ToolCall("view", {"path": path, "start_line": first, "end_line": last})
+        calls.append((call, numbered_lines(content, first, last)))
+    delta = 0  # lines added minus removed by the hunks already replaced
+    for hunk in patched:
+        old_lines, new_lines = _hunk_sides(hunk)
+        lines = _lines(content)
+        # unidiff's source_start is the first old line, or for a pure insertion the line after
+        # which the new lines go.
+        at = (hunk.source_start - 1 if hunk.source_length > 0 else hunk.source_start) + delta
+        if lines[at : at + len(old_lines)] != old_lines:
+            raise UnsupportedPatchError(
+                SkipReason.HUNK_MISMATCH,
+                f"{path}: hunk at line {hunk.source_start} does not match the base file",
+            )
+        begin, end = at, at + len(old_lines)
+        for _ in range(MAX_WIDEN + 1):
+            old = "".join(lines[begin:end])
+            if _unique(content, old):
+                break
+            begin, end = max(0, begin - 1), min(len(lines), end + 1)
+        else:
+            raise UnsupportedPatchError(
+                SkipReason.AMBIGUOUS_HUNK,
+                f"{path}: hunk at line {hunk.source_start} is not unique in the file even with "
+                f"{MAX_WIDEN} more lines of context",
+            )
+        new = "".join(lines[begin:at] + new_lines + lines[at + len(old_lines) : end])
+        content = content.replace(old, new, 1)
+        delta += len(new_lines) - len(old_lines)
+        call = ToolCall("replace", {"path": path, "old": old, "new": new})
+        calls.append((call, REPLACE_OUTPUT.format(path=path)))
+    return calls
+
+
+def demonstration_calls(patch: str, read_file: ReadFile) -> list[tuple[ToolCall, str | None]]:
+    """The demonstration's calls, each with its observation text (None for submit). Raises
+    UnsupportedPatchError when the patch cannot be expressed with the tools."""
+    try:
+        patch_set = unidiff.PatchSet(patch)
+    except unidiff.UnidiffParseError as error:
+        raise UnsupportedPatchError(SkipReason.UNPARSABLE_PATCH, str(error)) from None
+    if not len(patch_set):
+        raise UnsupportedPatchError(SkipReason.UNPARSABLE_PATCH, "the patch changes no file")
+    calls: list[tuple[ToolCall, str | None]] = []
+    for patched in patch_set:
+        path = patched.path
+        if (
+            patched.is_removed_file
+            or patched.is_rename
+            or patched.is_binary_file
+            or not len(patched)
+        ):
+            raise UnsupportedPatchError(
+                SkipReason.UNSUPPORTED_CHANGE,
+                f"{path}: deletes, renames, binary and mode-only changes have no tool",
+            )
+        if patched.is_added_file:
+            content = "".join(line for hunk in patched for line in _hunk_sides(hunk)[1])
+            call = ToolCall("write_file", {"path": path, "content": content})
+            calls.append((call, WRITE_OUTPUT.format(path=path)))
+            continue
+        base = read_file(path)
+        if base is None:
+            raise UnsupportedPatchError(SkipReason.MISSING_FILE, f"{path}: not in the repository")
+        calls.extend(_file_calls(patched, base))
+    calls.append((ToolCall("run_tests", {}), RUN_TESTS_OUTPUT))
+    calls.append((ToolCall("submit", {}), None))
+    return calls
+
+
+def _tokens(
+    renderer: ChatRenderer, user_message: str, calls: Sequence[tuple[ToolCall, str | None]]
+) -> tuple[list[int], list[int], list[str]]:
+    """The episode's token ids, its assistant mask and the rendered observations."""
+    token_ids = renderer.initial_prompt_ids(user_message)
+    mask = [0] * len(token_ids)
+    observations = []
+    for call, output in calls:
+        response = renderer.response_ids(render_tool_call(call))
+        token_ids += response
+        mask += [1] * len(response)
+        if output is not None:
+            observations.append(render_observation(_Result(output)))
+            following = renderer.observation_ids(observations[-1], response)
+            token_ids += following
+            mask += [0] * len(following)
+    return token_ids, mask, observations
+
+
+def build_demonstration(
+    instance: SweInstance,
+    read_file: ReadFile,
+    renderer: ChatRenderer,
+    user_message: str,
+    *,
+    max_tokens: int | None = None,
+) -> Demonstration | Skipped:
+    """The demonstration of `instance`'s gold patch, or why there is none. `read_file` reads
+    the base commit's files (`patch_formats.git_file_reader`); `user_message` is the task
+    prompt exactly as the episode loop gives it, so the tokens match a rollout's."""
+    try:
+        calls = demonstration_calls(instance.patch, read_file)
+    except UnsupportedPatchError as skip:
+        return Skipped(instance.instance_id, skip.reason, skip.detail)
+    token_ids, mask, observations = _tokens(renderer, user_message, calls)
+    if max_tokens is not None and len(token_ids) > max_tokens:
+        return Skipped(
+            instance.instance_id,
+            SkipReason.TOO_LONG,
+            f"{len(token_ids)} tokens, more than max_tokens={max_tokens}",
+        )
+    return Demonstration(
+        instance_id=instance.instance_id,
+        token_ids=tuple(token_ids),
+        mask=tuple(mask),
+        calls=tuple(call for call, _ in calls),
+        observations=tuple(observations),
+    )
+
+
+def build_demonstrations(
+    items: Iterable[tuple[SweInstance, ReadFile, str]],
+    renderer: ChatRenderer,
+    *,
+    max_tokens: int | None = None,
+) -> tuple[list[Demonstration], collections.Counter[str]]:
+    """Demonstrations of (instance, read_file, user_message) items, and the number of skipped
+    tasks per `SkipReason` value."""
+    demos: list[Demonstration] = []
+    skipped: collections.Counter[str] = collections.Counter()
+    for instance, read_file, user_message in items:
+        result = build_demonstration(
+            instance, read_file, renderer, user_message, max_tokens=max_tokens
+        )
+        if isinstance(result, Skipped):
+            skipped[result.reason.value] += 1
+        else:
+            demos.append(result)
+    return demos, skipped
