@@ -362,6 +362,7 @@ class SessionManager:
         Raises SessionConflictError, TooManySessionsError, SessionsShuttingDownError,
         ValueError (a bad spec) and pipeline.InfrastructureError (the checkout failed)."""
         spec = dataclasses.replace(spec, patch="", task_id=None)
+        check_openable(spec)  # a bad spec is a 400 before the id is looked at
         if session_id is None:
             session_id = uuid.uuid4().hex
         elif not SESSION_ID_RE.match(session_id):
@@ -513,7 +514,6 @@ class SessionManager:
 
     def _prepare(self, session: _Session) -> None:
         """The checkout (module docstring): tree at base_commit, git dir moved out of it."""
-        check_openable(session.spec)
         session.dir.mkdir(parents=True)
         cache = repo_cache.RepoCache(self.pipeline_config.cache_path(self.work_root))
         try:
