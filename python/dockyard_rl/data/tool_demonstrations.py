@@ -16,11 +16,12 @@ A demonstration is the episode an agent that knows the fix would play, in the to
 2. `run_tests` without arguments (the task's test command);
 3. `submit`.
 
-Observations are what the session's tools answer, rendered by `render_observation`: `view`'s
-numbered lines ("{n:>5}\\t{line}", computed here from the base file exactly as the session's view
-tool numbers them), REPLACE_OUTPUT / WRITE_OUTPUT for edits, and for `run_tests` a fixed
-placeholder (RUN_TESTS_OUTPUT): the tests are not run when demonstrations are built, so the
-demonstration does not show pytest's real output. `submit` has no observation: the episode ends.
+Observations are what the session's tools answer (sandbox/sessions.py), computed here from the
+base files and rendered by `render_observation`: `view_output` (numbered lines
+"{n:>5}\\t{line}"), `replace_output` (the changed lines with two around them), `write_output`;
+for `run_tests` a fixed placeholder, RUN_TESTS_OUTPUT: the tests are not run when demonstrations
+are built, so a demonstration does not show pytest's real output. `submit` has no observation:
+the episode ends. Views are split so none is over MAX_VIEW_BYTES (the session cuts long outputs).
 
 Tokens come from the same `ChatRenderer` the rollouts use (prompt, each call as the model would
 generate it, ending with the end-of-turn token, then `observation_ids`), so a warm start trains
@@ -30,7 +31,8 @@ calls and the end-of-turn token that ends each of them.
 Skipped tasks (a `Skipped` with a `SkipReason` and detail; `build_demonstrations` counts them):
 a patch that does not parse, deletes, renames or changes only the mode of a file, is binary,
 touches a file missing at the base commit, has a hunk that does not match the base file, or a
-hunk whose text stays ambiguous; and a demonstration longer than `max_tokens`.
+hunk whose text stays ambiguous, a line too long to view; and a demonstration longer than
+`max_tokens`.
 
 Not covered: exploring with `search`, failed attempts or test output in the demonstration (it
 goes straight to the fix), and files with "\\r"-only line endings (lines split on "\\n").
@@ -64,13 +66,14 @@ __all__ = [
     "build_demonstration",
     "build_demonstrations",
     "demonstration_calls",
-    "numbered_lines",
+    "replace_output",
+    "view_output",
+    "write_output",
 ]
 
 VIEW_MARGIN = 3  # lines shown around the changed ranges
 MAX_WIDEN = 20  # at most this many lines added above and below a hunk to make it unique
-REPLACE_OUTPUT = "Replaced 1 occurrence in {path}."
-WRITE_OUTPUT = "Wrote {path}."
+MAX_VIEW_BYTES = 8 * 1024  # a view's output, well under the session's cut (16 KiB by default)
 RUN_TESTS_OUTPUT = "(tests ran)"
 
 
@@ -129,15 +132,57 @@ def _lines(text: str) -> list[str]:
     return [part + "\n" for part in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
 
 
-def numbered_lines(content: str, start_line: int = 1, end_line: int | None = None) -> str:
-    """The session's view of lines start_line..end_line (inclusive, 1-based, at most
-    MAX_VIEW_LINES): "{n:>5}\\t{line}" joined by newlines."""
-    lines = _lines(content)
-    last = len(lines) if end_line is None else min(end_line, len(lines))
-    last = min(last, start_line + MAX_VIEW_LINES - 1)
-    return "\n".join(
-        f"{n:>5}\t{lines[n - 1].removesuffix(chr(10))}" for n in range(start_line, last + 1)
+def _view_lines(text: str) -> list[str]:
+    """Lines as the session's tools number them: split at "\n" only, a trailing newline ends
+    the last line, a "\r" before the "\n" is not shown."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line.removesuffix("\r") for line in lines]
+
+
+def view_output(path: str, content: str, start_line: int = 1, end_line: int | None = None) -> str:
+    """What the session's `view` answers for a file holding `content`: "{n:>5}\t{line}" for
+    lines start_line..end_line (inclusive, at most MAX_VIEW_LINES), a note when lines are left
+    out, "(path is empty)" for an empty file. Raises ValueError where the session answers an
+    error (start_line past the end, end_line before start_line)."""
+    lines = _view_lines(content)
+    if not lines:
+        return f"({path} is empty)"
+    if start_line > len(lines) or (end_line is not None and end_line < start_line):
+        raise ValueError(f"lines {start_line}-{end_line} are not a range of {path}")
+    last = min(
+        len(lines),
+        end_line if end_line is not None else len(lines),
+        start_line + MAX_VIEW_LINES - 1,
     )
+    shown = [f"{n:>5}\t{lines[n - 1]}" for n in range(start_line, last + 1)]
+    if last < len(lines) and (end_line is None or last < end_line):
+        shown.append(
+            f"[showing lines {start_line}-{last} of {len(lines)}; at most {MAX_VIEW_LINES} at a "
+            f"time: view again with start_line={last + 1}]"
+        )
+    return "\n".join(shown)
+
+
+def replace_output(path: str, content: str, old: str, new: str) -> str:
+    """What the session's `replace` answers after replacing the one `old` in `content`: the
+    changed lines with two lines around them (at most 41 lines)."""
+    at = content.find(old)
+    assert at >= 0
+    updated = content[:at] + new + content[at + len(old) :]
+    lines = _view_lines(updated)
+    first = content.count("\n", 0, at) + 1
+    last = first + new.count("\n")
+    low, high = max(1, first - 2), min(len(lines), last + 2, first + 40)
+    snippet = "\n".join(f"{n:>5}\t{lines[n - 1]}" for n in range(low, high + 1))
+    return f"replaced 1 occurrence in {path}; lines {low}-{high} now read:\n{snippet}"
+
+
+def write_output(path: str, content: str) -> str:
+    """What the session's `write_file` answers when it creates `path`."""
+    num_bytes = len(content.encode("utf-8"))
+    return f"created {path} ({len(_view_lines(content))} lines, {num_bytes} bytes)"
 
 
 def _hunk_sides(hunk: unidiff.Hunk) -> tuple[list[str], list[str]]:
@@ -164,27 +209,44 @@ def _unique(content: str, text: str) -> bool:
     return bool(text) and first >= 0 and content.find(text, first + 1) < 0
 
 
-def _view_ranges(patched: unidiff.PatchedFile, num_lines: int) -> list[tuple[int, int]]:
+def _view_ranges(patched: unidiff.PatchedFile, lines: Sequence[str]) -> list[tuple[int, int]]:
     """1-based inclusive line ranges covering the hunks' old lines with VIEW_MARGIN around them,
-    merged while a range stays within MAX_VIEW_LINES."""
+    merged while a range stays within MAX_VIEW_LINES, then split so that no view's output is
+    over MAX_VIEW_BYTES (the session cuts longer outputs)."""
     ranges: list[tuple[int, int]] = []
     for hunk in patched:
         first = max(1, hunk.source_start - VIEW_MARGIN)
-        last = min(num_lines, hunk.source_start + max(hunk.source_length, 1) - 1 + VIEW_MARGIN)
+        last = min(len(lines), hunk.source_start + max(hunk.source_length, 1) - 1 + VIEW_MARGIN)
         last = max(first, min(last, first + MAX_VIEW_LINES - 1))
         if ranges and first <= ranges[-1][1] + 1 and last - ranges[-1][0] < MAX_VIEW_LINES:
             ranges[-1] = (ranges[-1][0], max(last, ranges[-1][1]))
         else:
             ranges.append((first, last))
-    return ranges
+    pieces: list[tuple[int, int]] = []
+    for first, last in ranges:
+        start, size = first, 0
+        for n in range(first, last + 1):
+            line_bytes = len(f"{n:>5}\t{lines[n - 1]}\n".encode())
+            if line_bytes > MAX_VIEW_BYTES:
+                raise UnsupportedPatchError(
+                    SkipReason.TOO_LONG,
+                    f"{patched.path}: line {n} is over {MAX_VIEW_BYTES} bytes; a view would be cut",
+                )
+            if size + line_bytes > MAX_VIEW_BYTES:
+                pieces.append((start, n - 1))
+                start, size = n, 0
+            size += line_bytes
+        pieces.append((start, last))
+    return pieces
 
 
 def _file_calls(patched: unidiff.PatchedFile, content: str) -> list[tuple[ToolCall, str]]:
     path = patched.path
     calls: list[tuple[ToolCall, str]] = []
-    for first, last in _view_ranges(patched, len(_lines(content))):
+    view_lines = _view_lines(content)
+    for first, last in _view_ranges(patched, view_lines) if view_lines else []:
         call = ToolCall("view", {"path": path, "start_line": first, "end_line": last})
-        calls.append((call, numbered_lines(content, first, last)))
+        calls.append((call, view_output(path, content, first, last)))
     delta = 0  # lines added minus removed by the hunks already replaced
     for hunk in patched:
         old_lines, new_lines = _hunk_sides(hunk)
@@ -210,10 +272,10 @@ def _file_calls(patched: unidiff.PatchedFile, content: str) -> list[tuple[ToolCa
                 f"{MAX_WIDEN} more lines of context",
             )
         new = "".join(lines[begin:at] + new_lines + lines[at + len(old_lines) : end])
+        call = ToolCall("replace", {"path": path, "old": old, "new": new})
+        calls.append((call, replace_output(path, content, old, new)))
         content = content.replace(old, new, 1)
         delta += len(new_lines) - len(old_lines)
-        call = ToolCall("replace", {"path": path, "old": old, "new": new})
-        calls.append((call, REPLACE_OUTPUT.format(path=path)))
     return calls
 
 
@@ -242,7 +304,7 @@ def demonstration_calls(patch: str, read_file: ReadFile) -> list[tuple[ToolCall,
         if patched.is_added_file:
             content = "".join(line for hunk in patched for line in _hunk_sides(hunk)[1])
             call = ToolCall("write_file", {"path": path, "content": content})
-            calls.append((call, WRITE_OUTPUT.format(path=path)))
+            calls.append((call, write_output(path, content)))
             continue
         base = read_file(path)
         if base is None:

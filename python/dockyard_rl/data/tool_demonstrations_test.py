@@ -4,26 +4,30 @@ applied the way the session's tools apply them, must give exactly the gold patch
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from transformers import AutoTokenizer
 
 from dockyard_rl.data.patch_formats import git_file_reader
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.data.tool_demonstrations import (
+    MAX_VIEW_BYTES,
     MAX_WIDEN,
-    REPLACE_OUTPUT,
     RUN_TESTS_OUTPUT,
     Demonstration,
     Skipped,
     SkipReason,
     build_demonstration,
     build_demonstrations,
-    numbered_lines,
+    replace_output,
+    view_output,
 )
 from dockyard_rl.environments.agent_tools import (
     ChatRenderer,
     ToolCall,
     parse_tool_call,
+    render_observation,
     render_tool_call,
 )
 from dockyard_rl.models import zoo
@@ -110,22 +114,36 @@ def test_toy_task_demonstration_views_replaces_tests_and_submits(tmp_path, rende
     assert [call.name for call in demo.calls] == ["view", "replace", "run_tests", "submit"]
     view = demo.calls[0].args
     assert view["path"] == "calc/ops.py" and view["start_line"] >= 1
-    assert demo.observations[0] == numbered_lines(OPS_BASE, view["start_line"], view["end_line"])
+    assert demo.observations[0] == view_output(
+        "calc/ops.py", OPS_BASE, view["start_line"], view["end_line"]
+    )
     assert "return a + b" in demo.observations[0]
-    assert demo.observations[1:] == (REPLACE_OUTPUT.format(path="calc/ops.py"), RUN_TESTS_OUTPUT)
+    assert demo.observations[1].startswith("replaced 1 occurrence in calc/ops.py; lines ")
+    assert "    return a * b" in demo.observations[1]
+    assert demo.observations[2] == RUN_TESTS_OUTPUT
     assert demo.calls[2].args == {}
     assert _play(demo.calls, read_file) == {"calc/ops.py": OPS_FIXED}
     _check_tokens(demo, renderer, tokenizer)
 
 
-def test_numbered_lines_match_the_view_tool_contract():
-    content = "a\n\tb\n\nlast"
-    assert numbered_lines(content) == "    1\ta\n    2\t\tb\n    3\t\n    4\tlast"
-    assert numbered_lines(content, 2, 3) == "    2\t\tb\n    3\t"
-    assert numbered_lines(content, 3, 99) == "    3\t\n    4\tlast"
+def test_view_output_follows_the_view_tool_contract():
+    content = "a\n\tb\r\n\nlast"
+    assert view_output("f", content) == "    1\ta\n    2\t\tb\n    3\t\n    4\tlast"
+    assert view_output("f", content, 2, 3) == "    2\t\tb\n    3\t"
+    assert view_output("f", content, 3, 99) == "    3\t\n    4\tlast"
+    assert view_output("f", "") == "(f is empty)"
+    with pytest.raises(ValueError):
+        view_output("f", content, 5)
     many = "".join(f"line {i}\n" for i in range(1, 501))
-    shown = numbered_lines(many, 10).splitlines()
-    assert len(shown) == 200 and shown[0] == "   10\tline 10" and shown[-1] == "  209\tline 209"
+    shown = view_output("f", many, 10).splitlines()
+    assert len(shown) == 201 and shown[0] == "   10\tline 10" and shown[199] == "  209\tline 209"
+    assert shown[200] == (
+        "[showing lines 10-209 of 500; at most 200 at a time: view again with start_line=210]"
+    )
+    assert replace_output("f", "a\nb\nc\nd\ne\nf\n", "c\n", "C\nC2\n") == (
+        "replaced 1 occurrence in f; lines 1-7 now read:\n"
+        "    1\ta\n    2\tb\n    3\tC\n    4\tC2\n    5\td\n    6\te\n    7\tf"
+    )
 
 
 # A base tree and its fix that exercise every shape of hunk: several hunks in one file (line
@@ -143,13 +161,19 @@ LONG_FIXED = (
     .replace("value_30 = 30\n", "value_30 = 30\nvalue_30b = 31\nvalue_30c = 32\n")
     .replace("value_55 = 55\n", "")
 )
+# Lines of about 100 bytes, every tenth changed: git joins the hunks into one, whose view would be
+# over MAX_VIEW_BYTES.
+WIDE_BASE = "".join(f"w_{i:03} = '{'x' * 90}'\n" for i in range(150))
+WIDE_FIXED = "".join(f"w_{i:03} = '{'y' if i % 10 == 5 else 'x' * 90}'\n" for i in range(150))
 BASE_FILES = {
+    "pkg/wide.py": WIDE_BASE,
     "pkg/twins.py": TWINS_BASE,
     "pkg/long.py": LONG_BASE,
     "pkg/tail.txt": "one\ntwo",
     "pkg/gone.py": "x = 1\n",
 }
 FIXED_FILES = {
+    "pkg/wide.py": WIDE_FIXED,
     "pkg/twins.py": TWINS_FIXED,
     "pkg/long.py": LONG_FIXED,
     "pkg/tail.txt": "one\nTWO",
@@ -250,3 +274,65 @@ def test_unsupported_patches_are_skipped_with_counted_reasons(multi_repo, render
     assert skipped == {"unsupported_change": 1, "unparsable_patch": 1}
     demos, skipped = build_demonstrations(items[:1], renderer, max_tokens=100)
     assert demos == [] and skipped == {"too_long": 1}
+
+
+def test_views_are_split_to_stay_under_the_session_output_cut(multi_repo, renderer, tokenizer):
+    path, base, fix = multi_repo
+    patch = git(path, "diff", base, fix, "--", "pkg/wide.py")
+    read_file = git_file_reader(str(path), base)
+    demo = build_demonstration(_instance(str(path), base, patch), read_file, renderer, USER)
+    assert isinstance(demo, Demonstration), demo
+    views = [
+        (call.args, observation)
+        for call, observation in zip(demo.calls, demo.observations)
+        if call.name == "view"
+    ]
+    assert len(views) >= 2
+    for (args, _), (next_args, _) in zip(views, views[1:]):
+        assert next_args["start_line"] == args["end_line"] + 1
+    assert all(len(observation.encode()) <= MAX_VIEW_BYTES for _, observation in views)
+    assert _play(demo.calls, read_file) == {"pkg/wide.py": WIDE_FIXED}
+    _check_tokens(demo, renderer, tokenizer)
+
+
+@pytest.mark.parametrize("context", [0, 3])
+def test_observations_are_what_the_session_tools_answer(multi_repo, context, renderer, tmp_path):
+    """Plays the demonstration with the executor session's own tool functions on a checkout of
+    the base commit: each answer equals the demonstration's observation, and the tree ends up
+    as the fix commit's."""
+    from dockyard_rl.sandbox import sessions
+
+    path, base, fix = multi_repo
+    files = ["pkg/wide.py", "pkg/twins.py", "pkg/long.py", "pkg/tail.txt", "pkg/new.py"]
+    patch = git(path, "diff", f"-U{context}", base, fix, "--", *files)
+    read_file = git_file_reader(str(path), base)
+    demo = build_demonstration(_instance(str(path), base, patch), read_file, renderer, USER)
+    assert isinstance(demo, Demonstration), demo
+    git(tmp_path, "clone", "--quiet", str(path), "tree")
+    tree = tmp_path / "tree"
+    git(tree, "checkout", "--quiet", base)
+    tree_fd = os.open(tree, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for call, observation in zip(demo.calls, demo.observations):
+            args = call.args
+            if call.name == "view":
+                answer = sessions._view(tree_fd, args["path"], args["start_line"], args["end_line"])
+            elif call.name == "replace":
+                answer = sessions._replace(tree_fd, args["path"], args["old"], args["new"])
+            elif call.name == "write_file":
+                answer = sessions._write_file(tree_fd, args["path"], args["content"])
+            else:
+                assert call.name == "run_tests"
+                continue
+            assert render_observation(_SessionAnswer(answer)) == observation, call
+    finally:
+        os.close(tree_fd)
+    for name in files:
+        assert (tree / name).read_text() == git(path, "show", f"{fix}:{name}"), name
+
+
+class _SessionAnswer:
+    ok, error, truncated, exhausted = True, None, False, False
+
+    def __init__(self, output: str):
+        self.output = output

@@ -139,6 +139,7 @@ _TOOLS: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {
             "tests": {
                 "type": ["array", "null"],
                 "items": {"type": "string"},
+                "minItems": 1,
                 "description": "pytest node ids or paths, e.g. ['tests/test_x.py::test_y'].",
             },
         },
@@ -257,6 +258,8 @@ def _type_ok(value: Any, schema: Mapping[str, Any]) -> bool:
         if kind == "integer" and isinstance(value, int) and not isinstance(value, bool):
             return "minimum" not in schema or value >= schema["minimum"]
         if kind == "array" and isinstance(value, list):
+            if len(value) < schema.get("minItems", 0):
+                return False
             return all(_type_ok(item, schema["items"]) for item in value)
     return False
 
@@ -268,7 +271,7 @@ def _type_words(schema: Mapping[str, Any]) -> str:
         "string": "a string",
         "boolean": "true or false",
         "integer": "an integer" + (f" >= {schema['minimum']}" if "minimum" in schema else ""),
-        "array": "a list of strings",
+        "array": "a non-empty list of strings",
     }
     return " or ".join(words[t] for t in types)
 

@@ -175,11 +175,15 @@ def test_submit_without_arguments_key_is_accepted():
         ),
         (
             '<tool_call>{"name": "run_tests", "arguments": {"tests": "tests/"}}</tool_call>',
-            ["'tests' of run_tests must be a list of strings or null"],
+            ["'tests' of run_tests must be a non-empty list of strings or null"],
+        ),
+        (
+            '<tool_call>{"name": "run_tests", "arguments": {"tests": []}}</tool_call>',
+            ["'tests' of run_tests must be a non-empty list of strings or null"],
         ),
         (
             '<tool_call>{"name": "run_tests", "arguments": {"tests": [1]}}</tool_call>',
-            ["'tests' of run_tests must be a list of strings or null"],
+            ["'tests' of run_tests must be a non-empty list of strings or null"],
         ),
         (
             '<tool_call>{"name": "submit", "arguments": {}}</tool_call> Done! The fix is in.',
@@ -205,6 +209,7 @@ def test_submit_without_arguments_key_is_accepted():
         "bool_for_int",
         "string_for_bool",
         "string_for_list",
+        "empty_list",
         "int_in_list",
         "text_after",
     ],
