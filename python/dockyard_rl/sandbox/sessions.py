@@ -434,6 +434,9 @@ class SessionManager:
                 ok, error = True, None
             except _ToolError as problem:
                 output, truncated, ok, error = "", False, False, str(problem)
+            except OSError as problem:  # e.g. a full disk, a name the file system refuses
+                output, truncated, ok = "", False, False
+                error = f"{tool}: the file system refused: {problem.strerror or problem}"
             except Exception as problem:  # a tool bug must still be an observation, not a 500
                 logger.exception("session %s: tool %r raised", session_id, tool)
                 output, truncated, ok = "", False, False
