@@ -49,11 +49,13 @@ FIX = [
     ToolCall("submit", {}),
 ]
 # A policy that never gets anywhere: prose, an escape attempt, a replace that matches nothing,
-# a call with two tool calls in it. It runs out of turns with no change.
+# two tool calls in one turn, a tool that does not exist. It runs out of turns with no change.
 FLAIL = [
     "I think the bug is in mul.",
     render_tool_call(ToolCall("view", {"path": "../../../etc/passwd"})),
     render_tool_call(ToolCall("replace", {"path": "calc/ops.py", "old": "nowhere", "new": "x"})),
+    render_tool_call(ToolCall("view", {"path": "calc"})) + render_tool_call(FIX[-1]),
+    render_tool_call(ToolCall("rm_rf", {"path": "/"})),
 ]
 
 
@@ -151,7 +153,7 @@ def test_scripted_agent_fixes_the_bug_in_several_turns(tmp_path, repo, renderer)
                 generation, env, max_response_tokens=len(FIX) * 256, run_seed=RUN_SEED
             )
             rollout = await runner.run([task], num_samples=2, global_step=1, prompt_keys=[7])
-            return rollout, len(server.executor.sessions.list_open())
+            return rollout, server.executor.sessions.num_open
 
     rollout, sessions_left = asyncio.run(scenario())
     assert sessions_left == 0, "every episode closes its session"
@@ -167,15 +169,15 @@ def test_scripted_agent_fixes_the_bug_in_several_turns(tmp_path, repo, renderer)
 
     # The flailing policy: every bad call was an observation, nothing crashed; out of turns with
     # no change: "no patch" (-1) plus the turn-limit penalty, and NOT masked out of the loss.
-    assert flailed["episode_end"] == "turn_limit" and flailed["turns"] == 3
-    assert flailed["tool_errors"] == 3 and flailed["tests_run"] == 0
+    assert flailed["episode_end"] == "turn_limit" and flailed["turns"] == 5
+    assert flailed["tool_errors"] == 5 and flailed["tests_run"] == 0
     assert flailed["parse_failure"] == "empty_diff"
     assert rollout.rewards_B[1] == pytest.approx(-1.0 + TURN_PENALTY)
     assert rollout.sample_mask_B.tolist() == [1.0, 1.0]
     assert rollout.result.metrics["env/agent/end_submit"] == 0.5
 
     # Each turn asked for at most max_turn_tokens, with the rule's seed (looked up above).
-    assert len(generation.requests) == 8
+    assert len(generation.requests) == 10
     assert all(overrides["max_tokens"] <= 256 for _, overrides in generation.requests)
 
     # The training batch: the policy's tokens only; the tool outputs are context.
@@ -205,7 +207,7 @@ def test_unreachable_executor_masks_the_episode(renderer, repo):
     # Nothing listens on port 9 of 127.0.0.1 here: the episode cannot open its session.
     task = instance(repo)
     generation = ScriptedGeneration(renderer, [FLAIL, FLAIL], task.instance_id, prompt_key=0)
-    env = make_environment("http://127.0.0.1:9", renderer, max_turns=3)
+    env = make_environment("http://127.0.0.1:9", renderer, max_turns=5)
     runner = AgentRolloutRunner(generation, env, max_response_tokens=768, run_seed=RUN_SEED)
     rollout = asyncio.run(runner.run([task], num_samples=2, global_step=0, prompt_keys=[0]))
     assert rollout.sample_mask_B.tolist() == [0.0, 0.0]
