@@ -369,7 +369,8 @@ class MasterConfig:
         context = self.data.prompt.max_context_tokens
         require(
             # A multi-turn agent's prompt shows no code (its tools do): _check_agent instead.
-            grpo.max_rollout_turns > 1 or context + generation.max_tokens < generation.max_model_len,
+            grpo.max_rollout_turns > 1
+            or context + generation.max_tokens < generation.max_model_len,
             "data.prompt.max_context_tokens",
             f"({context}) + generation.max_tokens ({generation.max_tokens}) must be below "
             f"generation.max_model_len ({generation.max_model_len}): the code context alone "

@@ -222,7 +222,7 @@ def setup(config: MasterConfig) -> GRPORun:
             AgentEnvironment(
                 agent,
                 environment,
-                ChatRenderer(tokenizer),
+                ChatRenderer(tokenizer, tool_format=agent.tool_format),
                 max_rollout_turns=config.grpo.max_rollout_turns,
             ),
             max_response_tokens=config.grpo.max_rollout_turns * agent.max_turn_tokens,

@@ -24,7 +24,8 @@ over the valid samples. `generation_logprobs` are the engine's log-probs of the 
 (what the importance-sampling correction of async GRPO compares against); the trainer's own
 `prev_logprobs` are recomputed by the loop.
 
-Not covered: multi-turn episodes (max_rollout_turns: 1), prompts longer than the engine's
+Multi-turn episodes are agent_rollouts.py's (same `Rollout`, and `build_train_batch` masks their
+tool outputs). Not covered: prompts longer than the engine's
 context (the processor's token budget keeps them short; the engine refuses longer ones).
 """
 
@@ -46,6 +47,7 @@ from dockyard_rl.algorithms.advantages import (
 from dockyard_rl.data.patch_formats import git_file_reader, parse_model_output
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
+from dockyard_rl.environments.agent_env import agent_metrics
 from dockyard_rl.environments.interfaces import EnvironmentResult
 from dockyard_rl.environments.swe_env import SweRollout
 from dockyard_rl.models.generation.interfaces import GenerationSample
@@ -90,6 +92,7 @@ class Rollout:
             "response_length_mean": float(lengths.mean()) if len(lengths) else 0.0,
             "oldest_weight_version": float(min(s.oldest_weight_version for s in self.samples)),
             **{k: float(v) for k, v in self.result.metrics.items()},
+            **agent_metrics(meta),  # multi-turn episodes' turns, tool calls, ends
         }
 
 

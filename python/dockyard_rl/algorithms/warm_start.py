@@ -223,8 +223,10 @@ def run_warm_start(
     with masked copies (rollouts.pad_to_dp_multiple)."""
     if not examples:
         raise ValueError(
-            "warm_start.train_path: no task's gold patch can be written in the "
-            "run's output format (data.prompt.patch_format); nothing to train on"
+            "warm_start.train_path: no task's gold patch could be made into an example (in the "
+            "run's output format, data.prompt.patch_format, or as a tool-use demonstration that "
+            "fits env.agent.max_episode_tokens; the log says why each was skipped); nothing to "
+            "train on"
         )
     loss_fn = SupervisedLossFn()
     order = list(examples)

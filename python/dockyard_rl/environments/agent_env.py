@@ -41,7 +41,8 @@ idempotency, retries and reward pipeline; the `turn_limit` stage reads `episode_
 per-trajectory metadata: `turns` (model turns), `tool_calls`, `tool_errors` (malformed calls
 and calls the session refused), `tests_run`, `episode_end`, `turn_weight_versions` (the weight
 versions that generated each turn: with in-flight updates a later turn may come from newer
-weights; the per-token engine log-probs carry the importance-sampling correction). Metrics:
+weights; the per-token engine log-probs carry the importance-sampling correction). Metrics
+(`agent_metrics`, from the metadata: `Rollout.metrics()` computes them per round or group):
 `env/agent/turns_mean`, `env/agent/tool_calls_mean`, `env/agent/tool_errors_mean`,
 `env/agent/tests_run_mean`, `env/agent/policy_tokens_mean`, `env/agent/end_<reason>` (fraction
 of episodes), `env/agent/num_infra_errors`, plus the wrapped environment's metrics.
@@ -56,7 +57,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -81,7 +82,7 @@ from dockyard_rl.sandbox.client import (
 )
 from dockyard_rl.sandbox.task import TaskSpec
 
-__all__ = ["AgentEnvironment", "AgentRollout", "Episode", "GenerateTurn"]
+__all__ = ["AgentEnvironment", "AgentRollout", "Episode", "GenerateTurn", "agent_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -319,9 +320,9 @@ class AgentEnvironment(Environment):
                 policy_tokens=episode.policy_tokens,
                 turn_weight_versions=[list(v) for v in episode.turn_weight_versions],
             )
-        metrics = dict(scored.metrics)
-        metrics.update(_agent_metrics([r.episode for r in rollouts]))
-        return EnvironmentResult(rewards_B, sample_mask_B, tuple(metadata), metrics)
+        # The per-trajectory aggregates (`agent_metrics`) are computed from the metadata by
+        # `Rollout.metrics()`, so they survive async GRPO's split of a round into groups.
+        return EnvironmentResult(rewards_B, sample_mask_B, tuple(metadata), dict(scored.metrics))
 
 
 class _GenerationAborted(Exception):
@@ -409,15 +410,20 @@ def _swe_rollout(rollout: AgentRollout) -> SweRollout:
     )
 
 
-def _agent_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+def agent_metrics(metadata: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The `env/agent/...` aggregates (module docstring) of episodes' metadata dicts; {} when
+    none is a multi-turn episode's (no `episode_end` key)."""
+    episodes = [m for m in metadata if "episode_end" in m]
     if not episodes:
         return {}
     count = len(episodes)
     metrics = {
-        f"env/agent/{name}_mean": sum(getattr(e, name) for e in episodes) / count
+        f"env/agent/{name}_mean": sum(m[name] for m in episodes) / count
         for name in ("turns", "tool_calls", "tool_errors", "tests_run", "policy_tokens")
     }
     for end in EPISODE_ENDS:
-        metrics[f"env/agent/end_{end}"] = sum(e.episode_end == end for e in episodes) / count
-    metrics["env/agent/num_infra_errors"] = float(sum(e.infra_error is not None for e in episodes))
+        metrics[f"env/agent/end_{end}"] = sum(m["episode_end"] == end for m in episodes) / count
+    metrics["env/agent/num_infra_errors"] = float(
+        sum(m["episode_end"] == "infra_error" for m in episodes)
+    )
     return metrics

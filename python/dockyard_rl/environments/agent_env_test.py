@@ -174,7 +174,7 @@ def test_scripted_agent_fixes_the_bug_in_several_turns(tmp_path, repo, renderer)
     assert flailed["parse_failure"] == "empty_diff"
     assert rollout.rewards_B[1] == pytest.approx(-1.0 + TURN_PENALTY)
     assert rollout.sample_mask_B.tolist() == [1.0, 1.0]
-    assert rollout.result.metrics["env/agent/end_submit"] == 0.5
+    assert rollout.metrics()["env/agent/end_submit"] == 0.5
 
     # Each turn asked for at most max_turn_tokens, with the rule's seed (looked up above).
     assert len(generation.requests) == 10
@@ -212,7 +212,7 @@ def test_unreachable_executor_masks_the_episode(renderer, repo):
     rollout = asyncio.run(runner.run([task], num_samples=2, global_step=0, prompt_keys=[0]))
     assert rollout.sample_mask_B.tolist() == [0.0, 0.0]
     assert all(m["infra_error"] for m in rollout.result.metadata)
-    assert rollout.result.metrics["env/agent/num_infra_errors"] == 2.0
+    assert rollout.metrics()["env/agent/num_infra_errors"] == 2.0
 
 
 def test_context_limit_ends_the_episode(tmp_path, repo, renderer):

@@ -366,3 +366,25 @@ def test_a_tokenizer_without_chat_template_is_refused(smollm2_dir):
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         ChatRenderer(tokenizer)
+
+
+def test_compact_tool_format_lists_every_tool_in_a_line_and_parses_the_same(
+    tokenizer, hermes_tokenizer
+):
+    full = ChatRenderer(tokenizer)
+    compact = ChatRenderer(tokenizer, tool_format="compact")
+    prompt = tokenizer.decode(compact.initial_prompt_ids("Fix it."))
+    assert "<tools>" not in prompt and '"type": "function"' not in prompt
+    for name in TOOL_NAMES:
+        assert f"\n- {name}(" in prompt, name
+    assert "- view(path, start_line=1, end_line=null):" in prompt
+    assert "- replace(path, old, new):" in prompt and "- submit():" in prompt
+    # The example call in the prompt is a call the parser accepts.
+    example = prompt[prompt.index("<tool_call>") : prompt.index("</tool_call>") + 12]
+    assert parse_tool_call(example) == ToolCall("view", {"path": "a.py"})
+    assert len(compact.initial_prompt_ids("x")) < len(full.initial_prompt_ids("x")) / 2
+    # Compact wins over a template that would render the JSON specs itself.
+    hermes = ChatRenderer(hermes_tokenizer, tool_format="compact")
+    assert not hermes.renders_tools and "\n- run_tests(tests=null):" in hermes.system_content
+    with pytest.raises(ValueError, match="tool_format: must be one of"):
+        ChatRenderer(tokenizer, tool_format="short")

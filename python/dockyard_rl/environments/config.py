@@ -128,6 +128,7 @@ class AgentEnvironmentConfig:
             max_episode_tokens: 4096      # prompt + every turn + every tool output
             max_observation_chars: 4000   # a tool output longer than this is cut (head kept)
             max_concurrent_episodes: 32   # episodes in flight, each holding an executor session
+            tool_format: full             # full (JSON specs) | compact (a line per tool)
 
     The number of turns is `grpo.max_rollout_turns`; the executor's session budgets (tool calls,
     wall clock, CPU, output bytes) are the executor's `sessions` section. An episode whose next
@@ -140,6 +141,7 @@ class AgentEnvironmentConfig:
     max_episode_tokens: int = 4096
     max_observation_chars: int = 4000
     max_concurrent_episodes: int = 32
+    tool_format: str = "full"
 
     def __post_init__(self) -> None:
         for name, minimum in (
@@ -154,6 +156,12 @@ class AgentEnvironmentConfig:
                 name,
                 f"must be an integer >= {minimum}, got {value!r}",
             )
+        require(
+            self.tool_format in ("full", "compact"),
+            "tool_format",
+            f"must be full (the tools as JSON function specs: a ~970-token SmolLM2 prompt) or "
+            f"compact (one line per tool: ~320), got {self.tool_format!r}",
+        )
         require(
             self.max_turn_tokens < self.max_episode_tokens,
             "max_turn_tokens",

@@ -8,7 +8,8 @@ fleet and shapes the verdict with the reward pipeline.
 
 Covered here: the `Environment` ABC and its result type. Not covered: extracting patches from
 model output (the data layer's processors do that and hand the environment a patch or a parse
-failure), advantages (computed from the rewards by the algorithm), multi-turn interaction.
+failure), advantages (computed from the rewards by the algorithm). The multi-turn agent
+environment (`agent_env.AgentEnvironment`) also runs the episodes it scores.
 """
 
 from __future__ import annotations

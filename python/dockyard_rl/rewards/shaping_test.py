@@ -395,7 +395,8 @@ def test_yaml_recipe_parses_with_defaults():
         (
             [{"type": "overlength"}],
             r"^rewards\.stages\[0\]\.type: unknown stage type 'overlength'; valid types: "
-            r"integrity, invalid_action, screening, malformed_thinking, overlong, turn_limit, scale$",
+            r"integrity, invalid_action, screening, malformed_thinking, overlong, turn_limit, "
+            r"scale$",
         ),
         (
             [SCALE, {"penalty": -1.0}],

@@ -803,7 +803,11 @@ class SessionManager:
         out = session.dir / f"diff-{secrets.token_hex(4)}"
         try:
             # A copy of the checkout's index: its stat data spares git re-hashing unchanged files.
-            shutil.copyfile(session.git_dir / "index", index)
+            # copy2, not copyfile: git trusts an entry's stat data only when the file is older
+            # than the index file ("racy git"); a copy with a fresh mtime made an edit within the
+            # checkout's second, same size and inode (mul's `a + b` -> `a * b`), look unchanged,
+            # and the diff came back empty.
+            shutil.copy2(session.git_dir / "index", index)
             env = {**_GIT_ENV, "GIT_INDEX_FILE": str(index)}
             git = [
                 "git",

@@ -183,6 +183,32 @@ def test_the_diff_is_capped_and_leaves_caches_out(tmp_path, toy):
         manager.stop()
 
 
+def test_an_edit_in_the_checkouts_second_that_keeps_size_and_inode_is_in_the_diff(manager, toy):
+    # `a + b` -> `a * b` in place: same size, same inode, and (git compares whole seconds) the
+    # same mtime and ctime as the checkout recorded when made within its second. Only git's
+    # racy-entry check, which compares the entry with the index file's own mtime, finds such a
+    # change. The diff once copied the index with a fresh mtime, which defeats that check: taken
+    # a second later, the agent's fix came back as an empty diff and was scored as no patch.
+    old, new = "def mul(a, b):\n    return a + b", "def mul(a, b):\n    return a * b"
+    for attempt in range(5):
+        session_id = f"racy{attempt}"
+        manager.open(toy.spec(""), session_id)
+        ops = session_dir(manager, session_id) / "tree" / "calc" / "ops.py"
+        before = ops.stat()
+        assert manager.call(
+            session_id, "replace", {"path": "calc/ops.py", "old": old, "new": new}
+        ).ok
+        after = ops.stat()
+        assert (after.st_size, after.st_ino) == (before.st_size, before.st_ino)
+        if int(after.st_ctime) == int(before.st_ctime):
+            break  # the edit fell within the checkout's second: the case to test
+        manager.close(session_id)
+    else:
+        pytest.skip("5 edits missed the checkout's second (a very slow machine)")
+    time.sleep(1.1)  # the diff's index copy is made a second later
+    assert "+    return a * b" in manager.diff(session_id)
+
+
 # -- isolation ------------------------------------------------------------------------------
 
 

@@ -13,8 +13,8 @@ resumed run reproduces exactly:
   with a prompt that is generated again (in flight at a checkpoint, or dropped as stale).
   Validation: the task's index in the validation list (the same tasks every validation).
 - `instance_id`: the task (guards against a different data set behind the same indices).
-- `sample_index`: 0 .. num_generations_per_prompt - 1. `turn`: the episode's turn (always 0 while
-  `grpo.max_rollout_turns` is 1).
+- `sample_index`: 0 .. num_generations_per_prompt - 1. `turn`: the episode's turn (0 for a
+  single-shot sample; algorithms/agent_rollouts.py seeds turn t of an episode with t).
 
 The hash is BLAKE2b over a canonical JSON encoding of the parts, not Python's `hash()` (salted per
 process for strings), so every process and every Python version derives the same seed. The seed
