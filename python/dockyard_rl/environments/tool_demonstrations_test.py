@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from dockyard_rl.data.patch_formats import git_file_reader
 from dockyard_rl.data.schema import SweInstance
-from dockyard_rl.data.tool_demonstrations import (
+from dockyard_rl.environments.tool_demonstrations import (
     MAX_VIEW_BYTES,
     MAX_WIDEN,
     RUN_TESTS_OUTPUT,
