@@ -25,10 +25,10 @@ import pytest
 import ray
 import torch
 
-from dockyard_rl.algorithms.loss_functions import ClippedPGLossConfig, ClippedPGLossFn
 from dockyard_rl.cluster.local_ray import init_local_ray
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.kernels import refit_packer
+from dockyard_rl.losses.loss_functions import ClippedPGLossConfig, ClippedPGLossFn
 from dockyard_rl.models.generation.config import GenerationConfig
 from dockyard_rl.models.generation.vllm_generation import VllmGeneration
 from dockyard_rl.models.policy.config import OptimizerConfig, PolicyConfig

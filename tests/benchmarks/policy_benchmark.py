@@ -46,8 +46,8 @@ def _make_batch(args: argparse.Namespace):
     """The benchmark's fixed batch (without prev_logprobs) and its loss function."""
     import torch
 
-    from dockyard_rl.algorithms.loss_functions import ClippedPGLossConfig, ClippedPGLossFn
     from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
+    from dockyard_rl.losses.loss_functions import ClippedPGLossConfig, ClippedPGLossFn
 
     gen = torch.Generator().manual_seed(0)
     num_samples, width = args.batch_size, args.seq_len
@@ -68,7 +68,7 @@ def _eager_worker(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dockyard_rl.algorithms.loss_functions import count_valid
+    from dockyard_rl.losses.loss_functions import count_valid
     from dockyard_rl.models import zoo
     from dockyard_rl.models.policy.config import OptimizerConfig
 

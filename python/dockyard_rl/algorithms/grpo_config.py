@@ -73,13 +73,13 @@ import yaml
 
 from dockyard_rl.algorithms.advantages import AdvantageConfig
 from dockyard_rl.algorithms.async_utils.replay_buffer import AsyncGRPOConfig
-from dockyard_rl.algorithms.loss_functions import ClippedPGLossConfig
 from dockyard_rl.algorithms.warm_start import WarmStartConfig
 from dockyard_rl.cluster.config import ClusterConfig
 from dockyard_rl.data.config import DataConfig
 from dockyard_rl.data.synthesis.task_synthesis import TaskSynthesisConfig
 from dockyard_rl.data_plane.config import DataPlaneConfig
 from dockyard_rl.environments.config import AgentEnvironmentConfig, SweEnvironmentConfig
+from dockyard_rl.losses.loss_functions import ClippedPGLossConfig
 from dockyard_rl.models import zoo
 from dockyard_rl.models.generation.config import GenerationConfig
 from dockyard_rl.models.policy.config import PolicyConfig

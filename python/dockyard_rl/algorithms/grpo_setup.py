@@ -33,7 +33,6 @@ import torch
 
 from dockyard_rl.algorithms.agent_rollouts import AgentRolloutRunner
 from dockyard_rl.algorithms.grpo_config import MasterConfig, config_to_dict, config_to_yaml
-from dockyard_rl.algorithms.loss_functions import ClippedPGLossFn
 from dockyard_rl.algorithms.rollouts import RolloutRunner
 from dockyard_rl.data import datasets
 from dockyard_rl.data.config import load_train_validation
@@ -41,6 +40,7 @@ from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.environments.agent_env import AgentEnvironment
 from dockyard_rl.environments.agent_tools import ChatRenderer
 from dockyard_rl.environments.swe_env import SweEnvironment
+from dockyard_rl.losses.loss_functions import ClippedPGLossFn
 from dockyard_rl.models import zoo
 from dockyard_rl.models.generation.config import GenerationConfig
 from dockyard_rl.models.generation.factory import create_generation

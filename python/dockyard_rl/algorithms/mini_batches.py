@@ -47,10 +47,10 @@ from typing import Any
 
 import torch
 
-from dockyard_rl.algorithms.loss_functions import MAX_METRICS
 from dockyard_rl.algorithms.rollouts import pad_to_dp_multiple
 from dockyard_rl.data_plane.experience import PREV_LOGPROBS, RemoteBatch
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
+from dockyard_rl.losses.loss_functions import MAX_METRICS
 from dockyard_rl.models.policy.interfaces import LossFunction, PolicyInterface
 
 _SEED_DOMAIN = "dockyard_rl.mini_batch_seed/v1"

@@ -13,7 +13,6 @@ import ray
 import torch
 
 from dockyard_rl.algorithms.grpo_config import ConfigError, master_config_from_dict
-from dockyard_rl.algorithms.loss_functions import ClippedPGLossConfig, ClippedPGLossFn
 from dockyard_rl.algorithms.mini_batches import (
     combine_optimizer_steps,
     mini_batch_plan,
@@ -23,6 +22,7 @@ from dockyard_rl.algorithms.mini_batches import (
 )
 from dockyard_rl.cluster.local_ray import init_local_ray
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
+from dockyard_rl.losses.loss_functions import ClippedPGLossConfig, ClippedPGLossFn
 from dockyard_rl.models.policy.config import OptimizerConfig, PolicyConfig, SchedulerConfig
 from dockyard_rl.models.policy.dtensor_policy import DTensorPolicy
 

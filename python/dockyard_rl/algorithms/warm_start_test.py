@@ -4,7 +4,6 @@ import pytest
 import torch
 import transformers
 
-from dockyard_rl.algorithms.loss_functions import count_valid
 from dockyard_rl.algorithms.warm_start import (
     SupervisedLossFn,
     WarmStartConfig,
@@ -15,6 +14,7 @@ from dockyard_rl.algorithms.warm_start import (
 from dockyard_rl.data.patch_formats import PatchFormat, git_file_reader, parse_model_output
 from dockyard_rl.data.processors import PromptConfig, SwePromptProcessor
 from dockyard_rl.data.schema import SweInstance
+from dockyard_rl.losses.loss_functions import count_valid
 from dockyard_rl.models.zoo import resolve_model
 from dockyard_rl.sandbox import testing_repos
 from dockyard_rl.utils.config import from_dict

@@ -173,8 +173,8 @@ class StepProducer:
         self._senders = [spec.open() for spec in specs]
 
     def send_step(self, batch: BatchedDataDict, step: int) -> Any:
-        from dockyard_rl.algorithms.loss_functions import count_valid
         from dockyard_rl.data_plane.experience import send_step_shards
+        from dockyard_rl.losses.loss_functions import count_valid
 
         return send_step_shards(self._senders, batch, step=step, num_valid=count_valid(batch))
 

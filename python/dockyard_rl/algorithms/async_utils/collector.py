@@ -222,8 +222,8 @@ class TrajectoryCollector:
             RuntimeError: the loop has died.
             DataPlaneError: a send failed (fatal for the run: resume from the last checkpoint).
         """
-        from dockyard_rl.algorithms.loss_functions import count_valid
         from dockyard_rl.data_plane.experience import send_step_shards
+        from dockyard_rl.losses.loss_functions import count_valid
 
         records = self.sample(num_groups, trainer_version, timeout_s)
         if records is None:

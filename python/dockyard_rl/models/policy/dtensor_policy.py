@@ -64,7 +64,6 @@ from typing import Any
 
 import torch
 
-from dockyard_rl.algorithms.loss_functions import combine_metrics, count_valid
 from dockyard_rl.cluster.config import ClusterConfig
 from dockyard_rl.cluster.local_ray import init_local_ray
 from dockyard_rl.data_plane.experience import RemoteBatch, start_inbox_actors
@@ -72,6 +71,7 @@ from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.distributed.worker_group import WorkerGroup
 from dockyard_rl.distributed.workers import WorkerError
 from dockyard_rl.kernels import refit_packer
+from dockyard_rl.losses.loss_functions import combine_metrics, count_valid
 from dockyard_rl.models import zoo
 from dockyard_rl.models.policy.config import PolicyConfig
 from dockyard_rl.models.policy.dtensor_worker import (

@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dockyard_rl.algorithms.loss_functions import ClippedPGLossConfig, ClippedPGLossFn, count_valid
 from dockyard_rl.cluster.local_ray import init_local_ray
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
+from dockyard_rl.losses.loss_functions import ClippedPGLossConfig, ClippedPGLossFn, count_valid
 from dockyard_rl.models import zoo
 from dockyard_rl.models.policy.config import (
     OptimizerConfig,

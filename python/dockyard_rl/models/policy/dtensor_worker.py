@@ -26,7 +26,7 @@ right into the interface's alignment (0 in column 0 and on padding).
 
 Training: gradients accumulate over the microbatches, the loss multiplied by the world size so
 that FSDP's averaging reduce-scatter yields the SUM over ranks the loss's aggregation needs
-(algorithms/loss_functions.py); then `clip_grad_norm_` (pre-clip norm reported), AdamW and a
+(losses/loss_functions.py); then `clip_grad_norm_` (pre-clip norm reported), AdamW and a
 LambdaLR whose factor is `learning_rate_at(step)` (base rate 1.0: exactly the shared schedule).
 With bfloat16, parameters, gradients and optimizer state stay float32 and FSDP computes in
 bfloat16. The frozen reference model is a second model of the initial weights (CPU-offloaded per
@@ -553,8 +553,8 @@ class DTensorPolicyWorker:
         the same length on every rank, padding rows masked), normalised by the optimizer step's
         global valid counts; drops the shard after `remote.last` (or a failure). Adds
         `num_tokens`: the input lengths of this rank's real (unpadded) rows."""
-        from dockyard_rl.algorithms.loss_functions import count_valid
         from dockyard_rl.data_plane.experience import PAD_ROW, select_shard_rows
+        from dockyard_rl.losses.loss_functions import count_valid
 
         try:
             shard = self._remote_shard(remote)

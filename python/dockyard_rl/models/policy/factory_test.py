@@ -16,11 +16,11 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM
 
-from dockyard_rl.algorithms.loss_functions import ClippedPGLossConfig, ClippedPGLossFn, count_valid
 from dockyard_rl.cluster.bootstrap import PlacementTimeoutError
 from dockyard_rl.cluster.config import ClusterConfig, FleetConfig, FleetsConfig, NcclEnvConfig
 from dockyard_rl.cluster.local_ray import init_local_ray
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
+from dockyard_rl.losses.loss_functions import ClippedPGLossConfig, ClippedPGLossFn, count_valid
 from dockyard_rl.models import zoo
 from dockyard_rl.models.policy import factory
 from dockyard_rl.models.policy.config import BACKENDS, PolicyConfig

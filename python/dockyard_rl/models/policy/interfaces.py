@@ -15,7 +15,7 @@ Batch layout (a `BatchedDataDict`; suffixes: B = sequences, S = token positions)
   token_mask       (B, S) float   1 on response tokens that count in the loss, else 0
   sample_mask      (B,)   float   0 excludes a whole sample (e.g. sandbox infrastructure error)
   + the loss function's keys for `train` (prev_logprobs, advantages, ...; see
-    algorithms/loss_functions.py)
+    losses/loss_functions.py)
 Log-prob alignment: logprobs_BS[b, t] = log p(input_ids[b, t] | input_ids[b, :t]); column 0 (no
 context) and padding positions are 0. This is the alignment the loss function expects.
 
@@ -47,7 +47,7 @@ from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 
 
 class LossFunction(Protocol):
-    """What `train` accepts: `algorithms.loss_functions.ClippedPGLossFn` satisfies it."""
+    """What `train` accepts: `losses.loss_functions.ClippedPGLossFn` satisfies it."""
 
     def __call__(
         self,

@@ -27,9 +27,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dockyard_rl.algorithms.loss_functions import ClippedPGLossConfig, ClippedPGLossFn
 from dockyard_rl.cluster.testing import fleet_cluster
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
+from dockyard_rl.losses.loss_functions import ClippedPGLossConfig, ClippedPGLossFn
 from dockyard_rl.models import zoo
 from dockyard_rl.models.policy.config import OptimizerConfig, PolicyConfig
 from dockyard_rl.models.policy.factory import create_policy

@@ -15,7 +15,7 @@ Sharding. A 1-D `jax.sharding.Mesh` with axis "data" over the first `policy.dp_s
 CPU there is 1 device unless `XLA_FLAGS=--xla_force_host_platform_device_count=N` is set before
 jax is imported). Parameters and optimizer state are replicated; every microbatch is split along
 its batch dim over the "data" axis. The loss is a sum of per-token terms over GLOBAL normalisers
-(see algorithms/loss_functions.py), so the gradient of a replicated parameter is the SUM of the
+(see losses/loss_functions.py), so the gradient of a replicated parameter is the SUM of the
 per-device gradients: XLA inserts that all-reduce itself when it differentiates the sharded sum.
 
 Training (`train`): the global batch is padded along B with fully masked rows (sample_mask 0) to a
@@ -30,7 +30,7 @@ as torch.optim.AdamW over `model.parameters()`). The schedule is
 definition both backends use. The reported `grad_norm` is the global norm before clipping.
 
 The loss. `ClippedPGLossFn` (torch) cannot run inside a jax trace, so `clipped_pg_loss`
-(algorithms/jax_loss_functions.py) ports its math to jax.numpy: token/sequence aggregation with
+(losses/jax_loss_functions.py) ports its math to jax.numpy: token/sequence aggregation with
 global normalisers, PPO clip, dual clip, truncated importance sampling, reference KL with
 k1/k2/k3, and the same metrics (tests compare values and gradients against the torch
 implementation). Any other loss callable satisfying
@@ -95,16 +95,16 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dockyard_rl.algorithms.jax_loss_functions import clipped_pg_loss
-from dockyard_rl.algorithms.loss_functions import (
+from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
+from dockyard_rl.kernels import refit_packer
+from dockyard_rl.losses.jax_loss_functions import clipped_pg_loss
+from dockyard_rl.losses.loss_functions import (
     MAX_METRICS,
     ClippedPGLossConfig,
     ClippedPGLossFn,
     check_tensor,
     count_valid,
 )
-from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
-from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models import zoo
 from dockyard_rl.models.policy import llama_nnx
 from dockyard_rl.models.policy.config import OptimizerConfig, PolicyConfig, SchedulerConfig

@@ -38,13 +38,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
-from dockyard_rl.algorithms import jax_loss_functions  # noqa: E402
-from dockyard_rl.algorithms.loss_functions import (  # noqa: E402
+from dockyard_rl.distributed.batched_data_dict import BatchedDataDict  # noqa: E402
+from dockyard_rl.losses import jax_loss_functions  # noqa: E402
+from dockyard_rl.losses.loss_functions import (  # noqa: E402
     ClippedPGLossConfig,
     ClippedPGLossFn,
     count_valid,
 )
-from dockyard_rl.distributed.batched_data_dict import BatchedDataDict  # noqa: E402
 from dockyard_rl.models import zoo  # noqa: E402
 from dockyard_rl.models.policy import jax_policy  # noqa: E402
 from dockyard_rl.models.policy.config import (  # noqa: E402

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from dockyard_rl.algorithms.jax_loss_functions import clipped_pg_loss
-from dockyard_rl.algorithms.loss_functions import ClippedPGLossConfig, ClippedPGLossFn, count_valid
+from dockyard_rl.losses.jax_loss_functions import clipped_pg_loss
+from dockyard_rl.losses.loss_functions import ClippedPGLossConfig, ClippedPGLossFn, count_valid
 
 
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])

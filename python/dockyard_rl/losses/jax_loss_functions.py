@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from dockyard_rl.algorithms.loss_functions import ClippedPGLossConfig
+from dockyard_rl.losses.loss_functions import ClippedPGLossConfig
 
 
 def _kl_estimate(estimator: str, log_ratio: jax.Array) -> jax.Array:

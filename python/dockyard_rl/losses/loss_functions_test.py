@@ -13,7 +13,7 @@ import hypothesis.strategies as st
 import pytest
 import torch
 
-from dockyard_rl.algorithms.loss_functions import (
+from dockyard_rl.losses.loss_functions import (
     MAX_METRICS,
     ClippedPGLossConfig,
     ClippedPGLossFn,
