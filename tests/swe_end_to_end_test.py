@@ -27,10 +27,10 @@ import transformers
 import unidiff
 
 from dockyard_rl.data.datasets import load_jsonl
-from dockyard_rl.data.function_rewrite import diff_to_function_rewrite
 from dockyard_rl.data.patch_formats import (
     InvalidReason,
     PatchFormat,
+    diff_to_function_rewrite,
     diff_to_search_replace,
     git_file_reader,
     gold_answer,

@@ -4,10 +4,10 @@ executor, the parse time of a 1 MiB adversarial patch of every shape in
 the same run. Linear parsers keep every ratio a small constant; a superlinear one shows ratios
 of hundreds or more (seconds to minutes per patch).
 
-`--trainer` measures the trainer's parsers of the model's output instead (data.patch_formats,
-data.function_rewrite), on the executor's shapes after a valid file and on the trainer's own
-(unclosed fences, many edit blocks, deep nesting): the time of each, against the same ordinary
-patch in a ```diff fence.
+`--trainer` measures the trainer's parsers of the model's output instead (data.patch_formats:
+the diff, SEARCH/REPLACE and function formats), on the executor's shapes after a valid file and
+on the trainer's own (unclosed fences, many edit blocks, deep nesting): the time of each,
+against the same ordinary patch in a ```diff fence.
 
     tools/bazel run //tests/benchmarks:patch_parse_benchmark [-- --num-bytes 1048576] [--trainer]
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from dockyard_rl.data import function_rewrite, patch_formats
+from dockyard_rl.data import patch_formats
 from dockyard_rl.sandbox import apply, integrity, screening
 from dockyard_rl.sandbox.testing_patches import adversarial_patches, ordinary_patch
 
@@ -38,7 +38,7 @@ TRAINER_PARSERS = {
     "search_replace": lambda output: patch_formats.search_replace_to_diff(
         output, {"calc/ops.py": _OPS}.get
     ),
-    "function_rewrite": lambda output: function_rewrite.function_rewrite_to_diff(
+    "function_rewrite": lambda output: patch_formats.function_rewrite_to_diff(
         output, {"calc/ops.py": _OPS}.get, ["calc/ops.py"]
     ),
 }

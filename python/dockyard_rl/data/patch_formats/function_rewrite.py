@@ -9,7 +9,7 @@ The name must match exactly one definition across those files (top-level functio
 nested functions all count); the replacement is re-indented to where the original sits (libcst
 keeps the body's relative indentation and leaves string literals alone) and keeps the lines
 before the original (comments, blank lines). The result is a git-style unified diff, like the
-other formats (patch_formats.py).
+other formats (the package's docstring).
 
 This is the easiest format for small models: it asks them to copy and edit code they were shown,
 not to count diff lines or quote exact SEARCH text. It is also the narrowest.
@@ -20,7 +20,7 @@ cannot parse counts as holding no functions), AMBIGUOUS_FUNCTION (a name defined
 in the shown files: the detail lists where), MALFORMED_BLOCK (one function
 given twice, or a function and a function nested in it), NO_CHANGE.
 
-Cost (issue 25, class 7): the output is the model's, and libcst is slow (about 10 us a byte on
+Cost: the output is the model's, and libcst is slow (about 10 us a byte on
 ordinary code, more and superlinear with nesting: a 24 KB chain of lambdas takes seconds) and
 crashes the process (a native stack overflow) on a few thousand nested brackets. So each block is
 first read by CPython's parser, which is fast and refuses deep nesting safely: a block it rejects,
@@ -44,13 +44,14 @@ from collections.abc import Sequence
 import libcst as cst
 import unidiff
 
-from dockyard_rl.data.patch_formats import (
+from dockyard_rl.data.patch_formats.base_files import file_diff
+from dockyard_rl.data.patch_formats.interfaces import (
     InvalidReason,
+    OutputFormat,
     ParsedPatch,
+    PatchFormat,
     ReadFile,
-    file_diff,
     invalid,
-    strip_think,
 )
 
 # A ```python (or ```py, or bare ```) fence up to its closing fence or the end of the output.
@@ -154,118 +155,134 @@ def _cpython_problem(block: str) -> tuple[str | None, bool]:
     return None, defines
 
 
+class FunctionFormat(OutputFormat):
+    """The FUNCTION format (module docstring): `files` are the paths whose functions may be
+    rewritten (the prompt's shown files), read at base_commit through `read_file`."""
+
+    patch_format = PatchFormat.FUNCTION
+    reads_base_files = True
+
+    def parse_answer(
+        self,
+        answer: str,
+        thinking: str | None,
+        read_file: ReadFile | None,
+        files: Sequence[str],
+    ) -> ParsedPatch:
+        assert read_file is not None  # OutputFormat.parse checks it
+        blocks = _blocks(answer)
+        if sum(len(block) for block in blocks) > _MAX_CODE_CHARS:
+            return invalid(
+                InvalidReason.MALFORMED_BLOCK,
+                f"the code blocks hold more than {_MAX_CODE_CHARS} characters; "
+                "give only the functions that change",
+                thinking,
+            )
+        new_functions: list[tuple[str, cst.FunctionDef]] = []
+        for number, block in enumerate(blocks, start=1):
+            problem, defines = _cpython_problem(block)
+            if problem is not None:
+                return invalid(
+                    InvalidReason.SYNTAX_ERROR,
+                    f"code block {number} is not valid Python: {problem}",
+                    thinking,
+                )
+            if not defines:
+                continue  # nothing in it is used (module docstring)
+            try:
+                module = cst.parse_module(block)
+            except cst.ParserSyntaxError as error:
+                first_line = str(error).splitlines()[0] if str(error) else "syntax error"
+                return invalid(
+                    InvalidReason.SYNTAX_ERROR,
+                    f"code block {number} is not valid Python: {first_line}",
+                    thinking,
+                )
+            new_functions += [
+                (statement.name.value, statement)
+                for statement in module.body
+                if isinstance(statement, cst.FunctionDef)
+            ]
+        if not new_functions:
+            return invalid(
+                InvalidReason.NO_PATCH, "no ```python block with a `def` in the output", thinking
+            )
+
+        sources = {path: read_file(path) for path in dict.fromkeys(files)}
+        parsed = {
+            path: tree
+            for path, source in sources.items()
+            if source is not None and (tree := _parse(source)) is not None
+        }
+        index: dict[str, list[_Definition]] = {}
+        for path, (_, functions) in parsed.items():
+            for name, spans_found in functions.items():
+                index.setdefault(name, []).extend(
+                    _Definition(path, line, end) for line, end in spans_found
+                )
+
+        edits: dict[str, dict[int, cst.FunctionDef]] = {}
+        spans: dict[str, list[tuple[int, int, str]]] = {}
+        for name, function in new_functions:
+            found = index.get(name, [])
+            if not found:
+                shown = ", ".join(sources) or "none"
+                return invalid(
+                    InvalidReason.UNKNOWN_FUNCTION,
+                    f"no function named {name!r} in the "
+                    f"files shown ({shown}); rewrite an existing function under its own "
+                    "name",
+                    thinking,
+                )
+            if len(found) > 1:
+                where = ", ".join(f"{d.path}:{d.line}" for d in found)
+                return invalid(
+                    InvalidReason.AMBIGUOUS_FUNCTION,
+                    f"{name!r} is defined {len(found)} times ({where}); this format cannot choose",
+                    thinking,
+                )
+            [target] = found
+            for start, end, other in spans.get(target.path, []):
+                if start <= target.end_line and target.line <= end:
+                    what = (
+                        "twice" if other == name else f"together with {other!r}, which overlaps it"
+                    )
+                    return invalid(
+                        InvalidReason.MALFORMED_BLOCK,
+                        f"{name!r} is given {what}; give each function once",
+                        thinking,
+                    )
+            spans.setdefault(target.path, []).append((target.line, target.end_line, name))
+            edits.setdefault(target.path, {})[target.line] = function
+
+        changed = []
+        for path, by_line in edits.items():
+            wrapper, _ = parsed[path]
+            transformer = _Replace(by_line)
+            new_source = wrapper.visit(transformer).code
+            assert transformer.replaced == set(by_line), (path, sorted(by_line))
+            if new_source != sources[path]:
+                changed.append((path, new_source))
+        if not changed:
+            return invalid(
+                InvalidReason.NO_CHANGE, "the rewritten functions equal the originals", thinking
+            )
+        patch = "".join(file_diff(path, sources[path], new) for path, new in changed)
+        return ParsedPatch(
+            patch=patch,
+            invalid_reason=None,
+            thinking=thinking,
+            files=tuple(path for path, _ in changed),
+        )
+
+    def gold_answer(self, patch: str, read_file: ReadFile) -> str:
+        return diff_to_function_rewrite(patch, read_file)
+
+
 def function_rewrite_to_diff(output: str, read_file: ReadFile, files: Sequence[str]) -> ParsedPatch:
     """The FUNCTION format (module docstring): `files` are the paths whose functions may be
     rewritten (the prompt's shown files), read at base_commit through `read_file`."""
-    thinking, rest, ok = strip_think(output)
-    if not ok:
-        return invalid(
-            InvalidReason.UNTERMINATED_THINK,
-            "<think> was opened and never closed; no answer followed",
-            thinking,
-        )
-    blocks = _blocks(rest)
-    if sum(len(block) for block in blocks) > _MAX_CODE_CHARS:
-        return invalid(
-            InvalidReason.MALFORMED_BLOCK,
-            f"the code blocks hold more than {_MAX_CODE_CHARS} characters; "
-            "give only the functions that change",
-            thinking,
-        )
-    new_functions: list[tuple[str, cst.FunctionDef]] = []
-    for number, block in enumerate(blocks, start=1):
-        problem, defines = _cpython_problem(block)
-        if problem is not None:
-            return invalid(
-                InvalidReason.SYNTAX_ERROR,
-                f"code block {number} is not valid Python: {problem}",
-                thinking,
-            )
-        if not defines:
-            continue  # nothing in it is used (module docstring)
-        try:
-            module = cst.parse_module(block)
-        except cst.ParserSyntaxError as error:
-            first_line = str(error).splitlines()[0] if str(error) else "syntax error"
-            return invalid(
-                InvalidReason.SYNTAX_ERROR,
-                f"code block {number} is not valid Python: {first_line}",
-                thinking,
-            )
-        new_functions += [
-            (statement.name.value, statement)
-            for statement in module.body
-            if isinstance(statement, cst.FunctionDef)
-        ]
-    if not new_functions:
-        return invalid(
-            InvalidReason.NO_PATCH, "no ```python block with a `def` in the output", thinking
-        )
-
-    sources = {path: read_file(path) for path in dict.fromkeys(files)}
-    parsed = {
-        path: tree
-        for path, source in sources.items()
-        if source is not None and (tree := _parse(source)) is not None
-    }
-    index: dict[str, list[_Definition]] = {}
-    for path, (_, functions) in parsed.items():
-        for name, spans_found in functions.items():
-            index.setdefault(name, []).extend(
-                _Definition(path, line, end) for line, end in spans_found
-            )
-
-    edits: dict[str, dict[int, cst.FunctionDef]] = {}
-    spans: dict[str, list[tuple[int, int, str]]] = {}
-    for name, function in new_functions:
-        found = index.get(name, [])
-        if not found:
-            shown = ", ".join(sources) or "none"
-            return invalid(
-                InvalidReason.UNKNOWN_FUNCTION,
-                f"no function named {name!r} in the "
-                f"files shown ({shown}); rewrite an existing function under its own "
-                "name",
-                thinking,
-            )
-        if len(found) > 1:
-            where = ", ".join(f"{d.path}:{d.line}" for d in found)
-            return invalid(
-                InvalidReason.AMBIGUOUS_FUNCTION,
-                f"{name!r} is defined {len(found)} times ({where}); this format cannot choose",
-                thinking,
-            )
-        [target] = found
-        for start, end, other in spans.get(target.path, []):
-            if start <= target.end_line and target.line <= end:
-                what = "twice" if other == name else f"together with {other!r}, which overlaps it"
-                return invalid(
-                    InvalidReason.MALFORMED_BLOCK,
-                    f"{name!r} is given {what}; give each function once",
-                    thinking,
-                )
-        spans.setdefault(target.path, []).append((target.line, target.end_line, name))
-        edits.setdefault(target.path, {})[target.line] = function
-
-    changed = []
-    for path, by_line in edits.items():
-        wrapper, _ = parsed[path]
-        transformer = _Replace(by_line)
-        new_source = wrapper.visit(transformer).code
-        assert transformer.replaced == set(by_line), (path, sorted(by_line))
-        if new_source != sources[path]:
-            changed.append((path, new_source))
-    if not changed:
-        return invalid(
-            InvalidReason.NO_CHANGE, "the rewritten functions equal the originals", thinking
-        )
-    patch = "".join(file_diff(path, sources[path], new) for path, new in changed)
-    return ParsedPatch(
-        patch=patch,
-        invalid_reason=None,
-        thinking=thinking,
-        files=tuple(path for path, _ in changed),
-    )
+    return FunctionFormat().parse(output, read_file, files)
 
 
 class _OutermostFunctions(cst.CSTVisitor):
@@ -353,4 +370,4 @@ def diff_to_function_rewrite(patch: str, read_file: ReadFile) -> str:
     return answer
 
 
-__all__ = ["diff_to_function_rewrite", "function_rewrite_to_diff"]
+__all__ = ["FunctionFormat", "diff_to_function_rewrite", "function_rewrite_to_diff"]

@@ -5,12 +5,15 @@ import hypothesis
 import hypothesis.strategies as st
 import pytest
 
-from dockyard_rl.data.function_rewrite import diff_to_function_rewrite, function_rewrite_to_diff
 from dockyard_rl.data.patch_formats import (
     InvalidReason,
     file_diff,
     git_file_reader,
     parse_model_output,
+)
+from dockyard_rl.data.patch_formats.function_rewrite import (
+    diff_to_function_rewrite,
+    function_rewrite_to_diff,
 )
 from dockyard_rl.sandbox import testing_repos
 

@@ -9,16 +9,17 @@ import pytest
 import unidiff
 from unidiff import constants as unidiff_constants
 
-from dockyard_rl.data import patch_formats
 from dockyard_rl.data.patch_formats import (
     InvalidReason,
     PatchFormat,
+    diff,
     diff_to_search_replace,
     extract_diff,
     git_file_reader,
     parse_model_output,
     search_replace_to_diff,
     strip_think,
+    unidiff_linear,
 )
 from dockyard_rl.sandbox import testing_patches, testing_repos
 
@@ -315,7 +316,7 @@ def test_arbitrary_outputs_never_raise(lines):
         assert parsed.valid or parsed.detail
 
 
-# --- cost on adversarial outputs (issue 25, class 7) and agreement with unidiff ---------------
+# --- cost on adversarial outputs (the model's text) and agreement with unidiff ----------------
 
 _LEAD = "--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n"  # a valid file first, so the rest is parsed
 
@@ -382,7 +383,7 @@ _OLD_FENCE = re.compile(r"^```[ \t]*([\w+-]*)[ \t]*\n(.*?)^```[ \t]*$", re.MULTI
     ).map("\n".join)
 )
 def test_fences_are_found_as_the_regular_expression_finds_them(text):
-    assert patch_formats._fenced_blocks(text) == _OLD_FENCE.findall(text)
+    assert diff._fenced_blocks(text) == _OLD_FENCE.findall(text)
 
 
 @hypothesis.settings(max_examples=500, deadline=None, derandomize=True)
@@ -390,7 +391,7 @@ def test_fences_are_found_as_the_regular_expression_finds_them(text):
 def test_uri_like_git_headers_read_as_unidiff_reads_them(rest):
     match = unidiff_constants.RE_DIFF_GIT_HEADER_URI_LIKE.match("diff --git " + rest)
     expected = None if match is None else (match.group("source"), match.group("target"))
-    assert patch_formats._uri_git_header(rest) == expected
+    assert unidiff_linear._uri_git_header(rest) == expected
 
 
 @hypothesis.settings(max_examples=1000, deadline=None, derandomize=True)
@@ -406,7 +407,7 @@ def test_binary_lines_read_as_unidiff_reads_them(rest, prefix):
     expected = (
         None if match is None else (match.group("source_filename"), match.group("target_filename"))
     )
-    assert patch_formats._binary_diff_names(prefix + rest) == expected
+    assert unidiff_linear._binary_diff_names(prefix + rest) == expected
 
 
 _DIFF_LINES = [
@@ -454,7 +455,7 @@ def _unidiff_reading(parse, text):
 @hypothesis.given(st.lists(st.sampled_from(_DIFF_LINES), max_size=14), st.booleans())
 def test_diffs_read_as_unidiff_reads_them(lines, trailing_newline):
     text = "\n".join(lines) + ("\n" if trailing_newline else "")
-    assert _unidiff_reading(patch_formats._patched_files, text) == _unidiff_reading(
+    assert _unidiff_reading(unidiff_linear.patched_files, text) == _unidiff_reading(
         lambda t: list(unidiff.PatchSet(t)), text
     )
 
