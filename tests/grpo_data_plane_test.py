@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from dockyard_rl.algorithms import async_grpo, grpo, testing_recipes
+from dockyard_rl.algorithms import async_grpo, grpo, grpo_steps, testing_recipes
 from dockyard_rl.algorithms.grpo_config import load_config
 from dockyard_rl.data_plane.experience import RemoteBatch
 from dockyard_rl.models.policy.dtensor_policy import DTensorPolicy
@@ -50,7 +50,7 @@ def test_async_grpo_trains_from_shards_sent_over_the_data_plane(tmp_path, tasks,
         raise AssertionError("experience took the driver path")
 
     monkeypatch.setattr(async_grpo, "sample_groups", driver_path)
-    monkeypatch.setattr(grpo, "assemble_train_batch", driver_path)
+    monkeypatch.setattr(grpo_steps, "assemble_train_batch", driver_path)
     handed: list[tuple[str, object]] = []  # (policy method, its batch argument)
     rank_stats: list[dict] = []
     for method in ("get_logprobs", "get_reference_policy_logprobs", "train"):

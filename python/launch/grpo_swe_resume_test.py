@@ -5,7 +5,7 @@ Each test launches the same recipe three times as processes (tiny-llama in a vLL
 DTensor policy, the sandbox executor, toy repositories as tasks; tests/grpo_test.py's set-up,
 smaller): once uninterrupted, once SIGKILLed (its whole process group) once step 2 is
 checkpointed, and once more with the same command, which resumes from the latest checkpoint. The
-loops log every trained sample per step (`grpo.log_samples`: seed, weight versions, digest of
+loops log every trained sample per step (`grpo_steps.log_samples`: seed, weight versions, digest of
 the token ids), and the tests compare those lines.
 
 - sync: every sample of every step after the resumed checkpoint is identical (same seed, same
@@ -79,7 +79,7 @@ def _finish(process: subprocess.Popen, log: pathlib.Path) -> None:
 
 
 def _samples(log: pathlib.Path) -> dict[int, list[dict]]:
-    """step -> the trained samples the loop logged (grpo.log_samples)."""
+    """step -> the trained samples the loop logged (grpo_steps.log_samples)."""
     found = re.findall(r"step (\d+): samples (\[.*\])$", log.read_text(), flags=re.MULTILINE)
     return {int(step): json.loads(rows) for step, rows in found}
 

@@ -55,7 +55,8 @@ from dockyard_rl.algorithms.async_utils.collector import (
     send_step_groups,
     start_collector,
 )
-from dockyard_rl.algorithms.grpo import (
+from dockyard_rl.algorithms.grpo_setup import GRPORun
+from dockyard_rl.algorithms.grpo_steps import (
     finish_step,
     log_sample_rows,
     maybe_validate,
@@ -63,7 +64,6 @@ from dockyard_rl.algorithms.grpo import (
     train_batch,
     train_on_rollouts,
 )
-from dockyard_rl.algorithms.grpo_setup import GRPORun
 
 logger = logging.getLogger(__name__)
 
