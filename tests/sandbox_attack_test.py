@@ -66,7 +66,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from dockyard_rl.data.datasets import load_jsonl
-from dockyard_rl.data.synthesis import synthesize_swe_tasks, testing_sdists
+from dockyard_rl.data.synthesis import bundled_sdists, synthesize_swe_tasks
 from dockyard_rl.sandbox.client import ExecutorClient, TaskResult
 from dockyard_rl.sandbox.config import ExecutorConfig
 from dockyard_rl.sandbox.pipeline import PipelineConfig
@@ -249,7 +249,7 @@ def env(tmp_path_factory):
     base = pathlib.Path(tempfile.mkdtemp(prefix="dockyard-attack-", dir=parent))
     base.chmod(0o755)
     taskset, work_dir = base / "taskset", base / "executor"
-    archive = testing_sdists.make_toy_sdist(base / "downloads")
+    archive = bundled_sdists.make_toy_sdist(base / "downloads")
     executor_config = ExecutorConfig(
         port=0,
         num_workers=2,
@@ -719,12 +719,12 @@ class _HealthProbe:
 
 def _host_parse_seconds(patch: str) -> dict[str, float]:
     """Time of the executor's own host-side patch parsers on `patch`, called here directly."""
-    from dockyard_rl.sandbox import integrity, screening
+    from dockyard_rl.sandbox import protected_paths, screening
 
     timings = {}
     for name, parse in (
         ("screening", screening.screen_patch),
-        ("integrity.touched_paths", integrity.touched_paths),
+        ("protected_paths.touched_paths", protected_paths.touched_paths),
     ):
         start = time.monotonic()
         try:

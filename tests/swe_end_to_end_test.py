@@ -38,7 +38,7 @@ from dockyard_rl.data.patch_formats import (
 )
 from dockyard_rl.data.processors import PromptConfig, SwePromptProcessor
 from dockyard_rl.data.schema import SweInstance
-from dockyard_rl.data.synthesis import synthesize_swe_tasks, testing_sdists
+from dockyard_rl.data.synthesis import bundled_sdists, synthesize_swe_tasks
 from dockyard_rl.environments.config import SweEnvironmentConfig
 from dockyard_rl.environments.swe_env import SweEnvironment, SweRollout
 from dockyard_rl.models.zoo import resolve_model
@@ -236,7 +236,7 @@ def test_gold_patches_in_every_format_score_1_and_bad_outputs_are_invalid_action
 def test_synthesized_tasks_score_1_with_gold_patches_in_every_format(
     tmp_path, tokenizer, monkeypatch
 ):
-    archive = testing_sdists.make_toy_sdist(tmp_path / "downloads")
+    archive = bundled_sdists.make_toy_sdist(tmp_path / "downloads")
     # A token-protected executor: the synthesizer and the environment (env.swe.auth_token_env's
     # default) read the token from the environment.
     token = "synthesis-test-token-0123456789"

@@ -18,11 +18,11 @@ import argparse
 import time
 
 from dockyard_rl.data import patch_formats
-from dockyard_rl.sandbox import apply, integrity, screening
+from dockyard_rl.sandbox import apply, protected_paths, screening
 from dockyard_rl.sandbox.testing_patches import adversarial_patches, ordinary_patch
 
 PARSERS = {
-    "check_integrity": lambda patch: integrity.check_integrity(
+    "check_integrity": lambda patch: protected_paths.check_integrity(
         patch, ["tests/test_x.py"], lambda path: "[tool.pytest.ini_options]\n"
     ),
     "screen_patch": screening.screen_patch,

@@ -74,7 +74,7 @@ from dockyard_rl.sandbox.client import (
     ExecutorRequestError,
     ExecutorUnavailableError,
 )
-from dockyard_rl.sandbox.integrity import touched_paths
+from dockyard_rl.sandbox.protected_paths import touched_paths
 from dockyard_rl.sandbox.task import ApplyMethod, FailureKind, TaskSpec, TaskStatus, Verdict
 
 __all__ = ["ClientFactory", "SweEnvironment", "SweRollout"]

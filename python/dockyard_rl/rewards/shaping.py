@@ -66,7 +66,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from dockyard_rl.rewards.integrity import held_out_violations
+from dockyard_rl.rewards.held_out_tests import held_out_violations
 from dockyard_rl.rewards.outcome import SCREENING_CATEGORIES, SampleOutcome, screening_category
 from dockyard_rl.rewards.thinking import check_thinking_format, validate_tag
 from dockyard_rl.utils.config import from_dict, is_int, require

@@ -7,7 +7,7 @@ appliers' messages. Before every try the worktree is reset to its clean HEAD sta
 (`git reset --hard` + `git clean -ffdx`), so a half-applied attempt never leaks into the next.
 
 `--unified` is added to GNU patch on purpose: it then accepts only the unified format that the
-integrity check (integrity.py, which parses with unidiff) also understands, so a context or
+integrity check (protected_paths.py, which parses with unidiff) also understands, so a context or
 "normal" diff cannot smuggle a file past the check through the last applier.
 
 Host resources (the appliers run on the host, outside the sandbox): a git binary patch

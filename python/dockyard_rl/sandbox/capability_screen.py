@@ -96,7 +96,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 
 from dockyard_rl.sandbox import apply as apply_lib
-from dockyard_rl.sandbox import integrity
+from dockyard_rl.sandbox import protected_paths
 
 MAX_SCREENED_FILE_BYTES = 8 * 1024 * 1024
 _GIT_TIMEOUT_S = 120
@@ -359,7 +359,7 @@ _BINARY_FILES_RE = re.compile(r"^Binary files (.+?) and (.+?) differ\s*$")
 
 def binary_hunk_targets(patch: str) -> tuple[str, ...]:
     """Sorted paths that a binary hunk of `patch` writes ("GIT binary patch" or "Binary files A
-    and B differ"), normalised like integrity.normalize_path. One pass over the lines, each
+    and B differ"), normalised like protected_paths.normalize_path. One pass over the lines, each
     matched by anchored patterns without nested repetition: linear in the patch's size."""
     targets: set[str] = set()
     current: str | None = None
@@ -367,16 +367,16 @@ def binary_hunk_targets(patch: str) -> tuple[str, ...]:
         if line.startswith("diff --git "):
             match = _DIFF_GIT_RE.match(line)
             if match:
-                current = integrity.normalize_path(match.group(2))
+                current = protected_paths.normalize_path(match.group(2))
             else:  # unquoted names with spaces: "a/x y b/x y", halves equal as git reads them
                 rest = line[len("diff --git ") :].rstrip()
                 half = (len(rest) - 1) // 2
                 left, right = rest[:half], rest[half + 1 :]
                 same = left[2:] == right[2:] and rest[half : half + 1] == " "
-                current = integrity.normalize_path(right) if same else None
+                current = protected_paths.normalize_path(right) if same else None
         elif line.startswith("+++ ") or line.startswith("rename to "):
             name = line[4:] if line.startswith("+++ ") else line[len("rename to ") :]
-            name = integrity.normalize_path(name.split("\t", 1)[0])
+            name = protected_paths.normalize_path(name.split("\t", 1)[0])
             if name:
                 current = name
         elif line.startswith("GIT binary patch"):
@@ -385,7 +385,7 @@ def binary_hunk_targets(patch: str) -> tuple[str, ...]:
         elif line.startswith("Binary files "):
             match = _BINARY_FILES_RE.match(line)
             for raw in match.groups() if match else ():
-                name = integrity.normalize_path(raw)
+                name = protected_paths.normalize_path(raw)
                 if name:
                     targets.add(posixpath.normpath(name))
     return tuple(sorted(targets))

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from dockyard_rl.data.synthesis import mutations, testing_sdists
+from dockyard_rl.data.synthesis import bundled_sdists, mutations
 from dockyard_rl.sandbox import capability_screen
 from dockyard_rl.sandbox.testing_repos import git, make_toy_repo
 
@@ -312,7 +312,7 @@ def test_binary_hunk_targets_is_linear():
 
 def _sdist_files(tmp_path: pathlib.Path) -> dict[str, str]:
     files = {}
-    writers = [*testing_sdists.BUNDLED.values(), testing_sdists.make_flaky_sdist]
+    writers = [*bundled_sdists.BUNDLED.values(), bundled_sdists.make_flaky_sdist]
     for make in writers:
         with tarfile.open(make(tmp_path)) as archive:
             for member in archive.getmembers():

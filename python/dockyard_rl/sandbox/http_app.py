@@ -39,7 +39,7 @@ test_patch, test_command and test_harness (`check_scorable`), and the task_id's 
 Responsiveness: no handler parses a patch or grades on the event loop: `check_scorable` and the
 store run in threads, scoring in the executor's worker threads. What remains on the loop is
 linear C work on the body (json.loads, one encode per patch for its size). Host-side patch
-parsing and grading are linear (integrity.py, screening.py, evidence.py), so a worker thread
+parsing and grading are linear (protected_paths.py, screening.py, evidence.py), so a worker thread
 never holds the GIL for long: /healthz answers within milliseconds while tasks are scored
 (http_app_test measures it with adversarial patches).
 

@@ -247,7 +247,7 @@ def test_surrogates_in_a_patch_are_400(tmp_path):
 def test_healthz_stays_responsive_while_heavy_patches_are_parsed(tmp_path):
     # issue 25: host-side patch parsing runs in worker threads and is linear, so the event loop
     # keeps answering. Target 0.5 s; asserted with room for a loaded test machine.
-    from dockyard_rl.sandbox import apply, integrity, screening
+    from dockyard_rl.sandbox import apply, protected_paths, screening
     from dockyard_rl.sandbox.testing_patches import adversarial_patches
 
     patches = list(adversarial_patches(1 << 20).values())
@@ -255,7 +255,7 @@ def test_healthz_stays_responsive_while_heavy_patches_are_parsed(tmp_path):
 
     def parse_then_score(spec, work_root):  # the pipeline's host-side parsing of the patch
         screening.screen_patch(spec.patch)
-        integrity.check_integrity(spec.patch, ["tests/t.py"], lambda path: None)
+        protected_paths.check_integrity(spec.patch, ["tests/t.py"], lambda path: None)
         apply.binary_hunks(spec.patch)
         return verdict_for(spec)
 

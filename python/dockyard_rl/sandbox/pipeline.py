@@ -81,8 +81,8 @@ from dockyard_rl.sandbox import (
     cleanup,
     grading,
     images,
-    integrity,
     isolation,
+    protected_paths,
     repo_cache,
     repo_envs,
     runner,
@@ -266,10 +266,10 @@ def test_files_of(test_patch: str) -> tuple[list[str], list[str]]:
         raise ValueError(f"test_patch: cannot be parsed as a unified diff: {error}") from None
     for patched_file in patch_set:
         for raw in (patched_file.source_file, patched_file.target_file):
-            name = integrity.normalize_path(raw) if raw else None
+            name = protected_paths.normalize_path(raw) if raw else None
             if name:
                 names.add(os.path.normpath(name))
-        target = integrity.normalize_path(patched_file.target_file or "")
+        target = protected_paths.normalize_path(patched_file.target_file or "")
         if target and not patched_file.is_removed_file:
             kept.add(os.path.normpath(target))
     if not names:
@@ -651,8 +651,8 @@ class _Scoring:
     def run(self, all_test_files: list[str], pytest_args: list[str]) -> Verdict:
         spec, config = self.spec, self.config
         # A patch that is not a well-formed diff is the patch's failure before anything runs
-        # (integrity.parse_patch reads it in linear time and never raises).
-        problem = _patch_text_problem(spec.patch) or integrity.parse_patch(spec.patch).problem
+        # (protected_paths.parse_patch reads it in linear time and never raises).
+        problem = _patch_text_problem(spec.patch) or protected_paths.parse_patch(spec.patch).problem
         if problem:
             return self.patch_invalid(problem)
         self.scratch.mkdir()
@@ -669,8 +669,8 @@ class _Scoring:
             protected = sorted(set(protected) | set(self.harness.protected_files()))
         try:
             self.flags = screening.screen_patch(spec.patch)
-            violation = integrity.check_integrity(spec.patch, protected, read_base_file)
-            patched_files = sorted(integrity.touched_paths(spec.patch)[0])
+            violation = protected_paths.check_integrity(spec.patch, protected, read_base_file)
+            patched_files = sorted(protected_paths.touched_paths(spec.patch)[0])
         except Exception as error:
             # The patch text is these parsers' only untrusted input: whatever makes one of them
             # raise is the patch's doing, so it is a verdict, never an infrastructure error.

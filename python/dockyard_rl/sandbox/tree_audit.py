@@ -1,6 +1,6 @@
 """Audit of the worktree after the agent's patch is applied, before any untrusted code runs.
 
-Header parsing of the patch (integrity.py) decides what a patch *names*; this module decides
+Header parsing of the patch (protected_paths.py) decides what a patch *names*; this module decides
 what the tree *is*: it walks the filesystem itself (lstat, never following a link, never asking
 `git status`, which a .gitignore can blind) and compares every entry with HEAD. Call order, in
 the scoring pipeline:

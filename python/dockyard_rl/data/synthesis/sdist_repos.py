@@ -126,27 +126,27 @@ def _file_safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip(".-") or "unnamed"
 
 
-# `bundled:toystats`: a package that ships with dockyard_rl (no network; testing_sdists.py).
+# `bundled:toystats`: a package that ships with dockyard_rl (no network; bundled_sdists.py).
 BUNDLED_PREFIX = "bundled:"
 
 
 def fetch_sdist(requirement: str, download_dir: pathlib.Path) -> pathlib.Path:
     """The sdist archive for `requirement`: a local archive path is returned as is;
-    `bundled:<name>` writes a package that ships with dockyard_rl (`testing_sdists.BUNDLED`)
+    `bundled:<name>` writes a package that ships with dockyard_rl (`bundled_sdists.BUNDLED`)
     into `download_dir`; otherwise `pip download --no-deps --no-binary :all:` fetches it from
     the configured index into `download_dir` (every call downloads again; pass the saved
     archive's path to reuse it). Raises SdistError with pip's output when nothing could be
     downloaded."""
     if requirement.startswith(BUNDLED_PREFIX):
-        from dockyard_rl.data.synthesis import testing_sdists
+        from dockyard_rl.data.synthesis import bundled_sdists
 
         name = requirement[len(BUNDLED_PREFIX) :]
-        if name not in testing_sdists.BUNDLED:
+        if name not in bundled_sdists.BUNDLED:
             raise SdistError(
                 f"{requirement}: no bundled package {name!r}; bundled: "
-                f"{', '.join(BUNDLED_PREFIX + n for n in testing_sdists.BUNDLED)}"
+                f"{', '.join(BUNDLED_PREFIX + n for n in bundled_sdists.BUNDLED)}"
             )
-        return testing_sdists.BUNDLED[name](download_dir)
+        return bundled_sdists.BUNDLED[name](download_dir)
     candidate = pathlib.Path(requirement).expanduser()
     if requirement.endswith(ARCHIVE_SUFFIXES):
         if not candidate.is_file():

@@ -7,12 +7,12 @@ import tarfile
 
 import pytest
 
-from dockyard_rl.data.synthesis import sdist_repos, testing_sdists
+from dockyard_rl.data.synthesis import bundled_sdists, sdist_repos
 
 
 @pytest.fixture
 def layout(tmp_path):
-    archive = testing_sdists.make_toy_sdist(tmp_path / "dl")
+    archive = bundled_sdists.make_toy_sdist(tmp_path / "dl")
     return sdist_repos.unpack_sdist(archive, tmp_path / "src")
 
 
@@ -40,7 +40,7 @@ def test_unpack_sorts_files_by_role(layout):
 
 
 def test_local_archive_path_is_used_as_is(tmp_path):
-    archive = testing_sdists.make_toy_sdist(tmp_path)
+    archive = bundled_sdists.make_toy_sdist(tmp_path)
     assert sdist_repos.fetch_sdist(str(archive), tmp_path / "unused") == archive.resolve()
     with pytest.raises(sdist_repos.SdistError, match="no such file"):
         sdist_repos.fetch_sdist(str(tmp_path / "missing-1.0.tar.gz"), tmp_path)
@@ -49,14 +49,14 @@ def test_local_archive_path_is_used_as_is(tmp_path):
 def test_bundled_packages_are_written_without_network(tmp_path):
     archive = sdist_repos.fetch_sdist("bundled:toystats", tmp_path / "dl")
     assert archive.parent == tmp_path / "dl" and archive.name == "toystats-1.0.tar.gz"
-    assert archive.read_bytes() == testing_sdists.make_toy_sdist(tmp_path / "again").read_bytes()
+    assert archive.read_bytes() == bundled_sdists.make_toy_sdist(tmp_path / "again").read_bytes()
     with pytest.raises(
         sdist_repos.SdistError, match="bundled: bundled:toystats, bundled:pocketcalc"
     ):
         sdist_repos.fetch_sdist("bundled:nope", tmp_path)
 
 
-@pytest.mark.parametrize("name", sorted(testing_sdists.BUNDLED))
+@pytest.mark.parametrize("name", sorted(bundled_sdists.BUNDLED))
 def test_bundled_packages_pass_their_own_tests(tmp_path, name):
     # A bundled package's suite must pass unmutated, or no task can be synthesized from it.
     layout = sdist_repos.unpack_sdist(
@@ -152,7 +152,7 @@ def test_repository_commits_and_diffs(layout, tmp_path):
 
 
 def test_src_layout(tmp_path):
-    archive = testing_sdists.make_toy_sdist(tmp_path / "dl", src_layout=True)
+    archive = bundled_sdists.make_toy_sdist(tmp_path / "dl", src_layout=True)
     layout = sdist_repos.unpack_sdist(archive, tmp_path / "src")
     assert layout.source_files == (
         "src/toystats/__init__.py",
@@ -162,6 +162,6 @@ def test_src_layout(tmp_path):
     # The toy's tests/pytest.ini is the config pytest picks: paths are relative to tests/.
     assert layout.import_paths == ("../src",)
     flat = sdist_repos.unpack_sdist(
-        testing_sdists.make_toy_sdist(tmp_path / "dl2"), tmp_path / "src2"
+        bundled_sdists.make_toy_sdist(tmp_path / "dl2"), tmp_path / "src2"
     )
     assert flat.import_paths == ()

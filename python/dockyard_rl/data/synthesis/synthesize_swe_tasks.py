@@ -6,7 +6,7 @@
 
 How a task is made and checked: task_synthesis.py. `--packages` takes PyPI requirements
 (`name` or `name==version`), paths of local sdist archives, or `bundled:toystats` (a package
-that ships with dockyard_rl: testing_sdists.py). Without `--executor-url` an executor is started
+that ships with dockyard_rl: bundled_sdists.py). Without `--executor-url` an executor is started
 in this process on 127.0.0.1 (a free port) with `--workers` scoring workers; with it, that
 executor must run on this machine (it clones the repositories from DIR/repos by path), and its
 bearer token, if it has one, comes from $DOCKYARD_EXECUTOR_TOKEN.

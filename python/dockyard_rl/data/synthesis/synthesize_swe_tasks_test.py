@@ -20,10 +20,10 @@ import unidiff
 
 from dockyard_rl.data.datasets import load_jsonl
 from dockyard_rl.data.synthesis import (
+    bundled_sdists,
+    holdout,
     mutations,
     synthesize_swe_tasks,
-    test_holdout,
-    testing_sdists,
     validate_swe_tasks,
 )
 
@@ -60,7 +60,7 @@ def _args(archive, out, num_tasks):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("synthesis")
-    archive = testing_sdists.make_toy_sdist(root / "downloads")
+    archive = bundled_sdists.make_toy_sdist(root / "downloads")
     out = root / "out"
     code = synthesize_swe_tasks.main(_args(archive, out, NUM_TASKS))
     return types.SimpleNamespace(root=root, archive=archive, out=out, code=code)
@@ -100,7 +100,7 @@ def test_tasks_are_valid_held_out_swe_instances(run):
         assert test_files and all(path.startswith("tests/test_") for path in test_files)
         # The held-out tests are not in the agent's checkout, and test_patch restores them.
         for node_id in instance.FAIL_TO_PASS:
-            path, _, name = test_holdout.split_node_id(node_id)
+            path, _, name = holdout.split_node_id(node_id)
             assert f"def {name}(" not in _git(repo, "show", f"{instance.base_commit}:{path}")
             assert f"def {name}(" in _git(repo, "show", f"{pristine}:{path}")
         assert (
@@ -178,7 +178,7 @@ def test_rerun_resumes_and_the_search_is_deterministic(run, caplog):
 
 
 def test_src_layout_package(tmp_path):
-    archive = testing_sdists.make_toy_sdist(tmp_path / "downloads", src_layout=True)
+    archive = bundled_sdists.make_toy_sdist(tmp_path / "downloads", src_layout=True)
     out = tmp_path / "out"
     assert synthesize_swe_tasks.main(_args(archive, out, 1)) == 0
     (instance,) = load_jsonl(out / "tasks.jsonl")
@@ -191,7 +191,7 @@ def test_src_layout_package(tmp_path):
 
 
 def test_bad_settings_exit_2_naming_the_key(tmp_path, capsys):
-    archive = testing_sdists.make_toy_sdist(tmp_path)
+    archive = bundled_sdists.make_toy_sdist(tmp_path)
     assert (
         synthesize_swe_tasks.main(
             [
@@ -256,8 +256,8 @@ def test_unusable_packages_are_reported_and_the_run_goes_on(tmp_path, monkeypatc
     )
     corrupt = tmp_path / "corrupt-1.0.tar.gz"
     corrupt.write_bytes(b"\x1f\x8b not really gzip")
-    toy = testing_sdists.make_toy_sdist(tmp_path / "a")
-    same_toy = testing_sdists.make_toy_sdist(tmp_path / "b")  # same name and version
+    toy = bundled_sdists.make_toy_sdist(tmp_path / "a")
+    same_toy = bundled_sdists.make_toy_sdist(tmp_path / "b")  # same name and version
     monkeypatch.chdir(tmp_path)
     relative_toy = str(toy.relative_to(tmp_path))  # the same archive, named twice
     out = tmp_path / "out"

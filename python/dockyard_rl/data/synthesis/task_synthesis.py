@@ -24,7 +24,7 @@ Per package:
    passed before) go in neither list. A mutant that breaks the collection of a test module makes
    pytest stop before running anything: every test is missing and the mutant is rejected.
 4. The task: a commit with the mutation applied and the FAIL_TO_PASS tests removed
-   (test_holdout.py), named refs/tasks/<instance id>; the gold patch is the reverse of the
+   (holdout.py), named refs/tasks/<instance id>; the gold patch is the reverse of the
    mutation, the test_patch adds the held-out tests back, the test command runs the whole suite
    (so PASS_TO_PASS is checked everywhere, not only in the held-out files).
 5. Validation through the executor, in the task's final form: the gold patch resolves it in
@@ -69,7 +69,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dockyard_rl.data.schema import SweInstance
-from dockyard_rl.data.synthesis import mutations, problem_statements, sdist_repos, test_holdout
+from dockyard_rl.data.synthesis import holdout, mutations, problem_statements, sdist_repos
 from dockyard_rl.sandbox import pipeline
 from dockyard_rl.sandbox.client import (
     ExecutorClient,
@@ -301,7 +301,7 @@ def collect_test_ids(layout: sdist_repos.PackageLayout, scratch_dir: pathlib.Pat
             f"{layout.name}: the collection output was cut at "
             f"{_COLLECT_OUTPUT_BYTES} bytes; the suite is too large"
         )
-    unknown = sorted({test_holdout.split_node_id(n)[0] for n in node_ids} - set(layout.test_files))
+    unknown = sorted({holdout.split_node_id(n)[0] for n in node_ids} - set(layout.test_files))
     if unknown:
         raise PackageSkipped(
             f"{layout.name}: collected tests from files that are not its test "
@@ -627,16 +627,16 @@ class _Search:
         # The task's own commit: mutation in, FAIL_TO_PASS tests out.
         by_file: dict[str, list[str]] = defaultdict(list)
         for node_id in fail_to_pass:
-            by_file[test_holdout.split_node_id(node_id)[0]].append(node_id)
+            by_file[holdout.split_node_id(node_id)[0]].append(node_id)
         changes: dict[str, str | None] = {path: mutated}
         try:
             for test_file, node_ids in sorted(by_file.items()):
                 if test_file not in layout.test_files:
                     return None, "holdout_failed"
-                changes[test_file] = test_holdout.remove_tests(
+                changes[test_file] = holdout.remove_tests(
                     repo.read(repo.pristine, test_file), node_ids
                 )
-        except test_holdout.HoldoutError:
+        except holdout.HoldoutError:
             return None, "holdout_failed"
         base_commit = repo.commit_files(
             repo.pristine, changes, f"task {instance_id}", ref=f"refs/tasks/{instance_id}"

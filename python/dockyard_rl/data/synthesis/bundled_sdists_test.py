@@ -12,7 +12,7 @@ import tarfile
 import pytest
 
 from dockyard_rl.data.datasets import load_jsonl
-from dockyard_rl.data.synthesis import synthesize_swe_tasks, testing_sdists, validate_swe_tasks
+from dockyard_rl.data.synthesis import bundled_sdists, synthesize_swe_tasks, validate_swe_tasks
 
 # (held-out package, the package it is held out from, its least number of functions)
 PARTNERS = [("pocketmath", "pocketcalc", 15), ("toyseries", "toystats", 8)]
@@ -21,7 +21,7 @@ PARTNERS = [("pocketmath", "pocketcalc", 15), ("toyseries", "toystats", 8)]
 def _functions(name: str, tmp_path) -> dict[str, str]:
     """Function name -> the dump of its body (names of the arguments included), of every
     function in the package's library code."""
-    archive = testing_sdists.BUNDLED[name](tmp_path / name)
+    archive = bundled_sdists.BUNDLED[name](tmp_path / name)
     functions = {}
     with tarfile.open(archive) as tarred:
         for member in tarred.getmembers():

@@ -1,8 +1,8 @@
-"""Tests of dockyard_rl.rewards.integrity: path spellings and held-out violations."""
+"""Tests of dockyard_rl.rewards.held_out_tests: path spellings and held-out violations."""
 
 import pytest
 
-from dockyard_rl.rewards.integrity import held_out_violations, normalize_repo_path
+from dockyard_rl.rewards.held_out_tests import held_out_violations, normalize_repo_path
 
 
 @pytest.mark.parametrize(

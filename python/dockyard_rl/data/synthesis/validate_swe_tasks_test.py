@@ -1,6 +1,7 @@
-"""Flaky tests are kept out of tasks by the synthesizer and by the validator's cleaned output.
+"""validate_swe_tasks on flaky tests: the validator finds them and its cleaned output drops them;
+the synthesizer (which builds the tasks validated here) keeps them out of tasks in the first place.
 
-End to end on `flakycalc` (testing_sdists.py): real git, real executor (HTTP on 127.0.0.1, pytest
+End to end on `flakycalc` (bundled_sdists.py): real git, real executor (HTTP on 127.0.0.1, pytest
 under bubblewrap). Its `FLAKY_TEST` fails one run in three, drawn from os.urandom in each run
 (each sandboxed run starts from a fresh copy of the repository with a fixed environment, so the
 kernel's random generator is what differs between runs). The synthesizer must list it as flaky
@@ -20,22 +21,22 @@ import pytest
 
 from dockyard_rl.data.datasets import load_jsonl
 from dockyard_rl.data.synthesis import (
+    bundled_sdists,
     synthesize_swe_tasks,
     task_synthesis,
-    testing_sdists,
     validate_swe_tasks,
 )
 from dockyard_rl.sandbox.client import TaskResult
 from dockyard_rl.sandbox.task import ApplyMethod, FailureKind, TaskStatus, TestOutcome, Verdict
 from dockyard_rl.utils.config import from_dict
 
-FLAKY = testing_sdists.FLAKY_TEST
+FLAKY = bundled_sdists.FLAKY_TEST
 # Baseline runs of the synthesis and gold runs of the validation. The flaky test fails each run
 # independently with probability p = 1/3, and a check misses it only when every run agrees:
 # (2/3) ** 35 + (1/3) ** 35 = 6.9e-7 per check. This file has three such checks (the baseline,
 # two validated instances): a chance failure about once in 480,000 runs of it.
 NUM_RUNS = 35
-_P = testing_sdists.FLAKY_FAIL_PROBABILITY
+_P = bundled_sdists.FLAKY_FAIL_PROBABILITY
 P_NO_FLIP = (1 - _P) ** NUM_RUNS + _P**NUM_RUNS
 assert P_NO_FLIP < 1e-6
 
@@ -54,7 +55,7 @@ class _Messages(logging.Handler):
 @pytest.fixture(scope="module")
 def synthesis(tmp_path_factory):
     root = tmp_path_factory.mktemp("flaky")
-    archive = testing_sdists.make_flaky_sdist(root / "downloads")
+    archive = bundled_sdists.make_flaky_sdist(root / "downloads")
     out = root / "out"
     log = _Messages()
     synthesis_logger = logging.getLogger(task_synthesis.__name__)

@@ -14,8 +14,9 @@ Covered:
   "tests/x.py" are one file. This errs towards flagging: in a repository with a top-level "a/"
   folder, "a/tests/x.py" also matches a held-out "tests/x.py".
 
-Which files a patch touches is parsed in one place, the sandbox's `sandbox.integrity.touched_paths`
-(the executor reports violations in its verdict); this module compares path lists.
+Which files a patch touches is parsed in one place, the sandbox's
+`sandbox.protected_paths.touched_paths` (the executor reports violations in its verdict); this
+module compares path lists.
 
 Not covered: case-insensitive or Unicode-normalising file systems (the sandbox's is neither).
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Iterable
 
-from dockyard_rl.sandbox.integrity import unquote_c_style
+from dockyard_rl.sandbox.protected_paths import unquote_c_style
 
 __all__ = ["held_out_violations", "normalize_repo_path"]
 

@@ -1,8 +1,8 @@
-"""Tests of test_holdout: removing tests by node id with libcst."""
+"""Tests of holdout: removing tests by node id with libcst."""
 
 import pytest
 
-from dockyard_rl.data.synthesis import test_holdout
+from dockyard_rl.data.synthesis import holdout
 
 MODULE = """import pytest
 
@@ -33,25 +33,25 @@ class TestGroup:
 
 
 def test_split_node_id():
-    assert test_holdout.split_node_id("t/x.py::A::B::test_f[1-a b]") == (
+    assert holdout.split_node_id("t/x.py::A::B::test_f[1-a b]") == (
         "t/x.py",
         ("A", "B"),
         "test_f",
     )
-    assert test_holdout.split_node_id("x.py::test_g") == ("x.py", (), "test_g")
-    with pytest.raises(test_holdout.HoldoutError):
-        test_holdout.split_node_id("x.py")
+    assert holdout.split_node_id("x.py::test_g") == ("x.py", (), "test_g")
+    with pytest.raises(holdout.HoldoutError):
+        holdout.split_node_id("x.py")
 
 
 def test_removes_function_with_decorators_and_all_parametrizations():
-    out = test_holdout.remove_tests(MODULE, ["t.py::test_a[1]"])
+    out = holdout.remove_tests(MODULE, ["t.py::test_a[1]"])
     assert "def test_a" not in out and "parametrize" not in out
     assert "def test_b" in out and "# keeps its comment" in out
     compile(out, "t.py", "exec")
 
 
 def test_removes_methods_and_keeps_classes_valid():
-    out = test_holdout.remove_tests(
+    out = holdout.remove_tests(
         MODULE, ["t.py::TestGroup::test_c", "t.py::TestGroup::TestInner::test_d"]
     )
     assert "def test_c" not in out and "def test_d" not in out
@@ -63,13 +63,13 @@ def test_removes_methods_and_keeps_classes_valid():
 
 def test_only_the_named_scope_is_touched():
     # test_c exists only inside TestGroup; a module-level id does not match it.
-    with pytest.raises(test_holdout.HoldoutError, match="test_c"):
-        test_holdout.remove_tests(MODULE, ["t.py::test_c"])
+    with pytest.raises(holdout.HoldoutError, match="test_c"):
+        holdout.remove_tests(MODULE, ["t.py::test_c"])
     # Nested functions are never collected tests.
-    with pytest.raises(test_holdout.HoldoutError):
-        test_holdout.remove_tests(MODULE, ["t.py::TestGroup::test_nested"])
+    with pytest.raises(holdout.HoldoutError):
+        holdout.remove_tests(MODULE, ["t.py::TestGroup::test_nested"])
 
 
 def test_unparsable_source():
-    with pytest.raises(test_holdout.HoldoutError, match="parse"):
-        test_holdout.remove_tests("def (:\n", ["t.py::test_a"])
+    with pytest.raises(holdout.HoldoutError, match="parse"):
+        holdout.remove_tests("def (:\n", ["t.py::test_a"])

@@ -1,7 +1,7 @@
 import pytest
 import unidiff
 
-from dockyard_rl.sandbox import integrity, testing_patches
+from dockyard_rl.sandbox import protected_paths, testing_patches
 from dockyard_rl.sandbox.testing_repos import make_toy_repo
 
 PROTECTED = ("tests/test_ops.py", "tests/test_mul_table.py")
@@ -17,14 +17,14 @@ def toy(tmp_path_factory):
 
 
 def test_clean_patches_pass(toy):
-    assert integrity.check_integrity("", PROTECTED) == ()
-    assert integrity.check_integrity(toy.gold_patch, PROTECTED) == ()
-    assert integrity.check_integrity(toy.wrong_patch, PROTECTED) == ()
+    assert protected_paths.check_integrity("", PROTECTED) == ()
+    assert protected_paths.check_integrity(toy.gold_patch, PROTECTED) == ()
+    assert protected_paths.check_integrity(toy.wrong_patch, PROTECTED) == ()
 
 
 def test_editing_a_held_out_test_file_is_a_violation(toy):
     patch = toy.patch_for({"tests/test_ops.py": "def test_add():\n    pass\n"})
-    assert integrity.check_integrity(patch, PROTECTED) == ("tests/test_ops.py",)
+    assert protected_paths.check_integrity(patch, PROTECTED) == ("tests/test_ops.py",)
 
 
 @pytest.mark.parametrize(
@@ -47,25 +47,25 @@ def test_editing_a_held_out_test_file_is_a_violation(toy):
 )
 def test_runner_configuration_anywhere_is_a_violation(toy, name):
     patch = toy.patch_for({name: "import os\n"})
-    assert integrity.check_integrity(patch, PROTECTED) == (name,)
+    assert protected_paths.check_integrity(patch, PROTECTED) == (name,)
 
 
 def test_renames_deletes_and_mode_changes_count_both_names(toy):
     renamed = toy.patch_for({"tests/test_ops.py": None, "tests/moved.py": toy_test_ops(toy)})
     assert "rename from tests/test_ops.py" in renamed
-    assert integrity.check_integrity(renamed, PROTECTED) == ("tests/test_ops.py",)
+    assert protected_paths.check_integrity(renamed, PROTECTED) == ("tests/test_ops.py",)
     deleted = toy.patch_for({"tests/test_ops.py": None})
-    assert integrity.check_integrity(deleted, PROTECTED) == ("tests/test_ops.py",)
+    assert protected_paths.check_integrity(deleted, PROTECTED) == ("tests/test_ops.py",)
     # Renaming a harmless file onto a protected name is caught through the new name.
     onto = (
         "diff --git a/calc/ops.py b/conftest.py\nsimilarity index 100%\n"
         "rename from calc/ops.py\nrename to conftest.py\n"
     )
-    assert integrity.check_integrity(onto, PROTECTED) == ("conftest.py",)
+    assert protected_paths.check_integrity(onto, PROTECTED) == ("conftest.py",)
     mode_only = (
         "diff --git a/tests/test_ops.py b/tests/test_ops.py\nold mode 100644\nnew mode 100755\n"
     )
-    assert integrity.check_integrity(mode_only, PROTECTED) == ("tests/test_ops.py",)
+    assert protected_paths.check_integrity(mode_only, PROTECTED) == ("tests/test_ops.py",)
 
 
 def toy_test_ops(toy) -> str:
@@ -77,12 +77,12 @@ def toy_test_ops(toy) -> str:
 def test_binary_patches_are_checked(toy):
     patch = toy.patch_for({"blob.bin": "\x00\x01binary"})
     assert "GIT binary patch" in patch or "Binary files" in patch
-    assert integrity.check_integrity(patch, PROTECTED) == ()
+    assert protected_paths.check_integrity(patch, PROTECTED) == ()
     binary_conftest = (
         "diff --git a/conftest.py b/conftest.py\nnew file mode 100644\n"
         "index 0000000..1111111\nBinary files /dev/null and b/conftest.py differ\n"
     )
-    assert integrity.check_integrity(binary_conftest, PROTECTED) == ("conftest.py",)
+    assert protected_paths.check_integrity(binary_conftest, PROTECTED) == ("conftest.py",)
 
 
 @pytest.mark.parametrize(
@@ -100,7 +100,7 @@ def test_path_tricks_are_normalised(disguise):
     quoted = disguise.startswith('"')
     a, b = (f'"a/{name}"', f'"b/{name}"') if quoted else (f"a/{name}", f"b/{name}")
     patch = f"diff --git {a} {b}\n--- {a}\n+++ {b}\n@@ -1 +1 @@\n-x\n+y\n"
-    assert integrity.check_integrity(patch, PROTECTED) == ("tests/test_ops.py",)
+    assert protected_paths.check_integrity(patch, PROTECTED) == ("tests/test_ops.py",)
 
 
 @pytest.mark.parametrize(
@@ -117,7 +117,7 @@ def test_path_tricks_are_normalised(disguise):
     ],
 )
 def test_unquote_c_style(quoted, expected):
-    assert integrity.unquote_c_style(quoted) == expected
+    assert protected_paths.unquote_c_style(quoted) == expected
 
 
 @pytest.mark.parametrize(
@@ -125,18 +125,18 @@ def test_unquote_c_style(quoted, expected):
 )
 def test_unquote_c_style_rejects_what_git_does_not_write(quoted):
     with pytest.raises(ValueError, match="malformed quoted path"):
-        integrity.unquote_c_style(quoted)
+        protected_paths.unquote_c_style(quoted)
     if quoted.startswith('"') and len(quoted) > 1:
         # The integrity check does not fail on it: the name counts as written between quotes.
-        assert integrity.normalize_path(quoted) in (quoted[1:-1], None)
+        assert protected_paths.normalize_path(quoted) in (quoted[1:-1], None)
 
 
 @pytest.mark.parametrize("name", ["tests/tést_ops.py", 'tests/say "hi".py', "tests/tab\there.py"])
 def test_names_git_quotes_are_matched(toy, name):
     patch = toy.patch_for({name: "def test_x():\n    pass\n"})
     assert '"b/tests/' in patch  # git quoted the name
-    assert integrity.check_integrity(patch, (name,)) == (name,)
-    assert integrity.check_integrity(patch, PROTECTED) == ()
+    assert protected_paths.check_integrity(patch, (name,)) == (name,)
+    assert protected_paths.check_integrity(patch, PROTECTED) == ()
 
 
 def test_headers_unidiff_ignores_are_still_scanned():
@@ -144,15 +144,15 @@ def test_headers_unidiff_ignores_are_still_scanned():
     context = (
         "*** a/conftest.py\n--- b/conftest.py\n***************\n*** 1 ****\n! x\n--- 1 ----\n! y\n"
     )
-    assert "conftest.py" in integrity.check_integrity(context, PROTECTED)
+    assert "conftest.py" in protected_paths.check_integrity(context, PROTECTED)
     # The `diff --git` header and the ---/+++ lines disagree: both names count.
     mismatched = (
         "diff --git a/calc/ops.py b/calc/ops.py\n--- a/tests/test_ops.py\n"
         "+++ b/tests/test_ops.py\n@@ -1 +1 @@\n-x\n+y\n"
     )
-    assert "tests/test_ops.py" in integrity.check_integrity(mismatched, PROTECTED)
+    assert "tests/test_ops.py" in protected_paths.check_integrity(mismatched, PROTECTED)
     index = "Index: conftest.py\n--- conftest.py\n+++ conftest.py\n@@ -1 +1 @@\n-x\n+y\n"
-    assert integrity.check_integrity(index, PROTECTED) == ("conftest.py",)
+    assert protected_paths.check_integrity(index, PROTECTED) == ("conftest.py",)
 
 
 @pytest.mark.parametrize(
@@ -161,7 +161,7 @@ def test_headers_unidiff_ignores_are_still_scanned():
 )
 def test_escaping_paths_are_violations(name):
     patch = f"--- {name}\n+++ {name}\n@@ -1 +1 @@\n-x\n+y\n"
-    assert integrity.check_integrity(patch, PROTECTED) != ()
+    assert protected_paths.check_integrity(patch, PROTECTED) != ()
 
 
 def test_symlink_creation_is_a_violation():
@@ -169,7 +169,7 @@ def test_symlink_creation_is_a_violation():
         "diff --git a/calc/link b/calc/link\nnew file mode 120000\nindex 0000000..1111111\n"
         "--- /dev/null\n+++ b/calc/link\n@@ -0,0 +1 @@\n+/etc\n\\ No newline at end of file\n"
     )
-    assert integrity.check_integrity(patch, PROTECTED) == ("calc/link",)
+    assert protected_paths.check_integrity(patch, PROTECTED) == ("calc/link",)
 
 
 def test_unparseable_patch_is_a_violation():
@@ -177,7 +177,7 @@ def test_unparseable_patch_is_a_violation():
         "diff --git a/calc/ops.py b/calc/ops.py\n--- a/calc/ops.py\n+++ b/calc/ops.py\n"
         "@@ -1,5 +1,5 @@\n-x\n"
     )  # the hunk claims 5 lines and has 1
-    assert integrity.UNPARSEABLE in integrity.check_integrity(patch, PROTECTED)
+    assert protected_paths.UNPARSEABLE in protected_paths.check_integrity(patch, PROTECTED)
 
 
 PYPROJECT = """[project]
@@ -205,27 +205,27 @@ def test_pyproject_only_pytest_changes_are_violations():
     version_bump = (
         '@@ -1,3 +1,3 @@\n [project]\n name = "calc"\n-version = "1.0"\n+version = "1.1"\n'
     )
-    assert integrity.check_integrity(_pyproject_patch(version_bump), PROTECTED, read) == ()
+    assert protected_paths.check_integrity(_pyproject_patch(version_bump), PROTECTED, read) == ()
     black = "@@ -10,2 +10,2 @@\n [tool.black]\n-line-length = 100\n+line-length = 120\n"
-    assert integrity.check_integrity(_pyproject_patch(black), PROTECTED, read) == ()
+    assert protected_paths.check_integrity(_pyproject_patch(black), PROTECTED, read) == ()
     # Inside the [tool.pytest.ini_options] table without mentioning pytest on the changed line.
     addopts = '@@ -6,2 +6,2 @@\n-addopts = "-q"\n+addopts = "-q --co"\n testpaths = ["tests"]\n'
-    assert integrity.check_integrity(_pyproject_patch(addopts), PROTECTED, read) == (
+    assert protected_paths.check_integrity(_pyproject_patch(addopts), PROTECTED, read) == (
         "pyproject.toml",
     )
     new_table = (
         '@@ -3,1 +3,3 @@\n version = "1.0"\n+[tool.pytest.ini_options]\n+addopts = "-p evil"\n'
     )
-    assert integrity.check_integrity(_pyproject_patch(new_table), PROTECTED, read) == (
+    assert protected_paths.check_integrity(_pyproject_patch(new_table), PROTECTED, read) == (
         "pyproject.toml",
     )
     # Without the base file, any change to an existing pyproject.toml counts.
-    assert integrity.check_integrity(_pyproject_patch(version_bump), PROTECTED) == (
+    assert protected_paths.check_integrity(_pyproject_patch(version_bump), PROTECTED) == (
         "pyproject.toml",
     )
     created = '@@ -0,0 +1,2 @@\n+[project]\n+name = "x"\n'
     assert (
-        integrity.check_integrity(
+        protected_paths.check_integrity(
             _pyproject_patch(created, new_file=True), PROTECTED, lambda _: None
         )
         == ()
@@ -234,7 +234,9 @@ def test_pyproject_only_pytest_changes_are_violations():
 
 def test_protected_paths_are_normalised_too():
     patch = _diff("tests/test_ops.py", "tests/test_ops.py")
-    assert integrity.check_integrity(patch, ["./tests//test_ops.py"]) == ("tests/test_ops.py",)
+    assert protected_paths.check_integrity(patch, ["./tests//test_ops.py"]) == (
+        "tests/test_ops.py",
+    )
 
 
 def test_touched_paths_reports_old_and_new_names():
@@ -242,7 +244,7 @@ def test_touched_paths_reports_old_and_new_names():
         "diff --git a/old.py b/new.py\nsimilarity index 90%\nrename from old.py\n"
         "rename to new.py\n--- a/old.py\n+++ b/new.py\n@@ -1 +1 @@\n-x\n+y\n"
     )
-    names, symlinks, parsed = integrity.touched_paths(patch)
+    names, symlinks, parsed = protected_paths.touched_paths(patch)
     assert {"old.py", "new.py"} <= names and symlinks == set() and parsed
 
 
@@ -255,7 +257,7 @@ def test_symlinks_with_spaces_in_their_names_are_found(name):
         "\\ No newline at end of file\n"
     )
     # (unidiff cannot parse some of these headers: "<unparseable patch>" may come with it)
-    assert name in integrity.check_integrity(patch, PROTECTED)
+    assert name in protected_paths.check_integrity(patch, PROTECTED)
 
 
 def test_symlink_named_only_by_its_plus_header_is_found():
@@ -263,7 +265,7 @@ def test_symlink_named_only_by_its_plus_header_is_found():
         "diff --git a/x y b/z w\nnew file mode 120000\nindex 0000000..1111111\n"
         "--- /dev/null\n+++ b/z w\n@@ -0,0 +1 @@\n+/etc\n"
     )
-    assert "z w" in integrity.check_integrity(patch, PROTECTED)
+    assert "z w" in protected_paths.check_integrity(patch, PROTECTED)
 
 
 # -- cost and totality on hostile patches (issue 25, class 7) -----------------------------------
@@ -278,7 +280,7 @@ def test_adversarial_patches_parse_in_linear_time():
     worst = ("", 0.0)
     for name, patch in adversarial_patches(1 << 20).items():
         for parse in (
-            lambda p: integrity.check_integrity(p, PROTECTED, lambda path: None),
+            lambda p: protected_paths.check_integrity(p, PROTECTED, lambda path: None),
             screening.screen_patch,
             apply.binary_hunks,
         ):
@@ -333,9 +335,11 @@ def test_fuzz_patch_parsers_never_raise():
     @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
     @given(patch=patches)
     def check(patch):
-        parsed = integrity.parse_patch(patch)
+        parsed = protected_paths.parse_patch(patch)
         assert isinstance(parsed.problem, str)
-        violations = integrity.check_integrity(patch, PROTECTED, lambda path: "[tool.pytest]\n")
+        violations = protected_paths.check_integrity(
+            patch, PROTECTED, lambda path: "[tool.pytest]\n"
+        )
         assert all(isinstance(v, str) for v in violations)
         screening.screen_patch(patch)
         apply.binary_hunks(patch)
@@ -350,11 +354,13 @@ def test_malformed_patches_are_violations_not_errors():
         "--- a/x\n+++ b/x\n@@ -1 +1 @@\n-x\n+\ud800\n",  # not valid Unicode
         "+++ b/x\n@@ -1 +1 @@\n-x\n+y\n",  # "+++" without "---"
     ):
-        assert integrity.UNPARSEABLE in integrity.check_integrity(patch, PROTECTED), patch
+        assert protected_paths.UNPARSEABLE in protected_paths.check_integrity(patch, PROTECTED), (
+            patch
+        )
 
 
 def test_the_benchmarks_ordinary_patch_is_well_formed():
     # The baseline every adversarial shape is compared with must be a well-formed patch.
     patch = testing_patches.ordinary_patch(64 * 1024)
-    assert integrity.parse_patch(patch).problem == ""
+    assert protected_paths.parse_patch(patch).problem == ""
     assert len(unidiff.PatchSet(patch)) > 10
