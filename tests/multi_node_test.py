@@ -29,7 +29,7 @@ import sys
 import pytest
 import yaml
 
-from dockyard_rl.cluster.testing import JoinProcess, free_port, join_environment
+from dockyard_rl.cluster.testing_cluster import JoinProcess, free_port, join_environment
 from dockyard_rl.sandbox import testing_repos
 
 WORKSPACE = pathlib.Path(__file__).absolute().parents[1]

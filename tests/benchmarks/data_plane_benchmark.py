@@ -66,7 +66,7 @@ def main() -> None:
     from dockyard_rl.cluster.local_ray import init_local_ray
     from dockyard_rl.data_plane.factory import create_data_plane
     from dockyard_rl.data_plane.ray_direct import data_plane_actor_options
-    from dockyard_rl.data_plane.testing import ExperienceProducer, ExperienceTrainer
+    from dockyard_rl.data_plane.testing_actors import ExperienceProducer, ExperienceTrainer
 
     init_local_ray(log_to_driver=False)
     producer_cls = ray.remote(**data_plane_actor_options())(ExperienceProducer)

@@ -14,7 +14,7 @@ from ray.util.placement_group import placement_group_table, remove_placement_gro
 
 from dockyard_rl.cluster import bootstrap
 from dockyard_rl.cluster.config import ClusterConfig
-from dockyard_rl.cluster.testing import fleet_cluster
+from dockyard_rl.cluster.testing_cluster import fleet_cluster
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from dockyard_rl.cluster.testing import JoinProcess, free_port, join_environment
+from dockyard_rl.cluster.testing_cluster import JoinProcess, free_port, join_environment
 
 _DRIVER = textwrap.dedent("""
     import json, sys, ray

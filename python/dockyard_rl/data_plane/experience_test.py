@@ -16,7 +16,7 @@ from dockyard_rl.data_plane.experience import (
 )
 from dockyard_rl.data_plane.factory import create_data_plane
 from dockyard_rl.data_plane.interfaces import DataPlaneError, ReceiveTimeoutError
-from dockyard_rl.data_plane.testing import batch_digest
+from dockyard_rl.data_plane.testing_actors import batch_digest
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 
 NUM_RANKS = 2

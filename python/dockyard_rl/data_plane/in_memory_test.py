@@ -13,7 +13,7 @@ from dockyard_rl.data_plane.interfaces import (
     DataPlaneError,
     DeliveryStatus,
 )
-from dockyard_rl.data_plane.testing import PATTERN_STRIDE, pattern_batch
+from dockyard_rl.data_plane.testing_actors import PATTERN_STRIDE, pattern_batch
 
 
 def test_four_producer_threads_exactly_once_with_duplicates():

@@ -16,7 +16,11 @@ from dockyard_rl.cluster.local_ray import init_local_ray  # noqa: E402
 from dockyard_rl.data_plane.config import DataPlaneConfig  # noqa: E402
 from dockyard_rl.data_plane.factory import create_data_plane  # noqa: E402
 from dockyard_rl.data_plane.ray_direct import RayDirectDataPlane, data_plane_actor_options  # noqa: E402
-from dockyard_rl.data_plane.testing import PATTERN_STRIDE, ExperienceProducer, ExperienceTrainer  # noqa: E402
+from dockyard_rl.data_plane.testing_actors import (  # noqa: E402
+    PATTERN_STRIDE,
+    ExperienceProducer,
+    ExperienceTrainer,
+)
 
 NUM_PRODUCERS = 4
 

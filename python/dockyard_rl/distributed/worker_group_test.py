@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from dockyard_rl.cluster.bootstrap import PlacementTimeoutError
-from dockyard_rl.cluster.testing import fleet_cluster
+from dockyard_rl.cluster.testing_cluster import fleet_cluster
 from dockyard_rl.distributed.worker_group import (
     WorkerDiedError,
     WorkerError,

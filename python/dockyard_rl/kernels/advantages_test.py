@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dockyard_rl.kernels import advantages as kernels
-from dockyard_rl.kernels import testing
+from dockyard_rl.kernels import testing_extension
 
 # The shared fixture: the compiled extension, failing (not skipping) when it is missing.
-ext = testing.ext
+ext = testing_extension.ext
 
 BASELINES = ["leave_one_out", "group_mean"]
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from dockyard_rl.kernels import logprobs as kernels
-from dockyard_rl.kernels import testing
+from dockyard_rl.kernels import testing_extension
 
 # The shared fixture: the compiled extension, failing (not skipping) when it is missing.
-ext = testing.ext
+ext = testing_extension.ext
 
 both_paths = pytest.mark.parametrize("use_extension", [True, False], ids=["ext", "torch"])
 # Float32 tolerances vs the float64 reference: the extension accumulates in float64; the

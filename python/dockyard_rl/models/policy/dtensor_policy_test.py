@@ -342,7 +342,7 @@ def test_mini_batches_over_the_data_plane_match_the_driver_path(tiny_policy, fir
     from dockyard_rl.data_plane.experience import PAD_ROW, REFERENCE_LOGPROBS
     from dockyard_rl.data_plane.factory import create_data_plane
     from dockyard_rl.data_plane.ray_direct import data_plane_actor_options
-    from dockyard_rl.data_plane.testing import StepProducer
+    from dockyard_rl.data_plane.testing_actors import StepProducer
 
     batch = _make_batch(vocab_size=512, num_samples=8, seed=3)
     batch["sample_mask"][5] = 0.0  # a masked sample counts nowhere on either path

@@ -1,8 +1,8 @@
 """The jax backend as a trainer-fleet actor (jax_fleet.py), on a simulated 2-node Ray cluster.
 
-The cluster (one per module, cluster/testing.py): a head labelled `driver` with no CPUs (this
-process connects to it as the driver) and one `trainer` node. Built through the factory, as the
-GRPO loop does:
+The cluster (one per module, cluster/testing_cluster.py): a head labelled `driver` with no CPUs
+(this process connects to it as the driver) and one `trainer` node. Built through the factory, as
+the GRPO loop does:
 
 - the policy runs in an actor on the trainer node, not in this process (pid, node id), and this
   process never imports jax;
@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dockyard_rl.cluster.testing import fleet_cluster
+from dockyard_rl.cluster.testing_cluster import fleet_cluster
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.losses.loss_functions import ClippedPGLossConfig, ClippedPGLossFn
 from dockyard_rl.models import zoo

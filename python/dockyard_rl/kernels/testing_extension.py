@@ -4,7 +4,7 @@
   test FAILS (never skips): a build that lost the extension must not pass by testing only the
   torch fallback.
 - ``ext``: a module-scoped pytest fixture returning ``load_extension()``. Tests import it
-  explicitly (``from dockyard_rl.kernels.testing import ext``); there is no conftest.py.
+  explicitly (``from dockyard_rl.kernels.testing_extension import ext``); there is no conftest.py.
 
 Not covered: CUDA availability (tests mark CUDA cases with ``pytest.mark.skipif`` themselves).
 """
