@@ -35,8 +35,8 @@ import torch
 from dockyard_rl.cluster.local_ray import init_local_ray
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models import zoo
-from dockyard_rl.weight_sync import sender, testing
-from dockyard_rl.weight_sync.bucket_stream import iter_manifest_buckets
+from dockyard_rl.weight_sync import sender_sessions, testing
+from dockyard_rl.weight_sync.manifest_buckets import iter_manifest_buckets
 
 TIMEOUT_S = 120.0
 
@@ -66,7 +66,7 @@ def time_push(
         )
         _, url, token = results.get(timeout=TIMEOUT_S)
         options["engines"] = [{"url": url, "token": token}]
-    endpoint = sender.open_session(session, transport, manifest.to_dict(), options)
+    endpoint = sender_sessions.open_session(session, transport, manifest.to_dict(), options)
     if transport != "http":
         spec = {
             "transport": transport,
@@ -83,7 +83,7 @@ def time_push(
     try:
         for version in range(1, num_syncs + 1):
             start = time.monotonic()
-            sender.send_weights(
+            sender_sessions.send_weights(
                 session, manifest, version, iter_manifest_buckets(manifest, weights.items())
             )
             status, received, _ = results.get(timeout=TIMEOUT_S)
@@ -91,7 +91,7 @@ def time_push(
             if status != "ok" or received != manifest.total_bytes:
                 raise RuntimeError(f"{transport}: the receiver reported {status}: {received}")
     finally:
-        sender.close_session(session)
+        sender_sessions.close_session(session)
         for process in processes:
             process.join(30)
     return seconds[1:]

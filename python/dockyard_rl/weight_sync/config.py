@@ -21,10 +21,11 @@ import dataclasses
 
 from dockyard_rl.utils.byte_sizes import parse_byte_size
 from dockyard_rl.utils.config import require
+from dockyard_rl.weight_sync import transport_registry
 
 # The refit packer's default alignment: bucket sizes are multiples of it.
 BUCKET_ALIGNMENT = 256
-TRANSPORTS = ("auto", "collective", "ipc_zmq", "http", "object_store")
+TRANSPORTS = ("auto", *transport_registry.TRANSPORTS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,8 @@ import pytest
 
 from dockyard_rl.utils.config import from_dict
 from dockyard_rl.weight_sync.config import WeightSyncConfig
-from dockyard_rl.weight_sync.factory import resolve_transport, transport_module
+from dockyard_rl.weight_sync.factory import resolve_transport
+from dockyard_rl.weight_sync.transport_registry import transport_module
 
 
 def test_defaults_and_byte_sizes():

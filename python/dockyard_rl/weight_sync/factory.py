@@ -1,43 +1,22 @@
 """Picks the weight-sync transport: `create_weight_synchronizer(config, policy, generation)`.
 
-`weight_sync.transport` names one of `TRANSPORTS`; `auto` decides from the deployment's
-topology: `ipc_zmq` when every engine runs on the Ray node of the trainer's sending rank (shared
-memory / CUDA IPC, no network), else `collective` (one gloo/NCCL group across nodes). `http` is
-never chosen automatically: it is for layouts without a shared Ray cluster or network fabric,
-which only the operator knows about. Modules are imported lazily, by name.
+`weight_sync.transport` names one of transport_registry's `TRANSPORTS`; `auto` decides from the
+deployment's topology: `ipc_zmq` when every engine runs on the Ray node of the trainer's sending
+rank (shared memory / CUDA IPC, no network), else `collective` (one gloo/NCCL group across
+nodes). `http` is never chosen automatically: it is for layouts without a shared Ray cluster or
+network fabric, which only the operator knows about.
+
+`policy` and `generation` are typed by what weight_sync needs from them (`WeightSource`,
+`WeightSink` in interfaces.py), so weight_sync imports nothing from models/.
 """
 
 from __future__ import annotations
 
-import importlib
-import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
+from dockyard_rl.weight_sync import transport_registry
 from dockyard_rl.weight_sync.config import WeightSyncConfig
-from dockyard_rl.weight_sync.interfaces import WeightSynchronizer
-
-if TYPE_CHECKING:  # annotations only: the synchronizers import the fleets, not this module
-    from dockyard_rl.models.generation.interfaces import GenerationInterface
-    from dockyard_rl.models.policy.interfaces import PolicyInterface
-
-# transport -> (module, synchronizer class)
-TRANSPORTS = {
-    "collective": ("dockyard_rl.weight_sync.collective", "CollectiveWeightSynchronizer"),
-    "ipc_zmq": ("dockyard_rl.weight_sync.ipc_zmq", "IpcZmqWeightSynchronizer"),
-    "http": ("dockyard_rl.weight_sync.http_push", "HttpWeightSynchronizer"),
-    "object_store": ("dockyard_rl.weight_sync.object_store", "ObjectStoreWeightSynchronizer"),
-}
-
-
-def transport_module(transport: str) -> types.ModuleType:
-    """The module implementing `transport` (its sender / receiver functions)."""
-    if transport not in TRANSPORTS:
-        raise ValueError(
-            f"weight_sync.transport: unknown transport {transport!r}; valid: "
-            f"{', '.join(TRANSPORTS)} (or auto)"
-        )
-    return importlib.import_module(TRANSPORTS[transport][0])
+from dockyard_rl.weight_sync.interfaces import WeightSink, WeightSource, WeightSynchronizer
 
 
 def resolve_transport(
@@ -51,7 +30,7 @@ def resolve_transport(
 
 
 def create_weight_synchronizer(
-    config: WeightSyncConfig, policy: PolicyInterface, generation: GenerationInterface
+    config: WeightSyncConfig, policy: WeightSource, generation: WeightSink
 ) -> WeightSynchronizer:
     """The synchronizer of the configured (or, for auto, topology-chosen) transport.
 
@@ -67,6 +46,8 @@ def create_weight_synchronizer(
     transport = resolve_transport(
         config, policy.weight_sender_node_id(), generation.engine_node_ids()
     )
-    module = transport_module(transport)
-    synchronizer: Callable[..., WeightSynchronizer] = getattr(module, TRANSPORTS[transport][1])
+    module = transport_registry.transport_module(transport)
+    synchronizer: Callable[..., WeightSynchronizer] = getattr(
+        module, transport_registry.TRANSPORTS[transport][1]
+    )
     return synchronizer(config, policy, generation)

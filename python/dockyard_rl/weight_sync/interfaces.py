@@ -47,8 +47,13 @@ Who calls it: only the driver/controller process (the GRPO loop), never the trai
 ranks themselves; the transport hooks fan out to the ranks. All methods are thread-safe (one
 lock), so a metrics reporter thread may read state while the loop syncs.
 
-`BucketSender` (end of this file) is the trainer-side half of a push transport: what each
-transport module implements for the trainer's sending rank (weight_sync/sender.py drives it).
+`BucketSender` is the trainer-side half of a push transport: what each transport module
+implements for the trainer's sending rank (sender_sessions.py drives it).
+
+`WeightSource` and `WeightSink` (end of this file) are what weight_sync needs from the trainer
+and from the engines: structural Protocols (as vLLM types its model capabilities), satisfied by
+the policy and generation backends without naming them, so that weight_sync imports nothing from
+models/ (models/ imports weight_sync: its processes run the transports' senders and receivers).
 
 Not covered here: the transports, bucketing, and the check of incoming names/shapes/dtypes
 (each transport validates its manifest before touching the engine), and the factory.
@@ -60,8 +65,8 @@ import abc
 import enum
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -452,3 +457,125 @@ class BucketSender(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook: a no-op for senders holding nothing
         """Releases the session's resources. Idempotent."""
+
+
+class WeightSource(Protocol):
+    """What the synchronizers and transports need from the trainer (a policy backend).
+
+    Only the driver's synchronizer calls these. The sender runs in the process that holds the
+    weights (a multi-rank backend's rank 0): `open_weight_sender` creates it there through
+    `sender_sessions.open_session`, `send_weights` feeds it the manifest's buckets through
+    `sender_sessions.send_weights`, `close_weight_sender` ends the session.
+    """
+
+    def prepare_refit_info(self) -> Mapping[str, tuple[tuple[int, ...], torch.dtype]]:
+        """HF name -> (shape, dtype) of every weight the engine receives, in the order
+        `iter_refit_weights` yields them; the manifest is built from it once."""
+        ...
+
+    def iter_refit_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) in `prepare_refit_info` order, into the caller's process
+        (object_store: the driver packs the buckets)."""
+        ...
+
+    def weight_sender_node_id(self) -> str | None:
+        """The Ray node id of the process that sends weights (None: Ray is not running), for
+        the `auto` transport choice."""
+        ...
+
+    def open_weight_sender(
+        self, session: str, transport: str, manifest_dict: dict[str, Any], options: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Creates `transport`'s sender for `session` in the sending process (idempotent) and
+        returns its endpoint (plain data for the engines). Raises ValueError for an unknown
+        transport or a bad manifest."""
+        ...
+
+    def send_weights(
+        self, session: str, manifest_dict: dict[str, Any], version: int
+    ) -> dict[str, float]:
+        """Packs every refit weight into the manifest's buckets and sends them through the open
+        `session` (blocking; the engines receive concurrently). Returns timing figures
+        (`send_seconds`, `pack_seconds`, `num_bytes`). Raises whatever the transport raises
+        (TimeoutError: the engine side died or went silent)."""
+        ...
+
+    def close_weight_sender(self, session: str) -> None:
+        """Closes `session`'s sender. Idempotent; unknown sessions are ignored."""
+        ...
+
+
+class WeightSink(Protocol):
+    """What the synchronizers and transports need from the engines (a generation backend).
+
+    The contracts are the generation interface's (models/generation/interfaces.py), plus the
+    two figures a transport reads after a load (`expected_refit_info`, `last_update_stats`).
+    """
+
+    @property
+    def weight_version(self) -> int:
+        """The weight version the engines hold now."""
+        ...
+
+    @property
+    def expected_refit_info(self) -> Mapping[str, tuple[tuple[int, ...], str]]:
+        """HF name -> (shape, dtype name) that every manifest must match."""
+        ...
+
+    @property
+    def last_update_stats(self) -> Sequence[Mapping[str, float]]:
+        """Per engine, the figures of the last `update_weights_from_buckets` (at least
+        `load_seconds`)."""
+        ...
+
+    async def prepare_refit_info(
+        self, refit_info: Mapping[str, tuple[Sequence[int], torch.dtype | str]]
+    ) -> None:
+        """Declares the weights the trainer will send; raises ValueError on a mismatch."""
+        ...
+
+    def engine_node_ids(self) -> list[str]:
+        """The Ray node id of every engine, for the `auto` transport choice."""
+        ...
+
+    def open_weight_receiver(
+        self, transport: str, *, host: str = "127.0.0.1", max_bucket_bytes: int = 1 << 30
+    ) -> list[dict[str, Any]]:
+        """Per engine, what `transport` needs to reach it (plain data). Idempotent."""
+        ...
+
+    async def begin_weight_update(
+        self,
+        manifest_dict: Mapping[str, Any],
+        version: int,
+        *,
+        recompute_kv_cache: bool | None = None,
+    ) -> None:
+        """Checks the manifest, pauses every engine and opens a pending update of `version`."""
+        ...
+
+    async def finish_weight_update(
+        self, receive_specs: Sequence[Mapping[str, Any]]
+    ) -> list[dict[str, float]]:
+        """Engine i receives the buckets as `receive_specs[i]` says, loads them and resumes;
+        returns per-engine timing figures (at least `load_seconds`)."""
+        ...
+
+    async def abort_weight_update(self) -> None:
+        """Drops a pending update everywhere; the models keep their weights. Idempotent."""
+        ...
+
+    async def update_weights_from_buckets(
+        self,
+        manifest_dict: Mapping[str, Any],
+        buckets: Sequence[torch.Tensor],
+        version: int,
+        *,
+        recompute_kv_cache: bool | None = None,
+    ) -> None:
+        """Loads already packed buckets into every engine (object_store)."""
+        ...
+
+    async def prepare_for_generation(self) -> None:
+        """Makes the engines ready to generate (the synchronizer's wake hook)."""
+        ...

@@ -52,7 +52,7 @@ import torch
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.utils import shared_memory
 from dockyard_rl.weight_sync.interfaces import BucketSender
-from dockyard_rl.weight_sync.push import PushWeightSynchronizer
+from dockyard_rl.weight_sync.push_synchronizer import PushWeightSynchronizer
 
 TRANSPORT = "ipc_zmq"
 SHM_DIR = shared_memory.SHM_DIR

@@ -18,16 +18,16 @@ import torch
 
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.utils import shared_memory
-from dockyard_rl.weight_sync import ipc_zmq, sender
+from dockyard_rl.weight_sync import ipc_zmq, sender_sessions
 
 _TRAINER = """
 import sys, time
 import torch
 from dockyard_rl.kernels import refit_packer
-from dockyard_rl.weight_sync import sender
+from dockyard_rl.weight_sync import sender_sessions
 weights = {"embed.weight": torch.ones(64, 32), "head.weight": torch.zeros(64, 32)}
 manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(weights), 8192)
-sender.open_session(sys.argv[1], "ipc_zmq", manifest.to_dict(),
+sender_sessions.open_session(sys.argv[1], "ipc_zmq", manifest.to_dict(),
                     {"num_receivers": 1, "timeout_s": 5})
 print("ready", flush=True)
 time.sleep(600)
@@ -93,14 +93,14 @@ def test_a_new_sender_session_reclaims_a_killed_trainers_segments(trainers):
     weights = {"w": torch.ones(16)}
     manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(weights), 8192)
     session = f"test-{uuid.uuid4().hex[:8]}"
-    sender.open_session(
+    sender_sessions.open_session(
         session, "ipc_zmq", manifest.to_dict(), {"num_receivers": 1, "timeout_s": 5}
     )
     try:
         assert _segments(dead_session) == []
         assert len(_segments(session)) == manifest.num_buckets
     finally:
-        sender.close_session(session)
+        sender_sessions.close_session(session)
     assert _segments(session) == []
 
 
@@ -110,10 +110,10 @@ def test_close_all_sessions_unlinks_every_segment_of_this_process():
     manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(weights), 8192)
     sessions = [f"test-{uuid.uuid4().hex[:8]}" for _ in range(2)]
     for session in sessions:
-        sender.open_session(
+        sender_sessions.open_session(
             session, "ipc_zmq", manifest.to_dict(), {"num_receivers": 1, "timeout_s": 5}
         )
     assert all(_segments(session) for session in sessions)
-    sender.close_all_sessions()
-    sender.close_all_sessions()  # idempotent
+    sender_sessions.close_all_sessions()
+    sender_sessions.close_all_sessions()  # idempotent
     assert not any(_segments(session) for session in sessions)

@@ -13,8 +13,8 @@ import time
 from typing import Any
 
 from dockyard_rl.kernels import refit_packer
-from dockyard_rl.weight_sync.bucket_stream import iter_manifest_buckets
-from dockyard_rl.weight_sync.push import PushWeightSynchronizer
+from dockyard_rl.weight_sync.manifest_buckets import iter_manifest_buckets
+from dockyard_rl.weight_sync.push_synchronizer import PushWeightSynchronizer
 
 TRANSPORT = "object_store"
 

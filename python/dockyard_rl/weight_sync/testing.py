@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from dockyard_rl.kernels import refit_packer
+from dockyard_rl.weight_sync import transport_registry
 
 SPAWN = multiprocessing.get_context("spawn")
 READY_TIMEOUT_S = 300.0  # a receiver's start-up: imports on a loaded machine
@@ -45,11 +46,10 @@ def receiver_main(
 ) -> None:
     """The body of one receiver process (module docstring); puts its pid on `ready` once the
     transport is imported."""
-    from dockyard_rl.weight_sync import factory
-
     manifest = refit_packer.Manifest.from_dict(manifest_dict)
     try:
-        module = factory.transport_module(transport)  # its imports are part of the start-up
+        # Its imports are part of the start-up.
+        module = transport_registry.transport_module(transport)
         if ready is not None:
             ready.put(os.getpid())
         if transport == "http":
@@ -72,7 +72,7 @@ async def _serve_http(
     results,
     return_bytes: bool,
 ) -> None:
-    from dockyard_rl.weight_sync.http_push import HttpBucketReceiver
+    from dockyard_rl.weight_sync.http_transport import HttpBucketReceiver
 
     buckets: dict[int, torch.Tensor] = {}
 

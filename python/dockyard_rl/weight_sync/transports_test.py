@@ -22,8 +22,8 @@ import torch
 
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.utils import shared_memory
-from dockyard_rl.weight_sync import collective, http_push, ipc_zmq, sender, testing
-from dockyard_rl.weight_sync.bucket_stream import iter_manifest_buckets
+from dockyard_rl.weight_sync import collective, http_transport, ipc_zmq, sender_sessions, testing
+from dockyard_rl.weight_sync.manifest_buckets import iter_manifest_buckets
 
 PEER_TIMEOUT_S = 5.0
 SPAWN = testing.SPAWN
@@ -53,7 +53,7 @@ def _expected_buckets() -> list[bytes]:
 def _send(session: str, version: int = 1, device: str = "cpu") -> dict:
     manifest = _manifest()
     weights = {name: tensor.to(device) for name, tensor in _weights().items()}
-    return sender.send_weights(
+    return sender_sessions.send_weights(
         session, manifest, version, iter_manifest_buckets(manifest, weights.items())
     )
 
@@ -90,8 +90,10 @@ def _start_receivers(transport: str, specs: list[dict], num_syncs: int = 1):
 def _sender_process(transport: str, session: str, options: dict, endpoint_queue, die_after: int):
     """Spawned trainer stand-in that dies after sending `die_after` buckets."""
     manifest = _manifest()
-    endpoint_queue.put(sender.open_session(session, transport, manifest.to_dict(), options))
-    session_sender = sender._SESSIONS[session].sender
+    endpoint_queue.put(
+        sender_sessions.open_session(session, transport, manifest.to_dict(), options)
+    )
+    session_sender = sender_sessions._SESSIONS[session].sender
     session_sender.begin(manifest, 1)
     for b, named in iter_manifest_buckets(manifest, _weights().items()):
         if b == die_after:
@@ -107,7 +109,7 @@ def _sender_process(transport: str, session: str, options: dict, endpoint_queue,
 
 def _collective_session(num_engines: int) -> tuple[str, list[dict]]:
     session = f"test-{uuid.uuid4().hex[:8]}"
-    endpoint = sender.open_session(
+    endpoint = sender_sessions.open_session(
         session,
         "collective",
         _manifest().to_dict(),
@@ -140,7 +142,7 @@ def test_collective_broadcasts_every_bucket_to_every_engine_and_reuses_the_group
         assert all(buckets == _expected_buckets() for _, buckets, _ in outcomes)
         assert stats[0]["num_bytes"] == _manifest().total_bytes
     finally:
-        sender.close_session(session)
+        sender_sessions.close_session(session)
 
 
 def test_collective_engine_killed_mid_transfer_raises_then_a_new_session_works():
@@ -151,7 +153,7 @@ def test_collective_engine_killed_mid_transfer_raises_then_a_new_session_works()
     with pytest.raises(TimeoutError, match="collective transport"):
         _send(session)
     assert time.monotonic() - start < PEER_TIMEOUT_S + 10
-    sender.close_session(session)
+    sender_sessions.close_session(session)
     dying.join(30)
 
     session, specs = _collective_session(num_engines=1)  # the retry: a new group
@@ -161,7 +163,7 @@ def test_collective_engine_killed_mid_transfer_raises_then_a_new_session_works()
         status, buckets, _ = results.get(timeout=60)
         assert status == "ok" and buckets == _expected_buckets()
     finally:
-        sender.close_session(session)
+        sender_sessions.close_session(session)
 
 
 def test_collective_trainer_killed_mid_transfer_makes_the_engine_raise():
@@ -200,7 +202,7 @@ def test_collective_trainer_killed_mid_transfer_makes_the_engine_raise():
 
 def _ipc_session(num_engines: int) -> tuple[str, list[dict]]:
     session = f"test-{uuid.uuid4().hex[:8]}"
-    endpoint = sender.open_session(
+    endpoint = sender_sessions.open_session(
         session,
         "ipc_zmq",
         _manifest().to_dict(),
@@ -230,7 +232,7 @@ def test_ipc_zmq_engines_map_the_trainers_segments_and_close_unlinks_them():
         segments = [p for p in os.listdir(ipc_zmq.SHM_DIR) if session in p]
         assert len(segments) == _manifest().num_buckets
     finally:
-        sender.close_session(session)
+        sender_sessions.close_session(session)
     assert not [p for p in os.listdir(ipc_zmq.SHM_DIR) if session in p]
 
 
@@ -247,7 +249,7 @@ def test_ipc_zmq_engine_that_dies_makes_the_sender_raise_then_a_new_session_work
         _send(session)
     assert time.monotonic() - start < PEER_TIMEOUT_S + 10
     socket.close(linger=0)
-    sender.close_session(session)
+    sender_sessions.close_session(session)
 
     session, specs = _ipc_session(num_engines=1)
     try:
@@ -255,7 +257,7 @@ def test_ipc_zmq_engine_that_dies_makes_the_sender_raise_then_a_new_session_work
         _send(session)
         assert results.get(timeout=60)[:2] == ("ok", _expected_buckets())
     finally:
-        sender.close_session(session)
+        sender_sessions.close_session(session)
 
 
 def test_ipc_zmq_trainer_killed_mid_transfer_makes_the_engine_raise():
@@ -301,7 +303,7 @@ class _EngineEndpoint:
         async def deliver(index: int, data: bytes) -> None:
             self.delivered[index] = data
 
-        self.receiver = http_push.HttpBucketReceiver(deliver)
+        self.receiver = http_transport.HttpBucketReceiver(deliver)
         self.run(self.receiver.start("127.0.0.1", _manifest().max_bucket_size))
 
     def run(self, coroutine, timeout: float = 60):
@@ -325,7 +327,7 @@ def endpoint():
 
 def _http_session(engines: list[_EngineEndpoint]) -> str:
     session = f"test-{uuid.uuid4().hex[:8]}"
-    sender.open_session(
+    sender_sessions.open_session(
         session,
         "http",
         _manifest().to_dict(),
@@ -347,7 +349,7 @@ def test_http_pushes_every_bucket_with_its_checksum(endpoint):
         _send(session, version=1)
         waiting.result(30)
     finally:
-        sender.close_session(session)
+        sender_sessions.close_session(session)
     assert [endpoint.delivered[b] for b in range(_manifest().num_buckets)] == _expected_buckets()
 
 
@@ -357,11 +359,11 @@ def test_http_refuses_bad_requests_with_a_reason(endpoint):
     data = _expected_buckets()[0]
     good = {
         "Authorization": f"Bearer {endpoint.receiver.token}",
-        http_push.CHECKSUM_HEADER: hashlib.sha256(data).hexdigest(),
+        http_transport.CHECKSUM_HEADER: hashlib.sha256(data).hexdigest(),
     }
     cases = [
         ({**good, "Authorization": "Bearer wrong"}, url, data, 401, "token"),
-        ({**good, http_push.CHECKSUM_HEADER: "0" * 64}, url, data, 400, "sha256 mismatch"),
+        ({**good, http_transport.CHECKSUM_HEADER: "0" * 64}, url, data, 400, "sha256 mismatch"),
         (good, url, data[:-1], 400, "must be"),
         (good, url.replace("/1/", "/7/"), data, 409, "no update of weight version 7"),
         (good, url.replace("buckets/0", "buckets/99"), data, 400, "not in"),
@@ -378,7 +380,7 @@ def test_http_engine_gone_makes_the_sender_raise_and_a_silent_trainer_the_engine
     with pytest.raises(TimeoutError, match="no bucket arrived"):
         endpoint.run(endpoint.receiver.wait_complete(1.0))
     session = f"test-{uuid.uuid4().hex[:8]}"
-    sender.open_session(
+    sender_sessions.open_session(
         session,
         "http",
         _manifest().to_dict(),
@@ -388,12 +390,12 @@ def test_http_engine_gone_makes_the_sender_raise_and_a_silent_trainer_the_engine
         with pytest.raises(TimeoutError, match="http transport"):
             _send(session)
     finally:
-        sender.close_session(session)
+        sender_sessions.close_session(session)
 
 
 def test_open_session_rejects_an_unknown_transport_and_send_an_unknown_session():
     with pytest.raises(ValueError, match="unknown transport 'pigeon'"):
-        sender.open_session("s", "pigeon", _manifest().to_dict(), {})
+        sender_sessions.open_session("s", "pigeon", _manifest().to_dict(), {})
     with pytest.raises(KeyError, match="not open"):
         _send("never-opened")
 
@@ -413,7 +415,7 @@ def test_cuda_buckets_reach_the_engine_bit_for_bit(transport):
         if transport == "collective"
         else {"num_receivers": 1}
     )
-    endpoint = sender.open_session(session, transport, _manifest().to_dict(), options)
+    endpoint = sender_sessions.open_session(session, transport, _manifest().to_dict(), options)
     spec = {
         "transport": transport,
         "session": session,
@@ -428,4 +430,4 @@ def test_cuda_buckets_reach_the_engine_bit_for_bit(transport):
         status, buckets, _ = results.get(timeout=120)
         assert status == "ok" and buckets == _expected_buckets()
     finally:
-        sender.close_session(session)
+        sender_sessions.close_session(session)

@@ -180,7 +180,7 @@ class GenerationInterface(abc.ABC):
                 refuses new ones until a later update succeeds.
         """
 
-    # The push transports (weight_sync/collective.py, ipc_zmq.py, http_push.py) deliver the
+    # The push transports (weight_sync/collective.py, ipc_zmq.py, http_transport.py) deliver the
     # buckets straight from the trainer: the driver opens the update, the transport fills it,
     # the driver closes it. Call order per update: begin_weight_update -> finish_weight_update
     # (which receives and loads) | abort_weight_update.

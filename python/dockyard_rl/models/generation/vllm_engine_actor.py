@@ -327,7 +327,7 @@ class VllmEngineActor:
             "node_id": ray.get_runtime_context().get_node_id(),
         }
         if transport == "http":
-            from dockyard_rl.weight_sync.http_push import HttpBucketReceiver
+            from dockyard_rl.weight_sync.http_transport import HttpBucketReceiver
 
             if self._http is None:
                 llm = self._engine()

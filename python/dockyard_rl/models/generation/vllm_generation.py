@@ -463,10 +463,10 @@ class VllmGeneration(GenerationInterface):
         *,
         recompute_kv_cache: bool | None = None,
     ) -> None:
-        """Starts an update that a push transport delivers (weight_sync/push.py): checks the
-        manifest against the expected refit info and the version, then pauses every engine and
-        opens a pending update in its workers. `finish_weight_update` or `abort_weight_update`
-        must follow."""
+        """Starts an update that a push transport delivers (weight_sync/push_synchronizer.py):
+        checks the manifest against the expected refit info and the version, then pauses every
+        engine and opens a pending update in its workers. `finish_weight_update` or
+        `abort_weight_update` must follow."""
         self._check_open()
         recompute_kv_cache = self._recompute_kv_cache(recompute_kv_cache)
         manifest = self._checked_manifest(manifest_dict)

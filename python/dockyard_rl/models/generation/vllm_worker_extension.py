@@ -41,6 +41,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from dockyard_rl.kernels import refit_packer
+from dockyard_rl.weight_sync import transport_registry
 
 
 class VllmWorkerExtension:
@@ -101,12 +102,10 @@ class VllmWorkerExtension:
             RuntimeError: no update was begun. TimeoutError: the trainer died or went silent
             (the pending update is dropped; the model is untouched).
         """
-        from dockyard_rl.weight_sync import factory
-
         pending = self._dockyard_pending("dockyard_receive_buckets")
         device = next(self.get_model().parameters()).device
         try:
-            buckets = factory.transport_module(spec["transport"]).receive_buckets(
+            buckets = transport_registry.transport_module(spec["transport"]).receive_buckets(
                 pending.manifest, spec, int(getattr(self, "rank", 0)), device
             )
         except BaseException:

@@ -34,7 +34,7 @@ layer on GPU with `policy.offload_reference_policy`).
 
 Refit: `gather_weights` all-gathers full tensors (rank 0 receives them, in `policy.dtype`);
 `send_weights` does that per bucket of a weight-sync manifest and rank 0 sends each bucket
-(weight_sync/sender.py).
+(weight_sync/sender_sessions.py).
 
 Checkpoints: `save_checkpoint` writes the resume state sharded with torch.distributed.checkpoint
 (`dcp/`: each rank its own shards of the float32 weights and optimizer state, nothing gathered),
@@ -68,6 +68,7 @@ from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models.policy.config import PolicyConfig, learning_rate_at
 from dockyard_rl.models.policy.interfaces import LossFunction
 from dockyard_rl.utils import process_memory
+from dockyard_rl.weight_sync import sender_sessions
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -623,16 +624,13 @@ class DTensorPolicyWorker:
     def open_weight_sender(
         self, session: str, transport: str, manifest_dict: dict, options: dict
     ) -> dict[str, Any]:
-        from dockyard_rl.weight_sync import sender
-
-        return sender.open_session(session, transport, manifest_dict, options)
+        return sender_sessions.open_session(session, transport, manifest_dict, options)
 
     def send_weights(
         self, session: str, manifest_dict: dict, version: int
     ) -> dict[str, float] | None:
-        """Collective: every rank gathers each bucket; rank 0 sends it (weight_sync/sender.py)."""
-        from dockyard_rl.weight_sync import sender
-
+        """Collective: every rank gathers each bucket; rank 0 sends it
+        (weight_sync/sender_sessions.py)."""
         manifest = refit_packer.Manifest.from_dict(manifest_dict)
         buckets = self.iter_full_buckets(manifest)
         if self.rank != 0:
@@ -640,16 +638,14 @@ class DTensorPolicyWorker:
                 pass
             return None
         try:
-            return sender.send_weights(session, manifest, version, buckets)
+            return sender_sessions.send_weights(session, manifest, version, buckets)
         except BaseException:
             for _ in buckets:  # finish the all-gathers, so the other ranks are not left waiting
                 pass
             raise
 
     def close_weight_sender(self, session: str) -> None:
-        from dockyard_rl.weight_sync import sender
-
-        sender.close_session(session)
+        sender_sessions.close_session(session)
 
     # -- checkpoints
 
@@ -791,8 +787,7 @@ class DTensorPolicyWorker:
     def shutdown(self) -> None:
         import torch.distributed as dist
 
-        from dockyard_rl.weight_sync import sender
-
-        sender.close_all_sessions()  # Ray kills this process next: it would leave them in /dev/shm
+        # Ray kills this process next: it would leave the sessions' segments in /dev/shm.
+        sender_sessions.close_all_sessions()
         if dist.is_initialized():
             dist.destroy_process_group()

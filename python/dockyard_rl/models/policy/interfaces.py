@@ -97,48 +97,33 @@ class PolicyInterface(abc.ABC):
         mapped back to what a Hugging Face checkpoint / vLLM expects). Tensors may be views of
         internal buffers: consume (copy or send) each before advancing the iterator."""
 
-    # -- weight-sync senders (weight_sync/sender.py). The defaults run the sender in the caller's
-    # process and export through `iter_refit_weights`; multi-rank backends override them to run
-    # it in their rank 0, next to the weights (only the driver's synchronizer calls these).
+    # -- weight-sync senders: weight_sync's `WeightSource` (weight_sync/interfaces.py) is the
+    # contract; only the driver's synchronizer calls these. Each backend runs the sender next to
+    # the weights (a multi-rank backend in its rank 0) through weight_sync/sender_sessions.py.
 
+    @abc.abstractmethod
     def weight_sender_node_id(self) -> str | None:
         """The Ray node id of the process that sends weights (None: Ray is not running)."""
-        import ray
 
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-
+    @abc.abstractmethod
     def open_weight_sender(
         self, session: str, transport: str, manifest_dict: dict[str, Any], options: dict[str, Any]
     ) -> dict[str, Any]:
         """Creates `transport`'s sender for `session` in the sending process (idempotent) and
         returns its endpoint (plain data for the engines). Raises ValueError for an unknown
         transport or a bad manifest."""
-        from dockyard_rl.weight_sync import sender
 
-        return sender.open_session(session, transport, manifest_dict, options)
-
+    @abc.abstractmethod
     def send_weights(
         self, session: str, manifest_dict: dict[str, Any], version: int
     ) -> dict[str, float]:
         """Packs every refit weight into the manifest's buckets and sends them through the open
         `session` (blocking; the engines receive concurrently). Returns timing figures. Raises
         whatever the transport raises (TimeoutError: the engine side died or went silent)."""
-        from dockyard_rl.kernels import refit_packer
-        from dockyard_rl.weight_sync import bucket_stream, sender
 
-        manifest = refit_packer.Manifest.from_dict(manifest_dict)
-        return sender.send_weights(
-            session,
-            manifest,
-            version,
-            bucket_stream.iter_manifest_buckets(manifest, self.iter_refit_weights()),
-        )
-
+    @abc.abstractmethod
     def close_weight_sender(self, session: str) -> None:
         """Closes `session`'s sender. Idempotent; unknown sessions are ignored."""
-        from dockyard_rl.weight_sync import sender
-
-        sender.close_session(session)
 
     # -- experience over the data plane (module docstring). Only the driver calls these, once at
     # setup: `plane.connect([collector], policy.data_plane_receivers())`, then

@@ -34,7 +34,7 @@ death, marks the policy broken (recreate it from a checkpoint).
 
 Weight sync: the weight-sync sender runs inside the actor, next to the weights, exactly as in
 DTensor's rank 0 (`weight_sender_node_id` is the actor's node; `open_weight_sender`,
-`send_weights`, `close_weight_sender` run `PolicyInterface`'s default sender there, fed by
+`send_weights`, `close_weight_sender` run `JaxPolicy`'s in-process sender there, fed by
 `JaxPolicy.iter_refit_weights`), so the collective, IPC and HTTP transports move the weights
 from the trainer node to the engines without passing through the driver. `iter_refit_weights`
 on this controller (the object-store transport, tests) fetches the weights bucket by bucket of
@@ -68,6 +68,7 @@ from dockyard_rl.distributed.workers import WorkerError
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models.policy.config import PolicyConfig
 from dockyard_rl.models.policy.interfaces import LossFunction, PolicyInterface
+from dockyard_rl.weight_sync import sender_sessions
 
 logger = logging.getLogger(__name__)
 
@@ -197,9 +198,8 @@ class JaxPolicyWorker:
         return stats
 
     def shutdown(self) -> None:
-        from dockyard_rl.weight_sync import sender
-
-        sender.close_all_sessions()  # Ray kills this process next: it would leave them in /dev/shm
+        # Ray kills this process next: it would leave the sessions' segments in /dev/shm.
+        sender_sessions.close_all_sessions()
         if self._policy is not None:
             self._policy.shutdown()
 

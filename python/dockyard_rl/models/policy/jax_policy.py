@@ -110,6 +110,8 @@ from dockyard_rl.models.policy import llama_nnx
 from dockyard_rl.models.policy.config import OptimizerConfig, PolicyConfig, SchedulerConfig
 from dockyard_rl.models.policy.interfaces import LossFunction, PolicyInterface
 from dockyard_rl.utils.checkpoint import publish_directory
+from dockyard_rl.weight_sync import sender_sessions
+from dockyard_rl.weight_sync.manifest_buckets import iter_manifest_buckets
 
 # Sequence lengths are padded up to a multiple of this, so batches of nearby lengths share one
 # compiled program (jit specialises on shapes; compiling SmolLM2's train step takes seconds).
@@ -636,6 +638,30 @@ class JaxPolicy(PolicyInterface):
             self.model_config, nnx.to_pure_dict(self._params)
         ):
             yield name, _torch_from_numpy(array.astype(self._compute_dtype, copy=False))
+
+    # -- weight-sync senders: in this process (in a training run, the fleet's worker actor, next
+    # to the weights), fed by `iter_refit_weights`.
+
+    def weight_sender_node_id(self) -> str | None:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+    def open_weight_sender(
+        self, session: str, transport: str, manifest_dict: dict[str, Any], options: dict[str, Any]
+    ) -> dict[str, Any]:
+        return sender_sessions.open_session(session, transport, manifest_dict, options)
+
+    def send_weights(
+        self, session: str, manifest_dict: dict[str, Any], version: int
+    ) -> dict[str, float]:
+        manifest = refit_packer.Manifest.from_dict(manifest_dict)
+        return sender_sessions.send_weights(
+            session, manifest, version, iter_manifest_buckets(manifest, self.iter_refit_weights())
+        )
+
+    def close_weight_sender(self, session: str) -> None:
+        sender_sessions.close_session(session)
 
     def _write_hf(self, tmp: pathlib.Path) -> None:
         """The float32 weights in HF names and layouts, config and tokenizer files in `tmp`."""

@@ -47,7 +47,7 @@ import torch
 
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.weight_sync.interfaces import BucketSender
-from dockyard_rl.weight_sync.push import PushWeightSynchronizer
+from dockyard_rl.weight_sync.push_synchronizer import PushWeightSynchronizer
 
 TRANSPORT = "http"
 CHECKSUM_HEADER = "X-Dockyard-Sha256"

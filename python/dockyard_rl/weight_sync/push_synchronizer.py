@@ -38,7 +38,7 @@ import ray
 
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.weight_sync.config import WeightSyncConfig
-from dockyard_rl.weight_sync.interfaces import WeightSynchronizer
+from dockyard_rl.weight_sync.interfaces import WeightSink, WeightSource, WeightSynchronizer
 from dockyard_rl.weight_sync.manifest_check import check_manifest_against_refit_info
 
 
@@ -47,10 +47,10 @@ class PushWeightSynchronizer(WeightSynchronizer):
 
     Args:
         config: the `weight_sync` section.
-        policy: the trainer (`PolicyInterface`): prepare_refit_info, open_weight_sender,
+        policy: the trainer (`WeightSource`): prepare_refit_info, open_weight_sender,
             send_weights, close_weight_sender.
-        generation: the engines (`GenerationInterface`): prepare_refit_info,
-            expected_refit_info, begin/finish/abort_weight_update, open_weight_receiver.
+        generation: the engines (`WeightSink`): prepare_refit_info, expected_refit_info,
+            begin/finish/abort_weight_update, open_weight_receiver.
 
     Raises:
         ValueError: the engine rejects the trainer's refit info (names, shapes, dtypes).
@@ -58,7 +58,7 @@ class PushWeightSynchronizer(WeightSynchronizer):
 
     transport: ClassVar[str]
 
-    def __init__(self, config: WeightSyncConfig, policy, generation):
+    def __init__(self, config: WeightSyncConfig, policy: WeightSource, generation: WeightSink):
         super().__init__(
             sync_timeout_s=config.sync_timeout_s,
             wake_timeout_s=config.wake_timeout_s,

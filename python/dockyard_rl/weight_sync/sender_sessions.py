@@ -3,9 +3,10 @@
 A *session* is one transport connection between the trainer's sending rank and the engines,
 opened once and reused for every sync (a process group, a ZMQ socket and shared-memory
 segments, an HTTP client). The driver's synchronizer opens it through the policy
-(`PolicyInterface.open_weight_sender`), which creates the `BucketSender` in the process of the
-sending rank and keeps it in this module's registry under the session id; every sync then calls
-`send_weights` there; a failed sync closes the session and the retry opens a new one.
+(`WeightSource.open_weight_sender`), which calls `open_session` in the process of the sending
+rank: it creates the transport's `BucketSender` (found in transport_registry) and keeps it in
+this module's table under the session id; every sync then calls `send_weights` there; a failed
+sync closes the session and the retry opens a new one.
 
 Which rank sends: trainer rank 0 only. Every trainer rank joins the all-gather of each bucket's
 tensors (FSDP shards -> full tensors, inside the policy), and rank 0 packs and sends the bucket.
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from dockyard_rl.kernels import refit_packer
+from dockyard_rl.weight_sync import transport_registry
 from dockyard_rl.weight_sync.interfaces import BucketSender
 
 
@@ -55,12 +57,10 @@ def open_session(
     Raises:
         ValueError: an unknown transport, or a bad manifest.
     """
-    from dockyard_rl.weight_sync import factory
-
     with _SESSIONS_LOCK:
         if session not in _SESSIONS:
             manifest = refit_packer.Manifest.from_dict(manifest_dict)
-            module = factory.transport_module(transport)
+            module = transport_registry.transport_module(transport)
             _SESSIONS[session] = _Session(
                 module.create_sender(manifest, {**options, "session": session}),
                 refit_packer.PackPlan.from_manifest(manifest),
