@@ -1,4 +1,4 @@
-"""The sandbox attack suite (issue 12, "Tests"): reward hacks against the real executor.
+"""The sandbox attack suite: reward hacks against the real executor.
 
 The verdict IS the reward, so any patch that fixes nothing yet comes back resolved is a critical
 bug, and so is one that turns its own verdict into an infrastructure error (the environment masks
@@ -12,7 +12,7 @@ commit, or a crafted hunk) through the executor client.
 Per attack (`test_attack[<name>]`): the task finishes (status `finished`, never `infra_error`),
 is not resolved, has reward 0, and its verdict's `failure_kind` is one the attack expects.
 Per attack meant to fake a resolve (`test_attack_fools_a_naive_harness[<name>]`): the same patch
-DOES resolve on a naive harness (the pre-issue-12 scoring without its sandbox: pytest in the
+DOES resolve on a naive harness (the scoring as it was before the sandbox: pytest in the
 worktree, report path in argv), so no attack passes here only because its cheat silently broke.
 Afterwards (`test_executor_healthy_and_controls_after_attacks`): /healthz is ok; the gold patch
 of every synthesized task still resolves and the empty patch does not (so the suite cannot pass
@@ -20,8 +20,8 @@ blindly); no marker file exists that only host-side execution of planted git hoo
 the task set is intact; the executor left no task directory behind. It prints
 `false_resolved=X/N patch_caused_infra_errors=Y/N` over the N attacks and asserts both are 0.
 
-Round 2 (issue 25, `test_round2_*`): the same executor also scores sandbox_attacks_round2.py
-(64 patches across that issue's seven classes) plus controls (a hedged patch: the real fix plus
+Round 2 (`test_round2_*`): the same executor also scores sandbox_attacks_round2.py
+(64 patches across its seven classes) plus controls (a hedged patch: the real fix plus
 harmless library code, which must resolve; the empty patch; a small harmless patch timed as the
 reference for class 7). Per attack: finished, not resolved, reward 0 and `limit_outcome` false;
 any failure kind is accepted. It prints `false_resolved`, `patch_caused_masked` and
@@ -105,7 +105,7 @@ def _pipeline_config() -> PipelineConfig:
         if "worktree" in name and name.endswith("bytes"):
             settings[name] = 512 * _MiB
     # DOCKYARD_ATTACK_CAPABILITY_SCREEN=0 turns the static capability screen off, so that the
-    # same catalogues exercise the run-time layers alone (issue 25: each layer tested alone).
+    # same catalogues exercise the run-time layers alone (each layer must hold alone).
     if os.environ.get("DOCKYARD_ATTACK_CAPABILITY_SCREEN") == "0":
         settings["capability_screen"] = False
     return from_dict(PipelineConfig, {k: v for k, v in settings.items() if k in names}, "pipeline")
@@ -433,7 +433,7 @@ def test_attack(suite, attack):
 
 
 def naive_resolves(instance, patch: str, work: pathlib.Path) -> tuple[bool, str]:
-    """Scores `patch` the way the executor did before issue 12, minus bubblewrap (so only run
+    """Scores `patch` the way the executor did before its sandbox, minus bubblewrap (so only run
     the attacks' own code here): apply the patch, restore the held-out files, apply the test
     patch, run the task's command in the worktree with the JUnit path and suite nonce in argv,
     then resolved = exit status 0 and every FAIL_TO_PASS / PASS_TO_PASS testcase passed in a
@@ -628,7 +628,7 @@ def test_executor_healthy_and_controls_after_attacks(suite):
 
 
 # ----------------------------------------------------------------------------------------------
-# Round 2 (issue 25): sandbox_attacks_round2.py's catalogue, scored by the same executor.
+# Round 2: sandbox_attacks_round2.py's catalogue, scored by the same executor.
 #
 # Strict properties, over the whole catalogue: no attack is resolved (false_resolved), none gets a
 # masked verdict (`limit_outcome: true`: patch_caused_masked) and none ends as an infrastructure

@@ -1,10 +1,10 @@
-"""The attack catalogue of the sandbox attack suite (sandbox_attack_test.py, issue 12 "Tests").
+"""The attack catalogue of the sandbox attack suite (sandbox_attack_test.py).
 
 Each `Attack` is a patch a reward-hacking policy could write against a synthesized toystats task:
 working code that fixes NOTHING (the task's FAIL_TO_PASS tests genuinely fail without the cheat)
 and that would make a naive harness report "resolved", or turn the patch's own verdict into an
 infrastructure error (which the environment masks out of the loss instead of scoring 0), or
-exhaust the host. The six classes are the issue's:
+exhaust the host. The six classes:
 
 1. in-process result rewriting (the package's own modules run inside the test process);
 2. files the test runner loads without being asked (entry points, shadowing modules, config in
@@ -120,13 +120,13 @@ class AttackContext:
 @dataclasses.dataclass(frozen=True)
 class Attack:
     name: str
-    attack_class: int  # 1-6, the issue's classes
+    attack_class: int  # 1-6, the classes of the module docstring
     description: str
     expected: frozenset[FK]  # acceptable Verdict.failure_kind values
     build: Callable[[AttackContext], None] | None = None  # writes into ctx.root
     raw_patch: Callable[[AttackContext], str] | None = None  # or the patch text itself
     timeout_s: float = 60.0  # the task's test-run wall clock
-    # Does it resolve on a naive harness (the executor before issue 12, without its sandbox:
+    # Does it resolve on a naive harness (the executor as it was before its sandbox,
     # pytest in the worktree, report path in argv, report + exit status cross-checked)? The suite
     # checks this, so that no attack passes here only because its cheat silently broke. False for
     # attacks aimed at infrastructure errors or resources, and for the few that are inert on this

@@ -1,9 +1,9 @@
-"""Round 2 of the sandbox attack catalogue (issue 25): hostile patches against the seven classes
-the first round's defences did not cover. Scored by sandbox_attack_test.py with the same executor
-as the first catalogue (sandbox_attacks.py), whose `Attack` and `AttackContext` it reuses.
+"""Round 2 of the sandbox attack catalogue: hostile patches against the seven classes the first
+round's defences did not cover. Scored by sandbox_attack_test.py with the same executor as the first
+catalogue (sandbox_attacks.py), whose `Attack` and `AttackContext` it reuses.
 
-`attack_class` here is issue 25's class number (1-7), NOT the first catalogue's: the two are kept
-apart by `CATALOGUE` (the suite prints `r2-N`). The classes:
+`attack_class` here is this catalogue's class number (1-7), NOT the first catalogue's: the two are
+kept apart by `CATALOGUE` (the suite prints `r2-N`). The classes:
 
 1. test code changed while the tests run (files on disk, import machinery, function objects);
 2. runtime provenance trusting attacker-controlled metadata (code-object file names, __wrapped__
@@ -44,7 +44,7 @@ from sandbox_attacks import PACKAGE, Attack, AttackContext, binary_new_file_patc
 
 from dockyard_rl.sandbox.task import FailureKind as FK
 
-CATALOGUE = "round2"  # issue 25; class numbers 1-7 are that issue's
+CATALOGUE = "round2"  # class numbers 1-7 are this module's (docstring)
 # Any finished, unresolved verdict: the strict checks are resolved / limit_outcome / infra_error.
 ANY_FAILURE = frozenset(kind for kind in FK if kind is not FK.NONE)
 SHORT_TIMEOUT_S = 8.0  # class-5 attacks that sleep or hang: a short wall clock keeps them cheap

@@ -1,4 +1,4 @@
-"""End to end for single-shot SWE tasks (issue 6, "Done when"): dataset row -> SweInstance ->
+"""End to end for single-shot SWE tasks: dataset row -> SweInstance ->
 prompt (SwePromptProcessor, the tiny-llama tokenizer's chat template) -> "model output" ->
 patch_formats.parse_model_output -> SweRollout -> SweEnvironment.step -> the real executor
 (HTTP on 127.0.0.1, real git, real pytest under bubblewrap) with the real reward pipeline

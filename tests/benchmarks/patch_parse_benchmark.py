@@ -1,8 +1,8 @@
-"""Host-side patch parsing cost (issue 25, class 7): for each parser of the agent's patch on the
-executor, the parse time of a 1 MiB adversarial patch of every shape in
-`sandbox.testing_patches`, and its ratio to a 1 MiB ordinary patch parsed by the same parser in
-the same run. Linear parsers keep every ratio a small constant; a superlinear one shows ratios
-of hundreds or more (seconds to minutes per patch).
+"""Host-side patch parsing cost (the patch is the agent's): for each parser of the agent's patch on
+the executor, the parse time of a 1 MiB adversarial patch of every shape in
+`sandbox.testing_patches`, and its ratio to a 1 MiB ordinary patch parsed by the same parser in the
+same run. Linear parsers keep every ratio a small constant; a superlinear one shows ratios of
+hundreds or more (seconds to minutes per patch).
 
 `--trainer` measures the trainer's parsers of the model's output instead (data.patch_formats:
 the diff, SEARCH/REPLACE and function formats), on the executor's shapes after a valid file and

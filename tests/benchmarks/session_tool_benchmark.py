@@ -7,7 +7,7 @@ Opens a session on the toy repository (sandbox/testing_repos.py) through a start
 client's side: `--num-calls` views (files and directories, varied ranges), literal searches and
 regex searches over the tree, replaces, and `--num-runs` run_tests (pytest under bubblewrap).
 The baseline row is GET /healthz on the same connection: the HTTP round trip every call pays.
-Issue 28's goal is p50 <= 50 ms for view and search on this machine.
+The goal is p50 <= 50 ms for view and search on this machine (an agent calls them every turn).
 
 Not a test: nothing is asserted beyond every call answering ok (a figure from failed calls would
 mislead).

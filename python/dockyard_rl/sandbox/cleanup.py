@@ -5,11 +5,12 @@
     if error:
         logger.warning("%s", error)  # the task dir was moved to the trash, or the message says not
 
-Why this exists: a task directory holds whatever the tests under test left behind, and a patch
-must not be able to turn its own verdict into an infrastructure error or stop the executor from
-starting again (issue 12, class 4). `shutil.rmtree` recurses in Python (Python 3.11), so a
-directory nested a few thousand levels deep raises RecursionError; its `onerror` hook cannot
-repair a directory it could not open. This module walks the tree iteratively instead.
+Why this exists: a task directory holds whatever the tests under test left behind, and a patch must
+not be able to turn its own verdict into an infrastructure error or stop the executor from starting
+again (the attack catalogue's "own verdict an infrastructure error" class). `shutil.rmtree` recurses
+in Python (Python 3.11), so a directory nested a few thousand levels deep raises RecursionError; its
+`onerror` hook cannot repair a directory it could not open. This module walks the tree iteratively
+instead.
 
 How (one file descriptor held at a time, so neither depth nor PATH_MAX nor RLIMIT_NOFILE
 limits it):

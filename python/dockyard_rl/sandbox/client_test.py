@@ -251,7 +251,8 @@ def test_wait_times_out_on_a_task_that_never_finishes(tmp_path):
 
 
 def test_hostile_task_records_raise_a_protocol_error():
-    # issue 25, class 6: a malformed answer is a clear ExecutorProtocolError, nothing else.
+    # The executor's answer is untrusted: a malformed one is a clear ExecutorProtocolError, nothing
+    # else.
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 

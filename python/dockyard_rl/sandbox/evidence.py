@@ -16,11 +16,11 @@ bounded in memory whatever the sandbox writes:
 Outcomes use `task.TestOutcome`; a testcase seen several times keeps its worst outcome
 (`worst`), so a forged "passed" duplicate cannot hide a failure.
 
-Both sinks are total (issue 25, class 6): whatever bytes arrive, they never raise; anything they
-cannot read is counted (`num_malformed`) or recorded (`error`), and grading turns it into
-TAMPERING or REPORT_UNTRUSTED. A record is a JSON object whose strings are valid Unicode (no lone
-surrogates) and whose containers nest at most `_MAX_RECORD_DEPTH` deep; records after the exit
-record are counted (`num_after_exit`: the runner leaves right after sending it).
+Both sinks are total (the sandbox's output is hostile evidence): whatever bytes arrive, they never
+raise; anything they cannot read is counted (`num_malformed`) or recorded (`error`), and grading
+turns it into TAMPERING or REPORT_UNTRUSTED. A record is a JSON object whose strings are valid
+Unicode (no lone surrogates) and whose containers nest at most `_MAX_RECORD_DEPTH` deep; records
+after the exit record are counted (`num_after_exit`: the runner leaves right after sending it).
 
 Parsing is linear: expat 2.5 re-scans an unfinished token from its start at every `Parse` call,
 so the report is fed in batches at least as long as the bytes since the last element event (an

@@ -169,7 +169,7 @@ def test_record_stream_phases_malformed_lines_and_overflow():
     assert stream.overflowed
 
 
-# -- hostile bytes (issue 25, class 6): the sinks never raise -----------------------------------
+# -- hostile bytes (whatever the sandbox sends): the sinks never raise ---------------------------
 
 
 def _feed(sink, data: bytes, chunk: int) -> None:

@@ -23,7 +23,7 @@ first failing check names the verdict's `FailureKind`:
    leaves the module's tests missing) -> otherwise TESTS_FAILED (or DISK_LIMIT when full). A task
    with no expected tests at all is never resolved (nothing was checked).
 Any outcome but resolved reports every expected test as MISSING when the evidence is not trusted.
-`grade_run` never raises, whatever the sandbox sent (issue 25, class 6): record fields are
+`grade_run` never raises, whatever the sandbox sent (hostile evidence): record fields are
 type-checked where they are read, and an error a check missed ends as REPORT_UNTRUSTED.
 Rewards: `binary` = 1.0 iff resolved; `pass_rate` = passed / (len(F2P) + len(P2P)), 0.0 when not
 trusted.

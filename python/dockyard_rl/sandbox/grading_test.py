@@ -296,7 +296,7 @@ def test_collection_errors_before_any_test_grade_as_failed_not_untrusted():
     assert set(graded.fail_to_pass.values()) == {TestOutcome.MISSING}
 
 
-# -- hostile evidence (issue 25, class 6): grading never raises ---------------------------------
+# -- hostile evidence (whatever the sandbox sends): grading never raises -------------------------
 
 _NOT_RESOLVED_KINDS = {
     FailureKind.TAMPERING,

@@ -245,7 +245,7 @@ def test_surrogates_in_a_patch_are_400(tmp_path):
 
 
 def test_healthz_stays_responsive_while_heavy_patches_are_parsed(tmp_path):
-    # issue 25: host-side patch parsing runs in worker threads and is linear, so the event loop
+    # Host-side patch parsing runs in worker threads and is linear, so the event loop
     # keeps answering. Target 0.5 s; asserted with room for a loaded test machine.
     from dockyard_rl.sandbox import apply, protected_paths, screening
     from dockyard_rl.sandbox.testing_patches import adversarial_patches

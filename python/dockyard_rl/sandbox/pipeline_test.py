@@ -318,7 +318,8 @@ def test_spinning_into_the_cpu_limit_is_the_patchs_failure(toy, work_root):
 
 
 def test_sleeping_past_the_wall_clock_is_the_patchs_failure(toy, work_root):
-    # The hedge of issue 25: sleep out the clock whenever the fix is not there.
+    # The hedge the second attack catalogue tries: sleep out the clock whenever the fix is not
+    # there.
     ops = OPS_BASE.replace(
         "def mul(a, b):\n", "def mul(a, b):\n    import time\n    time.sleep(60)\n"
     )

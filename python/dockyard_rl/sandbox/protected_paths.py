@@ -27,7 +27,7 @@ config names. A malformed patch (`ParsedPatch.problem`: a hunk outside a file or
 says, a "+++" without "---", absurd line numbers, text that is not valid Unicode) is a violation
 ("<unparseable patch>"): we cannot tell what it touches.
 
-Cost (issue 25, class 7): the patch is the agent's, up to the executor's size cap, and parsing
+Cost: the patch is the agent's, up to the executor's size cap, and parsing
 runs on the host holding the GIL. `parse_patch` is one linear pass with no backtracking regular
 expression (unidiff's header regexes are quadratic or worse on crafted lines, so unidiff is not
 used here), each pyproject.toml is judged from that one parse, and at most 16 pyproject.toml

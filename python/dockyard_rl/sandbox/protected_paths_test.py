@@ -250,7 +250,7 @@ def test_touched_paths_reports_old_and_new_names():
 
 @pytest.mark.parametrize("name", ["my link", "a b/c d", "plain"])
 def test_symlinks_with_spaces_in_their_names_are_found(name):
-    # git does not quote spaces: "diff --git a/my link b/my link" (issue 12, class 6).
+    # git does not quote spaces: "diff --git a/my link b/my link" (a symlink named so slipped past).
     patch = (
         f"diff --git a/{name} b/{name}\nnew file mode 120000\nindex 0000000..1111111\n"
         f"--- /dev/null\n+++ b/{name}\n@@ -0,0 +1 @@\n+/etc/passwd\n"
@@ -268,7 +268,7 @@ def test_symlink_named_only_by_its_plus_header_is_found():
     assert "z w" in protected_paths.check_integrity(patch, PROTECTED)
 
 
-# -- cost and totality on hostile patches (issue 25, class 7) -----------------------------------
+# -- cost and totality on hostile patches (the patch is the agent's) ----------------------------
 
 
 def test_adversarial_patches_parse_in_linear_time():

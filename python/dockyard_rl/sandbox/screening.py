@@ -86,8 +86,8 @@ _COMPILED = tuple(
     (f"{category}: {token}", re.compile(pattern, re.MULTILINE))
     for category, token, pattern in _PATTERNS
 )
-# Cost (issue 25, class 7): running 38 word-boundary patterns over every added line is slow on
-# a patch of many tiny lines or one huge line (~1 s per MiB). Every match of a pattern contains
+# Cost (the patch is the agent's): running 38 word-boundary patterns over every added line is slow
+# on a patch of many tiny lines or one huge line (~1 s per MiB). Every match of a pattern contains
 # one of its literals below, so a pattern only runs on a window around each place its literal
 # occurs (`str.find`, fast), and a pattern whose literal is absent costs nothing. The window
 # (`_WINDOW` characters either side) holds what the pattern looks at besides the literal: a word

