@@ -25,10 +25,12 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 ).strip()
 
+import asyncio  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import pathlib  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -39,6 +41,7 @@ import torch  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict  # noqa: E402
+from dockyard_rl.kernels import refit_packer  # noqa: E402
 from dockyard_rl.losses import jax_loss_functions  # noqa: E402
 from dockyard_rl.losses.loss_functions import (  # noqa: E402
     ClippedPGLossConfig,
@@ -54,6 +57,7 @@ from dockyard_rl.models.policy.config import (  # noqa: E402
     learning_rate_at,
 )
 from dockyard_rl.models.policy.jax_policy import JaxPolicy  # noqa: E402
+from dockyard_rl.weight_sync import http_transport  # noqa: E402
 
 LOSS_FN = ClippedPGLossFn(ClippedPGLossConfig(reference_kl_coef=0.01))
 
@@ -455,6 +459,50 @@ def test_refit_round_trips_to_the_hf_checkpoint(cache_dir):
         if not torch.equal(tensor, torch.from_numpy(tensors[name]))
     ]
     assert len(changed) == len(info)  # lr 1e-3 with AdamW moves every tensor
+
+
+def test_weight_sender_pushes_the_refit_weights_in_manifest_buckets(cache_dir):
+    # The in-process sender (weight_sync's WeightSource methods) against a real HTTP receiver on
+    # 127.0.0.1: every bucket arrives as the refit packer packs `iter_refit_weights`.
+    policy = _policy(cache_dir)
+    manifest = refit_packer.plan_buckets(policy.prepare_refit_info(), 64 << 10)
+    assert manifest.num_buckets > 2  # the sender's two pack buffers really rotate
+    expected = [
+        bytes(b.numpy()) for b in refit_packer.pack(dict(policy.iter_refit_weights()), manifest)
+    ]
+    delivered: dict[int, bytes] = {}
+
+    async def deliver(index: int, data: bytes) -> None:
+        delivered[index] = data
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    receiver = http_transport.HttpBucketReceiver(deliver)
+    asyncio.run_coroutine_threadsafe(
+        receiver.start("127.0.0.1", manifest.max_bucket_size), loop
+    ).result(60)
+    session = "jax-policy-test"
+    try:
+        loop.call_soon_threadsafe(receiver.expect, manifest, 1)
+        endpoint = policy.open_weight_sender(
+            session,
+            "http",
+            manifest.to_dict(),
+            {"engines": [{"url": receiver.url, "token": receiver.token}], "timeout_s": 10.0},
+        )
+        assert endpoint == policy.open_weight_sender(session, "http", manifest.to_dict(), {})
+        waiting = asyncio.run_coroutine_threadsafe(receiver.wait_complete(30.0), loop)
+        stats = policy.send_weights(session, manifest.to_dict(), 1)
+        waiting.result(60)
+    finally:
+        policy.close_weight_sender(session)
+        policy.close_weight_sender(session)  # idempotent
+        asyncio.run_coroutine_threadsafe(receiver.stop(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+    assert [delivered[b] for b in range(manifest.num_buckets)] == expected
+    assert stats["num_bytes"] == manifest.total_bytes
+    with pytest.raises(KeyError, match="not open in this process"):
+        policy.send_weights(session, manifest.to_dict(), 2)
 
 
 def test_schedule_and_microbatch_accumulation(cache_dir):
