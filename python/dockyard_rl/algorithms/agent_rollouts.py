@@ -112,8 +112,8 @@ class AgentRolloutRunner:
         """Runs and scores G x `num_samples` episodes; `RolloutRunner.run`'s contract."""
         start = time.monotonic()
         seeded = prompt_keys is not None and self.run_seed is not None
-        episodes = await asyncio.gather(
-            *(
+        tasks = [
+            asyncio.ensure_future(
                 self._episode(
                     instance,
                     prompt_index,
@@ -123,10 +123,19 @@ class AgentRolloutRunner:
                     sampling_overrides=sampling_overrides,
                     session_prefix=f"s{global_step}-p{prompt_index}-n{sample_index}",
                 )
-                for prompt_index, instance in enumerate(instances)
-                for sample_index in range(num_samples)
             )
-        )
+            for prompt_index, instance in enumerate(instances)
+            for sample_index in range(num_samples)
+        ]
+        try:
+            episodes = await asyncio.gather(*tasks)
+        except BaseException:
+            # An engine failure ends the round: stop the other episodes here, while the loop
+            # runs, so each closes its executor session instead of leaving it to the reaper.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         generated = time.monotonic()
         rollouts = [
             AgentRollout(

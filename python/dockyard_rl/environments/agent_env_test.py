@@ -258,3 +258,39 @@ def test_episode_sample_is_one_generation_sample(renderer):
             engine_index=0,
             response_mask=(1,),
         )
+
+
+class FailingGeneration(ScriptedGeneration):
+    """Sample 1's second turn fails as a dead engine would; sample 0's turns are slow."""
+
+    async def generate(self, prompts, num_samples, *, sampling_overrides=None, seeds=None):
+        turn, text = self.by_seed[seeds[0][0]]
+        if text == "FAIL":
+            raise RuntimeError("the engine died")
+        await asyncio.sleep(0.5)
+        async for sample in super().generate(
+            prompts, num_samples, sampling_overrides=sampling_overrides, seeds=seeds
+        ):
+            yield sample
+
+
+def test_an_engine_failure_ends_the_round_and_closes_every_session(tmp_path, repo, renderer):
+    task = instance(repo)
+    view = render_tool_call(FIX[0])
+    generation = FailingGeneration(
+        renderer, [[view] * 5, [view, "FAIL"]], task.instance_id, prompt_key=1
+    )
+    config = executor_config(tmp_path)
+
+    async def scenario():
+        async with running_server(config, pipeline_score_fn(config.pipeline)) as server:
+            env = make_environment(server.url, renderer, max_turns=5)
+            runner = AgentRolloutRunner(
+                generation, env, max_response_tokens=1280, run_seed=RUN_SEED
+            )
+            with pytest.raises(RuntimeError, match="the engine died"):
+                await runner.run([task], num_samples=2, global_step=0, prompt_keys=[1])
+            return server.executor.sessions.num_open
+
+    # The episode still running was cancelled and closed its session, not left to the reaper.
+    assert asyncio.run(scenario()) == 0
