@@ -4,7 +4,7 @@ The top-level packages are layered (`LAYERS`, lowest first); a module may import
 and the packages below it, never one above. Every module's imports are read with `ast`, not by
 importing it: each `import` and `from ... import` statement anywhere in the file counts, inside
 functions and `if TYPE_CHECKING:` blocks too (a lazy import is still a dependency, and lazy
-imports are how the circles of issue 29 stayed hidden); relative imports are resolved.
+imports are how import circles stayed out of sight); relative imports are resolved.
 
 Checked, each failure naming the file, the import and the rule broken:
 - upward imports between top-level packages, except the `KNOWN_VIOLATIONS` still being removed;
@@ -50,10 +50,10 @@ LAYERS = (
     "algorithms",
 )
 
-# (importing module, the package above it that it imports) pairs still being removed by the
-# issue 29 pass: models/ reaches into weight_sync/ for the trainer's sender and the engines'
-# receivers; weight_sync's own `WeightSource` Protocol and transport registry replace these
-# imports. The test fails once an entry is no longer violated: delete it then.
+# (importing module, the package above it that it imports) pairs still being removed: models/
+# reaches into weight_sync/ for the trainer's sender and the engines' receivers, which
+# weight_sync's own `WeightSource` Protocol and transport registry are replacing. The test fails
+# once an entry is no longer violated: delete it then.
 KNOWN_VIOLATIONS = frozenset(
     {
         ("dockyard_rl.models.generation.vllm_engine_actor", "weight_sync"),
