@@ -69,7 +69,7 @@ def recipe_fields(raw: Any, config: Any, prefix: str = "") -> Iterator[RecipeKey
 
 def _is_product_module(path: pathlib.Path) -> bool:
     name = path.name
-    return not (name.endswith("_test.py") or name == "testing.py" or name.startswith("testing_"))
+    return not (name.endswith("_test.py") or name.startswith("testing_"))
 
 
 class _Reads(ast.NodeVisitor):

@@ -5,10 +5,10 @@ engine process, per weight-sync transport, against the object_store baseline and
 
 The sender runs in this process (as the trainer's rank 0 does); each receiver runs in a spawned
 process (as each vLLM worker does) with the transport's real receiver (python/dockyard_rl/
-weight_sync/testing.py): a gloo group, shared-memory segments announced over ZMQ, an aiohttp
-endpoint. What is timed per sync: from the first bucket's packing to the last bucket delivered
-(the sender's `finish`: broadcasts completed / mappings acknowledged / PUTs answered). vLLM's
-reload into the model is NOT included (it is the same for every transport: ~4 s here, see
+weight_sync/testing_receivers.py): a gloo group, shared-memory segments announced over ZMQ, an
+aiohttp endpoint. What is timed per sync: from the first bucket's packing to the last bucket
+delivered (the sender's `finish`: broadcasts completed / mappings acknowledged / PUTs answered).
+vLLM's reload into the model is NOT included (it is the same for every transport: ~4 s here, see
 tests/weight_sync_test.py for the end-to-end figures).
 
 Rows (median over `--repeats`, after one warm-up sync):
@@ -35,7 +35,7 @@ import torch
 from dockyard_rl.cluster.local_ray import init_local_ray
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.models import zoo
-from dockyard_rl.weight_sync import sender_sessions, testing
+from dockyard_rl.weight_sync import sender_sessions, testing_receivers
 from dockyard_rl.weight_sync.manifest_buckets import iter_manifest_buckets
 
 TIMEOUT_S = 120.0
@@ -61,7 +61,7 @@ def time_push(
     elif transport == "ipc_zmq":
         options.update(num_receivers=1)
     if transport == "http":
-        processes, results = testing.start_receivers(
+        processes, results = testing_receivers.start_receivers(
             "http", manifest, [{"timeout_s": TIMEOUT_S}], num_syncs=num_syncs, return_bytes=False
         )
         _, url, token = results.get(timeout=TIMEOUT_S)
@@ -76,7 +76,7 @@ def time_push(
             "rank_offset": 1,
             "timeout_s": TIMEOUT_S,
         }
-        processes, results = testing.start_receivers(
+        processes, results = testing_receivers.start_receivers(
             transport, manifest, [spec], num_syncs=num_syncs, return_bytes=False
         )
     seconds = []

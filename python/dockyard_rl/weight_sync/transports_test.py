@@ -22,11 +22,17 @@ import torch
 
 from dockyard_rl.kernels import refit_packer
 from dockyard_rl.utils import shared_memory
-from dockyard_rl.weight_sync import collective, http_transport, ipc_zmq, sender_sessions, testing
+from dockyard_rl.weight_sync import (
+    collective,
+    http_transport,
+    ipc_zmq,
+    sender_sessions,
+    testing_receivers,
+)
 from dockyard_rl.weight_sync.manifest_buckets import iter_manifest_buckets
 
 PEER_TIMEOUT_S = 5.0
-SPAWN = testing.SPAWN
+SPAWN = testing_receivers.SPAWN
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -84,7 +90,7 @@ def _dying_receiver(spec: dict, die_after: int) -> None:
 
 
 def _start_receivers(transport: str, specs: list[dict], num_syncs: int = 1):
-    return testing.start_receivers(transport, _manifest(), specs, num_syncs=num_syncs)
+    return testing_receivers.start_receivers(transport, _manifest(), specs, num_syncs=num_syncs)
 
 
 def _sender_process(transport: str, session: str, options: dict, endpoint_queue, die_after: int):
@@ -425,7 +431,9 @@ def test_cuda_buckets_reach_the_engine_bit_for_bit(transport):
         "timeout_s": 60.0,
     }
     try:
-        processes, results = testing.start_receivers(transport, _manifest(), [spec], device="cuda")
+        processes, results = testing_receivers.start_receivers(
+            transport, _manifest(), [spec], device="cuda"
+        )
         _send(session, device="cuda")
         status, buckets, _ = results.get(timeout=120)
         assert status == "ok" and buckets == _expected_buckets()
