@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from dockyard_rl.algorithms.grpo_config import (
@@ -58,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_sigterm(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -86,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     # Imported here: the loop pulls in Ray, torch and vLLM, which --help and --dry-run never need.
     from dockyard_rl.algorithms import grpo
 
+    # SIGTERM (kill, a scheduler's preemption) unwinds like Ctrl-C: the loop's `finally` closes
+    # the fleets and Ray's exit handler stops the local cluster. Python's default would end the
+    # process at once and leave Ray's agents (DashboardAgent, RuntimeEnvAgent) running.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     result = grpo.run(config)
     return result if isinstance(result, int) else 0
 

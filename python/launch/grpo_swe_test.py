@@ -3,8 +3,10 @@
 import importlib.util
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -154,3 +156,38 @@ def test_dry_run_starts_nothing(capsys):
     assert "run_name: smoke_cpu" in capsys.readouterr().out
     imported = set(sys.modules) - before
     assert not {"ray", "vllm", "dockyard_rl.algorithms.grpo"} & (imported | set(sys.modules))
+
+
+def test_sigterm_unwinds_the_run_so_its_cleanup_runs(tmp_path):
+    # The training loop is replaced by one that waits in a try/finally, as grpo.run waits in
+    # its own: SIGTERM must reach that finally (fleets closed, Ray's exit handler run), and the
+    # launcher exits 128 + 15.
+    marker = tmp_path / "marker"
+    script = (
+        "import pathlib, sys, time\n"
+        f"sys.argv = ['grpo_swe', '--config', {str(WORKSPACE / 'configs/smoke_cpu.yaml')!r}]\n"
+        "from dockyard_rl.algorithms import grpo\n"
+        f"marker = pathlib.Path({str(marker)!r})\n"
+        "def run(config):\n"
+        "    marker.write_text('started')\n"
+        "    try:\n"
+        "        time.sleep(120)\n"
+        "    finally:\n"
+        "        marker.write_text('cleaned up')\n"
+        "grpo.run = run\n"
+        "import runpy\n"
+        f"runpy.run_path({str(LAUNCHER)!r}, run_name='__main__')\n"
+    )
+    environment = {**os.environ, "PYTHONPATH": str(WORKSPACE / "python")}
+    process = subprocess.Popen([sys.executable, "-c", script], env=environment, cwd=WORKSPACE)
+    try:
+        for _ in range(600):
+            if marker.exists():
+                break
+            time.sleep(0.1)
+        assert marker.read_text() == "started"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        process.kill()
+    assert marker.read_text() == "cleaned up"
