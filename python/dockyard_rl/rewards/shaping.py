@@ -18,8 +18,8 @@ metadata and metric keys are unambiguous. An empty list leaves the raw rewards u
 Stage types and their keys (defaults in brackets):
 
 - `integrity` (no keys): the patch touches a held-out test file -> reward 0.0. Paths are
-  normalised first (see `dockyard_rl.rewards.integrity`), so "a/", "./" or "//" cannot hide a file.
-  Metadata: `integrity/violated_files` (the held-out files it touched).
+  normalised first (see `dockyard_rl.rewards.held_out_tests`), so "a/", "./" or "//" cannot hide
+  a file. Metadata: `integrity/violated_files` (the held-out files it touched).
 - `invalid_action`: `penalty` [-1.0]. No parsable patch (`patch_parsed` False) or a patch that did
   not apply (`patch_applied` False; None = not tried, not penalised) -> the reward BECOMES
   `penalty`. Metadata: `invalid_action/reason` ("no_patch" | "patch_not_applied" | None).
