@@ -49,8 +49,8 @@ from dockyard_rl.data import datasets
 from dockyard_rl.data.patch_formats import git_file_reader, gold_answer
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.data.synthesis.task_synthesis import TaskSynthesisConfig
-from dockyard_rl.environments.tool_demonstrations import build_demonstrations
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
+from dockyard_rl.environments.tool_demonstrations import build_demonstrations
 from dockyard_rl.utils.config import is_int, require
 
 logger = logging.getLogger(__name__)
@@ -138,9 +138,10 @@ def agent_warm_start_examples(
     instances: Sequence[SweInstance], renderer, user_message, *, max_tokens: int
 ) -> tuple[list[WarmStartExample], int]:
     """(examples, tasks skipped) for a multi-turn agent: each task's gold patch played as a
-    tool-use episode (`environments/tool_demonstrations.py`: view, replace per hunk, run_tests, submit),
-    tokenized by the rollouts' `renderer` from the prompt `user_message(instance)` gives, so the
-    warm start trains on the token sequences episodes produce. Tool outputs are masked."""
+    tool-use episode (`environments/tool_demonstrations.py`: view, replace per hunk, run_tests,
+    submit), tokenized by the rollouts' `renderer` from the prompt `user_message(instance)`
+    gives, so the warm start trains on the token sequences episodes produce. Tool outputs are
+    masked."""
     items = [
         (instance, git_file_reader(instance.repo, instance.base_commit), user_message(instance))
         for instance in instances

@@ -11,6 +11,13 @@ from transformers import AutoTokenizer
 
 from dockyard_rl.data.patch_formats import git_file_reader
 from dockyard_rl.data.schema import SweInstance
+from dockyard_rl.environments.agent_tools import (
+    ChatRenderer,
+    ToolCall,
+    parse_tool_call,
+    render_observation,
+    render_tool_call,
+)
 from dockyard_rl.environments.tool_demonstrations import (
     MAX_VIEW_BYTES,
     MAX_WIDEN,
@@ -22,13 +29,6 @@ from dockyard_rl.environments.tool_demonstrations import (
     build_demonstrations,
     replace_output,
     view_output,
-)
-from dockyard_rl.environments.agent_tools import (
-    ChatRenderer,
-    ToolCall,
-    parse_tool_call,
-    render_observation,
-    render_tool_call,
 )
 from dockyard_rl.models import zoo
 from dockyard_rl.sandbox.testing_repos import OPS_BASE, OPS_FIXED, git, make_toy_repo
