@@ -6,15 +6,11 @@ binary), a git repository from testing_repos, the real pipeline under bubblewrap
 """
 
 import asyncio
-import os
 import pathlib
-import select
 import signal
 import subprocess
-import sys
-import time
 
-from dockyard_rl.sandbox import testing_repos
+from dockyard_rl.sandbox import testing_executor, testing_repos
 from dockyard_rl.sandbox.client import ExecutorClient
 from dockyard_rl.sandbox.store import TaskStore
 from dockyard_rl.sandbox.task import TaskStatus
@@ -23,40 +19,8 @@ NUM_TASKS = 6
 
 
 def start_executor(work_dir: pathlib.Path) -> tuple[subprocess.Popen, str]:
-    """Starts the executor on a free port; returns the process and its URL (from its stdout)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    env.pop("DOCKYARD_EXECUTOR_TOKEN", None)
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dockyard_rl.sandbox.executor",
-            "--port",
-            "0",
-            "--workers",
-            "1",
-            "--work-dir",
-            str(work_dir),
-            "--retry-backoff-s",
-            "0.1",
-            "--log-level",
-            "WARNING",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        text=True,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([process.stdout], [], [], 0.5)
-        if ready:
-            line = process.stdout.readline()
-            if line.startswith("dockyard executor listening on "):
-                return process, line.split()[-1]
-            assert line, f"executor exited with {process.wait()} before listening"
-    process.kill()
-    raise AssertionError("executor did not report its address within 60 s")
+    """The executor process on a free port, retrying infrastructure errors quickly."""
+    return testing_executor.start_executor_process(work_dir, "--retry-backoff-s", "0.1")
 
 
 def stop(process: subprocess.Popen, signum: int) -> int:

@@ -1,11 +1,15 @@
 """Test helpers for the executor service's tests (http_app_test, metrics_test,
-task_executor_test): a valid submission body, an injected scorer that tells the gold patch from
-the others, a config under the test's tmp_path, a live server to run a scenario against, and
-polling until a task ends.
+task_executor_test, sessions_test, executor_restart_test): a valid submission body, an injected
+scorer that tells the gold patch from the others, a config under the test's tmp_path, a live
+server to run a scenario against, polling until a task ends, and the executor as a real process.
 """
 
 import asyncio
 import os
+import pathlib
+import select
+import subprocess
+import sys
 import time
 
 import aiohttp
@@ -96,3 +100,30 @@ def serve_and(config, score_fn, scenario, image_stats=None):
                 return await scenario(http, server)
 
     return asyncio.run(main())
+
+
+def start_executor_process(
+    work_dir: pathlib.Path, *extra_args: str
+) -> tuple[subprocess.Popen, str]:
+    """Starts `python -m dockyard_rl.sandbox.executor` (the Bazel binary's entry point) on a free
+    port with one worker and `extra_args`; returns the process and its URL (from its stdout)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env.pop("DOCKYARD_EXECUTOR_TOKEN", None)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dockyard_rl.sandbox.executor", "--port", "0", "--workers", "1"]
+        + ["--work-dir", str(work_dir), "--log-level", "WARNING", *extra_args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([process.stdout], [], [], 0.5)
+        if ready:
+            line = process.stdout.readline()
+            if line.startswith("dockyard executor listening on "):
+                return process, line.split()[-1]
+            assert line, f"executor exited with {process.wait()} before listening"
+    process.kill()
+    raise AssertionError("executor did not report its address within 60 s")
