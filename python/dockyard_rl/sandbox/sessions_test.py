@@ -392,7 +392,9 @@ def test_cpu_and_wall_budgets_exhaust(tmp_path, toy):
         manager.call("cpu", "write_file", {"path": "tests/test_slow.py", "content": slow})
         started = time.monotonic()
         result = manager.call("cpu", "run_tests", {"tests": ["tests/test_slow.py"]})
-        assert time.monotonic() - started < 10
+        # Killed at the 2-s budget, long before the test's 30-s sleep (margin for a loaded
+        # machine; the footer says which limit).
+        assert time.monotonic() - started < 25
         assert result.ok and "wall-clock limit" in result.output, result.output
         assert result.exhausted and result.budget["cpu_s_left"] == 0
         refused = manager.call("cpu", "view", {"path": "."})
@@ -450,8 +452,10 @@ def test_calls_on_one_session_queue_and_sessions_run_in_parallel(tmp_path, toy):
 
         run, other, other_s, same, same_s = asyncio.run(scenario())
         assert run.ok and "1 passed" in run.output
-        assert other.ok and other_s < 1.0  # another session is not held up
-        assert same.ok and same_s > 1.5  # the same session's call waited for the run
+        # Another session is not held up; the same session's call waited for the run. Ordered,
+        # not timed: both are slower on a loaded machine.
+        assert other.ok and same.ok and other_s < same_s
+        assert same_s > 1.5
     finally:
         manager.stop()
 
