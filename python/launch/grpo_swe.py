@@ -91,9 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     # Imported here: the loop pulls in Ray, torch and vLLM, which --help and --dry-run never need.
     from dockyard_rl.algorithms import grpo
 
-    # SIGTERM (kill, a scheduler's preemption) unwinds like Ctrl-C: the loop's `finally` closes
-    # the fleets and Ray's exit handler stops the local cluster. Python's default would end the
-    # process at once and leave Ray's agents (DashboardAgent, RuntimeEnvAgent) running.
+    # SIGTERM (kill, a scheduler's preemption) unwinds like Ctrl-C, so `finally` blocks and exit
+    # handlers run: from the start, where set-up (task synthesis with its executor, the model
+    # build) runs before Ray; `ray.init` then installs a handler of its own that does the same
+    # (sys.exit) for as long as Ray is up. Python's default would end the process at once.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     result = grpo.run(config)
     return result if isinstance(result, int) else 0
