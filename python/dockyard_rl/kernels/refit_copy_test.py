@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dockyard_rl.kernels import _extension, testing
+from dockyard_rl.kernels import _extension, testing_extension
 from dockyard_rl.kernels import refit_copy as rc
 from dockyard_rl.kernels.refit_manifest import Manifest
 from dockyard_rl.kernels.refit_planning import describe_tensors, plan_buckets
 
 # The shared fixture: the compiled extension, failing (not skipping) when it is missing.
-ext = testing.ext
+ext = testing_extension.ext
 
 both_paths = pytest.mark.parametrize("use_extension", [True, False], ids=["ext", "torch"])
 

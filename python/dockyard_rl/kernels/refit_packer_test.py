@@ -19,11 +19,11 @@ from dockyard_rl.kernels import (
     refit_manifest,
     refit_packer,
     refit_planning,
-    testing,
+    testing_extension,
 )
 
 # The shared fixture: the compiled extension, failing (not skipping) when it is missing.
-ext = testing.ext
+ext = testing_extension.ext
 
 
 def test_extension_is_built(ext):

@@ -14,12 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dockyard_rl.kernels import _extension, testing
+from dockyard_rl.kernels import _extension, testing_extension
 from dockyard_rl.kernels import refit_planning as rpl
 from dockyard_rl.kernels.refit_manifest import DTYPES, Manifest
 
 # The shared fixture: the compiled extension, failing (not skipping) when it is missing.
-ext = testing.ext
+ext = testing_extension.ext
 
 
 def test_describe_tensors_keeps_order_shapes_and_dtypes():
