@@ -160,13 +160,16 @@ def test_dry_run_starts_nothing(capsys):
 
 def test_sigterm_unwinds_the_run_so_its_cleanup_runs(tmp_path):
     # The training loop is replaced by one that waits in a try/finally, as grpo.run waits in
-    # its own: SIGTERM must reach that finally (fleets closed, Ray's exit handler run), and the
-    # launcher exits 128 + 15.
+    # its own: SIGTERM must reach that finally (set-up before Ray starts; ray.init then installs
+    # an unwinding handler of its own), and the launcher exits 128 + 15.
     marker = tmp_path / "marker"
     script = (
         "import pathlib, sys, time\n"
         f"sys.argv = ['grpo_swe', '--config', {str(WORKSPACE / 'configs/smoke_cpu.yaml')!r}]\n"
-        "from dockyard_rl.algorithms import grpo\n"
+        # A stand-in for the loop module (the launcher imports it by name when training starts).
+        "import types, dockyard_rl.algorithms\n"
+        "grpo = types.ModuleType('dockyard_rl.algorithms.grpo')\n"
+        "sys.modules[grpo.__name__] = grpo\n"
         f"marker = pathlib.Path({str(marker)!r})\n"
         "def run(config):\n"
         "    marker.write_text('started')\n"
