@@ -7,12 +7,15 @@
 
 A demonstration is the episode an agent that knows the fix would play, in the tool format of
 `environments/agent_tools.py`:
-1. per file the gold patch modifies: `view` of the range its hunks touch (VIEW_MARGIN lines
-   around them, ranges merged while a view stays within the tool's 200 lines), then one `replace`
-   per hunk: `old` is the hunk's old lines (context and removed) as they are in the file at that
-   point, `new` the hunk's new lines with the same surrounding text. When `old` is not unique in
-   the file, it is widened by one line above and below at a time (at most MAX_WIDEN times) until
-   it is; otherwise the task is skipped (`ambiguous_hunk`). A new file is one `write_file`.
+1. per file the gold patch modifies: `view` of the whole file when it fits one view (an agent
+   that does not yet know where the bug is reads it), else of the ranges its hunks touch
+   (VIEW_MARGIN lines around them, merged while a view stays within the tool's 200 lines); then
+   one `replace` per hunk: `old` is the lines the hunk changes (its context lines left out), as
+   they are in the file at that point, `new` their replacement. When `old` is not unique in the
+   file (or empty: a pure insertion), it is widened by one line above and below at a time (at
+   most MAX_WIDEN times) until it is; otherwise the task is skipped (`ambiguous_hunk`). Short
+   calls matter: a small model repeats a long run of context (blank lines most of all) without
+   end. A new file is one `write_file`.
 2. `run_tests` without arguments (the task's test command);
 3. `submit`.
 
@@ -204,6 +207,14 @@ def _hunk_sides(hunk: unidiff.Hunk) -> tuple[list[str], list[str]]:
     return old, new
 
 
+def _common_head(a: Sequence[str], b: Sequence[str]) -> int:
+    """How many leading items `a` and `b` share."""
+    count = 0
+    while count < min(len(a), len(b)) and a[count] == b[count]:
+        count += 1
+    return count
+
+
 def _unique(content: str, text: str) -> bool:
     first = content.find(text)
     return bool(text) and first >= 0 and content.find(text, first + 1) < 0
@@ -244,9 +255,15 @@ def _file_calls(patched: unidiff.PatchedFile, content: str) -> list[tuple[ToolCa
     path = patched.path
     calls: list[tuple[ToolCall, str]] = []
     view_lines = _view_lines(content)
-    for first, last in _view_ranges(patched, view_lines) if view_lines else []:
-        call = ToolCall("view", {"path": path, "start_line": first, "end_line": last})
-        calls.append((call, view_output(path, content, first, last)))
+    whole = view_output(path, content) if view_lines else ""
+    if view_lines and len(view_lines) <= MAX_VIEW_LINES and len(whole.encode()) <= MAX_VIEW_BYTES:
+        # A file that fits one view is viewed whole: the agent reads the code before it knows
+        # where the bug is, as it must when it plays the episode itself.
+        calls.append((ToolCall("view", {"path": path}), whole))
+    else:
+        for first, last in _view_ranges(patched, view_lines) if view_lines else []:
+            call = ToolCall("view", {"path": path, "start_line": first, "end_line": last})
+            calls.append((call, view_output(path, content, first, last)))
     delta = 0  # lines added minus removed by the hunks already replaced
     for hunk in patched:
         old_lines, new_lines = _hunk_sides(hunk)
@@ -259,7 +276,16 @@ def _file_calls(patched: unidiff.PatchedFile, content: str) -> list[tuple[ToolCa
                 SkipReason.HUNK_MISMATCH,
                 f"{path}: hunk at line {hunk.source_start} does not match the base file",
             )
-        begin, end = at, at + len(old_lines)
+        # `old` starts as the lines the hunk changes, without its context lines (short calls:
+        # a long run of context, blank lines most of all, is what a small model repeats
+        # without end), and is widened only as far as it takes to be unique.
+        same_head = _common_head(old_lines, new_lines)
+        same_tail = _common_head(old_lines[same_head:][::-1], new_lines[same_head:][::-1])
+        core_begin, core_end = at + same_head, at + len(old_lines) - same_tail
+        new_core = new_lines[same_head : len(new_lines) - same_tail]
+        begin, end = core_begin, core_end
+        if begin == end:  # a pure insertion: anchor it on the line above (or below)
+            begin, end = (begin - 1, end) if begin > 0 else (begin, end + 1)
         for _ in range(MAX_WIDEN + 1):
             old = "".join(lines[begin:end])
             if _unique(content, old):
@@ -271,7 +297,7 @@ def _file_calls(patched: unidiff.PatchedFile, content: str) -> list[tuple[ToolCa
                 f"{path}: hunk at line {hunk.source_start} is not unique in the file even with "
                 f"{MAX_WIDEN} more lines of context",
             )
-        new = "".join(lines[begin:at] + new_lines + lines[at + len(old_lines) : end])
+        new = "".join(lines[begin:core_begin] + new_core + lines[core_end:end])
         call = ToolCall("replace", {"path": path, "old": old, "new": new})
         calls.append((call, replace_output(path, content, old, new)))
         content = content.replace(old, new, 1)

@@ -113,10 +113,11 @@ def test_toy_task_demonstration_views_replaces_tests_and_submits(tmp_path, rende
     assert isinstance(demo, Demonstration), demo
     assert [call.name for call in demo.calls] == ["view", "replace", "run_tests", "submit"]
     view = demo.calls[0].args
-    assert view["path"] == "calc/ops.py" and view["start_line"] >= 1
-    assert demo.observations[0] == view_output(
-        "calc/ops.py", OPS_BASE, view["start_line"], view["end_line"]
-    )
+    assert view == {"path": "calc/ops.py"}  # a short file is viewed whole
+    assert demo.observations[0] == view_output("calc/ops.py", OPS_BASE)
+    # The replace names the changed line and only the context that makes it unique (`a + b`
+    # is also add's body): no run of blank lines for a small model to repeat.
+    assert demo.calls[1].args["old"] == "def mul(a, b):\n    return a + b\n\n"
     assert "return a + b" in demo.observations[0]
     assert demo.observations[1].startswith("replaced 1 occurrence in calc/ops.py; lines ")
     assert "    return a * b" in demo.observations[1]
@@ -220,7 +221,8 @@ def test_every_hunk_shape_replays_to_the_gold_files(multi_repo, context, rendere
     assert "def second():" in twins_replace.args["old"]
     for call in demo.calls:
         if call.name == "view":
-            assert call.args["end_line"] - call.args["start_line"] < 200
+            if "end_line" in call.args:
+                assert call.args["end_line"] - call.args["start_line"] < 200
     _check_tokens(demo, renderer, tokenizer)
 
 
@@ -316,7 +318,9 @@ def test_observations_are_what_the_session_tools_answer(multi_repo, context, ren
         for call, observation in zip(demo.calls, demo.observations):
             args = call.args
             if call.name == "view":
-                answer = sessions._view(tree_fd, args["path"], args["start_line"], args["end_line"])
+                answer = sessions._view(
+                    tree_fd, args["path"], args.get("start_line", 1), args.get("end_line")
+                )
             elif call.name == "replace":
                 answer = sessions._replace(tree_fd, args["path"], args["old"], args["new"])
             elif call.name == "write_file":
