@@ -78,6 +78,8 @@ def _check_run(run_dir: pathlib.Path) -> list[dict]:
         # Rewards come from verdicts: -1.25 (nothing changed, out of turns) .. 1 (resolved).
         assert -1.25 <= row["train/reward_mean"] <= 1.0
     assert any("val/resolve_rate" in r for r in rows), "validation never ran"
+    # Validation reports the held-out episodes too (turns, tool errors, how they ended).
+    assert any(1 <= r.get("val/env/agent/turns_mean", 0) <= TURNS for r in rows)
     assert (run_dir / "checkpoints" / "step_2").is_dir()
     return train
 

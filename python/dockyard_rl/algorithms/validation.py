@@ -19,6 +19,7 @@ n > 1, whose samples would be identical), scores them in the sandbox like traini
   "resolved"; an infrastructure error counts as unresolved, as in training's resolve_rate);
   reward_mean (over scored samples); apply_rate (patches that applied, of all samples);
   parse_failure_rate; integrity_violations (a count); response_length_mean;
+  for a multi-turn agent, its `env/agent/...` episode metrics;
   pass_at_1 and pass_at_<n> (n > 1 only): the mean over tasks of the unbiased pass@k estimator
   of Chen et al. 2021 (`pass_at_k`), k = 1 and k = n. pass_at_1 equals resolve_rate when every
   task has n samples; pass_at_<n> is the share of tasks with at least one resolved sample.
@@ -142,4 +143,7 @@ def validate(run, loop) -> dict[str, float]:
     rows = per_task_outcomes(rollout, run.step)
     write_outcomes(validation_file(run.run_dir, run.step), rows)
     metrics = rollout.metrics()
-    return {**{key: metrics[key] for key in VALIDATION_KEYS}, **pass_at_k_metrics(rows)}
+    # A multi-turn agent's episodes also report how they went (turns, tool errors, how they
+    # ended: environments/agent_env.py's agent_metrics).
+    agent = {key: value for key, value in metrics.items() if key.startswith("env/agent/")}
+    return {**{key: metrics[key] for key in VALIDATION_KEYS}, **agent, **pass_at_k_metrics(rows)}
