@@ -46,7 +46,7 @@ import torch
 
 from dockyard_rl.algorithms.rollouts import pack_sequences, pad_to_dp_multiple
 from dockyard_rl.data import datasets
-from dockyard_rl.data.patch_formats import git_file_reader, gold_answer
+from dockyard_rl.data.patch_formats import git_dir_lister, git_file_reader, gold_answer
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.data.synthesis.task_synthesis import TaskSynthesisConfig
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
@@ -143,13 +143,20 @@ def agent_warm_start_examples(
     gives, so the warm start trains on the token sequences episodes produce. Tool outputs are
     masked."""
     items = [
-        (instance, git_file_reader(instance.repo, instance.base_commit), user_message(instance))
+        (
+            instance,
+            git_file_reader(instance.repo, instance.base_commit),
+            user_message(instance),
+            # The demonstration finds the file first (view ".", then each directory down to
+            # it): the agent is never told where the bug is.
+            git_dir_lister(instance.repo, instance.base_commit),
+        )
         for instance in instances
     ]
     demos, skipped = build_demonstrations(items, renderer, max_tokens=max_tokens)
     if skipped:
         logger.info("warm start: demonstrations skipped by reason: %s", dict(skipped))
-    messages = {instance.instance_id: message for instance, _, message in items}
+    messages = {item[0].instance_id: item[2] for item in items}
     examples = []
     for demo in demos:
         prompt_length = len(renderer.initial_prompt_ids(messages[demo.instance_id]))

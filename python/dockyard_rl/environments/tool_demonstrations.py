@@ -46,7 +46,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import unidiff
 from unidiff.constants import LINE_TYPE_NO_NEWLINE
@@ -60,6 +60,7 @@ from dockyard_rl.environments.agent_tools import (
     render_observation,
     render_tool_call,
 )
+from dockyard_rl.sandbox.sessions import directory_listing
 
 __all__ = [
     "Demonstration",
@@ -73,6 +74,10 @@ __all__ = [
     "view_output",
     "write_output",
 ]
+
+# Names in a directory of the base commit ("." the root), as `patch_formats.git_dir_lister` gives
+# them; None for a path that is no directory.
+ListDir = Callable[[str], "list[str] | None"]
 
 VIEW_MARGIN = 3  # lines shown around the changed ranges
 MAX_WIDEN = 20  # at most this many lines added above and below a hunk to make it unique
@@ -305,9 +310,14 @@ def _file_calls(patched: unidiff.PatchedFile, content: str) -> list[tuple[ToolCa
     return calls
 
 
-def demonstration_calls(patch: str, read_file: ReadFile) -> list[tuple[ToolCall, str | None]]:
-    """The demonstration's calls, each with its observation text (None for submit). Raises
-    UnsupportedPatchError when the patch cannot be expressed with the tools."""
+def demonstration_calls(
+    patch: str, read_file: ReadFile, list_dir: ListDir | None = None
+) -> list[tuple[ToolCall, str | None]]:
+    """The demonstration's calls, each with its observation text (None for submit). With
+    `list_dir` (names in a directory of the base commit: `patch_formats.git_dir_lister`), the
+    episode first finds the file: `view` of the root, then of each directory down to the first
+    file the patch changes. Raises UnsupportedPatchError when the patch cannot be expressed with
+    the tools."""
     try:
         patch_set = unidiff.PatchSet(patch)
     except unidiff.UnidiffParseError as error:
@@ -315,6 +325,8 @@ def demonstration_calls(patch: str, read_file: ReadFile) -> list[tuple[ToolCall,
     if not len(patch_set):
         raise UnsupportedPatchError(SkipReason.UNPARSABLE_PATCH, "the patch changes no file")
     calls: list[tuple[ToolCall, str | None]] = []
+    if list_dir is not None:
+        calls.extend(_exploration_calls(patch_set[0].path, list_dir))
     for patched in patch_set:
         path = patched.path
         if (
@@ -338,6 +350,22 @@ def demonstration_calls(patch: str, read_file: ReadFile) -> list[tuple[ToolCall,
         calls.extend(_file_calls(patched, base))
     calls.append((ToolCall("run_tests", {}), RUN_TESTS_OUTPUT))
     calls.append((ToolCall("submit", {}), None))
+    return calls
+
+
+def _exploration_calls(path: str, list_dir: ListDir) -> list[tuple[ToolCall, str | None]]:
+    """`view` of ".", then of each directory on the way to `path` ("a/b/c.py": ".", "a", "a/b"),
+    answered as the session lists a directory."""
+    parts = path.split("/")[:-1]
+    calls: list[tuple[ToolCall, str | None]] = []
+    for depth in range(len(parts) + 1):
+        directory = "/".join(parts[:depth]) or "."
+        names = list_dir(directory)
+        if names is None:
+            raise UnsupportedPatchError(
+                SkipReason.MISSING_FILE, f"{directory}: not a directory of the repository"
+            )
+        calls.append((ToolCall("view", {"path": directory}), directory_listing(names, directory)))
     return calls
 
 
@@ -367,12 +395,13 @@ def build_demonstration(
     user_message: str,
     *,
     max_tokens: int | None = None,
+    list_dir: ListDir | None = None,
 ) -> Demonstration | Skipped:
     """The demonstration of `instance`'s gold patch, or why there is none. `read_file` reads
     the base commit's files (`patch_formats.git_file_reader`); `user_message` is the task
     prompt exactly as the episode loop gives it, so the tokens match a rollout's."""
     try:
-        calls = demonstration_calls(instance.patch, read_file)
+        calls = demonstration_calls(instance.patch, read_file, list_dir)
     except UnsupportedPatchError as skip:
         return Skipped(instance.instance_id, skip.reason, skip.detail)
     token_ids, mask, observations = _tokens(renderer, user_message, calls)
@@ -392,18 +421,23 @@ def build_demonstration(
 
 
 def build_demonstrations(
-    items: Iterable[tuple[SweInstance, ReadFile, str]],
+    items: Iterable[tuple[SweInstance, ReadFile, str] | tuple[SweInstance, ReadFile, str, ListDir]],
     renderer: ChatRenderer,
     *,
     max_tokens: int | None = None,
 ) -> tuple[list[Demonstration], collections.Counter[str]]:
-    """Demonstrations of (instance, read_file, user_message) items, and the number of skipped
-    tasks per `SkipReason` value."""
+    """Demonstrations of (instance, read_file, user_message[, list_dir]) items, and the number of
+    skipped tasks per `SkipReason` value."""
     demos: list[Demonstration] = []
     skipped: collections.Counter[str] = collections.Counter()
-    for instance, read_file, user_message in items:
+    for instance, read_file, user_message, *list_dir in items:
         result = build_demonstration(
-            instance, read_file, renderer, user_message, max_tokens=max_tokens
+            instance,
+            read_file,
+            renderer,
+            user_message,
+            max_tokens=max_tokens,
+            list_dir=list_dir[0] if list_dir else None,
         )
         if isinstance(result, Skipped):
             skipped[result.reason.value] += 1

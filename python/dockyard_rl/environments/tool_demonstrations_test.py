@@ -9,7 +9,7 @@ import os
 import pytest
 from transformers import AutoTokenizer
 
-from dockyard_rl.data.patch_formats import git_file_reader
+from dockyard_rl.data.patch_formats import git_dir_lister, git_file_reader
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.environments.agent_tools import (
     ChatRenderer,
@@ -31,6 +31,7 @@ from dockyard_rl.environments.tool_demonstrations import (
     view_output,
 )
 from dockyard_rl.models import zoo
+from dockyard_rl.sandbox import pipeline, sessions
 from dockyard_rl.sandbox.testing_repos import OPS_BASE, OPS_FIXED, git, make_toy_repo
 
 USER = "Fix the issue: calc.ops.mul adds instead of multiplying."
@@ -302,7 +303,6 @@ def test_observations_are_what_the_session_tools_answer(multi_repo, context, ren
     """Plays the demonstration with the executor session's own tool functions on a checkout of
     the base commit: each answer equals the demonstration's observation, and the tree ends up
     as the fix commit's."""
-    from dockyard_rl.sandbox import sessions
 
     path, base, fix = multi_repo
     files = ["pkg/wide.py", "pkg/twins.py", "pkg/long.py", "pkg/tail.txt", "pkg/new.py"]
@@ -340,3 +340,41 @@ class _SessionAnswer:
 
     def __init__(self, output: str):
         self.output = output
+
+
+def test_with_a_directory_lister_the_demonstration_finds_the_file_first(
+    tmp_path, renderer, tokenizer
+):
+    # The agent is never told where the bug is: the episode lists the root, then the package,
+    # then reads the file, each answered as the session's view answers a directory.
+    toy = make_toy_repo(tmp_path / "toy")
+    read_file = git_file_reader(str(toy.path), toy.base_commit)
+    list_dir = git_dir_lister(str(toy.path), toy.base_commit)
+    assert list_dir(".") == ["calc/", "tests/"] and list_dir("calc") == ["__init__.py", "ops.py"]
+    assert list_dir("calc/ops.py") is None and list_dir("nowhere") is None
+    instance = SweInstance.from_row(toy.dataset_row("toy__calc-1"), 0, "toy")
+    demo = build_demonstration(instance, read_file, renderer, USER, list_dir=list_dir)
+    assert isinstance(demo, Demonstration), demo
+    assert [(c.name, c.args.get("path")) for c in demo.calls] == [
+        ("view", "."),
+        ("view", "calc"),
+        ("view", "calc/ops.py"),
+        ("replace", "calc/ops.py"),
+        ("run_tests", None),
+        ("submit", None),
+    ]
+    assert demo.observations[:2] == ("calc/\ntests/", "__init__.py\nops.py")
+    # The listings are what a real session answers on the same checkout.
+    spec = toy.spec("")
+    manager = sessions.SessionManager(
+        sessions.SessionConfig(), pipeline.PipelineConfig(), tmp_path / "work", 1 << 20
+    )
+    manager.start()
+    try:
+        manager.open(spec, "listing")
+        for call, observation in zip(demo.calls[:2], demo.observations[:2]):
+            assert manager.call("listing", "view", call.args).output == observation
+    finally:
+        manager.stop()
+    assert _play(demo.calls, read_file) == {"calc/ops.py": OPS_FIXED}
+    _check_tokens(demo, renderer, tokenizer)

@@ -1157,9 +1157,16 @@ def _list_dir(fd: int, parts: list[str]) -> str:
                     names.append(entry.name)
     finally:
         os.close(fd)
-    names.sort()
+    return directory_listing(names, _shown(parts))
+
+
+def directory_listing(names: list[str], shown_path: str) -> str:
+    """What `view` answers for a directory holding `names` (directories with a trailing "/",
+    links with "@"): the names sorted, at most _MAX_DIR_ENTRIES of them. Tool demonstrations
+    (environments/tool_demonstrations.py) render their observations with it."""
+    names = sorted(names)
     if not names:
-        return f"({_shown(parts)} is an empty directory)"
+        return f"({shown_path} is an empty directory)"
     more = len(names) - _MAX_DIR_ENTRIES
     shown = names[:_MAX_DIR_ENTRIES]
     if more > 0:

@@ -24,7 +24,7 @@ Not covered: binary patches, renames and mode changes in SEARCH/REPLACE and FUNC
 carry them through), and checking that a patch applies (the executor's apply chain does that).
 """
 
-from dockyard_rl.data.patch_formats.base_files import file_diff, git_file_reader
+from dockyard_rl.data.patch_formats.base_files import file_diff, git_dir_lister, git_file_reader
 from dockyard_rl.data.patch_formats.diff import DiffFormat, extract_diff
 from dockyard_rl.data.patch_formats.factory import gold_answer, output_format, parse_model_output
 from dockyard_rl.data.patch_formats.function_rewrite import (
@@ -64,6 +64,7 @@ __all__ = [
     "extract_diff",
     "file_diff",
     "function_rewrite_to_diff",
+    "git_dir_lister",
     "git_file_reader",
     "gold_answer",
     "invalid",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import functools
 import subprocess
+from collections.abc import Callable
 
 from dockyard_rl.data.patch_formats.interfaces import ReadFile
 
@@ -43,6 +44,36 @@ def git_file_reader(repo_path: str, commit: str) -> ReadFile:
         return result.stdout.decode("utf-8", errors="replace")
 
     return read_file
+
+
+def git_dir_lister(repo_path: str, commit: str) -> Callable[[str], list[str] | None]:
+    """`list_dir(path)` over a local git repository at `commit`: the names in directory `path`
+    ("." the root), a directory's with a trailing "/", a symbolic link's with "@" (as an agent's
+    session lists a checkout), in git's order; None when `path` is not a directory there."""
+
+    @functools.cache
+    def list_dir(path: str) -> list[str] | None:
+        if path not in (".", "") and not safe_path(path):
+            return None
+        tree = commit if path in (".", "") else f"{commit}:{path}"
+        result = subprocess.run(
+            ["git", "ls-tree", "-z", tree if ":" in tree else f"{tree}^{{tree}}"],
+            cwd=repo_path,
+            capture_output=True,
+            check=False,
+        )
+        if result.returncode != 0:
+            return None
+        names = []
+        for entry in result.stdout.decode("utf-8", errors="replace").split("\0"):
+            if not entry:
+                continue
+            meta, name = entry.split("\t", 1)
+            mode, kind = meta.split()[:2]
+            names.append(f"{name}/" if kind == "tree" else f"{name}@" if mode == "120000" else name)
+        return names
+
+    return list_dir
 
 
 def file_diff(path: str, old: str | None, new: str) -> str:
