@@ -13,6 +13,8 @@ reboot). After pytest and its processes have exited, a segment fails the target 
   `SAMPLE_INTERVAL_S` from /proc), or its name carries the owner tag of a process of the tree
   (dockyard_rl/utils/shared_memory.py: pid, start time and pid namespace). Other targets run
   in parallel under Bazel, and their segments are never blamed on this one;
+- it is not one of the files system tools keep there on purpose (`PERSISTENT_SYSTEM_FILES`:
+  podman's lock file);
 - no live process maps it or holds it open, after up to `GRACE_S` for the tree's processes to
   finish their teardown (this process is a child subreaper, so orphaned grandchildren, e.g. an
   engine core whose Ray worker was killed, stay in the tree and are waited for).
@@ -38,6 +40,10 @@ LEAKED_SHARED_MEMORY = 3  # pytest's own codes are 0-5; a run that passed but le
 SAMPLE_INTERVAL_S = 0.5
 GRACE_S = 20.0
 _CHILD_ENV = "DOCKYARD_PYTEST_MAIN_CHILD"
+# Files system tools keep in /dev/shm on purpose, for every later run: podman's lock file
+# (created by the first podman command on a machine, e.g. sandbox_image_test's on a fresh one,
+# and reused by all later ones). Never a leak, never removed.
+PERSISTENT_SYSTEM_FILES = frozenset({"libpod_lock"})
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -120,7 +126,11 @@ class _ShmWatch:
             if not alive or time.monotonic() > deadline:
                 break
             time.sleep(SAMPLE_INTERVAL_S)  # processes of the tree are still tearing down
-        remaining = {n: i for n, i in self.new_entries().items() if self.ours.get(n) == i}
+        remaining = {
+            n: i
+            for n, i in self.new_entries().items()
+            if self.ours.get(n) == i and n not in PERSISTENT_SYSTEM_FILES
+        }
         if not remaining:
             return {}
         in_use = shared_memory.segments_in_use().in_use
