@@ -36,6 +36,7 @@ from dockyard_rl.algorithms.grpo_config import MasterConfig, config_to_dict, con
 from dockyard_rl.algorithms.rollouts import RolloutRunner
 from dockyard_rl.data import datasets
 from dockyard_rl.data.config import load_train_validation
+from dockyard_rl.data.prompt_sampler import PromptSampler
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.environments.agent_env import AgentEnvironment
 from dockyard_rl.environments.agent_tools import ChatRenderer
@@ -47,14 +48,9 @@ from dockyard_rl.models.generation.factory import create_generation
 from dockyard_rl.models.policy.factory import create_policy
 from dockyard_rl.models.policy.interfaces import PolicyInterface
 from dockyard_rl.rewards.shaping import RewardPipeline
-from dockyard_rl.utils.checkpoint import (
-    CheckpointInfo,
-    CheckpointManager,
-    PromptSampler,
-    TrainerState,
-    load_trainer_state,
-)
+from dockyard_rl.utils.checkpoint import CheckpointInfo, CheckpointManager
 from dockyard_rl.utils.logger import Logger
+from dockyard_rl.utils.training_state import RngState, TrainerState, load_trainer_state
 from dockyard_rl.weight_sync.factory import create_weight_synchronizer
 
 logger = logging.getLogger(__name__)
@@ -279,8 +275,6 @@ def setup(config: MasterConfig) -> GRPORun:
 
 def trainer_state(run: GRPORun, extras: dict | None = None) -> TrainerState:
     """What a checkpoint of `run` after its current step holds besides the policy."""
-    from dockyard_rl.utils.checkpoint import RngState
-
     return TrainerState(
         step=run.step,
         weight_version=run.synchronizer.trainer_version,

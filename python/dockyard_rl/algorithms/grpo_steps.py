@@ -43,7 +43,7 @@ from dockyard_rl.algorithms.rollouts import (
 from dockyard_rl.algorithms.validation import validate
 from dockyard_rl.data_plane.experience import RemoteBatch
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
-from dockyard_rl.utils.checkpoint import save_trainer_state
+from dockyard_rl.utils.training_state import save_trainer_state
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""Checkpoints for exact resume: config section `checkpointing`, the atomic, metric-ranked
-checkpoint directory, the trainer state, and the deterministic prompt sampler.
+"""The checkpoint directory: config section `checkpointing`, atomic saves of metric-ranked
+checkpoints with top-k retention, and `publish_directory`, the atomic directory write they use.
 
     checkpointing:
       enabled: true
@@ -15,20 +15,17 @@ Layout of `checkpoint_dir` (one `CheckpointManager` per directory):
     step_10/                    a complete checkpoint: its manifest exists and says so
       policy/                   the caller's: policy.save_checkpoint(tmp / "policy")
       trainer_state/            the caller's: save_trainer_state(tmp / "trainer_state", state)
-        trainer_state.json      step, weight version, sampler position, extras' names (last)
-        rng.pkl                 python / numpy / torch CPU / torch CUDA RNG states
-        config.yaml             the resolved config, as text
-        extras/<name>.pt        one torch.save file per extra payload (replay buffer, ...)
+                                (utils/training_state.py: step, RNG states, sampler, extras)
       manifest.json             written LAST, fsynced: step, metrics, time, "complete": true
     step_20/ ...
+    .tmp-step_30-<pid>-<rnd>/   a save in progress (or a crashed one: removed at the next start)
+    .trash-step_10-<hex>/       a checkpoint being deleted (likewise removed)
 
 `export_hf: true` asks the policy for a Hugging Face model directory (safetensors, config,
 tokenizer) in each checkpoint's `policy/`, loadable by transformers and vLLM as is: what users
 evaluate or serve, and what a resumed run's engines start from. `false` saves the time and disk
 of writing the full weights at every save (the sharded resume state is still complete): a resume
 then has the policy export its weights once, into `<run dir>/engine_start`, for the engines.
-    .tmp-step_30-<pid>-<rnd>/   a save in progress (or a crashed one: removed at the next start)
-    .trash-step_10-<hex>/       a checkpoint being deleted (likewise removed)
 
 Atomicity: `save` has the caller write into a temporary sibling directory, writes the manifest
 last, fsyncs every file and directory in it, and renames the directory to `step_<N>` (atomic on
@@ -44,36 +41,30 @@ without that metric ranked last, ties broken by the newer step; the latest check
 kept in addition. Validation metrics may arrive for a step after its checkpoint was saved
 (`record_metrics` rewrites the manifest atomically) or before (held until `save(step)`).
 
-Exact resume: `TrainerState` holds what the driver process needs besides the policy's own
-checkpoint (which holds weights, optimizer, scheduler and the policy workers' RNG): step, weight
-version, the `PromptSampler` position, the driver's RNG states, named extra payloads and the config
-text. `PromptSampler` reads seeded per-epoch permutations of the training prompts as one stream,
-so a run resumed from its `state_dict()` consumes exactly the prompts an uninterrupted run would.
-No sampler existed in data/datasets.py (only the one-shot `shuffled`), hence this one.
+What a checkpoint holds for exact resume is the callers' business: the policy's own checkpoint
+(weights, optimizer, scheduler, the policy workers' RNG) and the driver's `TrainerState`
+(utils/training_state.py), which includes the position of data/prompt_sampler.py's
+`PromptSampler`.
 
 Not covered: several processes writing to one checkpoint directory at once (one driver owns it),
-checkpoints spread over file systems without a shared rename (the policy must write under the
-temporary directory it is given), and untrusted checkpoints: trainer state is unpickled, which
-runs code, so load only checkpoints this project wrote.
+and checkpoints spread over file systems without a shared rename (the policy must write under the
+temporary directory it is given).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
 import os
 import pathlib
-import pickle
-import random
 import re
 import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from dockyard_rl.utils.config import is_int, require
@@ -81,6 +72,7 @@ from dockyard_rl.utils.config import is_int, require
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
+# The version of manifest.json's layout.
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-step_"
@@ -459,315 +451,3 @@ class CheckpointManager:
                     MANIFEST_NAME,
                 )
                 self._delete(path)
-
-
-# --- trainer state ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class RngState:
-    """The driver process's RNG states; a library that is not installed (or CUDA that was never
-    initialised here) is None and left alone by `restore`."""
-
-    python: Any
-    numpy: Any = None
-    torch_cpu: Any = None
-    torch_cuda: Any = None  # one state per visible device
-
-    @classmethod
-    def capture(cls) -> RngState:
-        try:
-            import numpy as np
-
-            numpy_state = np.random.get_state()
-        except ImportError:
-            numpy_state = None
-        torch_cpu = torch_cuda = None
-        try:
-            import torch
-
-            torch_cpu = torch.get_rng_state()
-            # Only when already initialised: querying would create a CUDA context in a driver
-            # that never uses the GPU, and an unused generator needs no saving.
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch_cuda = torch.cuda.get_rng_state_all()
-        except ImportError:
-            pass
-        return cls(
-            python=random.getstate(), numpy=numpy_state, torch_cpu=torch_cpu, torch_cuda=torch_cuda
-        )
-
-    def restore(self) -> None:
-        random.setstate(self.python)
-        if self.numpy is not None:
-            import numpy as np
-
-            np.random.set_state(self.numpy)
-        if self.torch_cpu is not None or self.torch_cuda is not None:
-            import torch
-
-            if self.torch_cpu is not None:
-                torch.set_rng_state(self.torch_cpu)
-            if self.torch_cuda is not None and torch.cuda.is_available():
-                num_devices = torch.cuda.device_count()
-                if num_devices != len(self.torch_cuda):
-                    logger.warning(
-                        "checkpoint has CUDA RNG states for %d devices, this process "
-                        "sees %d; restoring the first %d",
-                        len(self.torch_cuda),
-                        num_devices,
-                        min(num_devices, len(self.torch_cuda)),
-                    )
-                for device, state in enumerate(self.torch_cuda[:num_devices]):
-                    torch.cuda.set_rng_state(state, device)
-
-
-_EXTRA_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-_STATE_FILE = "trainer_state.json"
-_RNG_FILE = "rng.pkl"
-_CONFIG_FILE = "config.yaml"
-_EXTRAS_DIR = "extras"
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainerState:
-    """What the driver needs to resume exactly, besides the policy's own checkpoint.
-
-    `step` is the last finished optimizer step (a resumed run continues at step + 1);
-    `weight_version` the version the generation engines hold; `sampler` is
-    `PromptSampler.state_dict()` (prompts handed out so far; in async mode those in flight are
-    part of the collector's extra payload); `extras` are named picklable payloads (replay buffer
-    contents, collector bookkeeping), one file each; `config_text` the resolved config (YAML or
-    JSON text).
-    """
-
-    step: int
-    weight_version: int
-    sampler: Mapping[str, int]
-    rng: RngState
-    config_text: str = ""
-    extras: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self):
-        for name in ("step", "weight_version"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 0:
-                raise ValueError(f"TrainerState.{name} must be an integer >= 0, got {value!r}")
-        if not isinstance(self.sampler, Mapping):
-            raise ValueError(
-                f"TrainerState.sampler must be PromptSampler.state_dict(), got "
-                f"{type(self.sampler).__name__}"
-            )
-        if not isinstance(self.rng, RngState):
-            raise ValueError(
-                f"TrainerState.rng must be an RngState (RngState.capture()), got "
-                f"{type(self.rng).__name__}"
-            )
-        if not isinstance(self.config_text, str):
-            raise ValueError(
-                f"TrainerState.config_text must be text, got {type(self.config_text).__name__}"
-            )
-        for name in self.extras:
-            if not isinstance(name, str) or not _EXTRA_NAME.match(name):
-                raise ValueError(
-                    f"TrainerState.extras: name {name!r} must match "
-                    f"{_EXTRA_NAME.pattern} (it becomes a file name)"
-                )
-
-
-def save_trainer_state(directory: str | os.PathLike, state: TrainerState) -> None:
-    """Writes `state` into `directory` (created; must be absent or empty so that no stale extra
-    survives). trainer_state.json is written last. Not atomic by itself: call it inside
-    `CheckpointManager.save`'s `write`."""
-    import torch  # extras may hold tensors: torch.save stores them compactly
-
-    directory = pathlib.Path(directory)
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise ValueError(
-            f"trainer state directory {str(directory)!r} exists and is not empty; "
-            f"save into a fresh directory (CheckpointManager.save gives one)"
-        )
-    (directory / _EXTRAS_DIR).mkdir(parents=True, exist_ok=True)
-    with open(directory / _RNG_FILE, "wb") as handle:
-        # Plain fields, not the class: the file stays readable if RngState moves.
-        pickle.dump(
-            {field.name: getattr(state.rng, field.name) for field in dataclasses.fields(RngState)},
-            handle,
-            protocol=pickle.HIGHEST_PROTOCOL,
-        )
-    (directory / _CONFIG_FILE).write_text(state.config_text, encoding="utf-8")
-    for name, payload in state.extras.items():
-        torch.save(payload, directory / _EXTRAS_DIR / f"{name}.pt")
-    (directory / _STATE_FILE).write_text(
-        json.dumps(
-            {
-                "format_version": FORMAT_VERSION,
-                "step": state.step,
-                "weight_version": state.weight_version,
-                "sampler": dict(state.sampler),
-                "extras": sorted(state.extras),
-            },
-            indent=2,
-            sort_keys=True,
-        )
-        + "\n",
-        encoding="utf-8",
-    )
-
-
-def load_trainer_state(directory: str | os.PathLike) -> TrainerState:
-    """Reads what `save_trainer_state` wrote (extras' tensors onto the CPU). It unpickles:
-    trusted checkpoints only. The RNG states are returned, not applied: call
-    `state.rng.restore()`.
-
-    Raises:
-        ValueError: a file is missing or unreadable, or the format version is unknown.
-    """
-    import torch
-
-    directory = pathlib.Path(directory)
-    state_file = directory / _STATE_FILE
-    try:
-        meta = json.loads(state_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise ValueError(
-            f"{state_file} is missing or unreadable ({error}); the directory is not "
-            f"a trainer state written by save_trainer_state"
-        ) from None
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{state_file}: format_version {meta.get('format_version')!r}, this "
-            f"code reads {FORMAT_VERSION}"
-        )
-    try:
-        with open(directory / _RNG_FILE, "rb") as handle:
-            rng = RngState(**pickle.load(handle))
-        config_text = (directory / _CONFIG_FILE).read_text(encoding="utf-8")
-        extras = {
-            name: torch.load(
-                directory / _EXTRAS_DIR / f"{name}.pt", map_location="cpu", weights_only=False
-            )
-            for name in meta["extras"]
-        }
-        return TrainerState(
-            step=meta["step"],
-            weight_version=meta["weight_version"],
-            sampler=meta["sampler"],
-            rng=rng,
-            config_text=config_text,
-            extras=extras,
-        )
-    except (OSError, KeyError, TypeError, pickle.UnpicklingError, EOFError) as error:
-        raise ValueError(
-            f"trainer state in {directory} is incomplete or malformed: "
-            f"{type(error).__name__}: {error}"
-        ) from None
-
-
-# --- prompt order -------------------------------------------------------------------------------
-
-
-class PromptSampler:
-    """Batches of prompt indices from seeded per-epoch permutations of range(num_prompts).
-
-    The permutations are read as one continuous stream: a batch may end one epoch and start the
-    next, so every epoch hands out each prompt exactly once and none is dropped (a batch that
-    crosses a boundary can hold a prompt twice, once per epoch, when num_prompts is small).
-    Epoch e's order depends only on (seed, e): the seed is hashed with the epoch and the shuffle
-    draws from `random.Random.random()`, whose sequence Python keeps stable across versions.
-
-    `state_dict()` is (seed, num_prompts, epoch, position); a sampler that loads it continues
-    with the very next prompt. The batch size may differ after a resume; the seed and the number
-    of prompts may not (it would not be the same order).
-    """
-
-    def __init__(self, num_prompts: int, batch_size: int, seed: int):
-        for name, value, low in (
-            ("num_prompts", num_prompts, 1),
-            ("batch_size", batch_size, 1),
-            ("seed", seed, 0),
-        ):
-            if not is_int(value) or value < low:
-                raise ValueError(f"PromptSampler {name} must be an integer >= {low}, got {value!r}")
-        self.num_prompts = num_prompts
-        self.batch_size = batch_size
-        self.seed = seed
-        self._epoch = 0
-        self._position = 0  # index into the current epoch's permutation, < num_prompts
-        self._order: list[int] | None = None
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    @property
-    def position(self) -> int:
-        return self._position
-
-    @property
-    def num_consumed(self) -> int:
-        return self._epoch * self.num_prompts + self._position
-
-    def permutation(self, epoch: int) -> list[int]:
-        digest = hashlib.sha256(f"dockyard_rl.PromptSampler/{self.seed}/{epoch}".encode())
-        rng = random.Random(int.from_bytes(digest.digest()[:8], "big"))
-        order = list(range(self.num_prompts))
-        for i in range(len(order) - 1, 0, -1):  # Fisher-Yates
-            j = int(rng.random() * (i + 1))
-            order[i], order[j] = order[j], order[i]
-        return order
-
-    def next_batch(self) -> list[int]:
-        batch = []
-        while len(batch) < self.batch_size:
-            if self._order is None:
-                self._order = self.permutation(self._epoch)
-            take = min(self.batch_size - len(batch), self.num_prompts - self._position)
-            batch.extend(self._order[self._position : self._position + take])
-            self._position += take
-            if self._position == self.num_prompts:
-                self._epoch, self._position, self._order = self._epoch + 1, 0, None
-        return batch
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return self
-
-    def __next__(self) -> list[int]:
-        return self.next_batch()
-
-    def state_dict(self) -> dict[str, int]:
-        return {
-            "format_version": FORMAT_VERSION,
-            "seed": self.seed,
-            "num_prompts": self.num_prompts,
-            "batch_size": self.batch_size,
-            "epoch": self._epoch,
-            "position": self._position,
-        }
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        """Continues where the sampler that wrote `state` stopped.
-
-        Raises:
-            ValueError: the state was written for another seed or number of prompts (the data
-                or its seed changed: the order would differ), or it is malformed.
-        """
-        missing = sorted({"seed", "num_prompts", "epoch", "position"} - set(state))
-        if missing:
-            raise ValueError(f"sampler state lacks {missing}; not a PromptSampler.state_dict()")
-        if state["seed"] != self.seed or state["num_prompts"] != self.num_prompts:
-            raise ValueError(
-                f"sampler state was written for seed {state['seed']} over "
-                f"{state['num_prompts']} prompts, this run has seed {self.seed} over "
-                f"{self.num_prompts}: resuming would change the prompt order; keep "
-                f"the dataset and its seed, or start a new run"
-            )
-        epoch, position = state["epoch"], state["position"]
-        if not (
-            is_int(epoch) and epoch >= 0 and is_int(position) and 0 <= position < self.num_prompts
-        ):
-            raise ValueError(
-                f"sampler state has epoch {epoch!r}, position {position!r}; expected "
-                f"integers with epoch >= 0 and 0 <= position < {self.num_prompts}"
-            )
-        self._epoch, self._position, self._order = epoch, position, None

@@ -1,6 +1,5 @@
 """Tests of checkpoint.py: the `checkpointing` config, atomic saves (a failing writer, leftovers,
-real SIGKILLs of a saving process), metric-ranked retention, the trainer-state round trip and
-the prompt sampler's exact resume."""
+real SIGKILLs of a saving process), `publish_directory` and metric-ranked retention."""
 
 import json
 import os
@@ -12,21 +11,14 @@ import sys
 import textwrap
 import time
 
-import numpy as np
 import pytest
-import torch
 
 from dockyard_rl.utils import checkpoint
 from dockyard_rl.utils.checkpoint import (
     MANIFEST_NAME,
     CheckpointingConfig,
     CheckpointManager,
-    PromptSampler,
-    RngState,
-    TrainerState,
-    load_trainer_state,
     publish_directory,
-    save_trainer_state,
 )
 from dockyard_rl.utils.config import from_dict
 
@@ -397,180 +389,3 @@ def test_metrics_for_an_unsaved_older_step_are_dropped(tmp_path):
     assert manager.latest().metrics == {}
     manager.save(3, write_payload(3))
     assert [info.metrics for info in manager.list()] == [{}, {}]
-
-
-# --- trainer state -------------------------------------------------------------------------------
-
-
-def draw() -> tuple:
-    return (
-        random.random(),
-        np.random.rand(3).tolist(),
-        torch.rand(3).tolist(),
-        torch.randint(0, 1000, (2,)).tolist(),
-    )
-
-
-def test_trainer_state_round_trip_continues_the_rng_streams(tmp_path):
-    random.seed(1)
-    np.random.seed(2)
-    torch.manual_seed(3)
-    draw()
-    sampler = PromptSampler(num_prompts=5, batch_size=2, seed=7)
-    next(sampler)
-    buffer = {"trajectories": [torch.arange(4), {"reward": 1.0}], "versions": [3, 4]}
-    state = TrainerState(
-        step=12,
-        weight_version=12,
-        sampler=sampler.state_dict(),
-        rng=RngState.capture(),
-        config_text="grpo:\n  val_period: 5\n",
-        extras={"replay_buffer": buffer, "collector": {"in_flight": [1, 2]}},
-    )
-    expected = [draw() for _ in range(3)]
-
-    save_trainer_state(tmp_path / "trainer_state", state)
-    draw()  # the RNGs move on; loading must bring them back
-    loaded = load_trainer_state(tmp_path / "trainer_state")
-    loaded.rng.restore()
-    assert [draw() for _ in range(3)] == expected
-    assert (loaded.step, loaded.weight_version) == (12, 12)
-    assert loaded.config_text == "grpo:\n  val_period: 5\n"
-    assert loaded.sampler == sampler.state_dict()
-    assert sorted(loaded.extras) == ["collector", "replay_buffer"]
-    assert torch.equal(loaded.extras["replay_buffer"]["trajectories"][0], torch.arange(4))
-    assert loaded.extras["replay_buffer"]["versions"] == [3, 4]
-    assert loaded.extras["collector"] == {"in_flight": [1, 2]}
-    files = sorted(
-        str(p.relative_to(tmp_path / "trainer_state"))
-        for p in (tmp_path / "trainer_state").rglob("*")
-        if p.is_file()
-    )
-    assert files == [
-        "config.yaml",
-        "extras/collector.pt",
-        "extras/replay_buffer.pt",
-        "rng.pkl",
-        "trainer_state.json",
-    ]
-
-
-def test_trainer_state_errors(tmp_path):
-    rng = RngState.capture()
-    with pytest.raises(ValueError, match=r"TrainerState\.step must be an integer >= 0"):
-        TrainerState(step=-1, weight_version=0, sampler={}, rng=rng)
-    with pytest.raises(ValueError, match=r"extras: name '\.\./x' must match"):
-        TrainerState(step=0, weight_version=0, sampler={}, rng=rng, extras={"../x": 1})
-    state = TrainerState(step=0, weight_version=0, sampler={}, rng=rng, extras={"a": 1})
-    (tmp_path / "used").mkdir()
-    (tmp_path / "used" / "old.pt").write_bytes(b"")
-    with pytest.raises(ValueError, match="exists and is not empty"):
-        save_trainer_state(tmp_path / "used", state)
-    with pytest.raises(ValueError, match=r"trainer_state\.json is missing"):
-        load_trainer_state(tmp_path / "used")
-    save_trainer_state(tmp_path / "state", state)
-    (tmp_path / "state" / "extras" / "a.pt").unlink()
-    with pytest.raises(ValueError, match="incomplete"):
-        load_trainer_state(tmp_path / "state")
-
-
-# --- prompt sampler ------------------------------------------------------------------------------
-
-
-def stream(sampler: PromptSampler, num_batches: int) -> list[list[int]]:
-    return [next(sampler) for _ in range(num_batches)]
-
-
-def test_each_epoch_hands_out_every_prompt_once_in_a_fresh_order():
-    sampler = PromptSampler(num_prompts=7, batch_size=3, seed=0)
-    flat = [i for batch in stream(sampler, 7) for i in batch]  # 21 prompts = 3 epochs
-    epochs = [flat[0:7], flat[7:14], flat[14:21]]
-    assert all(sorted(epoch) == list(range(7)) for epoch in epochs)
-    assert len({tuple(epoch) for epoch in epochs}) == 3
-    assert (sampler.epoch, sampler.position, sampler.num_consumed) == (3, 0, 21)
-    assert epochs == [sampler.permutation(e) for e in range(3)]
-
-
-def test_the_order_is_pinned():
-    # A changed order would make runs started with an older version resume differently.
-    pinned = [3, 6, 7, 0, 1, 5, 9, 8, 4, 2]
-    assert PromptSampler(10, 4, seed=0).permutation(0) == pinned
-    assert PromptSampler(10, 1, seed=0).permutation(0) == pinned  # independent of batch size
-    assert PromptSampler(10, 4, seed=1).permutation(0) != pinned
-
-
-@pytest.mark.parametrize("num_prompts, batch_size", [(7, 3), (6, 3), (2, 5), (1, 1)])
-def test_resume_at_any_point_gives_the_uninterrupted_sequence(num_prompts, batch_size):
-    uninterrupted = stream(PromptSampler(num_prompts, batch_size, seed=11), 12)
-    for stop in range(12):
-        first = PromptSampler(num_prompts, batch_size, seed=11)
-        before = stream(first, stop)
-        state = json.loads(json.dumps(first.state_dict()))  # as stored in a checkpoint
-        resumed = PromptSampler(num_prompts, batch_size, seed=11)
-        resumed.load_state_dict(state)
-        assert before + stream(resumed, 12 - stop) == uninterrupted
-
-
-def test_resume_with_another_batch_size_continues_the_same_prompt_stream():
-    flat = [i for batch in stream(PromptSampler(7, 3, seed=5), 6) for i in batch]
-    first = PromptSampler(7, 3, seed=5)
-    before = [i for batch in stream(first, 2) for i in batch]
-    resumed = PromptSampler(7, 4, seed=5)
-    resumed.load_state_dict(first.state_dict())
-    after = [i for batch in stream(resumed, 3) for i in batch]
-    assert before + after == flat[:18]
-
-
-def test_sampler_state_from_other_data_is_rejected():
-    state = PromptSampler(7, 3, seed=5).state_dict()
-    with pytest.raises(ValueError, match="seed 5 over 7 prompts, this run has seed 6 over 7"):
-        PromptSampler(7, 3, seed=6).load_state_dict(state)
-    with pytest.raises(ValueError, match="over 8"):
-        PromptSampler(8, 3, seed=5).load_state_dict(state)
-    with pytest.raises(ValueError, match="0 <= position < 7"):
-        PromptSampler(7, 3, seed=5).load_state_dict({**state, "position": 7})
-    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
-        PromptSampler(7, 0, seed=5)
-
-
-# --- all together: crash and resume ------------------------------------------------------------
-
-
-def train(root: pathlib.Path, num_steps: int, crash_at: int | None = None) -> list[list[int]]:
-    """A miniature training loop: draws a batch and a random number per step, checkpoints every
-    2 steps; returns the (prompt batch, noise) it consumed per step."""
-    cfg = config(save_period=2, keep_top_k=1, metric_name="val/resolve_rate")
-    manager = CheckpointManager(cfg, root)
-    sampler = PromptSampler(num_prompts=5, batch_size=2, seed=3)
-    step = 0
-    latest = manager.latest()
-    if latest is not None:
-        state = load_trainer_state(latest.path / "trainer_state")
-        sampler.load_state_dict(state.sampler)
-        state.rng.restore()
-        step = state.step
-    else:
-        torch.manual_seed(0)
-    consumed = []
-    while step < num_steps:
-        step += 1
-        consumed.append((step, next(sampler), torch.rand(1).item()))
-        if step == crash_at:
-            return consumed
-        if cfg.should_save(step):
-            state = TrainerState(
-                step=step, weight_version=step, sampler=sampler.state_dict(), rng=RngState.capture()
-            )
-            manager.save(
-                step, lambda tmp, state=state: save_trainer_state(tmp / "trainer_state", state)
-            )
-            manager.record_metrics(step, {"val/resolve_rate": 1.0 / step})
-    return consumed
-
-
-def test_a_crashed_run_resumes_exactly(tmp_path):
-    uninterrupted = train(tmp_path / "a", 9)
-    crashed = train(tmp_path / "b", 9, crash_at=7)  # killed during step 7: last save was 6
-    resumed = train(tmp_path / "b", 9)
-    assert [s for s, _, _ in resumed] == [7, 8, 9]  # no step repeated or skipped
-    assert crashed[:6] + resumed == uninterrupted  # same prompts, same random numbers

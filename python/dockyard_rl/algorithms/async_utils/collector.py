@@ -79,9 +79,9 @@ from dockyard_rl.algorithms.rollouts import (
     rollout_metrics,
     sample_log_rows,
 )
+from dockyard_rl.data.prompt_sampler import PromptSampler
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.data_plane.experience import RemoteBatch
-from dockyard_rl.utils.checkpoint import PromptSampler
 
 logger = logging.getLogger(__name__)
 

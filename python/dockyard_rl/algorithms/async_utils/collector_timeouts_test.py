@@ -24,9 +24,9 @@ from dockyard_rl.algorithms.async_utils.collector import (
 from dockyard_rl.algorithms.async_utils.replay_buffer import AsyncGRPOConfig
 from dockyard_rl.algorithms.rollouts import Rollout
 from dockyard_rl.cluster.config import ClusterConfig
+from dockyard_rl.data.prompt_sampler import PromptSampler
 from dockyard_rl.environments.interfaces import EnvironmentResult
 from dockyard_rl.models.generation.interfaces import GenerationSample
-from dockyard_rl.utils.checkpoint import PromptSampler
 
 # The actor unpickles the runners: ship this module's classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
