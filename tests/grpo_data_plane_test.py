@@ -22,7 +22,7 @@ from dockyard_rl.algorithms.grpo_config import load_config
 from dockyard_rl.data_plane.experience import RemoteBatch
 from dockyard_rl.models.policy.dtensor_policy import DTensorPolicy
 from dockyard_rl.sandbox import testing_repos
-from dockyard_rl.utils.logger import read_jsonl
+from dockyard_rl.utils.metrics_jsonl import read_jsonl
 
 NUM_STEPS = 2
 

@@ -31,7 +31,7 @@ import pytest
 
 from dockyard_rl.algorithms import testing_recipes
 from dockyard_rl.sandbox import testing_repos
-from dockyard_rl.utils.logger import read_jsonl
+from dockyard_rl.utils.metrics_jsonl import read_jsonl
 
 _LAUNCH_TIMEOUT_S = 900
 # Runs the launcher's main, then reports whether the driver process imported jax.

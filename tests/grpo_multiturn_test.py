@@ -22,7 +22,7 @@ import pytest
 from dockyard_rl.algorithms import grpo, testing_recipes
 from dockyard_rl.algorithms.grpo_config import load_config
 from dockyard_rl.sandbox import testing_repos
-from dockyard_rl.utils.logger import read_jsonl
+from dockyard_rl.utils.metrics_jsonl import read_jsonl
 
 TURNS = 3
 

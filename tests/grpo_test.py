@@ -22,7 +22,8 @@ import pytest
 from dockyard_rl.algorithms import grpo, testing_recipes
 from dockyard_rl.algorithms.grpo_config import load_config
 from dockyard_rl.sandbox import testing_repos
-from dockyard_rl.utils.logger import APPLY_RATE_KEY, RESOLVE_RATE_KEY, REWARD_KEY, read_jsonl
+from dockyard_rl.utils.metric_names import APPLY_RATE_KEY, RESOLVE_RATE_KEY, REWARD_KEY
+from dockyard_rl.utils.metrics_jsonl import read_jsonl
 
 
 @pytest.fixture(scope="module")

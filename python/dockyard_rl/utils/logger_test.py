@@ -1,4 +1,5 @@
-"""Tests of the metrics logger: config errors, timer, JSONL, resume, TensorBoard, PNG, W&B, MLflow.
+"""Tests of the composed metrics logger: config errors, stage times in the rows, JSONL, resume,
+TensorBoard, the console, PNG, W&B, MLflow.
 
 Every backend writes real files into tmp_path and the tests read them back with the backend's
 own reader (TensorBoard's EventAccumulator, MlflowClient, W&B's offline run directory). Backends
@@ -18,7 +19,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from dockyard_rl.utils import logger as logger_lib
 from dockyard_rl.utils.config import from_dict
-from dockyard_rl.utils.logger import REWARD_KEY, STAGES, Logger, LoggerConfig, StepTimer, read_jsonl
+from dockyard_rl.utils.logger import Logger, LoggerConfig
+from dockyard_rl.utils.metric_names import REWARD_KEY
+from dockyard_rl.utils.metrics_jsonl import read_jsonl
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 requires_matplotlib = pytest.mark.skipif(
@@ -135,41 +138,7 @@ def test_run_name_must_be_a_plain_directory_name(tmp_path, run_name):
         Logger(make_config(tmp_path), run_name)
 
 
-# -- timer -------------------------------------------------------------------------------------
-
-
-def test_step_timer_breakdown():
-    clock = FakeClock()
-    timer = StepTimer(clock)
-    with timer.stage("generate"):
-        clock.now += 3.0
-    clock.now += 0.5  # between stages: "other"
-    with timer.stage("score"):
-        clock.now += 1.0
-    with timer.stage("generate"):  # a repeated stage adds up
-        clock.now += 1.0
-    timer.add("buffer_wait", 0.25)
-    breakdown = timer.pop()
-    assert set(STAGES) <= set(breakdown)
-    assert breakdown["generate"] == 4.0 and breakdown["score"] == 1.0
-    assert breakdown["buffer_wait"] == 0.25 and breakdown["train"] == 0.0
-    assert breakdown["total"] == 5.5 and breakdown["other"] == pytest.approx(0.25)
-    clock.now += 2.0  # the next step starts where the last pop ended
-    assert timer.pop() == {**{stage: 0.0 for stage in STAGES}, "total": 2.0, "other": 2.0}
-
-
-def test_step_timer_rejects_nesting_and_bad_input():
-    timer = StepTimer(FakeClock())
-    with pytest.raises(RuntimeError, match="must not nest"):
-        with timer.stage("train"):
-            with timer.stage("logprobs"):
-                pass
-    with pytest.raises(ValueError, match="seconds must be a number >= 0"):
-        timer.add("score", -1)
-    with pytest.raises(ValueError, match="stage 'a/b'"):
-        timer.add("a/b", 1)
-    with timer.stage("train"):  # usable again after the error
-        pass
+# -- stage times --------------------------------------------------------------------------------
 
 
 def test_stage_times_join_the_train_row_each_step(tmp_path):
@@ -262,13 +231,6 @@ def test_bad_metrics_raise_value_error(tmp_path, metrics, message):
     with pytest.raises(ValueError, match="prefix 'a/b'"):
         logger.log_metrics(1, {"reward": 1.0}, prefix="a/b")
     logger.finish()
-
-
-def test_read_jsonl_skips_a_torn_last_line(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1, "train/reward": 0.1}\n{"step": 2, "train/rew')
-    assert read_jsonl(path) == [{"step": 1, "train/reward": 0.1}]
-    assert read_jsonl(tmp_path / "missing.jsonl") == []
 
 
 # -- resume ------------------------------------------------------------------------------------
@@ -405,7 +367,7 @@ def test_a_backend_failing_mid_run_is_turned_off_with_a_warning(tmp_path, caplog
         logger.log_metrics(2, {"reward": 0.2})
         logger.log_metrics(3, {"reward": 0.3})
     logger.finish()
-    assert caplog.text.count("_TensorBoardBackend backend failed in log_metrics") == 1
+    assert caplog.text.count("TensorBoardBackend backend failed in log_metrics") == 1
     assert [row["step"] for row in read_jsonl(logger.metrics_path)] == [1, 2, 3]
 
 
