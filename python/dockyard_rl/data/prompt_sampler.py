@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 from dockyard_rl.utils.config import is_int
 
@@ -58,15 +58,8 @@ class PromptSampler:
         self._order: list[int] | None = None
 
     @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    @property
-    def position(self) -> int:
-        return self._position
-
-    @property
     def num_consumed(self) -> int:
+        """Prompts handed out so far: the draw index of the next one."""
         return self._epoch * self.num_prompts + self._position
 
     def permutation(self, epoch: int) -> list[int]:
@@ -89,12 +82,6 @@ class PromptSampler:
             if self._position == self.num_prompts:
                 self._epoch, self._position, self._order = self._epoch + 1, 0, None
         return batch
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return self
-
-    def __next__(self) -> list[int]:
-        return self.next_batch()
 
     def state_dict(self) -> dict[str, int]:
         return {

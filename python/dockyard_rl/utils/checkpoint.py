@@ -309,12 +309,6 @@ class CheckpointManager:
         infos = self.list()
         return infos[-1] if infos else None
 
-    def best(self) -> CheckpointInfo | None:
-        """The checkpoint with the best `metric_name` (ties: newer step); None when no
-        metric is configured or no checkpoint has it yet."""
-        ranked = [info for info in self.list() if self._score(info) is not None]
-        return max(ranked, key=lambda i: (self._score(i), i.step)) if ranked else None
-
     def _score(self, info: CheckpointInfo) -> float | None:
         """The ranking value, larger = better; None when the metric is absent (or NaN)."""
         if self.config.metric_name is None:

@@ -105,7 +105,6 @@ def test_save_writes_the_callers_files_and_a_manifest_last(tmp_path):
     assert step_dirs(tmp_path / "ckpt") == ["step_3"]  # no temporary directory left
     latest = manager.latest()
     assert latest.step == 3 and latest.path == path and latest.metrics == {"val/resolve_rate": 0.25}
-    assert manager.best() == latest
 
 
 def test_a_failing_write_leaves_the_previous_checkpoints_untouched(tmp_path):
@@ -329,11 +328,12 @@ def test_top_k_with_metrics_given_before_during_and_after_saving(tmp_path):
     assert steps(manager) == [3, 5]  # 5 (0.9) and 3 (0.7); 1 falls out
     manager.save(6, write_payload(6), metrics={metric: 0.0})
     assert steps(manager) == [3, 5, 6]
-    assert manager.best().step == 5
-    assert manager.best().metrics == {metric: 0.9, "val/mean_reward": 1.5}
-    # The metrics live in the manifests: a restarted manager ranks the same way.
+    assert manager.list()[1].metrics == {metric: 0.9, "val/mean_reward": 1.5}
+    # The metrics live in the manifests: a restarted manager ranks the same way (without them,
+    # 7 and the newest, 6, would be kept).
     restarted = CheckpointManager(config(keep_top_k=2, metric_name=metric), tmp_path)
-    assert restarted.best().step == 5 and restarted.latest().step == 6
+    restarted.save(7, write_payload(7), metrics={metric: 0.1})
+    assert steps(restarted) == [3, 5, 7]
 
 
 def test_lower_is_better(tmp_path):
@@ -343,7 +343,6 @@ def test_lower_is_better(tmp_path):
     for step, loss in enumerate([3.0, 1.0, 2.0, 0.5, 4.0, 5.0], start=1):
         manager.save(step, write_payload(step), metrics={"val/loss": loss})
     assert steps(manager) == [2, 4, 6]  # 0.5 and 1.0 are best; 6 is the latest
-    assert manager.best().step == 4
 
 
 def test_the_latest_is_kept_even_when_it_ranks_worst(tmp_path):
@@ -370,7 +369,6 @@ def test_missing_metric_ranks_last_and_ties_prefer_the_newer_step(tmp_path):
     for step in range(1, 5):
         manager.save(step, write_payload(step))
     assert steps(manager) == [3, 4]
-    assert manager.best() is None
 
 
 def test_keep_all(tmp_path):
@@ -378,7 +376,6 @@ def test_keep_all(tmp_path):
     for step in range(1, 6):
         manager.save(step, write_payload(step), metrics={"val/resolve_rate": -step})
     assert steps(manager) == [1, 2, 3, 4, 5]
-    assert manager.best().step == 1
 
 
 def test_metrics_for_an_unsaved_older_step_are_dropped(tmp_path):

@@ -135,7 +135,7 @@ class Logger:
     """Logs a run's metrics to every enabled backend (module docstring).
 
     Call order: `resume_from` (when resuming) before the first `log_metrics`; `log_hyperparams`
-    at any time; `finish()` once at the end (safe to repeat; also via `with Logger(...)`).
+    at any time; `finish()` once at the end (safe to repeat).
     Call from one process (the driver); calls are serialized by a lock, so threads may share it.
     A TensorBoard/W&B/MLflow backend that fails after set-up is turned off with a warning (the
     run goes on); JSONL write errors raise.
@@ -179,7 +179,6 @@ class Logger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / METRICS_FILE
         self.plot_path = self.run_dir / PLOT_FILE
-        self.num_nonfinite = 0  # metric values that were NaN or inf, over this Logger's life
         self._total_steps = total_steps
         self._timer = StepTimer(clock)
         self._lock = threading.RLock()
@@ -215,13 +214,13 @@ class Logger:
             self._resume_step = step
             self._open(first_step=step + 1)
 
-    def log_hyperparams(self, params: Mapping[str, Any] | Any) -> None:
-        """Records the run's config (a mapping or a dataclass) in config.json and the backends."""
-        if dataclasses.is_dataclass(params) and not isinstance(params, type):
-            params = dataclasses.asdict(params)
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        """Records the run's config (a mapping, e.g. `config_to_dict(config)`) in config.json and
+        the backends."""
         if not isinstance(params, Mapping):
             raise ValueError(
-                f"log_hyperparams: expected a mapping or a dataclass, got {type(params).__name__}"
+                f"log_hyperparams: expected a mapping (e.g. config_to_dict(config)), got "
+                f"{type(params).__name__}"
             )
         # JSON round trip: plain types only, so every backend can store it.
         params = json.loads(json.dumps(dict(params), default=str))
@@ -267,7 +266,6 @@ class Logger:
                     row[f"{TIMING_PREFIX}/{stage}_s"] = round(seconds, 6)
             nonfinite = {key: str(value) for key, value in row.items() if not math.isfinite(value)}
             if nonfinite:
-                self.num_nonfinite += len(nonfinite)
                 _log.warning(
                     "step %d: non-finite metric(s) %s",
                     step,
@@ -317,12 +315,6 @@ class Logger:
             if errors:
                 raise errors[0]
             return plot_path
-
-    def __enter__(self) -> Logger:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.finish()
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ def test_trainer_state_round_trip_continues_the_rng_streams(tmp_path):
     torch.manual_seed(3)
     draw()
     sampler = PromptSampler(num_prompts=5, batch_size=2, seed=7)
-    next(sampler)
+    sampler.next_batch()
     buffer = {"trajectories": [torch.arange(4), {"reward": 1.0}], "versions": [3, 4]}
     state = TrainerState(
         step=12,
@@ -117,7 +117,7 @@ def train(root: pathlib.Path, num_steps: int, crash_at: int | None = None) -> li
     consumed = []
     while step < num_steps:
         step += 1
-        consumed.append((step, next(sampler), torch.rand(1).item()))
+        consumed.append((step, sampler.next_batch(), torch.rand(1).item()))
         if step == crash_at:
             return consumed
         if cfg.should_save(step):
