@@ -21,12 +21,8 @@ import logging
 import signal
 import sys
 
-from dockyard_rl.algorithms.grpo_config import (
-    ConfigError,
-    config_to_yaml,
-    describe_config,
-    load_config,
-)
+from dockyard_rl.algorithms.grpo_config import config_to_yaml, describe_config, load_config
+from dockyard_rl.utils.config_loading import ConfigError
 from dockyard_rl.utils.paths import caller_path
 
 PROG = "grpo_swe"

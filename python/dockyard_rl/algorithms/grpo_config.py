@@ -26,6 +26,9 @@ of the package that owns it, so its defaults and per-key checks live there and n
 `load_config(path, overrides)` reads the YAML, applies command-line overrides `a.b.c=value`,
 makes relative paths absolute against the workspace root and builds the dataclasses; every
 error is a `ConfigError` (a ValueError) that starts with the file and names the full dotted key.
+The generic steps (YAML 1.2 floats, type checks against the annotations before a section
+validates, overrides, the workspace root, printing back, --help) are utils/config_loading.py's;
+this module holds the schema and what only a GRPO recipe knows.
 `MasterConfig.__post_init__` holds the checks that span sections (async mode needs importance
 sampling, the batch must split over the data-parallel ranks, prompts must fit the context, ...).
 Every key a recipe sets takes effect. Some are read only on one path of the loop; setting one on
@@ -38,17 +41,12 @@ configs/recipe_keys_test.py checks that every key of every recipe is read by pro
 `config_to_dict` / `config_to_yaml` give the resolved config back (what --dry-run prints and
 what a checkpoint stores).
 
-YAML: the loader is PyYAML's safe loader plus one fix: `1e-6` (no dot) is a float, as in YAML 1.2
-(YAML 1.1 reads it as a string). Values are type-checked against the dataclass annotations
-before a section validates them, so `lr: "fast"` fails with the key named instead of deep inside
-a comparison.
-
 Relative paths (`PATH_KEYS`, and `policy.model` / `generation.model` unless they are zoo names)
-are resolved against the workspace root: $BUILD_WORKSPACE_DIRECTORY under `bazel run`, else the
-nearest folder above the config file holding WORKSPACE or MODULE.bazel, else the current
-directory. `~` is expanded. Nothing checks here that a path exists: the GPU recipes name cluster
-paths, and `grpo.run` checks (or creates) what it needs at setup. The run directory is
-`<logger.log_dir>/<grpo.run_name>` (`run_name` defaults to the recipe's file name); a relative
+are resolved against the workspace root (config_loading.workspace_root: $BUILD_WORKSPACE_DIRECTORY
+under `bazel run`, else the folder above the config file holding WORKSPACE or MODULE.bazel, else
+the current directory); `~` is expanded. Nothing checks here that a path exists: the GPU recipes
+name cluster paths, and `grpo.run` checks (or creates) what it needs at setup. The run directory
+is `<logger.log_dir>/<grpo.run_name>` (`run_name` defaults to the recipe's file name); a relative
 `checkpointing.checkpoint_dir` lives inside it (CheckpointingConfig.resolve_dir).
 
 Not covered: several environments at once (`env` has only `swe`), list indices in overrides
@@ -59,11 +57,9 @@ machine (vocabulary, GPU count): those fail at setup, before the first step.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
 import re
-import types
 import typing
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -90,17 +86,27 @@ from dockyard_rl.rewards.shaping import (
 )
 from dockyard_rl.sandbox.config import ExecutorConfig
 from dockyard_rl.utils.checkpoint import CheckpointingConfig
-from dockyard_rl.utils.config import from_dict, is_int, is_number, optional_dataclass, require
+from dockyard_rl.utils.config import is_int, is_number, require
+from dockyard_rl.utils.config_loading import (
+    ConfigError,
+    apply_overrides,
+    blame_override,
+    describe_sections,
+    one_line,
+    read_yaml_mapping,
+    resolve_paths,
+    sections_from_dict,
+    to_plain_data,
+    workspace_root,
+)
 from dockyard_rl.utils.logger import LoggerConfig
 from dockyard_rl.weight_sync.config import WeightSyncConfig
 
 __all__ = [
-    "ConfigError",
     "EnvConfig",
     "GRPOConfig",
     "MasterConfig",
     "TaskSynthesisConfig",
-    "apply_overrides",
     "config_to_dict",
     "config_to_yaml",
     "describe_config",
@@ -157,10 +163,6 @@ UNREAD_UNLESS: tuple[tuple[str, typing.Callable[[MasterConfig], bool], str], ...
         "free port; remove env.swe.executor_url, or give executor a fixed port",
     ),
 )
-
-
-class ConfigError(ValueError):
-    """A recipe that cannot be used; the message is one line: `<file>: <dotted.key>: <why, fix>`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -554,92 +556,7 @@ class MasterConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Building from YAML
-
-
-class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, reading `1e-6` (no dot) as a float as YAML 1.2 does."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-def _parse_yaml(text: str, source: str) -> Any:
-    try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        problem = getattr(error, "problem", None) or str(error)
-        raise ConfigError(f"{source}: not valid YAML{where}: {_one_line(problem)}") from None
-
-
-def _one_line(text: Any) -> str:
-    return " ".join(str(text).split())
-
-
-def _is_union(hint: Any) -> bool:
-    return typing.get_origin(hint) in (typing.Union, types.UnionType)
-
-
-_SCALAR_NAMES = {
-    bool: "true or false",
-    int: "an integer",
-    float: "a number",
-    str: "a string",
-    type(None): "null",
-}
-
-
-def _matches(value: Any, scalar: type) -> bool:
-    if scalar is bool:
-        return isinstance(value, bool)
-    if scalar is int:
-        return is_int(value)
-    if scalar is float:
-        return is_number(value)
-    if scalar is str:
-        return isinstance(value, str)
-    return value is None
-
-
-def _check_types(cls: type, data: Any, key_path: str) -> None:
-    """Raises ValueError naming the key for a value whose type its annotation excludes.
-
-    Only scalar annotations (bool, int, float, str, None and unions of them) are checked;
-    containers and unions of dataclasses are left to the sections, as are unknown keys
-    (from_dict lists the valid ones)."""
-    if not isinstance(data, Mapping):
-        return
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    for name, value in data.items():
-        if name not in names:
-            continue
-        key, hint = f"{key_path}.{name}", hints[name]
-        nested = optional_dataclass(hint)
-        if nested is not None:
-            _check_types(nested, value, key)
-            continue
-        members = typing.get_args(hint) if _is_union(hint) else (hint,)
-        if not all(m in _SCALAR_NAMES for m in members) or any(_matches(value, m) for m in members):
-            continue
-        expected = " or ".join(_SCALAR_NAMES[m] for m in members)
-        fix = ""
-        if isinstance(value, str) and float in members:
-            fix = " (write numbers unquoted, e.g. 1.0e-6)"
-        elif isinstance(value, str) and bool in members:
-            fix = " (write true or false unquoted)"
-        raise ValueError(f"{key}: expected {expected}, got {type(value).__name__} {value!r}{fix}")
-
-
-def _section_fields() -> dict[str, Any]:
-    hints = typing.get_type_hints(MasterConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(MasterConfig)}
+# Building from YAML (the generic steps: utils/config_loading.py)
 
 
 def master_config_from_dict(
@@ -653,32 +570,11 @@ def master_config_from_dict(
     """
     raw = {} if raw is None else raw
     try:
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"the file must hold a mapping of sections, got {type(raw).__name__}")
-        sections = _section_fields()
-        unknown = sorted(set(raw) - set(sections))
-        if unknown:
-            raise ValueError(
-                f"unknown section(s) {', '.join(map(repr, unknown))}; valid "
-                f"sections: {', '.join(sections)}"
-            )
-        built: dict[str, Any] = {}
-        for name, hint in sections.items():
-            value, cls = raw.get(name), optional_dataclass(hint)
-            if value is None and cls is not hint:  # an optional section left off
-                built[name] = None
-                continue
-            assert cls is not None, f"section {name} is not a dataclass"
-            _check_types(cls, value, name)
-            try:
-                built[name] = from_dict(cls, value, name)
-            except TypeError as error:  # a value the section compared without checking
-                raise ValueError(f"{name}: {error}") from None
-        config = MasterConfig(**built)
+        config = MasterConfig(**sections_from_dict(MasterConfig, raw))
         _check_every_key_is_read(raw, config)
         return config
     except ValueError as error:
-        raise ConfigError(f"{source}: {_one_line(error)}") from None
+        raise ConfigError(f"{source}: {one_line(error)}") from None
 
 
 def _check_every_key_is_read(raw: Mapping[str, Any], config: MasterConfig) -> None:
@@ -689,102 +585,6 @@ def _check_every_key_is_read(raw: Mapping[str, Any], config: MasterConfig) -> No
             node = node.get(part) if isinstance(node, Mapping) else None
         if node is not None and not is_read(config):
             raise ValueError(f"{key}: is set but nothing reads it: {why}")
-
-
-def apply_overrides(
-    raw: Mapping[str, Any], overrides: Sequence[str], source: str = "<config>"
-) -> dict[str, Any]:
-    """A deep copy of `raw` with each `a.b.c=value` applied in order (value: a YAML value).
-
-    Setting a key inside a null optional section (`data_plane.transport=ray_direct`) turns the
-    section on with defaults for its other keys; `data_plane=null` turns it off.
-
-    Raises:
-        ConfigError: a malformed override, or a path that is not a key (the message lists the
-            valid keys at the level where it went wrong).
-    """
-    result: dict[str, Any] = _deep_copy(raw)
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        parts = key.strip().split(".")
-        if not sep or not all(parts):
-            raise ConfigError(
-                f"{source}: override {item!r}: expected KEY=VALUE with a dotted "
-                f"key, e.g. grpo.max_num_steps=10"
-            )
-        value = _parse_yaml(text, f"{source}: override {item!r}")
-        node: dict[str, Any] = result
-        cls: Any = MasterConfig
-        for depth, part in enumerate(parts):
-            prefix = ".".join(parts[:depth]) or "the top level"
-            last = depth == len(parts) - 1
-            if cls is not None:  # a dataclass level: only its fields are keys
-                hints = typing.get_type_hints(cls)
-                names = [f.name for f in dataclasses.fields(cls) if f.init]
-                if part not in names:
-                    raise ConfigError(
-                        f"{source}: override {item!r}: {key}: no key {part!r} in "
-                        f"{prefix}; valid keys: {', '.join(names)}"
-                    )
-                hint = hints[part]
-            else:  # inside a free-form mapping (e.g. cluster.node.resources)
-                hint = Any
-            if last:
-                node[part] = value
-                break
-            nested = optional_dataclass(hint)
-            free_form = typing.get_origin(hint) in (Mapping, dict) or hint in (dict, Any)
-            if nested is None and not free_form:
-                raise ConfigError(
-                    f"{source}: override {item!r}: {'.'.join(parts[: depth + 1])} "
-                    f"is a value ({hint}), it has no key {parts[depth + 1]!r}"
-                )
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            elif not isinstance(child, dict):
-                raise ConfigError(
-                    f"{source}: override {item!r}: "
-                    f"{'.'.join(parts[: depth + 1])} holds {child!r}, not a mapping"
-                )
-            node, cls = child, nested
-    return result
-
-
-def _deep_copy(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _deep_copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_deep_copy(v) for v in value]
-    return value
-
-
-def workspace_root(config_path: str | os.PathLike[str] | None = None) -> pathlib.Path:
-    """What relative paths in a recipe are relative to (module docstring)."""
-    from_bazel = os.environ.get("BUILD_WORKSPACE_DIRECTORY")
-    if from_bazel:
-        return pathlib.Path(from_bazel)
-    if config_path is not None:
-        for folder in pathlib.Path(config_path).absolute().parents:
-            if (folder / "WORKSPACE").is_file() or (folder / "MODULE.bazel").is_file():
-                return folder
-    return pathlib.Path.cwd()
-
-
-def _resolve_paths(raw: dict[str, Any], base_dir: pathlib.Path) -> None:
-    def resolve(value: str) -> str:
-        return os.path.normpath(os.path.join(base_dir, os.path.expanduser(value)))
-
-    for key in PATH_KEYS + MODEL_KEYS:
-        *parents, leaf = key.split(".")
-        node: Any = raw
-        for part in parents:
-            node = node.get(part) if isinstance(node, Mapping) else None
-        if not isinstance(node, dict) or not isinstance(node.get(leaf), str) or not node[leaf]:
-            continue
-        if key in MODEL_KEYS and node[leaf] in zoo.ZOO_NAMES:
-            continue
-        node[leaf] = resolve(node[leaf])
 
 
 def load_config(
@@ -801,70 +601,40 @@ def load_config(
             override, when the bad value came from one).
     """
     source = str(path)
-    try:
-        text = pathlib.Path(path).read_text(encoding="utf-8")
-    except OSError as error:
-        raise ConfigError(
-            f"{source}: cannot read the config file: {error.strerror or error}"
-        ) from None
-    raw = _parse_yaml(text, source)
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(
-            f"{source}: the file must hold a mapping of sections, got {type(raw).__name__}"
-        )
-    raw = apply_overrides(raw, overrides, source)
+    raw = apply_overrides(MasterConfig, read_yaml_mapping(path), overrides, source)
     grpo = raw.setdefault("grpo", {}) if isinstance(raw.get("grpo", {}), dict) else None
     if grpo is not None and grpo.get("run_name") is None:
         grpo["run_name"] = pathlib.Path(path).stem
-    _resolve_paths(raw, pathlib.Path(base_dir) if base_dir is not None else workspace_root(path))
+    resolve_paths(
+        raw,
+        PATH_KEYS + MODEL_KEYS,
+        pathlib.Path(base_dir) if base_dir is not None else workspace_root(path),
+        is_name=lambda key, value: key in MODEL_KEYS and value in zoo.ZOO_NAMES,
+    )
     try:
         return master_config_from_dict(raw, source)
     except ConfigError as error:
-        message = str(error)[len(source) + 2 :]
-        culprits = [
-            item
-            for item in overrides
-            if message.startswith((item.partition("=")[0] + ":", item.partition("=")[0] + "."))
-        ]
-        suffix = f" (set by the override {culprits[-1]!r})" if culprits else ""
-        raise ConfigError(f"{error}{suffix}") from None
+        raise blame_override(error, source, overrides) from None
 
 
 # ---------------------------------------------------------------------------------------------
 # Printing
 
 
-def config_to_dict(config: Any) -> Any:
-    """Plain YAML-ready data (dicts, lists, scalars) for a config dataclass tree; loading it back
-    gives an equal config. Stage configs get their `type` key back; `executor.auth_token`-style
-    secrets are not special-cased because recipes may not hold them (MasterConfig checks). A
-    MasterConfig leaves out the keys its path of the loop does not read (`UNREAD_UNLESS`), which
-    a recipe may not set."""
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        result: dict[str, Any] = {}
-        stage_type = getattr(type(config), "stage_type", None)
-        if isinstance(stage_type, str):
-            result["type"] = stage_type
-        for f in dataclasses.fields(config):
-            result[f.name] = config_to_dict(getattr(config, f.name))
-        if isinstance(config, MasterConfig):
-            for key, is_read, _ in UNREAD_UNLESS:
-                if not is_read(config):
-                    *parents, leaf = key.split(".")
-                    node = result
-                    for part in parents:
-                        node = node[part]
-                    del node[leaf]
-        return result
-    if isinstance(config, Mapping):
-        return {k: config_to_dict(v) for k, v in config.items()}
-    if isinstance(config, (list, tuple)):
-        return [config_to_dict(v) for v in config]
-    if isinstance(config, pathlib.PurePath):
-        return str(config)
-    return config
+def config_to_dict(config: MasterConfig) -> dict[str, Any]:
+    """Plain YAML-ready data (dicts, lists, scalars) for `config`; loading it back gives an equal
+    config (config_loading.to_plain_data). `executor.auth_token`-style secrets are not
+    special-cased because recipes may not hold them (MasterConfig checks). The keys its path of
+    the loop does not read (`UNREAD_UNLESS`), which a recipe may not set, are left out."""
+    result: dict[str, Any] = to_plain_data(config)
+    for key, is_read, _ in UNREAD_UNLESS:
+        if not is_read(config):
+            *parents, leaf = key.split(".")
+            node = result
+            for part in parents:
+                node = node[part]
+            del node[leaf]
+    return result
 
 
 def config_to_yaml(config: MasterConfig) -> str:
@@ -877,53 +647,4 @@ def describe_config() -> str:
         "Recipe sections and keys (type = default). Override any key as a.b.c=value (a YAML",
         "value). Relative paths are relative to the workspace root; ~ is expanded.",
     ]
-    master_defaults = {f.name: f for f in dataclasses.fields(MasterConfig)}
-    for name, hint in _section_fields().items():
-        cls = optional_dataclass(hint)
-        assert cls is not None, f"section {name} is not a dataclass"
-        header = f"{name}:  ({cls.__name__}, {cls.__module__})"
-        if master_defaults[name].default is None:
-            header += "  null by default; a mapping turns it on"
-        lines += ["", header]
-        lines += _describe_fields(cls, None, name)
-        note = _default_problem(cls)
-        if note:
-            lines.append(f"  (the defaults alone are not valid: {name}.{note})")
-    return "\n".join(lines) + "\n"
-
-
-def _describe_fields(cls: type, instance: Any, key_path: str) -> list[str]:
-    lines = []
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        key = f"{key_path}.{f.name}"
-        computed = False
-        if instance is not None:
-            default = getattr(instance, f.name)
-        elif f.default is not dataclasses.MISSING:
-            default = f.default
-        elif dataclasses.is_dataclass(f.default_factory):
-            lines += _describe_fields(f.default_factory, None, key)
-            continue
-        else:
-            factory = f.default_factory
-            assert callable(factory), f"{key} has neither a default nor a default factory"
-            default = factory()
-            computed = not isinstance(factory, type)
-        if dataclasses.is_dataclass(default) and not isinstance(default, type):
-            lines += _describe_fields(type(default), default, key)
-            continue
-        lines.append(
-            f"  {key}: {f.type} = {json.dumps(config_to_dict(default), default=str)}"
-            + ("  (computed on this machine)" if computed else "")
-        )
-    return lines
-
-
-def _default_problem(cls: type) -> str | None:
-    try:
-        cls()
-    except ValueError as error:
-        return _one_line(error)
-    return None
+    return "\n".join(lines + describe_sections(MasterConfig)) + "\n"

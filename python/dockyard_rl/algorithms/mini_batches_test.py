@@ -12,7 +12,7 @@ import pytest
 import ray
 import torch
 
-from dockyard_rl.algorithms.grpo_config import ConfigError, master_config_from_dict
+from dockyard_rl.algorithms.grpo_config import master_config_from_dict
 from dockyard_rl.algorithms.mini_batches import (
     combine_optimizer_steps,
     mini_batch_plan,
@@ -25,6 +25,7 @@ from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.losses.loss_functions import ClippedPGLossConfig, ClippedPGLossFn
 from dockyard_rl.models.policy.config import OptimizerConfig, PolicyConfig, SchedulerConfig
 from dockyard_rl.models.policy.dtensor_policy import DTensorPolicy
+from dockyard_rl.utils.config_loading import ConfigError
 
 # ---------------------------------------------------------------------------------------------
 # The plan (pure).

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from dockyard_rl.algorithms import validation
-from dockyard_rl.algorithms.grpo_config import ConfigError, GRPOConfig, master_config_from_dict
+from dockyard_rl.algorithms.grpo_config import GRPOConfig, master_config_from_dict
 from dockyard_rl.algorithms.rollouts import Rollout
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.environments.interfaces import EnvironmentResult
 from dockyard_rl.models.generation.interfaces import GenerationSample
+from dockyard_rl.utils.config_loading import ConfigError
 
 
 def _brute_force_pass_at_k(n: int, c: int, k: int) -> float:
