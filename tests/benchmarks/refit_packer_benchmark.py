@@ -16,27 +16,19 @@ Rows, each the median over the repeats (after one warm-up), in GB/s of parameter
   preallocated one: the physical limit on this machine, measured in the same run.
 - ``torch.cat baseline``: the per-tensor flatten + ``torch.cat(..., out=)`` of every tensor's
   bytes into one preallocated buffer (what a packer without buckets would do).
-- ``pack plan``: ``PackPlan.pack(out=...)`` into preallocated buckets: every bucket in one native
-  call (ONE kernel launch on CUDA); the plan is built once, outside the timing, as a sender does.
-- ``iter_pack plan``: ``PackPlan.iter_pack`` into two reused bucket buffers (double buffering):
-  one native call per bucket.
-- ``iter_pack ext`` / ``iter_pack torch``: the functional ``iter_pack`` (validates and converts
-  every tensor on every call), with the C++/CUDA extension or the plain-torch path.
-- ``pack_bucket ext``: the functional ``pack_bucket`` once per bucket, each call given only that
-  bucket's tensors, into two reused buffers (what a sender that gathers one bucket at a time does).
-- ``pack_bucket_from plan``: the same with ``PackPlan.from_manifest(manifest)`` built once and
-  ``plan.pack_bucket_from(bucket_tensors, b, out)`` per bucket (every bucket's tensors validated
-  per call, one native call per bucket).
-- ``unpack_into plan``: ``UnpackPlan.unpack_into`` of every bucket into preallocated destinations
-  (one native call).
-- ``unpack_into ext`` / ``unpack_into torch``: the functional ``unpack_into``.
-- ``unpack (new) ext``: every bucket into new tensors (includes their allocation).
+- ``pack_bucket ext`` / ``pack_bucket torch``: what every sender does (weight_sync's
+  sender_sessions): ``PackPlan(manifest)`` built once, outside the timing, then
+  ``plan.pack_bucket(bucket_tensors, b, out)`` per bucket into two reused buffers (double
+  buffering; every bucket's tensors validated per call, one copy per bucket), with the C++/CUDA
+  extension or the plain-torch path.
+- ``pack (new) ext``: the one-off ``pack`` of every bucket into new tensors (includes their
+  allocation).
 
 ``call ms`` is the host time until the call returns (on CUDA the copies are asynchronous, so this
 is the per-call overhead: validation, launches); ``ms`` includes waiting for the device.
 ``vs memcpy`` is the row's bandwidth over the memcpy row's (the target for pack is >= 50%).
-Every run checks the round trips (functional and plan) byte for byte once. This is a script that
-prints a table, not a test: nothing is asserted about speed.
+Every run checks the round trip (packed buckets read back through ``bucket_views``) byte for byte
+once. This is a script that prints a table, not a test: nothing is asserted about speed.
 """
 
 from __future__ import annotations
@@ -121,13 +113,16 @@ def run(
         return torch.empty(size, dtype=torch.uint8, device=device)
 
     buffers = [new_bucket(manifest.max_bucket_size) for _ in range(2)]
-    bucket_outs = [new_bucket(size) for size in manifest.bucket_sizes]
-    packed = rp.pack(named, manifest)
-    dests = {k: torch.empty_like(v) for k, v in named.items()}
+    per_bucket = [
+        {e.name: named[e.name] for e in manifest.bucket_entries(b)}
+        for b in range(manifest.num_buckets)
+    ]
 
-    def drain(iterator) -> None:
-        for _ in iterator:
-            pass
+    def pack_buckets(plan: rp.PackPlan) -> list[torch.Tensor]:
+        return [
+            plan.pack_bucket(per_bucket[b], b, out=buffers[b % 2])
+            for b in range(manifest.num_buckets)
+        ]
 
     ops = {
         "memcpy (1 buffer)": lambda: dst.copy_(src),
@@ -136,62 +131,36 @@ def run(
         ),
     }
     ext_supports_device = _extension.supports_device(_extension.EXTENSION, device)
-    plan_kind = "ext" if ext_supports_device else "torch"
-    # Built once, as a sender / receiver does; falls back to torch without the extension.
-    pack_plan = rp.PackPlan(named, manifest)
-    unpack_plan = rp.UnpackPlan(manifest, dests)
-    ops[f"pack plan {plan_kind}"] = lambda: pack_plan.pack(out=bucket_outs)
-    ops[f"iter_pack plan {plan_kind}"] = lambda: drain(pack_plan.iter_pack(buffers))
+    # Built once, as a sender does.
     if ext_supports_device:
-        ops["iter_pack ext"] = lambda: drain(
-            rp.iter_pack(named, manifest, buffers, use_extension=True)
-        )
-    ops["iter_pack torch"] = lambda: drain(
-        rp.iter_pack(named, manifest, buffers, use_extension=False)
-    )
-    per_bucket = [
-        {e.name: named[e.name] for e in manifest.bucket_entries(b)}
-        for b in range(manifest.num_buckets)
-    ]
+        ext_plan = rp.PackPlan(manifest, use_extension=True)
+        ops["pack_bucket ext"] = lambda: pack_buckets(ext_plan)
+    torch_plan = rp.PackPlan(manifest, use_extension=False)
+    ops["pack_bucket torch"] = lambda: pack_buckets(torch_plan)
     if ext_supports_device:
-        ops["pack_bucket ext"] = lambda: [
-            rp.pack_bucket(per_bucket[b], manifest, b, out=buffers[b % 2], use_extension=True)
-            for b in range(manifest.num_buckets)
-        ]
-    lazy_plan = rp.PackPlan.from_manifest(manifest, device=device)
-    ops[f"pack_bucket_from plan {plan_kind}"] = lambda: [
-        lazy_plan.pack_bucket_from(per_bucket[b], b, out=buffers[b % 2])
-        for b in range(manifest.num_buckets)
-    ]
-    ops[f"unpack_into plan {plan_kind}"] = lambda: unpack_plan.unpack_into(packed)
-    if ext_supports_device:
-        ops["unpack_into ext"] = lambda: rp.unpack_into(packed, manifest, dests, use_extension=True)
-    ops["unpack_into torch"] = lambda: rp.unpack_into(packed, manifest, dests, use_extension=False)
-    if ext_supports_device:
-        ops["unpack (new) ext"] = lambda: rp.unpack(packed, manifest, use_extension=True)
+        ops["pack (new) ext"] = lambda: rp.pack(named, manifest, use_extension=True)
     seconds = {name: _median_seconds(fn, device, repeats) for name, fn in ops.items()}
 
-    # Correctness once: the functional extension path and the plans both round-trip exactly.
-    def exact() -> bool:
-        _sync(device)
-        return all(
-            torch.equal(dests[k].view(torch.uint8), v.view(torch.uint8)) for k, v in named.items()
-        )
+    # Correctness once: both paths' buckets read back bit for bit (pack_bucket writes into the
+    # two shared buffers, so each bucket is read before the next call reuses its buffer).
+    def exact(plan: rp.PackPlan) -> bool:
+        same = True
+        for b in range(manifest.num_buckets):
+            bucket = plan.pack_bucket(per_bucket[b], b, out=buffers[b % 2])
+            _sync(device)
+            for name, view in rp.bucket_views(bucket, manifest, b).items():
+                same &= torch.equal(view.view(torch.uint8), named[name].view(torch.uint8))
+        return same
 
-    rp.unpack_into(rp.pack(named, manifest), manifest, dests)
-    functional_exact = exact()
-    for d in dests.values():
-        d.zero_()
-    unpack_plan.unpack_into(pack_plan.pack())
-    plan_exact = exact()
-    assert pack_plan.num_rebuilds == 0 and unpack_plan.num_rebuilds == 0
+    plans = [torch_plan] + ([ext_plan] if ext_supports_device else [])
+    round_trip_exact = all(exact(plan) for plan in plans)
     memcpy_gbps = total / seconds["memcpy (1 buffer)"][1] / 1e9
     rows = []
     for name, (call_s, s) in seconds.items():
         gbps = total / s / 1e9
         dtype_name = str(dtype).removeprefix("torch.")
         rows.append((dtype_name, name, call_s * 1e3, s * 1e3, gbps, gbps / memcpy_gbps))
-    return rows, total, manifest.num_buckets, functional_exact and plan_exact
+    return rows, total, manifest.num_buckets, round_trip_exact
 
 
 def main() -> None:

@@ -21,10 +21,9 @@ from dockyard_rl.kernels.logprobs import gather_logprobs, gather_logprobs_refere
 from dockyard_rl.kernels.refit_packer import (
     Manifest,
     TensorEntry,
+    bucket_views,
     pack,
     plan_buckets,
-    unpack,
-    unpack_into,
 )
 
 __all__ = [
@@ -32,12 +31,11 @@ __all__ = [
     "HAS_EXTENSION",
     "Manifest",
     "TensorEntry",
+    "bucket_views",
     "gather_logprobs",
     "gather_logprobs_reference",
     "group_advantages",
     "group_advantages_reference",
     "pack",
     "plan_buckets",
-    "unpack",
-    "unpack_into",
 ]

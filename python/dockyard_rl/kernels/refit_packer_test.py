@@ -41,7 +41,7 @@ def test_facade_re_exports_the_parts():
     for module in (refit_manifest, refit_planning, refit_copy):
         assert set(module.__all__) <= set(refit_packer.__all__), module.__name__
     assert refit_packer.DTYPES["bfloat16"] is torch.bfloat16
-    for name in ("Manifest", "TensorEntry", "pack", "plan_buckets", "unpack", "unpack_into"):
+    for name in ("Manifest", "TensorEntry", "bucket_views", "pack", "plan_buckets"):
         assert getattr(kernels, name) is getattr(refit_packer, name)
 
 
@@ -56,17 +56,17 @@ def _model() -> dict[str, torch.Tensor]:
 
 
 def test_vllm_backend_usage(ext):
-    # vllm_generation_test / vllm_multi_engine_test: pack_bucket per bucket from ALL the tensors;
-    # vllm_worker_extension: Manifest.from_dict, then unpack_bucket(copy=False) views.
+    # vllm_generation_test / vllm_multi_engine_test: pack of ALL the tensors;
+    # vllm_worker_extension: Manifest.from_dict, then bucket_views.
     named = _model()
     manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(named), 256)
     assert manifest.num_buckets > 1
-    buckets = [refit_packer.pack_bucket(named, manifest, b) for b in range(manifest.num_buckets)]
+    buckets = refit_packer.pack(named, manifest)
     received = refit_packer.Manifest.from_dict(json.loads(json.dumps(manifest.to_dict())))
     assert isinstance(received, refit_packer.Manifest) and received == manifest
     views = {}
     for b, bucket in enumerate(buckets):
-        views.update(refit_packer.unpack_bucket(bucket, received, b, copy=False))
+        views.update(refit_packer.bucket_views(bucket, received, b))
     assert set(views) == set(named)
     for e in received.tensors:
         assert torch.equal(views[e.name], named[e.name]), e.name
@@ -77,24 +77,19 @@ def test_vllm_backend_usage(ext):
     assert refit_packer.DTYPES[received.tensors[0].dtype].is_floating_point
 
 
-def test_documented_flows(ext):
+def test_documented_flow(ext):
     named = _model()
     manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(named), 256, 16)
     expected = refit_packer.pack(named, manifest)
-    # Sender with a plan, double-buffered; receiver with a plan.
+    # Sender (weight_sync.sender_sessions): one plan, then each bucket's tensors as they come
+    # (new objects, as an all-gather makes them), double-buffered.
     buffers = [torch.empty(manifest.max_bucket_size, dtype=torch.uint8) for _ in range(2)]
-    dests = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in named.items()}
-    receiver = refit_packer.UnpackPlan(refit_packer.Manifest.from_dict(manifest.to_dict()), dests)
-    for b, bucket in enumerate(refit_packer.PackPlan(named, manifest).iter_pack(buffers)):
-        assert torch.equal(bucket, expected[b])
-        receiver.unpack_bucket_into(bucket, b)
-    for name, t in named.items():
-        assert torch.equal(dests[name], t), name
-    # Sender whose tensors come one bucket at a time.
-    lazy = refit_packer.PackPlan.from_manifest(manifest)
+    plan = refit_packer.PackPlan(manifest)
+    received = refit_packer.Manifest.from_dict(manifest.to_dict())
     for b in range(manifest.num_buckets):
         bucket_named = {e.name: named[e.name].clone() for e in manifest.bucket_entries(b)}
-        assert torch.equal(lazy.pack_bucket_from(bucket_named, b, out=buffers[b % 2]), expected[b])
-    # Functional round trip.
-    out = refit_packer.unpack(expected, manifest)
-    assert all(torch.equal(out[k], v) for k, v in named.items())
+        bucket = plan.pack_bucket(bucket_named, b, out=buffers[b % 2])
+        assert torch.equal(bucket, expected[b])
+        # Receiver: views of the bucket, read before the buffer comes round again.
+        for name, view in refit_packer.bucket_views(bucket, received, b).items():
+            assert torch.equal(view, named[name]), name

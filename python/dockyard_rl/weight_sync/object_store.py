@@ -33,11 +33,11 @@ class ObjectStoreWeightSynchronizer(PushWeightSynchronizer):
     async def _push(self, version: int) -> None:
         start = time.monotonic()
         manifest = self.manifest
-        pack_plan = refit_packer.PackPlan.from_manifest(manifest)
+        pack_plan = refit_packer.PackPlan(manifest)
         buckets, pack_seconds = [], 0.0
         for b, named in iter_manifest_buckets(manifest, self.policy.iter_refit_weights()):
             packing = time.monotonic()
-            buckets.append(pack_plan.pack_bucket_from(named, b))
+            buckets.append(pack_plan.pack_bucket(named, b))
             pack_seconds += time.monotonic() - packing
         await self.generation.update_weights_from_buckets(manifest.to_dict(), buckets, version)
         seconds = time.monotonic() - start

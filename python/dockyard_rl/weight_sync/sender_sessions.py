@@ -63,7 +63,7 @@ def open_session(
             module = transport_registry.transport_module(transport)
             _SESSIONS[session] = _Session(
                 module.create_sender(manifest, {**options, "session": session}),
-                refit_packer.PackPlan.from_manifest(manifest),
+                refit_packer.PackPlan(manifest),
             )
         return _SESSIONS[session].sender.endpoint()
 
@@ -117,7 +117,7 @@ def send_weights(
         packing = time.monotonic()
         # The sender's buffers decide the device (e.g. CPU buckets for HTTP from a GPU trainer).
         named = {name: tensor.to(out.device) for name, tensor in named.items()}
-        bucket = pack_plan.pack_bucket_from(named, bucket_index, out=out)
+        bucket = pack_plan.pack_bucket(named, bucket_index, out=out)
         pack_seconds += time.monotonic() - packing
         sender.send(bucket_index, bucket)
         expected += 1

@@ -101,11 +101,12 @@ def _sender_process(transport: str, session: str, options: dict, endpoint_queue,
     )
     session_sender = sender_sessions._SESSIONS[session].sender
     session_sender.begin(manifest, 1)
+    plan = refit_packer.PackPlan(manifest)
     for b, named in iter_manifest_buckets(manifest, _weights().items()):
         if b == die_after:
             os._exit(3)
         out = session_sender.buffer(b)
-        session_sender.send(b, refit_packer.pack_bucket(named, manifest, b, out=out))
+        session_sender.send(b, plan.pack_bucket(named, b, out=out))
         time.sleep(0.2)  # let the bucket leave before dying
     os._exit(0)
 

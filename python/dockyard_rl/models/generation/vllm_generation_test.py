@@ -124,7 +124,7 @@ def _by_index(samples):
 
 def _push(loop, engine, named, version, bucket_size_bytes=64 << 20):
     manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(named), bucket_size_bytes)
-    buckets = [refit_packer.pack_bucket(named, manifest, b) for b in range(manifest.num_buckets)]
+    buckets = refit_packer.pack(named, manifest)
     loop.run_until_complete(
         engine.update_weights_from_buckets(manifest.to_dict(), buckets, version)
     )
@@ -416,9 +416,7 @@ def test_wrong_manifest_is_rejected_before_the_engine_is_touched(loop, engine, o
     perturbed = _perturbed(original_weights)
     for named, message in _bad_manifests(perturbed):
         manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(named), 64 << 20)
-        buckets = [
-            refit_packer.pack_bucket(named, manifest, b) for b in range(manifest.num_buckets)
-        ]
+        buckets = refit_packer.pack(named, manifest)
         with pytest.raises(ValueError, match=message):
             loop.run_until_complete(
                 engine.update_weights_from_buckets(manifest.to_dict(), buckets, version + 1)
@@ -426,9 +424,7 @@ def test_wrong_manifest_is_rejected_before_the_engine_is_touched(loop, engine, o
 
     # Right manifest, wrong buckets or version.
     manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(perturbed), 64 << 20)
-    buckets = [
-        refit_packer.pack_bucket(perturbed, manifest, b) for b in range(manifest.num_buckets)
-    ]
+    buckets = refit_packer.pack(perturbed, manifest)
     with pytest.raises(ValueError, match="buckets but the manifest has"):
         loop.run_until_complete(
             engine.update_weights_from_buckets(manifest.to_dict(), buckets[:-1], version + 1)
@@ -495,9 +491,7 @@ def test_in_flight_update_during_a_long_generation(
     # The same weights under a new version: running requests keep (or recompute) their KV cache
     # with equal weights, so their greedy tokens must equal an uninterrupted run's.
     manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(original_weights), 64 << 20)
-    buckets = [
-        refit_packer.pack_bucket(original_weights, manifest, b) for b in range(manifest.num_buckets)
-    ]
+    buckets = refit_packer.pack(original_weights, manifest)
 
     async def generate_while_updating():
         iterator = engine.generate(

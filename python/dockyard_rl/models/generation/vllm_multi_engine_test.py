@@ -122,7 +122,7 @@ def _greedy(loop, engine, prompts):
 
 def _push(loop, engine, named, version):
     manifest = refit_packer.plan_buckets(refit_packer.describe_tensors(named), 1 << 20)
-    buckets = [refit_packer.pack_bucket(named, manifest, b) for b in range(manifest.num_buckets)]
+    buckets = refit_packer.pack(named, manifest)
     loop.run_until_complete(
         engine.update_weights_from_buckets(manifest.to_dict(), buckets, version)
     )

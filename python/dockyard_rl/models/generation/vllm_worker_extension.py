@@ -15,7 +15,7 @@ each layer's checkpoint-format parameters, feeds the HF-named tensors through th
 `load_weights` (which maps HF names to vLLM's and fills fused tensors such as `qkv_proj` and
 `gate_up_proj` from their `q/k/v_proj`, `gate/up_proj` parts, and shards them per TP rank), then
 re-runs the layer's post-processing (repacking) in place. Tensors are handed to it as views into
-the received buckets (`refit_packer.unpack_bucket(copy=False)`).
+the received buckets (`refit_packer.bucket_views`).
 
 Buckets reach the worker in one of two ways. Through the engine actor (transports object_store
 and http): as raw bytes, one `collective_rpc` per bucket, because vLLM's client -> engine-core RPC
@@ -169,7 +169,7 @@ def _iter_named_views(
     for b, bucket in enumerate(buckets):
         if bucket.device != device:
             bucket = bucket.to(device)  # one bucket at a time bounds the extra device memory
-        yield from refit_packer.unpack_bucket(bucket, manifest, b, copy=False).items()
+        yield from refit_packer.bucket_views(bucket, manifest, b).items()
 
 
 def _refresh_tied_kernels(model: torch.nn.Module) -> None:
