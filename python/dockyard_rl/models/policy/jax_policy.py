@@ -36,7 +36,9 @@ k1/k2/k3, and the same metrics (tests compare values and gradients against the t
 implementation). Any other loss callable satisfying
 `LossFunction` is WRAPPED instead: per microbatch, log-probs are computed in jax, handed to the
 torch loss as a leaf tensor, `backward()` gives d loss / d logprobs, and a jax VJP pulls that
-cotangent back to the parameters (one extra forward pass per microbatch).
+cotangent back to the parameters (one extra forward pass per microbatch). Its user: the supervised
+warm start (algorithms/warm_start.py) trains with `SupervisedLossFn` through the policy's own
+`train`, so a run with `policy.backend: jax` and a `warm_start` section takes this path.
 
 Dtypes. Parameters, gradients and the AdamW moments are float32 (master weights), as in the
 DTensor backend. `policy.dtype: bfloat16` makes it the compute dtype: each forward pass casts the
