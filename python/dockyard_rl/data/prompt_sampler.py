@@ -72,7 +72,7 @@ class PromptSampler:
         return order
 
     def next_batch(self) -> list[int]:
-        batch = []
+        batch: list[int] = []
         while len(batch) < self.batch_size:
             if self._order is None:
                 self._order = self.permutation(self._epoch)

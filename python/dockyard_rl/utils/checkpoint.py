@@ -95,7 +95,7 @@ class CheckpointingConfig:
     higher_is_better: bool = True
     export_hf: bool = True  # a Hugging Face export in every checkpoint (module docstring)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("enabled", "higher_is_better", "export_hf"):
             require(
                 isinstance(getattr(self, name), bool),
@@ -133,7 +133,7 @@ class CheckpointingConfig:
             f"keep every checkpoint",
         )
 
-    def resolve_dir(self, run_dir: str | os.PathLike) -> pathlib.Path:
+    def resolve_dir(self, run_dir: str | os.PathLike[str]) -> pathlib.Path:
         """`checkpoint_dir` as an absolute path: kept when absolute, else under `run_dir`."""
         path = pathlib.Path(self.checkpoint_dir).expanduser()
         return path if path.is_absolute() else (pathlib.Path(run_dir) / path).absolute()
@@ -206,7 +206,7 @@ def _write_json_durably(path: pathlib.Path, payload: Mapping[str, Any]) -> None:
 
 
 def publish_directory(
-    directory: str | os.PathLike,
+    directory: str | os.PathLike[str],
     write: Callable[[pathlib.Path], None],
     *,
     tmp_prefix: str | None = None,
@@ -261,7 +261,7 @@ class CheckpointManager:
     leftovers of crashed saves and deletions and `step_*` directories without a valid manifest.
     """
 
-    def __init__(self, config: CheckpointingConfig, root: str | os.PathLike):
+    def __init__(self, config: CheckpointingConfig, root: str | os.PathLike[str]):
         self.config = config
         self.root = pathlib.Path(root).absolute()
         if self.root.exists() and not self.root.is_dir():

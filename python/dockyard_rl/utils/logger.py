@@ -99,7 +99,7 @@ class LoggerConfig:
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
     mlflow: MlflowConfig = dataclasses.field(default_factory=MlflowConfig)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(
             isinstance(self.log_dir, str) and bool(self.log_dir),
             "log_dir",
@@ -223,11 +223,11 @@ class Logger:
                 f"{type(params).__name__}"
             )
         # JSON round trip: plain types only, so every backend can store it.
-        params = json.loads(json.dumps(dict(params), default=str))
+        plain: dict[str, Any] = json.loads(json.dumps(dict(params), default=str))
         with self._lock:
-            self._hyperparams = params
+            self._hyperparams = plain
             atomic_write_text(
-                self.run_dir / CONFIG_FILE, json.dumps(params, indent=2, sort_keys=True) + "\n"
+                self.run_dir / CONFIG_FILE, json.dumps(plain, indent=2, sort_keys=True) + "\n"
             )
             if self._opened:
                 self._send_hyperparams()
@@ -364,7 +364,7 @@ class Logger:
     def _send_hyperparams(self) -> None:
         self._call_backends("log_hyperparams", self._hyperparams)
 
-    def _call_backends(self, method: str, *args) -> None:
+    def _call_backends(self, method: str, *args: Any) -> None:
         # A backend is a side channel: one that fails mid-run (a full disk, a W&B hiccup) is
         # dropped with a warning rather than ending a long training run. Set-up errors raise
         # (in _open), and JSONL, the source of truth, is not a backend.

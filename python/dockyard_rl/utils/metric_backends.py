@@ -44,7 +44,7 @@ class WandbConfig:
     name: str | None = None  # the W&B run's display name; null = the Logger's run name
     mode: str = "offline"  # offline (files under run_dir/wandb) | online | disabled
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(
             isinstance(self.enabled, bool),
             "enabled",
@@ -77,7 +77,7 @@ class MlflowConfig:
     experiment_name: str = "dockyard_rl"
     run_name: str | None = None  # null = the Logger's run name
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         require(
             isinstance(self.enabled, bool),
             "enabled",
@@ -224,11 +224,11 @@ class MlflowBackend:
             if experiment is not None
             else self._client.create_experiment(config.experiment_name)
         )
-        self.run_id = None
+        resumed_run_id = None
         if run_id is not None:
             try:
                 self._client.update_run(run_id, status="RUNNING")
-                self.run_id = run_id
+                resumed_run_id = run_id
             except MlflowException as error:  # the store was moved or deleted since
                 _log.warning(
                     "MLflow run %s of the resumed run is not in %s (%s); starting a new MLflow run",
@@ -236,10 +236,13 @@ class MlflowBackend:
                     tracking_uri,
                     error,
                 )
-        if self.run_id is None:
-            self.run_id = self._client.create_run(
+        self.run_id: str = (
+            resumed_run_id
+            if resumed_run_id is not None
+            else self._client.create_run(
                 experiment_id, run_name=config.run_name or run_name
             ).info.run_id
+        )
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         from mlflow.entities import Metric

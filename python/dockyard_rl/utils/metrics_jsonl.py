@@ -14,12 +14,12 @@ import json
 import logging
 import os
 import pathlib
-from typing import Any
+from typing import Any, TextIO
 
 _log = logging.getLogger(__name__)
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The rows of a metrics.jsonl file, in file order; a torn or garbled line is skipped."""
     path = pathlib.Path(path)
     if not path.exists():
@@ -47,7 +47,7 @@ class JsonlWriter:
 
     def __init__(self, path: pathlib.Path):
         self._path = path
-        self._file = None
+        self._file: TextIO | None = None
 
     def truncate_after(self, step: int) -> int:
         """Keeps rows with step <= `step` (and drops a torn last line); returns the number dropped.

@@ -13,7 +13,7 @@ from dockyard_rl.utils.metrics_jsonl import read_jsonl
 
 
 def plot_metrics(
-    metrics_path: str | os.PathLike, plot_path: str | os.PathLike, title: str = ""
+    metrics_path: str | os.PathLike[str], plot_path: str | os.PathLike[str], title: str = ""
 ) -> pathlib.Path:
     """Draws training reward, training resolve rate and validation curves from metrics.jsonl.
 

@@ -131,7 +131,7 @@ class TrainerState:
     config_text: str = ""
     extras: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("step", "weight_version"):
             value = getattr(self, name)
             if not is_int(value) or value < 0:
@@ -158,7 +158,7 @@ class TrainerState:
                 )
 
 
-def save_trainer_state(directory: str | os.PathLike, state: TrainerState) -> None:
+def save_trainer_state(directory: str | os.PathLike[str], state: TrainerState) -> None:
     """Writes `state` into `directory` (created; must be absent or empty so that no stale extra
     survives). trainer_state.json is written last. Not atomic by itself: call it inside
     `CheckpointManager.save`'s `write`."""
@@ -198,7 +198,7 @@ def save_trainer_state(directory: str | os.PathLike, state: TrainerState) -> Non
     )
 
 
-def load_trainer_state(directory: str | os.PathLike) -> TrainerState:
+def load_trainer_state(directory: str | os.PathLike[str]) -> TrainerState:
     """Reads what `save_trainer_state` wrote (extras' tensors onto the CPU). It unpickles:
     trusted checkpoints only. The RNG states are returned, not applied: call
     `state.rng.restore()`.
