@@ -16,13 +16,13 @@ generated with seed `utils/seeding.sample_seed(run_seed, purpose, key, instance_
 so a resumed run samples what the killed run sampled (same weights, same engine layout).
 `sample_digest` fingerprints a sample's tokens for the per-step sample log.
 
-`build_train_batch`: the (B, S) tensors the policy trains on (legend: B = samples, S = tokens,
-right-padded prompt + response). A group whose samples are all masked (no verdict: sandbox
-infrastructure errors) is dropped and counted, never trained on as zeros; masked samples of other
-groups stay in with sample_mask 0. Advantages are leave-one-out per group (algorithms/advantages.py)
-over the valid samples. `generation_logprobs` are the engine's log-probs of the sampled tokens
-(what the importance-sampling correction of async GRPO compares against); the trainer's own
-`prev_logprobs` are recomputed by the loop.
+`build_train_batch`: the (B, S) tensors the policy trains on (keys: `batch_layouts.RolloutBatch`;
+legend: B = samples, S = tokens, right-padded prompt + response). A group whose samples are all
+masked (no verdict: sandbox infrastructure errors) is dropped and counted, never trained on as
+zeros; masked samples of other groups stay in with sample_mask 0. Advantages are leave-one-out per
+group (algorithms/advantages.py) over the valid samples. `generation_logprobs` are the engine's
+log-probs of the sampled tokens (what the importance-sampling correction of async GRPO compares
+against); the trainer's own `prev_logprobs` are recomputed by the loop.
 
 Multi-turn episodes are agent_rollouts.py's (same `Rollout`, and `build_train_batch` masks their
 tool outputs). Not covered: prompts longer than the engine's
@@ -46,6 +46,7 @@ from dockyard_rl.algorithms.advantages import (
 )
 from dockyard_rl.data.patch_formats import git_file_reader, parse_model_output
 from dockyard_rl.data.schema import SweInstance
+from dockyard_rl.distributed.batch_layouts import RolloutBatch
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.environments.agent_env import agent_metrics
 from dockyard_rl.environments.interfaces import EnvironmentResult
@@ -222,15 +223,9 @@ class BatchStats:
 
 def build_train_batch(
     rollout: Rollout, advantage_cfg: AdvantageConfig, pad_token_id: int = 0
-) -> tuple[BatchedDataDict | None, BatchStats]:
+) -> tuple[BatchedDataDict[RolloutBatch] | None, BatchStats]:
     """The training batch of `rollout` (module docstring); None when every group was dropped.
-
-    Keys: input_ids (B, S) int64, input_lengths (B,), token_mask (B, S) float (1 on response
-    tokens the policy generated: a multi-turn sample's `response_mask` zeroes its tool outputs),
-    sample_mask (B,) float, advantages (B, S) float (the sample's advantage on each
-    response token), generation_logprobs (B, S) float (the engine's, 0 off the response),
-    weight_version (B,) int64 (the oldest version that produced the sample).
-    """
+    Its keys are `batch_layouts.RolloutBatch` without the optional log-probs the loop adds."""
     n = rollout.num_samples
     num_groups = len(rollout.instances)
     mask_GN = rollout.sample_mask_B.view(num_groups, n)
@@ -265,24 +260,29 @@ def build_train_batch(
         generation_logprobs=generation_logprobs_BS,
         weight_version=torch.tensor([s.oldest_weight_version for s in samples]),
     )
-    return batch, stats
+    return batch.validate(RolloutBatch, allow_extra_keys=False), stats
 
 
 def pack_sequences(
     pairs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_token_id: int
-) -> BatchedDataDict:
+) -> BatchedDataDict[Any]:
     """(prompt ids, response ids) pairs as the policy's (B, S) layout: input_ids (prompt +
     response, right-padded with `pad_token_id`), input_lengths (B,), token_mask (1 on the
-    response tokens)."""
-    lengths = [len(prompt) + len(response) for prompt, response in pairs]
-    input_ids_BS = torch.full((len(pairs), max(lengths)), pad_token_id, dtype=torch.int64)
-    token_mask_BS = torch.zeros(len(pairs), max(lengths))
-    for b, (prompt, response) in enumerate(pairs):
-        input_ids_BS[b, : lengths[b]] = torch.tensor(list(prompt) + list(response))
-        token_mask_BS[b, len(prompt) : lengths[b]] = 1.0
-    return BatchedDataDict(
-        input_ids=input_ids_BS, input_lengths=torch.tensor(lengths), token_mask=token_mask_BS
+    response tokens, 0 on prompt and padding); see batch_layouts.TrainBatch."""
+    packed = BatchedDataDict.from_sequences(
+        {
+            "input_ids": [
+                torch.tensor([*prompt, *response], dtype=torch.int64) for prompt, response in pairs
+            ],
+            "token_mask": [
+                torch.cat([torch.zeros(len(prompt)), torch.ones(len(response))])
+                for prompt, response in pairs
+            ],
+        },
+        pad_values={"input_ids": pad_token_id},
+        lengths_key="input_lengths",
     )
+    return packed.select_keys(("input_ids", "input_lengths", "token_mask"))  # the layout's order
 
 
 def pad_to_dp_multiple(batch: BatchedDataDict, multiple: int) -> BatchedDataDict:
@@ -307,7 +307,7 @@ def assemble_train_batch(
     advantage_cfg: AdvantageConfig,
     pad_token_id: int,
     dp_size: int,
-) -> tuple[BatchedDataDict | None, list[BatchStats]]:
+) -> tuple[BatchedDataDict[RolloutBatch] | None, list[BatchStats]]:
     """One step's training batch from its rollouts: `build_train_batch` of each, concatenated
     (right-padded to the widest), padded to a multiple of `dp_size` (`pad_to_dp_multiple`).
     None when every group was dropped. The one place a step's batch is built: the driver's

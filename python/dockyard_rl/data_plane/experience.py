@@ -188,9 +188,8 @@ def send_step_shards(
 ) -> RemoteBatch:
     """Sends shard r of `batch` to receiver r (`senders[r]`) and returns the handle.
 
-    `batch` is a padded training batch (rollouts.assemble_train_batch: input_ids,
-    input_lengths, token_mask, sample_mask, weight_version, ...; size a multiple of
-    len(senders)). `num_valid`: `loss_functions.count_valid(batch)`. Blocks until every rank
+    `batch` is a padded training batch (rollouts.assemble_train_batch; its keys:
+    distributed/batch_layouts.RolloutBatch; size a multiple of len(senders)). `num_valid`: `loss_functions.count_valid(batch)`. Blocks until every rank
     acknowledged its shard.
 
     Raises:

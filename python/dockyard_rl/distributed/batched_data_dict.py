@@ -12,27 +12,24 @@ Equal length along dim 0 is checked whenever fields change (construction, `__set
 was made, with a `ValueError` naming each field and its length.
 
 Which keys a batch holds is declared with a `TypedDict` and the generic parameter
-(`BatchedDataDict[GenerationOutputSpec]`); that is for type checkers only. `validate(spec)` checks
-it at runtime (missing keys, and tensor-vs-list for fields annotated `torch.Tensor` / `list[...]`).
+(`BatchedDataDict[RolloutBatch]`; the GRPO loop's layouts are declared once, in
+batch_layouts.py); that is for type checkers only. `validate(spec)` checks it at runtime (missing
+keys, extra keys on request, and tensor-vs-list for fields annotated `torch.Tensor` /
+`list[...]`).
 
 Operations (all return new containers; the receiver is never modified):
 
-- selection: `slice`, `truncate`, `select_indices`, `select_keys`;
-- data-parallel sharding: `shard_by_batch_size` (optionally per step-sized chunk, optionally
-  balanced by sequence length) returning a `ShardedBatch` whose `unshard` restores the original
-  order of per-shard results;
-- padding along dim 0: `pad_to_multiple` (+ `truncate` to undo); along dim 1 for
-  variable-length sequences: `pad_sequences` and `BatchedDataDict.from_sequences`;
-- microbatches: `make_microbatch_iterator` (fixed size) and
-  `make_microbatch_iterator_by_tokens` (consecutive samples under a token budget, for sequence
-  packing);
-- `concat`, `repeat_interleave`, `to`, `copy` (shallow), `clone` (deep).
+- selection: `slice`, `select_indices`, `select_keys`;
+- data-parallel sharding: `shard_by_batch_size` (optionally balanced by sequence length)
+  returning a `ShardedBatch` whose `unshard` restores the original order of per-shard results;
+- padding along dim 1 for variable-length sequences: `pad_sequences` and
+  `BatchedDataDict.from_sequences`;
+- microbatches: `make_microbatch_iterator` (fixed size);
+- `concat`, `to`, `copy` (shallow).
 
-Sharing: like torch indexing, `slice`/`truncate`/`select_keys`/`copy` give tensors that share
-storage with the receiver (basic slicing returns views), while `select_indices`,
-`repeat_interleave`, `concat` and padding allocate new tensors. Lists are always new list objects,
-but their elements are shared references (a metadata dict repeated by `repeat_interleave` is the
-same dict N times). Use `clone()` for a fully independent batch.
+Sharing: like torch indexing, `slice`/`select_keys`/`copy` give tensors that share storage with
+the receiver (basic slicing returns views), while `select_indices`, `concat` and padding allocate
+new tensors. Lists are always new list objects, but their elements are shared references.
 
 Not covered: nested `BatchedDataDict`s as fields, numpy arrays or tuples as fields (convert them
 to tensors / lists), and moving data between processes (Ray pickles the dict as-is).
@@ -42,7 +39,6 @@ Shape suffixes: B = batch (samples), S = sequence (tokens).
 
 from __future__ import annotations
 
-import copy as copy_module
 import dataclasses
 import heapq
 import types
@@ -52,7 +48,9 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-T = TypeVar("T")
+# Covariant: a batch with more keys (`BatchedDataDict[RolloutBatch]`) may go where fewer are
+# read (`BatchedDataDict[LogprobBatch]`), as its TypedDict is a subtype of the smaller one.
+T_co = TypeVar("T_co", covariant=True)
 
 # A batch field: a tensor with a leading batch dim, or a list of per-sample objects.
 BatchField = torch.Tensor | list
@@ -246,10 +244,10 @@ def _required_keys(spec: type) -> set[str]:
     return required
 
 
-class BatchedDataDict(dict, Generic[T]):
+class BatchedDataDict(dict, Generic[T_co]):
     """A dict of batch fields (tensors / lists) that all hold one entry per sample along dim 0.
 
-    `T` is a `TypedDict` naming the keys (`BatchedDataDict[RolloutSpec]`); it is not enforced
+    `T_co` is a `TypedDict` naming the keys (`BatchedDataDict[RolloutBatch]`); it is not enforced
     unless `validate(spec)` is called. See the module docstring for sharing semantics.
 
     Raises (on construction and on every write):
@@ -284,12 +282,12 @@ class BatchedDataDict(dict, Generic[T]):
             self[key] = default  # type: ignore[assignment]
         return self[key]
 
-    def __or__(self, other: Any) -> BatchedDataDict[T]:
+    def __or__(self, other: Any) -> BatchedDataDict[T_co]:
         if not isinstance(other, Mapping):
             return NotImplemented
         return type(self)({**self, **other})
 
-    def __ior__(self, other: Any) -> BatchedDataDict[T]:
+    def __ior__(self, other: Any) -> BatchedDataDict[T_co]:
         self.update(other)
         return self
 
@@ -311,7 +309,7 @@ class BatchedDataDict(dict, Generic[T]):
         _check_equal_lengths(self, "BatchedDataDict")
         return _field_len(next(iter(self.values())))
 
-    def validate(self, spec: type, allow_extra_keys: bool = True) -> BatchedDataDict[T]:
+    def validate(self, spec: type, allow_extra_keys: bool = True) -> BatchedDataDict[T_co]:
         """Checks this batch against a `TypedDict` spec; returns self for chaining.
 
         Checks that every required key of `spec` is present, that fields annotated
@@ -350,7 +348,7 @@ class BatchedDataDict(dict, Generic[T]):
 
     # -------------------------------------------------------------------------- selection
 
-    def _map(self, fn_tensor: Any, fn_list: Any) -> BatchedDataDict[T]:
+    def _map(self, fn_tensor: Any, fn_list: Any) -> BatchedDataDict[T_co]:
         """A new batch with every field transformed by the function for its kind."""
         return type(self)(
             {
@@ -359,7 +357,7 @@ class BatchedDataDict(dict, Generic[T]):
             }
         )
 
-    def slice(self, start: int, end: int) -> BatchedDataDict[T]:
+    def slice(self, start: int, end: int) -> BatchedDataDict[T_co]:
         """Samples `[start, end)`; tensors are views of the receiver's storage.
 
         Raises:
@@ -381,25 +379,7 @@ class BatchedDataDict(dict, Generic[T]):
             )
         return self._map(lambda t: t[start:end], lambda lst: lst[start:end])
 
-    def truncate(self, num_samples: int) -> BatchedDataDict[T]:
-        """The first `num_samples` samples; undoes `pad_to_multiple`.
-
-        Raises:
-            ValueError: `num_samples` is negative or larger than the batch.
-        """
-        batch_size = self.batch_size
-        if (
-            isinstance(num_samples, bool)
-            or not isinstance(num_samples, int)
-            or not 0 <= num_samples <= batch_size
-        ):
-            raise ValueError(
-                f"truncate({num_samples!r}) needs an int in [0, {batch_size}] "
-                f"(the batch has {batch_size} samples)"
-            )
-        return self.slice(0, num_samples)
-
-    def select_indices(self, indices: Sequence[int] | torch.Tensor) -> BatchedDataDict[T]:
+    def select_indices(self, indices: Sequence[int] | torch.Tensor) -> BatchedDataDict[T_co]:
         """The samples at `indices`, in that order (repeats allowed); tensors are new copies.
 
         Args:
@@ -500,22 +480,16 @@ class BatchedDataDict(dict, Generic[T]):
         return lengths
 
     def shard_by_batch_size(
-        self, num_shards: int, batch_size: int | None = None, balance_by: str | None = None
-    ) -> ShardedBatch[T]:
+        self, num_shards: int, *, balance_by: str | None = None
+    ) -> ShardedBatch[T_co]:
         """Splits the batch into `num_shards` equally sized data-parallel shards.
 
-        Without `batch_size`, shard r gets a contiguous block of batch_size / num_shards
-        samples. With `batch_size` (a training step's global batch), the batch is first cut into
-        consecutive chunks of `batch_size` samples and each chunk is split across the shards, so
-        shard r holds `batch_size / num_shards` samples of chunk 0, then of chunk 1, ...: every
-        rank gets its equal share of every step, and iterating a shard in steps of
-        `batch_size / num_shards` visits the chunks in order.
-
-        With `balance_by` (a key of per-sample lengths, e.g. "input_lengths"), samples of each
-        chunk are assigned so that every shard gets the same number of samples and shard totals
-        of tokens are as equal as greedy longest-first bin-packing makes them: samples are
-        taken longest first and each goes to the non-full shard with the fewest tokens so far
-        (ties: lowest shard index). Within a shard, samples keep their original relative order.
+        Without `balance_by`, shard r gets the r-th contiguous block of batch_size / num_shards
+        samples (views, no copy). With `balance_by` (a key of per-sample lengths, e.g.
+        "input_lengths"), every shard gets the same number of samples and shard totals of tokens
+        are as equal as greedy longest-first bin-packing makes them: samples are taken longest
+        first and each goes to the non-full shard with the fewest tokens so far (ties: lowest
+        shard index). Within a shard, samples keep their original relative order.
 
         Returns:
             A `ShardedBatch`: `.shards[r]` and `.shard_indices[r]` (the original position of
@@ -523,102 +497,30 @@ class BatchedDataDict(dict, Generic[T]):
             original order.
 
         Raises:
-            ValueError: `num_shards` / `batch_size` not positive ints, sizes that do not divide
-                (the message names the numbers and the fix), or a bad `balance_by` field.
+            ValueError: `num_shards` not a positive int, a batch size it does not divide (the
+                message names the numbers and the fix), or a bad `balance_by` field.
         """
         _check_positive_int(num_shards, "num_shards", "pass the data-parallel world size")
         total = self.batch_size
-        if batch_size is None:
-            chunk_size = total
-        else:
-            _check_positive_int(
-                batch_size, "batch_size", "pass the global batch size of one step, or None"
-            )
-            if total % batch_size != 0:
-                raise ValueError(
-                    f"cannot cut {total} samples into chunks of batch_size="
-                    f"{batch_size}: {total} is not a multiple of {batch_size}; "
-                    f"pad with pad_to_multiple({batch_size}) first (and truncate "
-                    f"the results), or choose a batch_size that divides {total}"
-                )
-            chunk_size = batch_size
-        if chunk_size % num_shards != 0:
-            what = f"batch_size={batch_size}" if batch_size is not None else f"{total} samples"
+        if total % num_shards != 0:
             raise ValueError(
-                f"cannot split {what} into {num_shards} equal shards: {chunk_size} "
-                f"is not a multiple of num_shards={num_shards}; "
-                + (
-                    f"pad with pad_to_multiple({num_shards}) first (and truncate the results)"
-                    if batch_size is None
-                    else f"choose a batch_size that is a multiple of {num_shards}"
-                )
+                f"cannot split {total} samples into {num_shards} equal shards: {total} is not a "
+                f"multiple of num_shards={num_shards}; pad the batch to a multiple of "
+                f"{num_shards} samples first (the GRPO loop pads with masked copies of a "
+                f"sample: algorithms/rollouts.py, pad_to_dp_multiple)"
             )
-        lengths = None if balance_by is None else self._lengths(balance_by, "shard_by_batch_size")
-        num_chunks = total // chunk_size if chunk_size else 0
-        per_shard = chunk_size // num_shards if chunk_size else 0
-        shard_indices: list[list[int]] = [[] for _ in range(num_shards)]
-        for chunk in range(num_chunks):
-            chunk_start = chunk * chunk_size
-            if lengths is None:
-                for shard in range(num_shards):
-                    start = chunk_start + shard * per_shard
-                    shard_indices[shard].extend(range(start, start + per_shard))
-            else:
-                assignment = _balance(lengths[chunk_start : chunk_start + chunk_size], num_shards)
-                for shard, members in enumerate(assignment):
-                    shard_indices[shard].extend(chunk_start + i for i in members)
-        if lengths is None and num_chunks <= 1:
-            # Contiguous blocks: slices are views, no copy of the data.
+        per_shard = total // num_shards
+        if balance_by is None:
+            shard_indices = [
+                list(range(r * per_shard, (r + 1) * per_shard)) for r in range(num_shards)
+            ]
             shards = [self.slice(r * per_shard, (r + 1) * per_shard) for r in range(num_shards)]
         else:
+            shard_indices = _balance(self._lengths(balance_by, "shard_by_batch_size"), num_shards)
             shards = [self.select_indices(indices) for indices in shard_indices]
         return ShardedBatch(shards=shards, shard_indices=shard_indices)
 
     # --------------------------------------------------------------------------- padding
-
-    def _check_pad_keys(self, pad_values: Mapping[str, Any] | None, caller: str) -> dict:
-        pad_values = dict(pad_values or {})
-        unknown = sorted(set(pad_values) - set(self))
-        if unknown:
-            raise ValueError(
-                f"{caller}: pad_values has key(s) {unknown} that are not in the "
-                f"batch; present keys: {sorted(self)}"
-            )
-        return pad_values
-
-    def pad_to_multiple(
-        self, multiple: int, pad_values: Mapping[str, Any] | None = None
-    ) -> tuple[BatchedDataDict[T], int]:
-        """Appends padding samples so the batch size is a multiple of `multiple`.
-
-        Padding rows of a tensor field are filled with `pad_values[key]` (default 0; e.g. the
-        pad token id for input ids, 0 for lengths and masks); a list field gets
-        `pad_values[key]` (default None) appended, the same object for every padding sample.
-
-        Returns:
-            (padded, original_batch_size); `padded.truncate(original_batch_size)` undoes it. If
-            the size is already a multiple, `padded` is a shallow copy.
-
-        Raises:
-            ValueError: `multiple` is not a positive int, or `pad_values` names absent keys.
-        """
-        _check_positive_int(multiple, "multiple", "pass the number the batch size must divide by")
-        pad_values = self._check_pad_keys(pad_values, "pad_to_multiple")
-        batch_size = self.batch_size
-        num_pad = -batch_size % multiple
-        if num_pad == 0:
-            return self.copy(), batch_size
-
-        def pad(key: str, value: BatchField) -> BatchField:
-            fill = pad_values.get(key, 0 if isinstance(value, torch.Tensor) else None)
-            if isinstance(value, list):
-                return value + [fill] * num_pad
-            padding = torch.full(
-                (num_pad, *value.shape[1:]), fill, dtype=value.dtype, device=value.device
-            )
-            return torch.cat([value, padding], dim=0)
-
-        return type(self)({key: pad(key, value) for key, value in self.items()}), batch_size
 
     @classmethod
     def from_sequences(
@@ -686,7 +588,7 @@ class BatchedDataDict(dict, Generic[T]):
 
     def make_microbatch_iterator(
         self, microbatch_size: int, allow_partial: bool = False
-    ) -> Iterator[BatchedDataDict[T]]:
+    ) -> Iterator[BatchedDataDict[T_co]]:
         """Consecutive microbatches of `microbatch_size` samples covering the batch in order.
 
         By default the batch size must be a multiple of `microbatch_size`, so every
@@ -707,54 +609,14 @@ class BatchedDataDict(dict, Generic[T]):
         if not allow_partial and batch_size % microbatch_size != 0:
             raise ValueError(
                 f"batch of {batch_size} samples is not a multiple of "
-                f"microbatch_size={microbatch_size}; pad with "
-                f"pad_to_multiple({microbatch_size}) first, or pass "
-                f"allow_partial=True to make the last microbatch smaller"
+                f"microbatch_size={microbatch_size}; pad the batch to a multiple of "
+                f"{microbatch_size} first, or pass allow_partial=True to make the last "
+                f"microbatch smaller"
             )
         bounds = [
             (start, min(start + microbatch_size, batch_size))
             for start in range(0, batch_size, microbatch_size)
         ]
-        return (self.slice(start, end) for start, end in bounds)
-
-    def microbatch_bounds_by_tokens(
-        self, max_tokens_per_microbatch: int, length_key: str = "input_lengths"
-    ) -> list[tuple[int, int]]:
-        """The `[start, end)` bounds `make_microbatch_iterator_by_tokens` uses (see there)."""
-        _check_positive_int(
-            max_tokens_per_microbatch,
-            "max_tokens_per_microbatch",
-            "pass the token budget of one packed microbatch",
-        )
-        lengths = self._lengths(length_key, "make_microbatch_iterator_by_tokens")
-        bounds: list[tuple[int, int]] = []
-        start, num_tokens = 0, 0
-        for index, length in enumerate(lengths):
-            if index > start and num_tokens + length > max_tokens_per_microbatch:
-                bounds.append((start, index))
-                start, num_tokens = index, 0
-            num_tokens += length
-        if start < len(lengths):
-            bounds.append((start, len(lengths)))
-        return bounds
-
-    def make_microbatch_iterator_by_tokens(
-        self, max_tokens_per_microbatch: int, length_key: str = "input_lengths"
-    ) -> Iterator[BatchedDataDict[T]]:
-        """Microbatches of consecutive samples whose summed lengths fit a token budget.
-
-        For sequence packing: samples are taken in order and a microbatch is closed when the
-        next sample would push its total of `length_key` tokens over
-        `max_tokens_per_microbatch`. A sample longer than the budget on its own gets a
-        microbatch of its own (it is never dropped or split; the caller decides whether such a
-        sample is an error). The budget counts real tokens (the packed size), not
-        `num_samples * max_length` of a padded layout. Order is preserved and every sample
-        appears exactly once; microbatch sizes vary. Checked when called.
-
-        Raises:
-            ValueError: a non-positive budget, or `length_key` absent / not 1-D int lengths.
-        """
-        bounds = self.microbatch_bounds_by_tokens(max_tokens_per_microbatch, length_key)
         return (self.slice(start, end) for start, end in bounds)
 
     # --------------------------------------------------------------------- concatenation
@@ -800,7 +662,7 @@ class BatchedDataDict(dict, Generic[T]):
 
     # ----------------------------------------------------------------- whole-batch transforms
 
-    def to(self, *args: Any, **kwargs: Any) -> BatchedDataDict[T]:
+    def to(self, *args: Any, **kwargs: Any) -> BatchedDataDict[T_co]:
         """Tensors moved with `tensor.to(*args, **kwargs)` (device and/or dtype); lists as-is.
 
         Note a dtype argument converts every tensor, ids included: pass only a device unless
@@ -808,29 +670,9 @@ class BatchedDataDict(dict, Generic[T]):
         """
         return self._map(lambda t: t.to(*args, **kwargs), lambda lst: lst)
 
-    def repeat_interleave(self, num_repeats: int) -> BatchedDataDict[T]:
-        """Each sample repeated `num_repeats` times in place: [a, b] -> [a, a, b, b] for 2.
-
-        Expands B prompts to the B * N rows of N generations per prompt, keeping each prompt's
-        group contiguous (row b * N + n is generation n of prompt b). List elements are
-        repeated by reference.
-
-        Raises:
-            ValueError: `num_repeats` is not a positive int.
-        """
-        _check_positive_int(num_repeats, "num_repeats", "pass the number of generations per prompt")
-        return self._map(
-            lambda t: t.repeat_interleave(num_repeats, dim=0),
-            lambda lst: [x for x in lst for _ in range(num_repeats)],
-        )
-
-    def copy(self) -> BatchedDataDict[T]:
+    def copy(self) -> BatchedDataDict[T_co]:
         """A shallow copy: a new dict holding the same tensor and list objects."""
         return type(self)(self)
-
-    def clone(self) -> BatchedDataDict[T]:
-        """A deep copy: tensors cloned, lists (and their elements) deep-copied."""
-        return self._map(lambda t: t.clone(), copy_module.deepcopy)
 
 
 def _concat_field(key: str, values: list[BatchField], pad_values: Mapping[str, Any]) -> BatchField:
@@ -905,7 +747,7 @@ def _balance(lengths: Sequence[int], num_shards: int) -> list[list[int]]:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardedBatch(Generic[T]):
+class ShardedBatch(Generic[T_co]):
     """The result of `BatchedDataDict.shard_by_batch_size`.
 
     Attributes:
@@ -913,17 +755,8 @@ class ShardedBatch(Generic[T]):
         shard_indices: `shard_indices[r][i]` is the original position of `shards[r]`'s sample i.
     """
 
-    shards: list[BatchedDataDict[T]]
+    shards: list[BatchedDataDict[T_co]]
     shard_indices: list[list[int]]
-
-    def __len__(self) -> int:
-        return len(self.shards)
-
-    def __iter__(self) -> Iterator[BatchedDataDict[T]]:
-        return iter(self.shards)
-
-    def __getitem__(self, shard: int) -> BatchedDataDict[T]:
-        return self.shards[shard]
 
     @property
     def permutation(self) -> list[int]:

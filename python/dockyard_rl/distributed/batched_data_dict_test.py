@@ -176,7 +176,7 @@ def test_pickle_round_trip():
 # ---------------------------------------------------------------------------------- selection
 
 
-def test_slice_and_truncate():
+def test_slice():
     batch = make_batch(6)
     part = batch.slice(2, 5)
     assert part.batch_size == 3
@@ -187,7 +187,6 @@ def test_slice_and_truncate():
         part["input_ids"].untyped_storage().data_ptr()
         == batch["input_ids"].untyped_storage().data_ptr()
     )
-    assert batch.truncate(2)["row_id"].tolist() == [0, 1]
     assert batch.slice(3, 3).batch_size == 0
 
 
@@ -195,11 +194,6 @@ def test_slice_and_truncate():
 def test_slice_out_of_range(start, end):
     with pytest.raises(ValueError, match="0 <= start <= end <= 6"):
         make_batch(6).slice(start, end)
-
-
-def test_truncate_out_of_range():
-    with pytest.raises(ValueError, match=r"truncate\(7\).*\[0, 6\]"):
-        make_batch(6).truncate(7)
 
 
 @pytest.mark.parametrize(
@@ -251,29 +245,27 @@ def test_select_keys():
 # ----------------------------------------------------------------------------------- sharding
 
 
-def test_shard_contiguous_without_batch_size():
-    sharded = make_batch(8).shard_by_batch_size(4)
-    assert isinstance(sharded, ShardedBatch) and len(sharded) == 4
-    assert [s["row_id"].tolist() for s in sharded] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+def test_shard_contiguous():
+    batch = make_batch(8)
+    sharded = batch.shard_by_batch_size(4)
+    assert isinstance(sharded, ShardedBatch) and len(sharded.shards) == 4
+    assert [s["row_id"].tolist() for s in sharded.shards] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert sharded.shard_indices == [[0, 1], [2, 3], [4, 5], [6, 7]]
-
-
-def test_shard_with_batch_size_gives_each_rank_a_share_of_every_step():
-    # 12 samples = 3 steps of 4; 2 ranks get 2 samples of each step.
-    sharded = make_batch(12).shard_by_batch_size(2, batch_size=4)
-    assert sharded[0]["row_id"].tolist() == [0, 1, 4, 5, 8, 9]
-    assert sharded[1]["row_id"].tolist() == [2, 3, 6, 7, 10, 11]
-    assert sharded[1]["prompts"] == [f"prompt-{i}" for i in (2, 3, 6, 7, 10, 11)]
+    assert sharded.shards[1]["prompts"] == ["prompt-2", "prompt-3"]
+    # Views: contiguous shards share the batch's storage.
+    assert (
+        sharded.shards[1]["input_ids"].untyped_storage().data_ptr()
+        == batch["input_ids"].untyped_storage().data_ptr()
+    )
 
 
 @pytest.mark.parametrize("balance_by", [None, "input_lengths"])
-@pytest.mark.parametrize("batch_size", [None, 4, 8])
-def test_shard_unshard_round_trip(batch_size, balance_by):
+def test_shard_unshard_round_trip(balance_by):
     batch = make_batch(16, seq_len=9, seed=3)
-    sharded = batch.shard_by_batch_size(4, batch_size=batch_size, balance_by=balance_by)
+    sharded = batch.shard_by_batch_size(4, balance_by=balance_by)
     assert_batches_equal(sharded.unshard(sharded.shards), batch)
     # Results with other keys (as a worker returns) also come back in the original order.
-    results = [BatchedDataDict(doubled=s["row_id"] * 2) for s in sharded]
+    results = [BatchedDataDict(doubled=s["row_id"] * 2) for s in sharded.shards]
     assert sharded.unshard(results)["doubled"].tolist() == [2 * i for i in range(16)]
 
 
@@ -292,19 +284,16 @@ def test_unshard_pads_results_of_different_widths():
 def test_unshard_errors():
     sharded = make_batch(4).shard_by_batch_size(2)
     with pytest.raises(ValueError, match="got 1 results for 2 shards"):
-        sharded.unshard([sharded[0]])
+        sharded.unshard([sharded.shards[0]])
     with pytest.raises(ValueError, match="result 1 has 1 samples but shard 1 had 2"):
-        sharded.unshard([sharded[0], sharded[1].slice(0, 1)])
+        sharded.unshard([sharded.shards[0], sharded.shards[1].slice(0, 1)])
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(num_shards=4), r"10 samples into 4 equal shards.*pad_to_multiple\(4\)"),
-        (dict(num_shards=2, batch_size=4), r"chunks of batch_size=4.*pad_to_multiple\(4\)"),
-        (dict(num_shards=3, batch_size=5), r"batch_size=5 into 3 equal shards.*multiple of 3"),
+        (dict(num_shards=4), r"10 samples into 4 equal shards.*multiple of 4 samples first"),
         (dict(num_shards=0), "num_shards must be a positive int"),
-        (dict(num_shards=2, batch_size=0), "batch_size must be a positive int"),
         (dict(num_shards=2, balance_by="missing"), "length key 'missing' is not in the batch"),
         (dict(num_shards=2, balance_by="prompts"), "must hold int lengths"),
         (dict(num_shards=2, balance_by="input_ids"), "1-D integer tensor"),
@@ -322,7 +311,7 @@ def test_balance_rejects_negative_lengths():
 
 
 def _shard_totals(sharded: ShardedBatch, key: str = "input_lengths") -> list[int]:
-    return [int(s[key].sum()) for s in sharded]
+    return [int(s[key].sum()) for s in sharded.shards]
 
 
 def test_balancing_quality_on_random_lengths():
@@ -336,18 +325,6 @@ def test_balancing_quality_on_random_lengths():
     assert max(balanced) - min(balanced) < max(contiguous) - min(contiguous)
 
 
-def test_balancing_is_per_step_chunk():
-    # Chunk 0 holds only long samples, chunk 1 only short ones: each rank must still get two of
-    # each chunk, so balancing cannot trade a long sample for two short ones across chunks.
-    lengths = torch.tensor([100, 90, 80, 70, 1, 2, 3, 4])
-    sharded = BatchedDataDict(input_lengths=lengths).shard_by_batch_size(
-        2, batch_size=4, balance_by="input_lengths"
-    )
-    for indices in sharded.shard_indices:
-        assert sum(i < 4 for i in indices) == 2 and sum(i >= 4 for i in indices) == 2
-    assert sorted(_shard_totals(sharded)) == [170 + 5, 170 + 5]
-
-
 def test_balancing_known_case_and_order_within_shard():
     lengths = torch.tensor([1, 10, 1, 10, 5, 5])
     sharded = BatchedDataDict(input_lengths=lengths).shard_by_batch_size(
@@ -359,47 +336,25 @@ def test_balancing_known_case_and_order_within_shard():
 
 
 @DETERMINISTIC
-@given(
-    num_shards=st.integers(1, 6),
-    num_chunks=st.integers(1, 4),
-    per_shard=st.integers(0, 6),
-    data=st.data(),
-)
-def test_property_shards_partition_the_batch(num_shards, num_chunks, per_shard, data):
-    batch_size = num_shards * per_shard
-    lengths = data.draw(
-        st.lists(
-            st.integers(0, 1000), min_size=batch_size * num_chunks, max_size=batch_size * num_chunks
-        )
-    )
+@given(num_shards=st.integers(1, 6), per_shard=st.integers(0, 12), data=st.data())
+def test_property_shards_partition_the_batch(num_shards, per_shard, data):
+    size = num_shards * per_shard
+    lengths = data.draw(st.lists(st.integers(0, 1000), min_size=size, max_size=size))
     batch = BatchedDataDict(
         input_lengths=torch.tensor(lengths, dtype=torch.int64), row_id=list(range(len(lengths)))
     )
-    # One chunk can also be sharded without batch_size; several chunks need it.
-    step_size = batch_size if num_chunks > 1 or data.draw(st.booleans()) else None
     for balance_by in (None, "input_lengths"):
-        sharded = batch.shard_by_batch_size(
-            num_shards, batch_size=step_size or None, balance_by=balance_by
-        )
+        sharded = batch.shard_by_batch_size(num_shards, balance_by=balance_by)
         # Nothing lost or duplicated, equal shard sizes, indices match the rows carried.
         assert sorted(sharded.permutation) == list(range(len(lengths)))
-        assert len({s.batch_size for s in sharded}) == 1
-        for shard, indices in zip(sharded, sharded.shard_indices):
+        assert len({s.batch_size for s in sharded.shards}) == 1
+        for shard, indices in zip(sharded.shards, sharded.shard_indices):
             assert shard["row_id"] == indices
         assert_batches_equal(sharded.unshard(sharded.shards), batch)
         if balance_by and lengths:
-            for chunk in range(num_chunks):
-                chunk_lengths = lengths[chunk * batch_size : (chunk + 1) * batch_size]
-                totals = [
-                    sum(
-                        lengths[i]
-                        for i in idx
-                        if chunk * batch_size <= i < (chunk + 1) * batch_size
-                    )
-                    for idx in sharded.shard_indices
-                ]
-                # Greedy longest-first keeps shards within one longest sample of each other.
-                assert max(totals) - min(totals) <= max(chunk_lengths, default=0)
+            totals = [sum(lengths[i] for i in idx) for idx in sharded.shard_indices]
+            # Greedy longest-first keeps shards within one longest sample of each other.
+            assert max(totals) - min(totals) <= max(lengths)
 
 
 def test_invert_permutation():
@@ -411,33 +366,6 @@ def test_invert_permutation():
 
 
 # ------------------------------------------------------------------------------------ padding
-
-
-def test_pad_to_multiple_and_truncate_round_trip():
-    batch = make_batch(5)
-    padded, original = batch.pad_to_multiple(4, pad_values={"input_ids": -1, "prompts": ""})
-    assert original == 5 and padded.batch_size == 8
-    assert padded["input_ids"][5:].eq(-1).all()
-    assert padded["input_lengths"][5:].eq(0).all()  # default 0
-    assert padded["row_id"][5:].eq(0).all()
-    assert padded["prompts"][5:] == ["", "", ""]
-    assert_batches_equal(padded.truncate(original), batch)
-
-
-def test_pad_to_multiple_defaults_and_noop():
-    batch = BatchedDataDict(x=torch.ones(3, 2, dtype=torch.bfloat16), meta=[{}, {}, {}])
-    padded, original = batch.pad_to_multiple(2)
-    assert padded["meta"][3] is None
-    assert padded["x"].dtype == torch.bfloat16 and padded["x"][3].eq(0).all()
-    same, original = batch.pad_to_multiple(3)
-    assert original == 3 and same is not batch and same["x"] is batch["x"]
-
-
-def test_pad_to_multiple_errors():
-    with pytest.raises(ValueError, match=r"\['nope'\] that are not in the batch"):
-        make_batch(3).pad_to_multiple(2, pad_values={"nope": 1})
-    with pytest.raises(ValueError, match="multiple must be a positive int"):
-        make_batch(3).pad_to_multiple(0)
 
 
 def test_pad_sequences():
@@ -511,40 +439,6 @@ def test_microbatch_iterator_is_strict_by_default_and_checks_eagerly():
         make_batch(7).make_microbatch_iterator(0)
 
 
-def test_microbatches_by_tokens_known_case():
-    batch = BatchedDataDict(
-        input_lengths=torch.tensor([3, 4, 2, 10, 1, 1, 5]), row_id=list(range(7))
-    )
-    groups = [mb["row_id"] for mb in batch.make_microbatch_iterator_by_tokens(7)]
-    # [3+4], [2] (+10 would exceed), [10] alone (over budget), [1+1+5].
-    assert groups == [[0, 1], [2], [3], [4, 5, 6]]
-    assert batch.microbatch_bounds_by_tokens(7) == [(0, 2), (2, 3), (3, 4), (4, 7)]
-
-
-@DETERMINISTIC
-@given(lengths=st.lists(st.integers(0, 50), max_size=40), budget=st.integers(1, 80))
-def test_property_microbatches_by_tokens(lengths, budget):
-    batch = BatchedDataDict(
-        input_lengths=torch.tensor(lengths, dtype=torch.int64), row_id=list(range(len(lengths)))
-    )
-    microbatches = list(batch.make_microbatch_iterator_by_tokens(budget, "input_lengths"))
-    assert [i for mb in microbatches for i in mb["row_id"]] == list(range(len(lengths)))
-    for index, mb in enumerate(microbatches):
-        total = int(mb["input_lengths"].sum())
-        assert mb.batch_size >= 1
-        assert total <= budget or mb.batch_size == 1  # only a lone sample may exceed
-        if index + 1 < len(microbatches):  # greedy: the next sample did not fit
-            assert total + int(microbatches[index + 1]["input_lengths"][0]) > budget
-
-
-def test_microbatches_by_tokens_errors():
-    batch = make_batch(3)
-    with pytest.raises(ValueError, match="max_tokens_per_microbatch must be a positive int"):
-        batch.make_microbatch_iterator_by_tokens(0)
-    with pytest.raises(ValueError, match="length key 'lens' is not in the batch"):
-        batch.make_microbatch_iterator_by_tokens(10, length_key="lens")
-
-
 # ----------------------------------------------------------------------------- concatenation
 
 
@@ -607,35 +501,13 @@ def test_to_cuda_and_select_indices_on_device():
     assert batch.select_indices([3, 1])["row_id"].tolist() == [3, 1]
 
 
-def test_repeat_interleave_groups_generations_per_prompt():
-    batch = make_batch(3)
-    expanded = batch.repeat_interleave(2)
-    assert expanded.batch_size == 6
-    assert expanded["row_id"].tolist() == [0, 0, 1, 1, 2, 2]
-    assert expanded["prompts"] == [
-        "prompt-0",
-        "prompt-0",
-        "prompt-1",
-        "prompt-1",
-        "prompt-2",
-        "prompt-2",
-    ]
-    torch.testing.assert_close(expanded["input_ids"][4], batch["input_ids"][2])
-    with pytest.raises(ValueError, match="num_repeats must be a positive int"):
-        batch.repeat_interleave(0)
-
-
-def test_copy_is_shallow_and_clone_is_deep():
+def test_copy_is_shallow():
     batch = BatchedDataDict(x=torch.zeros(2), meta=[{"k": 1}, {"k": 2}])
     shallow = batch.copy()
     assert isinstance(shallow, BatchedDataDict) and shallow is not batch
     shallow["y"] = [0, 0]
     assert "y" not in batch
     assert shallow["x"] is batch["x"]
-    deep = batch.clone()
-    deep["x"][0] = 5
-    deep["meta"][0]["k"] = 9
-    assert batch["x"][0] == 0 and batch["meta"][0]["k"] == 1
 
 
 class PartialSpec(TypedDict, total=False):

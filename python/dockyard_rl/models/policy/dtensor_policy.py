@@ -264,7 +264,7 @@ class DTensorPolicy(PolicyInterface):
         if missing:
             raise ValueError(
                 f"batch is missing key(s) {missing}; it has {sorted(batch)} (see "
-                "the batch layout in models/policy/interfaces.py)"
+                "the batch layouts in distributed/batch_layouts.py)"
             )
         batch_size = batch.batch_size
         ids_BS, lengths_B = batch["input_ids"], batch["input_lengths"]

@@ -9,13 +9,9 @@ For multi-rank backends that object is a thin controller over a group of rank ac
 method below is called once by the driver and fans out to every rank itself (ranks never call
 these methods on each other). Every method is blocking and returns only when all ranks are done.
 
-Batch layout (a `BatchedDataDict`; suffixes: B = sequences, S = token positions):
-  input_ids        (B, S) int64   prompt + response tokens, right-padded
-  input_lengths    (B,)   int64   number of real tokens per row
-  token_mask       (B, S) float   1 on response tokens that count in the loss, else 0
-  sample_mask      (B,)   float   0 excludes a whole sample (e.g. sandbox infrastructure error)
-  + the loss function's keys for `train` (prev_logprobs, advantages, ...; see
-    losses/loss_functions.py)
+Batch layouts (`BatchedDataDict`s, declared in distributed/batch_layouts.py): the log-prob
+methods read a `LogprobBatch` (input_ids, input_lengths), `train` a `TrainBatch` (+ token_mask,
+sample_mask) plus its loss function's `required_batch_keys` (a GRPO step's `RolloutBatch`).
 Log-prob alignment: logprobs_BS[b, t] = log p(input_ids[b, t] | input_ids[b, :t]); column 0 (no
 context) and padding positions are 0. This is the alignment the loss function expects.
 
@@ -43,6 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
+from dockyard_rl.distributed.batch_layouts import LogprobBatch, TrainBatch
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 
 
@@ -62,7 +59,7 @@ class PolicyInterface(abc.ABC):
     """A trainable policy (plus its frozen reference policy) behind one object."""
 
     @abc.abstractmethod
-    def get_logprobs(self, batch: BatchedDataDict[Any]) -> torch.Tensor:
+    def get_logprobs(self, batch: BatchedDataDict[LogprobBatch]) -> torch.Tensor:
         """Log-probs of `batch["input_ids"]` under the current policy, (B, S) float32 on CPU.
 
         No gradient, no weight change; idempotent. Raises ValueError for a malformed batch
@@ -70,11 +67,11 @@ class PolicyInterface(abc.ABC):
         """
 
     @abc.abstractmethod
-    def get_reference_policy_logprobs(self, batch: BatchedDataDict[Any]) -> torch.Tensor:
+    def get_reference_policy_logprobs(self, batch: BatchedDataDict[LogprobBatch]) -> torch.Tensor:
         """As `get_logprobs`, under the frozen reference policy (the initial weights)."""
 
     @abc.abstractmethod
-    def train(self, batch: BatchedDataDict[Any], loss_fn: LossFunction) -> dict[str, float]:
+    def train(self, batch: BatchedDataDict[TrainBatch], loss_fn: LossFunction) -> dict[str, float]:
         """One optimizer step on the global batch: microbatches with gradient accumulation,
         data-parallel sharding, gradient clipping, optimizer and LR-scheduler step.
 
