@@ -49,8 +49,10 @@ import logging
 import time
 
 import ray
+from ray.actor import ActorHandle
 
 from dockyard_rl.algorithms.async_utils.collector import (
+    TrajectoryCollector,
     sample_groups,
     send_step_groups,
     start_collector,
@@ -64,6 +66,8 @@ from dockyard_rl.algorithms.grpo_steps import (
     train_batch,
     train_on_rollouts,
 )
+from dockyard_rl.data_plane.config import DataPlaneConfig
+from dockyard_rl.data_plane.interfaces import DataPlane
 
 logger = logging.getLogger(__name__)
 
@@ -92,17 +96,17 @@ def async_grpo_train(run: GRPORun) -> None:
     )
     loop = asyncio.new_event_loop()
     stop_wait_s = _STOP_WAIT_AFTER_FAILURE_S
-    plane = None
+    plane: DataPlane | None = None
     try:
         if config.data_plane is not None:
-            plane = connect_data_plane(run, collector)
+            plane = connect_data_plane(run, collector, config.data_plane)
         refresh_engine_weights(run)
         maybe_validate(run, loop, at_start=True)
         ray.get(collector.start.remote())
         while run.step < config.grpo.max_num_steps:
             step = run.step + 1
             waited = time.monotonic()
-            if plane is None:
+            if config.data_plane is None:  # the driver path; else the plane connected above
                 records = sample_groups(
                     collector,
                     config.grpo.num_prompts_per_step,
@@ -161,14 +165,16 @@ def async_grpo_train(run: GRPORun) -> None:
         loop.close()
 
 
-def connect_data_plane(run: GRPORun, collector):
-    """The data plane from the collector actor (producer, on the driver's node) to the policy's
-    rank actors (receivers, on the trainer fleet), endpoints opened in each; returns the plane
-    (`close()` it when the collector stops). Raises ValueError for actors that cannot take part
-    (data_plane/ray_direct.py) or a policy backend without receivers."""
+def connect_data_plane(
+    run: GRPORun, collector: ActorHandle[TrajectoryCollector], config: DataPlaneConfig
+) -> DataPlane:
+    """The data plane (`config`: the recipe's `data_plane`) from the collector actor (producer,
+    on the driver's node) to the policy's rank actors (receivers, on the trainer fleet),
+    endpoints opened in each; returns the plane (`close()` it when the collector stops). Raises
+    ValueError for actors that cannot take part (data_plane/ray_direct.py) or a policy backend
+    without receivers."""
     from dockyard_rl.data_plane.factory import create_data_plane
 
-    config = run.config.data_plane
     plane = create_data_plane(config, name=f"grpo-{run.run_dir.name}")
     try:
         endpoints = plane.connect([collector], run.policy.data_plane_receivers())

@@ -27,6 +27,7 @@ import pathlib
 import random
 import shutil
 import uuid
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -40,11 +41,13 @@ from dockyard_rl.data.prompt_sampler import PromptSampler
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.environments.agent_env import AgentEnvironment
 from dockyard_rl.environments.agent_tools import ChatRenderer
+from dockyard_rl.environments.config import SweEnvironmentConfig
 from dockyard_rl.environments.swe_env import SweEnvironment
 from dockyard_rl.losses.loss_functions import ClippedPGLossFn
 from dockyard_rl.models import zoo
 from dockyard_rl.models.generation.config import GenerationConfig
 from dockyard_rl.models.generation.factory import create_generation
+from dockyard_rl.models.generation.interfaces import GenerationInterface
 from dockyard_rl.models.policy.factory import create_policy
 from dockyard_rl.models.policy.interfaces import PolicyInterface
 from dockyard_rl.rewards.shaping import RewardPipeline
@@ -52,6 +55,10 @@ from dockyard_rl.utils.checkpoint import CheckpointInfo, CheckpointManager
 from dockyard_rl.utils.logger import Logger
 from dockyard_rl.utils.training_state import RngState, TrainerState, load_trainer_state
 from dockyard_rl.weight_sync.factory import create_weight_synchronizer
+from dockyard_rl.weight_sync.interfaces import WeightSynchronizer
+
+if TYPE_CHECKING:  # imported where a run starts a sandbox fleet (_sandbox), not for every run
+    from dockyard_rl.sandbox.fleet import SandboxFleet
 
 logger = logging.getLogger(__name__)
 
@@ -61,17 +68,18 @@ TRAINER_STATE_DIR = "trainer_state"
 
 @dataclasses.dataclass
 class GRPORun:
-    """The live parts of a run (module docstring); `step` is the last finished step."""
+    """The live parts of a run (module docstring); `step` is the last finished step. After
+    `close()` the fleets (policy, generation, synchronizer, sandbox fleet) are shut down."""
 
     config: MasterConfig
     run_dir: pathlib.Path
     train: list[SweInstance]
     validation: list[SweInstance]
-    policy: object
-    generation: object
+    policy: PolicyInterface
+    generation: GenerationInterface
     environment: SweEnvironment
     runner: RolloutRunner | AgentRolloutRunner
-    synchronizer: object
+    synchronizer: WeightSynchronizer
     loss_fn: ClippedPGLossFn
     logger: Logger
     checkpoints: CheckpointManager
@@ -79,16 +87,17 @@ class GRPORun:
     pad_token_id: int
     step: int = 0
     resumed: TrainerState | None = None
-    sandbox_fleet: object = None
+    sandbox_fleet: SandboxFleet | None = None  # None: the executors run outside the loop
     # The supervised warm start's tasks (warm_start.py); empty when `warm_start` is off.
     warm_start_instances: list[SweInstance] = dataclasses.field(default_factory=list)
+    closed: bool = dataclasses.field(default=False, init=False)
 
     def close(self) -> None:
-        """Shuts the fleets down; safe to repeat."""
-        parts = {name: getattr(self, name) for name in _FLEET_PARTS}
-        _close_parts(parts)
-        for name in _FLEET_PARTS:
-            setattr(self, name, None)
+        """Shuts the fleets down; safe to repeat (only the first call closes them)."""
+        if self.closed:
+            return
+        self.closed = True
+        _close_parts({name: getattr(self, name) for name in _FLEET_PARTS})
 
 
 # Closed in this order: the synchronizer's session first, the sandbox last.
@@ -273,7 +282,7 @@ def setup(config: MasterConfig) -> GRPORun:
     )
 
 
-def trainer_state(run: GRPORun, extras: dict | None = None) -> TrainerState:
+def trainer_state(run: GRPORun, extras: dict[str, Any] | None = None) -> TrainerState:
     """What a checkpoint of `run` after its current step holds besides the policy."""
     return TrainerState(
         step=run.step,
@@ -311,7 +320,7 @@ def _warm_start_instances(config: MasterConfig, data: list[SweInstance]) -> list
     return instances
 
 
-def _sandbox(config: MasterConfig):
+def _sandbox(config: MasterConfig) -> tuple[SandboxFleet | None, SweEnvironmentConfig]:
     """The executor the environment scores with: a sandbox fleet started here when `executor` is
     set (its URL goes into env.swe.executor_url), else the running one env.swe names."""
     if config.executor is None:

@@ -18,9 +18,14 @@ in the loop modules, not here.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import pathlib
 import time
+from typing import Any
+
+import torch
 
 from dockyard_rl.algorithms.grpo_setup import (
     POLICY_DIR,
@@ -67,7 +72,10 @@ def train_on_rollouts(run: GRPORun, rollouts: list[Rollout], step: int) -> dict[
 
 
 def train_batch(
-    run: GRPORun, batch: BatchedDataDict | RemoteBatch | None, step: int, metrics: dict[str, float]
+    run: GRPORun,
+    batch: BatchedDataDict[Any] | RemoteBatch | None,
+    step: int,
+    metrics: dict[str, float],
 ) -> dict[str, float]:
     """Steps 6-7 on a step's batch: a BatchedDataDict in the driver, or the handle of one whose
     shards wait in the policy's ranks (async GRPO with a data plane: log-probs are then stored
@@ -117,13 +125,14 @@ def train_batch(
 
 
 def _store(
-    batch: BatchedDataDict | RemoteBatch, key: str, logprobs_BS
-) -> BatchedDataDict | RemoteBatch:
+    batch: BatchedDataDict[Any] | RemoteBatch, key: str, logprobs_BS: torch.Tensor | None
+) -> BatchedDataDict[Any] | RemoteBatch:
     """Puts log-probs into a driver-side batch; a RemoteBatch's stay in the ranks (None): the
     returned handle records that they hold `key`."""
     if isinstance(batch, RemoteBatch):
         assert logprobs_BS is None, "log-probs of a RemoteBatch stay in the policy's ranks"
         return batch.with_rank_side_key(key)
+    assert logprobs_BS is not None, "the log-probs of a driver-side batch come back to the driver"
     batch[key] = logprobs_BS
     return batch
 
@@ -135,13 +144,17 @@ def log_samples(step: int, rollouts: list[Rollout]) -> None:
     log_sample_rows(step, sample_log_rows(rollouts))
 
 
-def log_sample_rows(step: int, rows: list[dict]) -> None:
+def log_sample_rows(step: int, rows: list[dict[str, Any]]) -> None:
     """`log_samples` from rows already made (async GRPO's collector makes them)."""
     logger.info("step %d: samples %s", step, json.dumps(rows))
 
 
 def finish_step(
-    run: GRPORun, loop, step: int, metrics: dict[str, float], extras: dict | None = None
+    run: GRPORun,
+    loop: asyncio.AbstractEventLoop,
+    step: int,
+    metrics: dict[str, float],
+    extras: dict[str, Any] | None = None,
 ) -> None:
     """Step 8: the step is done; log it, validate and checkpoint on their periods (`extras`:
     what else the checkpoint must hold, e.g. async GRPO's replay buffer)."""
@@ -152,7 +165,9 @@ def finish_step(
         save_checkpoint(run, extras)
 
 
-def maybe_validate(run: GRPORun, loop, *, at_start: bool = False, at_end: bool = False) -> None:
+def maybe_validate(
+    run: GRPORun, loop: asyncio.AbstractEventLoop, *, at_start: bool = False, at_end: bool = False
+) -> None:
     config = run.config.grpo
     due = (
         (at_start and config.val_at_start and run.step == 0)
@@ -173,11 +188,11 @@ def maybe_validate(run: GRPORun, loop, *, at_start: bool = False, at_end: bool =
     run.checkpoints.record_metrics(run.step, {f"val/{k}": v for k, v in metrics.items()})
 
 
-def save_checkpoint(run: GRPORun, extras: dict | None = None) -> None:
+def save_checkpoint(run: GRPORun, extras: dict[str, Any] | None = None) -> None:
     """A complete, atomic checkpoint of the finished step `run.step` (grpo_setup: resume)."""
     state = trainer_state(run, extras)
 
-    def write(directory):
+    def write(directory: pathlib.Path) -> None:
         run.policy.save_checkpoint(
             directory / POLICY_DIR, export_hf=run.config.checkpointing.export_hf
         )

@@ -66,6 +66,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from dockyard_rl.algorithms.agent_rollouts import AgentRolloutRunner
 from dockyard_rl.algorithms.async_utils.replay_buffer import (
     AsyncGRPOConfig,
     BufferClosedError,
@@ -154,7 +155,7 @@ class TrajectoryCollector:
 
     def __init__(
         self,
-        runner: RolloutRunner,
+        runner: RolloutRunner | AgentRolloutRunner,
         instances: Sequence[SweInstance],
         sampler_state: dict[str, Any],
         *,
@@ -445,7 +446,7 @@ def _poll_collector(
 
 
 def start_collector(
-    runner: RolloutRunner,
+    runner: RolloutRunner | AgentRolloutRunner,
     instances: Sequence[SweInstance],
     sampler_state: dict[str, Any],
     *,
