@@ -189,8 +189,8 @@ def send_step_shards(
     """Sends shard r of `batch` to receiver r (`senders[r]`) and returns the handle.
 
     `batch` is a padded training batch (rollouts.assemble_train_batch; its keys:
-    distributed/batch_layouts.RolloutBatch; size a multiple of len(senders)). `num_valid`: `loss_functions.count_valid(batch)`. Blocks until every rank
-    acknowledged its shard.
+    distributed/batch_layouts.RolloutBatch; size a multiple of len(senders)). `num_valid`:
+    `loss_functions.count_valid(batch)`. Blocks until every rank acknowledged its shard.
 
     Raises:
         DataPlaneError (and subclasses): the data plane's send errors (interfaces.py); the
