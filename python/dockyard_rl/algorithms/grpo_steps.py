@@ -47,6 +47,7 @@ from dockyard_rl.algorithms.rollouts import (
 )
 from dockyard_rl.algorithms.validation import validate
 from dockyard_rl.data_plane.experience import RemoteBatch
+from dockyard_rl.distributed.batch_layouts import RolloutBatch
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.utils.training_state import save_trainer_state
 
@@ -73,7 +74,7 @@ def train_on_rollouts(run: GRPORun, rollouts: list[Rollout], step: int) -> dict[
 
 def train_batch(
     run: GRPORun,
-    batch: BatchedDataDict[Any] | RemoteBatch | None,
+    batch: BatchedDataDict[RolloutBatch] | RemoteBatch | None,
     step: int,
     metrics: dict[str, float],
 ) -> dict[str, float]:
@@ -125,8 +126,8 @@ def train_batch(
 
 
 def _store(
-    batch: BatchedDataDict[Any] | RemoteBatch, key: str, logprobs_BS: torch.Tensor | None
-) -> BatchedDataDict[Any] | RemoteBatch:
+    batch: BatchedDataDict[RolloutBatch] | RemoteBatch, key: str, logprobs_BS: torch.Tensor | None
+) -> BatchedDataDict[RolloutBatch] | RemoteBatch:
     """Puts log-probs into a driver-side batch; a RemoteBatch's stay in the ranks (None): the
     returned handle records that they hold `key`."""
     if isinstance(batch, RemoteBatch):

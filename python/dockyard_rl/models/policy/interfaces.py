@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
+from dockyard_rl.data_plane.experience import RemoteBatch
 from dockyard_rl.distributed.batch_layouts import LogprobBatch, TrainBatch
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 
@@ -59,19 +60,26 @@ class PolicyInterface(abc.ABC):
     """A trainable policy (plus its frozen reference policy) behind one object."""
 
     @abc.abstractmethod
-    def get_logprobs(self, batch: BatchedDataDict[LogprobBatch]) -> torch.Tensor:
-        """Log-probs of `batch["input_ids"]` under the current policy, (B, S) float32 on CPU.
+    def get_logprobs(
+        self, batch: BatchedDataDict[LogprobBatch] | RemoteBatch
+    ) -> torch.Tensor | None:
+        """Log-probs of `batch["input_ids"]` under the current policy, (B, S) float32 on CPU;
+        None for a RemoteBatch (stored rank-side: module docstring).
 
         No gradient, no weight change; idempotent. Raises ValueError for a malformed batch
         (missing keys, ragged fields, lengths beyond the model's context).
         """
 
     @abc.abstractmethod
-    def get_reference_policy_logprobs(self, batch: BatchedDataDict[LogprobBatch]) -> torch.Tensor:
+    def get_reference_policy_logprobs(
+        self, batch: BatchedDataDict[LogprobBatch] | RemoteBatch
+    ) -> torch.Tensor | None:
         """As `get_logprobs`, under the frozen reference policy (the initial weights)."""
 
     @abc.abstractmethod
-    def train(self, batch: BatchedDataDict[TrainBatch], loss_fn: LossFunction) -> dict[str, float]:
+    def train(
+        self, batch: BatchedDataDict[TrainBatch] | RemoteBatch, loss_fn: LossFunction
+    ) -> dict[str, float]:
         """One optimizer step on the global batch: microbatches with gradient accumulation,
         data-parallel sharding, gradient clipping, optimizer and LR-scheduler step.
 
