@@ -408,11 +408,11 @@ def test_bad_batches_fail_before_any_weight_change(tiny_policy, train_batch, fir
     )
     with pytest.raises(ValueError, match="advantages"):
         tiny_policy.train(without_advantages, LOSS_FN)
-    zero_length = batch.clone()
+    zero_length = BatchedDataDict({key: value.clone() for key, value in batch.items()})
     zero_length["input_lengths"][0] = 0
     with pytest.raises(ValueError, match="input_lengths"):
         tiny_policy.get_logprobs(zero_length)
-    out_of_vocab = batch.clone()
+    out_of_vocab = BatchedDataDict({key: value.clone() for key, value in batch.items()})
     out_of_vocab["input_ids"][0, 0] = 512
     with pytest.raises(ValueError, match="vocabulary"):
         tiny_policy.get_logprobs(out_of_vocab)

@@ -673,7 +673,7 @@ def test_malformed_batch_changes_nothing(cache_dir):
         ),
     }
     for pattern, corrupt in cases.items():
-        batch = good.clone()
+        batch = BatchedDataDict({key: value.clone() for key, value in good.items()})
         corrupt(batch)
         with pytest.raises(ValueError, match=pattern):
             policy.train(batch, LOSS_FN)
