@@ -181,6 +181,9 @@ def pack(
     order, before packing. ``use_extension`` as for ``PackPlan``; each bucket is one copy as in
     ``PackPlan.pack_bucket``.
     """
+    _check_manifest(manifest, "pack")
+    if use_extension:
+        _extension.require_extension("pack(use_extension=True)", _ext)
     plan = PackPlan(manifest, use_extension=use_extension)
     tensors, device = _validated(named_tensors, manifest.tensors, None, None, "pack", manifest)
     buckets = []
