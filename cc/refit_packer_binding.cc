@@ -13,17 +13,10 @@
 // int32, int64), which DLPack exports whatever the original dtype (bfloat16,
 // bool, float8 ...).
 //
-// Two ways in:
-// - refit_pack_bucket / refit_unpack_bucket: one bucket per call, every tensor
-//   converted and validated per call (the functional API).
-// - RefitCopyPlan: the refit hot path. Built once from every tensor of every
-//   bucket (converted and validated once; on CUDA the job descriptors are
-//   uploaded once); each run() then takes only the buckets' addresses as
-//   ints, so a call costs a few microseconds of host work whatever the number
-//   of tensors. The Python module validates the bucket tensors (device, size,
-//   dtype, alignment) and keeps every tensor alive for the plan's lifetime;
-//   the C++ plan checks that the addresses are usable (non-null, on the right
-//   device, not overlapping any tensor).
+// Two entry points, the ones python/dockyard_rl/kernels/ calls:
+// - refit_plan_buckets (refit_planning.py): the layout of the buckets;
+// - refit_pack_bucket (refit_copy.py's PackPlan.pack_bucket): one bucket per
+//   call, its tensors converted and validated per call.
 //
 // Build with -DDOCKYARD_WITH_CUDA (and link cc/cuda/refit_packer_cuda) for the
 // CUDA path; without it CUDA buckets raise a RuntimeError saying so.
@@ -35,7 +28,6 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
-#include <memory>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -110,92 +102,6 @@ std::vector<BucketSpan> ToSpans(const char* function, const BucketBytes& bucket,
   return spans;
 }
 
-// The copies of a fixed set of tensors to and from a fixed set of buckets.
-class RefitCopyPlan {
- public:
-  // cuda_device: -1 = every tensor is CPU memory; else the GPU index that
-  // holds every tensor (and, per run, every bucket).
-  RefitCopyPlan(const std::vector<AnyArray>& tensors,
-                const std::vector<int64_t>& buckets,
-                const std::vector<int64_t>& offsets,
-                std::vector<int64_t> bucket_sizes, bool unpack, int cuda_device)
-      : cuda_device_(cuda_device) {
-    constexpr const char* kFn = "RefitCopyPlan";
-    if (tensors.size() != buckets.size() || tensors.size() != offsets.size()) {
-      throw std::invalid_argument(
-          std::string(kFn) + ": got " + std::to_string(tensors.size()) +
-          " tensors, " + std::to_string(buckets.size()) +
-          " bucket indices and " + std::to_string(offsets.size()) + " offsets");
-    }
-    const int32_t device_type =
-        cuda_device < 0 ? nb::device::cpu::value : nb::device::cuda::value;
-    std::vector<PlanSpan> spans(tensors.size());
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      const AnyArray& t = tensors[i];
-      if (t.device_type() != device_type ||
-          (cuda_device >= 0 && t.device_id() != cuda_device)) {
-        throw std::invalid_argument(std::string(kFn) + ": tensor " +
-                                    std::to_string(i) +
-                                    " is not on the plan's device");
-      }
-      spans[i].tensor = ToStrided(kFn, t, i);
-      spans[i].bucket = buckets[i];
-      spans[i].offset = offsets[i];
-    }
-    const CopyDirection direction =
-        unpack ? CopyDirection::kUnpack : CopyDirection::kPack;
-    if (cuda_device < 0) {
-      cpu_ = std::make_unique<CopyPlan>(kFn, direction, spans,
-                                        std::move(bucket_sizes));
-      return;
-    }
-#ifdef DOCKYARD_WITH_CUDA
-    cuda_ = std::make_unique<CudaCopyPlan>(
-        kFn, direction, spans, std::move(bucket_sizes), cuda_device);
-#else
-    throw std::runtime_error(std::string(kFn) +
-                             ": _dockyard_kernels was built without CUDA; "
-                             "rebuild with --config=cuda");
-#endif
-  }
-
-  const CopyPlan& host_plan() const {
-#ifdef DOCKYARD_WITH_CUDA
-    if (cuda_) return cuda_->host_plan();
-#endif
-    return *cpu_;
-  }
-
-  int64_t num_buckets() const { return host_plan().num_buckets(); }
-  int cuda_device() const { return cuda_device_; }
-
-  void Run(const std::vector<uintptr_t>& bucket_addresses, int64_t first_bucket,
-           int num_threads, uintptr_t stream) const {
-    internal::validate_num_threads("RefitCopyPlan.run", num_threads);
-    std::vector<void*> buckets(bucket_addresses.size());
-    for (size_t k = 0; k < buckets.size(); ++k) {
-      buckets[k] = reinterpret_cast<void*>(bucket_addresses[k]);
-    }
-    nb::gil_scoped_release release;
-    if (cpu_) {
-      cpu_->run(buckets, first_bucket, num_threads);
-      return;
-    }
-#ifdef DOCKYARD_WITH_CUDA
-    cuda_->run(buckets, first_bucket, reinterpret_cast<cudaStream_t>(stream));
-#else
-    (void)stream;
-#endif
-  }
-
- private:
-  int cuda_device_;
-  std::unique_ptr<CopyPlan> cpu_;
-#ifdef DOCKYARD_WITH_CUDA
-  std::unique_ptr<CudaCopyPlan> cuda_;
-#endif
-};
-
 [[noreturn]] void ThrowDevice(const char* function, const BucketBytes& bucket) {
   if (bucket.device_type() == nb::device::cuda::value) {
     throw std::runtime_error(std::string(function) +
@@ -234,31 +140,6 @@ void PackBucket(const BucketBytes& bucket, const std::vector<AnyArray>& tensors,
   ThrowDevice(kFn, bucket);
 }
 
-void UnpackBucket(const BucketBytes& bucket,
-                  const std::vector<AnyArray>& tensors,
-                  const std::vector<int64_t>& offsets, int num_threads,
-                  uintptr_t stream) {
-  constexpr const char* kFn = "unpack_bucket";
-  const std::vector<BucketSpan> spans = ToSpans(kFn, bucket, tensors, offsets);
-  const auto nbytes = static_cast<int64_t>(bucket.shape(0));
-  if (bucket.device_type() == nb::device::cpu::value) {
-    nb::gil_scoped_release release;
-    unpack_bucket(bucket.data(), nbytes, spans, num_threads);
-    return;
-  }
-#ifdef DOCKYARD_WITH_CUDA
-  if (bucket.device_type() == nb::device::cuda::value) {
-    internal::validate_num_threads(kFn, num_threads);
-    nb::gil_scoped_release release;
-    unpack_bucket_cuda(bucket.data(), nbytes, spans,
-                       reinterpret_cast<cudaStream_t>(stream));
-    return;
-  }
-#endif
-  (void)stream;
-  ThrowDevice(kFn, bucket);
-}
-
 }  // namespace
 
 void bind_refit_packer(nb::module_& m) {
@@ -278,45 +159,6 @@ void bind_refit_packer(nb::module_& m) {
         "default stream); CUDA copies are asynchronous on it. Raises "
         "ValueError for bad spans (overlap, bad sizes) and IndexError for a "
         "span past the bucket's end, before writing anything.");
-  nb::class_<RefitCopyPlan>(
-      m, "RefitCopyPlan",
-      "The copies between a fixed set of tensors and a fixed set of buckets, "
-      "validated once (on CUDA: job descriptors uploaded once), for repeated "
-      "run() calls that take only the buckets' addresses. The caller keeps "
-      "every tensor alive and unchanged (same memory, shape and strides) for "
-      "the plan's lifetime; dockyard_rl.kernels.refit_packer.PackPlan / "
-      "UnpackPlan do that.")
-      .def(nb::init<const std::vector<AnyArray>&, const std::vector<int64_t>&,
-                    const std::vector<int64_t>&, std::vector<int64_t>, bool,
-                    int>(),
-           nb::arg("tensors"), nb::arg("buckets"), nb::arg("offsets"),
-           nb::arg("bucket_sizes"), nb::arg("unpack"),
-           nb::arg("cuda_device") = -1,
-           "tensors[i] (any strides; same-size integer views) lies at "
-           "offsets[i] of bucket buckets[i]; bucket b has bucket_sizes[b] "
-           "bytes. unpack: copy buckets -> tensors (else tensors -> buckets, "
-           "padding zeroed). cuda_device: -1 = CPU tensors, else the GPU "
-           "holding them. Raises ValueError / IndexError as "
-           "refit_pack_bucket, before anything is kept.")
-      .def("run", &RefitCopyPlan::Run, nb::arg("buckets"),
-           nb::arg("first_bucket") = 0, nb::arg("num_threads") = 0,
-           nb::arg("stream") = 0,
-           "Copies buckets [first_bucket, first_bucket + len(buckets)); "
-           "buckets[i] is the address (int) of bucket first_bucket + i, with "
-           "at least its size in bytes, 16-byte aligned, on the plan's device. "
-           "num_threads: CPU workers, 0 = automatic. stream: a cudaStream_t as "
-           "int (0 = default stream); CUDA copies are one kernel launch per 32 "
-           "buckets, asynchronous on it. Raises ValueError for a bad range, a "
-           "null bucket, a bucket on another device or overlapping a tensor, "
-           "before copying.")
-      .def_prop_ro("num_buckets", &RefitCopyPlan::num_buckets)
-      .def_prop_ro("cuda_device", &RefitCopyPlan::cuda_device);
-  m.def("refit_unpack_bucket", &UnpackBucket, nb::arg("bucket").noconvert(),
-        nb::arg("tensors"), nb::arg("offsets"), nb::arg("num_threads") = 0,
-        nb::arg("stream") = 0,
-        "Copies bytes of bucket at each offset into each tensor (any strides, "
-        "but no element may share an address with another). Same arguments "
-        "and errors as refit_pack_bucket.");
 }
 
 }  // namespace dockyard::kernels

@@ -415,8 +415,7 @@ def test_bucket_views_errors(ext):
 
 
 # --- Raw binding ---------------------------------------------------------------------------------
-# refit_copy calls only refit_pack_bucket; the binding's other entry points (refit_unpack_bucket,
-# RefitCopyPlan) have no test file of their own, so their checks are tested here too.
+# refit_pack_bucket's own checks, called directly (refit_copy validates before calling it).
 
 
 def test_raw_binding_errors(ext):
@@ -428,49 +427,10 @@ def test_raw_binding_errors(ext):
         ext.refit_pack_bucket(bucket, [t, t], [0, 8])
     with pytest.raises(ValueError, match="got 1 tensors but 2 offsets"):
         ext.refit_pack_bucket(bucket, [t], [0, 16])
-    with pytest.raises(ValueError, match="the destination overlaps itself"):
-        ext.refit_unpack_bucket(bucket, [torch.zeros(1, 4, dtype=torch.int32).expand(3, 4)], [0])
     with pytest.raises(ValueError, match="overlaps the bucket"):
-        ext.refit_unpack_bucket(bucket, [bucket[8:24].view(torch.int32)], [32])
+        ext.refit_pack_bucket(bucket, [bucket[8:24].view(torch.int32)], [32])
     with pytest.raises(TypeError):  # noconvert: a bucket is never silently copied.
         ext.refit_pack_bucket(torch.zeros(16, dtype=torch.int32), [t], [0])
-
-
-def test_raw_plan_binding_errors(ext):
-    t = torch.arange(4, dtype=torch.int32)
-    with pytest.raises(ValueError, match="got 1 tensors, 2 bucket indices and 1 offsets"):
-        ext.RefitCopyPlan([t], [0, 0], [0], [64], False)
-    with pytest.raises(ValueError, match=r"span 0: bucket 1 is not in \[0, 1\)"):
-        ext.RefitCopyPlan([t], [1], [0], [64], False)
-    with pytest.raises(
-        IndexError, match=r"span 1 covers bytes \[64, 64 \+ 16\) but bucket 1 has 64"
-    ):
-        ext.RefitCopyPlan([t, t], [0, 1], [0, 64], [64, 64], False)
-    with pytest.raises(ValueError, match="span 0 and span 1 overlap in bucket 0"):
-        ext.RefitCopyPlan([t, t], [0, 0], [0, 8], [64, 64], False)
-    with pytest.raises(ValueError, match="span 0: the destination overlaps itself"):
-        ext.RefitCopyPlan([torch.zeros(1, 4, dtype=torch.int32).expand(3, 4)], [0], [0], [64], True)
-    plan = ext.RefitCopyPlan([t, t], [0, 1], [0, 16], [64, 64], False)
-    assert plan.num_buckets == 2 and plan.cuda_device == -1
-    a, b = torch.full((64,), 9, dtype=torch.uint8), torch.full((64,), 9, dtype=torch.uint8)
-    with pytest.raises(
-        ValueError, match=r"buckets \[1, 1 \+ 2\) are not all in the plan's 2 buckets"
-    ):
-        plan.run([a.data_ptr(), b.data_ptr()], 1)
-    with pytest.raises(ValueError, match="bucket 1 is null but has 64 bytes"):
-        plan.run([a.data_ptr(), 0], 0)
-    with pytest.raises(ValueError, match="span 0: the tensor's memory overlaps bucket 0"):
-        plan.run([t.data_ptr() - 16], 0)
-    with pytest.raises(ValueError, match="num_threads must be in"):
-        plan.run([a.data_ptr()], 0, -1)
-    assert bool((a == 9).all()) and bool((b == 9).all())
-    plan.run([b.data_ptr()], 1, 3)  # Bucket 1 only; threads beyond the bytes are capped.
-    expected = torch.zeros(64, dtype=torch.uint8)
-    expected[16:32] = t.view(torch.uint8)
-    assert torch.equal(b, expected) and bool((a == 9).all())
-    if not ext.with_cuda:
-        with pytest.raises(RuntimeError, match="built without CUDA"):
-            ext.RefitCopyPlan([], [], [], [], False, 0)
 
 
 # --- CUDA ----------------------------------------------------------------------------------------
