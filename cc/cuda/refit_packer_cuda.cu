@@ -34,36 +34,23 @@ constexpr int64_t kMaxChunkBytes = 64 * 1024;
 // parallelism: four independent loads in flight per thread).
 constexpr int kUnroll = 4;
 
-// One tensor (or, for pack, one padding range) to copy. Plain data: copied to
-// the device as is.
+// One tensor (or one padding range) to copy. Plain data: copied to the device
+// as is.
 struct Job {
   char* strided;   // The tensor's element 0; nullptr = write zeros.
-  int64_t offset;  // Its bytes' offset in its bucket.
+  int64_t offset;  // Its bytes' offset in the bucket.
   int64_t nbytes;
   int64_t first_chunk;  // Index of its first chunk among all jobs' chunks.
-  int32_t bucket;       // Its bucket's index in the plan.
   int32_t element_size;
   int32_t ndim;  // 0 = dense: copy nbytes straight; else strided dims below.
-  int32_t unused = 0;
   int64_t shape[kCudaMaxDims];
   int64_t byte_strides[kCudaMaxDims];
 };
 
-// RunBucketCopy stages the int32 chunk table right after the jobs.
+// pack_bucket_cuda stages the int32 chunk table right after the jobs.
 static_assert(sizeof(Job) % alignof(int32_t) == 0 &&
                   alignof(Job) >= alignof(int32_t),
               "the chunk table after the jobs must be aligned");
-
-// A launch's view of the buckets: passed by value as the kernel argument, so
-// the bucket addresses (the only thing that changes between calls of a plan)
-// need no host-to-device copy.
-struct LaunchArgs {
-  char* bucket_base[kCudaBucketsPerLaunch];  // Bucket first_bucket + i.
-  int64_t first_bucket;
-  int64_t chunk_begin;  // The launch copies chunks [chunk_begin, chunk_end).
-  int64_t chunk_end;
-  int64_t chunk_bytes;
-};
 
 void CheckCuda(cudaError_t err, const char* function, const char* what) {
   if (err != cudaSuccess) {
@@ -159,9 +146,9 @@ __device__ __forceinline__ void CopyElement(char* dst, const char* src) {
   }
 }
 
-// Elements [begin, end) of a strided job, one per thread at a time;
-// `contiguous` is the job's first byte in the bucket.
-template <int N, bool kPack>
+// Elements [begin, end) of a strided job, one per thread at a time, from the
+// tensor to `contiguous` (the job's first byte in the bucket).
+template <int N>
 __device__ void CopyStrided(const Job& job, char* contiguous, int64_t begin,
                             int64_t end) {
   for (int64_t e = begin + threadIdx.x; e < end; e += kThreads) {
@@ -170,56 +157,40 @@ __device__ void CopyStrided(const Job& job, char* contiguous, int64_t begin,
       offset += (rest % job.shape[d]) * job.byte_strides[d];
       rest /= job.shape[d];
     }
-    char* element = job.strided + offset;
-    char* packed = contiguous + e * N;
-    if (kPack) {
-      CopyElement<N>(packed, element);
-    } else {
-      CopyElement<N>(element, packed);
-    }
+    CopyElement<N>(contiguous + e * N, job.strided + offset);
   }
 }
 
-template <bool kPack>
 __device__ void CopyStridedChunk(const Job& job, char* contiguous,
                                  int64_t begin_byte, int64_t end_byte) {
   const int64_t b = begin_byte / job.element_size,
                 e = end_byte / job.element_size;
   switch (job.element_size) {
-    case 1: CopyStrided<1, kPack>(job, contiguous, b, e); break;
-    case 2: CopyStrided<2, kPack>(job, contiguous, b, e); break;
-    case 4: CopyStrided<4, kPack>(job, contiguous, b, e); break;
-    case 8: CopyStrided<8, kPack>(job, contiguous, b, e); break;
-    default: CopyStrided<16, kPack>(job, contiguous, b, e); break;
+    case 1: CopyStrided<1>(job, contiguous, b, e); break;
+    case 2: CopyStrided<2>(job, contiguous, b, e); break;
+    case 4: CopyStrided<4>(job, contiguous, b, e); break;
+    case 8: CopyStrided<8>(job, contiguous, b, e); break;
+    default: CopyStrided<16>(job, contiguous, b, e); break;
   }
 }
 
-// Grid-stride over the launch's chunks; a block copies one chunk at a time.
-// kPack: tensors -> buckets and zero jobs; otherwise buckets -> tensors.
-// __grid_constant__: the argument is read in place (its bucket array is
-// indexed dynamically), not copied to each thread's local memory.
-template <bool kPack>
+// Grid-stride over the bucket's chunks; a block copies one chunk at a time
+// (tensors -> bucket, zeros for the padding jobs).
 __global__ void __launch_bounds__(kThreads)
-    BucketCopyKernel(const Job* __restrict__ jobs,
-                     const int32_t* __restrict__ chunk_job,
-                     const __grid_constant__ LaunchArgs args) {
-  for (int64_t chunk = args.chunk_begin + blockIdx.x; chunk < args.chunk_end;
-       chunk += gridDim.x) {
+    BucketPackKernel(const Job* __restrict__ jobs,
+                     const int32_t* __restrict__ chunk_job, char* bucket,
+                     int64_t num_chunks, int64_t chunk_bytes) {
+  for (int64_t chunk = blockIdx.x; chunk < num_chunks; chunk += gridDim.x) {
     const Job& job = jobs[chunk_job[chunk]];
-    const int64_t begin = (chunk - job.first_chunk) * args.chunk_bytes;
-    const int64_t n = min(args.chunk_bytes, job.nbytes - begin);
-    char* contiguous =
-        args.bucket_base[job.bucket - args.first_bucket] + job.offset;
+    const int64_t begin = (chunk - job.first_chunk) * chunk_bytes;
+    const int64_t n = min(chunk_bytes, job.nbytes - begin);
+    char* contiguous = bucket + job.offset;
     if (job.strided == nullptr) {
       ZeroFill(contiguous + begin, n);
     } else if (job.ndim == 0) {
-      if (kPack) {
-        CopyDense(contiguous + begin, job.strided + begin, n);
-      } else {
-        CopyDense(job.strided + begin, contiguous + begin, n);
-      }
+      CopyDense(contiguous + begin, job.strided + begin, n);
     } else {
-      CopyStridedChunk<kPack>(job, contiguous, begin, begin + n);
+      CopyStridedChunk(job, contiguous, begin, begin + n);
     }
   }
 }
@@ -253,17 +224,16 @@ int DeviceOf(const void* ptr, const char* function, const std::string& name) {
   return attr.device;
 }
 
-// Every tensor with bytes must be on `device`; `where` names it in messages
-// ("the bucket's GPU", "GPU 1").
+// Every tensor with bytes must be on `device`, the bucket's.
 void CheckTensorDevices(const char* function,
                         const std::vector<internal::CollapsedSpan>& spans,
-                        int device, const std::string& where) {
+                        int device) {
   for (size_t i = 0; i < spans.size(); ++i) {
     if (spans[i].nbytes == 0) continue;
     const std::string name = "span " + std::to_string(i) + "'s tensor";
     if (DeviceOf(spans[i].data, function, name) != device) {
       throw std::invalid_argument(std::string(function) + ": " + name +
-                                  " is not on " + where);
+                                  " is not on the bucket's GPU");
     }
   }
 }
@@ -275,11 +245,9 @@ int NumBlocksCap(int device, const char* function) {
   CheckCuda(
       cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
       function, "cudaDeviceGetAttribute");
-  // Both directions compile to about the same registers; the pack kernel's
-  // figure is used for both.
   int blocks_per_sm = 0;
   CheckCuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                &blocks_per_sm, BucketCopyKernel<true>, kThreads, 0),
+                &blocks_per_sm, BucketPackKernel, kThreads, 0),
             function, "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   return std::max(1, num_sms) * std::max(1, blocks_per_sm);
 }
@@ -296,104 +264,66 @@ int64_t ChooseChunkBytes(int64_t bucket_nbytes, int num_blocks) {
   return chunk;
 }
 
-// The device-side description of a set of copies.
+// The device-side description of one bucket's copies.
 struct JobTable {
   std::vector<Job> jobs;
-  std::vector<int32_t> chunk_job;           // Per chunk: its job's index.
-  std::vector<int64_t> bucket_first_chunk;  // Per bucket, plus the end.
+  std::vector<int32_t> chunk_job;  // Per chunk: its job's index.
+  int64_t num_chunks = 0;
 };
 
-// Jobs for buckets in order: per bucket its spans (`members[b]`, indices
-// into `spans`, all with bytes), then (pack only) its gaps. Jobs therefore
-// sit in first_chunk order, and a bucket range's chunks are contiguous.
-JobTable BuildJobs(
-    const char* function, const std::vector<internal::CollapsedSpan>& spans,
-    const std::vector<std::vector<int64_t>>& members,
-    const std::vector<std::vector<std::pair<int64_t, int64_t>>>* gaps,
-    int64_t chunk_bytes) {
+// Jobs for the spans with bytes (in the caller's order), then for the
+// padding ranges `gaps`; each job's chunks follow the previous job's.
+JobTable BuildJobs(const char* function,
+                   const std::vector<internal::CollapsedSpan>& spans,
+                   const std::vector<std::pair<int64_t, int64_t>>& gaps,
+                   int64_t chunk_bytes) {
   JobTable table;
-  int64_t num_chunks = 0;
   auto add_job = [&](Job job) {
     if (table.jobs.size() >= static_cast<size_t>(INT32_MAX)) {
       throw std::invalid_argument(std::string(function) + ": too many tensors");
     }
-    job.first_chunk = num_chunks;
+    job.first_chunk = table.num_chunks;
     const int64_t n = (job.nbytes + chunk_bytes - 1) / chunk_bytes;
-    num_chunks += n;
+    table.num_chunks += n;
     table.chunk_job.insert(table.chunk_job.end(), static_cast<size_t>(n),
                            static_cast<int32_t>(table.jobs.size()));
     table.jobs.push_back(job);
   };
-  for (size_t b = 0; b < members.size(); ++b) {
-    table.bucket_first_chunk.push_back(num_chunks);
-    for (int64_t i : members[b]) {
-      const internal::CollapsedSpan& c = spans[i];
-      const auto ndim = static_cast<int64_t>(c.shape.size());
-      if (ndim > kCudaMaxDims) {
-        throw std::invalid_argument(
-            std::string(function) + ": span " + std::to_string(i) + " has " +
-            std::to_string(ndim) + " dims after merging, more than the " +
-            std::to_string(kCudaMaxDims) +
-            " supported on CUDA; make it "
-            "contiguous first");
-      }
-      Job job{};
-      job.strided = c.data;
-      job.offset = c.offset;
-      job.nbytes = c.nbytes;
-      job.bucket = static_cast<int32_t>(b);
-      job.element_size = static_cast<int32_t>(c.element_size);
-      const bool dense =
-          ndim == 0 || (ndim == 1 && c.byte_strides[0] == c.element_size);
-      job.ndim = dense ? 0 : static_cast<int32_t>(ndim);
-      for (int64_t d = 0; d < ndim && !dense; ++d) {
-        job.shape[d] = c.shape[d];
-        job.byte_strides[d] = c.byte_strides[d];
-      }
-      add_job(job);
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const internal::CollapsedSpan& c = spans[i];
+    if (c.nbytes == 0) continue;
+    const auto ndim = static_cast<int64_t>(c.shape.size());
+    if (ndim > kCudaMaxDims) {
+      throw std::invalid_argument(
+          std::string(function) + ": span " + std::to_string(i) + " has " +
+          std::to_string(ndim) + " dims after merging, more than the " +
+          std::to_string(kCudaMaxDims) +
+          " supported on CUDA; make it "
+          "contiguous first");
     }
-    if (gaps != nullptr) {
-      for (const auto& [begin, end] : (*gaps)[b]) {
-        Job job{};
-        job.strided = nullptr;
-        job.offset = begin;
-        job.nbytes = end - begin;
-        job.bucket = static_cast<int32_t>(b);
-        job.element_size = 1;
-        add_job(job);
-      }
+    Job job{};
+    job.strided = c.data;
+    job.offset = c.offset;
+    job.nbytes = c.nbytes;
+    job.element_size = static_cast<int32_t>(c.element_size);
+    const bool dense =
+        ndim == 0 || (ndim == 1 && c.byte_strides[0] == c.element_size);
+    job.ndim = dense ? 0 : static_cast<int32_t>(ndim);
+    for (int64_t d = 0; d < ndim && !dense; ++d) {
+      job.shape[d] = c.shape[d];
+      job.byte_strides[d] = c.byte_strides[d];
     }
+    add_job(job);
   }
-  table.bucket_first_chunk.push_back(num_chunks);
+  for (const auto& [begin, end] : gaps) {
+    Job job{};
+    job.strided = nullptr;
+    job.offset = begin;
+    job.nbytes = end - begin;
+    job.element_size = 1;
+    add_job(job);
+  }
   return table;
-}
-
-// Queues the kernel for chunks [chunk_begin, chunk_end) of buckets
-// [first_bucket, first_bucket + count), count <= kCudaBucketsPerLaunch.
-void Launch(const char* function, bool pack, const void* d_jobs,
-            const void* d_chunk_job, void* const* buckets, int64_t first_bucket,
-            int64_t count, int64_t chunk_begin, int64_t chunk_end,
-            int64_t chunk_bytes, int num_blocks_cap, cudaStream_t stream) {
-  if (chunk_end <= chunk_begin) return;  // Nothing to read or write.
-  LaunchArgs args{};
-  for (int64_t k = 0; k < count; ++k)
-    args.bucket_base[k] = static_cast<char*>(buckets[k]);
-  args.first_bucket = first_bucket;
-  args.chunk_begin = chunk_begin;
-  args.chunk_end = chunk_end;
-  args.chunk_bytes = chunk_bytes;
-  const int blocks = static_cast<int>(
-      std::min<int64_t>(chunk_end - chunk_begin, num_blocks_cap));
-  const auto* jobs = static_cast<const Job*>(d_jobs);
-  const auto* chunk_job = static_cast<const int32_t*>(d_chunk_job);
-  if (pack) {
-    BucketCopyKernel<true>
-        <<<blocks, kThreads, 0, stream>>>(jobs, chunk_job, args);
-  } else {
-    BucketCopyKernel<false>
-        <<<blocks, kThreads, 0, stream>>>(jobs, chunk_job, args);
-  }
-  CheckCuda(cudaGetLastError(), function, "kernel launch");
 }
 
 // Device memory freed in stream order (no device-wide sync as with cudaFree,
@@ -415,64 +345,29 @@ class StreamBuffer {
   cudaStream_t stream_;
 };
 
-// Device memory owned until release() (frees it if construction fails later).
-class DeviceAllocation {
- public:
-  DeviceAllocation(size_t bytes, const char* function) {
-    if (bytes > 0) CheckCuda(cudaMalloc(&ptr_, bytes), function, "cudaMalloc");
-  }
-  ~DeviceAllocation() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
-  }
-  DeviceAllocation(const DeviceAllocation&) = delete;
-  DeviceAllocation& operator=(const DeviceAllocation&) = delete;
-  void* get() const { return ptr_; }
-  void* release() { return std::exchange(ptr_, nullptr); }
+}  // namespace
 
- private:
-  void* ptr_ = nullptr;
-};
-
-// A non-blocking stream for the duration of a scope.
-class UploadStream {
- public:
-  explicit UploadStream(const char* function) {
-    CheckCuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
-              function, "cudaStreamCreateWithFlags");
-  }
-  ~UploadStream() { cudaStreamDestroy(stream_); }  // Best effort.
-  UploadStream(const UploadStream&) = delete;
-  UploadStream& operator=(const UploadStream&) = delete;
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
-
-void RunBucketCopy(const char* function, const std::vector<BucketSpan>& spans,
-                   const void* d_bucket, int64_t bucket_nbytes, bool pack,
-                   cudaStream_t stream) {
+void pack_bucket_cuda(const std::vector<BucketSpan>& spans, void* d_bucket,
+                      int64_t bucket_nbytes, cudaStream_t stream) {
+  constexpr const char* kFn = "pack_bucket_cuda";
   const std::vector<internal::CollapsedSpan> collapsed =
-      internal::validate_spans(function, spans, d_bucket, bucket_nbytes,
-                               /*check_self_overlap=*/!pack);
-  std::vector<std::vector<int64_t>> members(1);
-  for (size_t i = 0; i < collapsed.size(); ++i) {
-    if (collapsed[i].nbytes > 0) members[0].push_back(static_cast<int64_t>(i));
-  }
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> gaps;
-  if (pack)
-    gaps.push_back(internal::uncovered_ranges(collapsed, bucket_nbytes));
-  if (members[0].empty() && (gaps.empty() || gaps[0].empty())) return;
+      internal::validate_spans(kFn, spans, d_bucket, bucket_nbytes,
+                               /*check_self_overlap=*/false);
+  const std::vector<std::pair<int64_t, int64_t>> gaps =
+      internal::uncovered_ranges(collapsed, bucket_nbytes);
+  const bool has_tensor_bytes = std::any_of(
+      collapsed.begin(), collapsed.end(),
+      [](const internal::CollapsedSpan& c) { return c.nbytes > 0; });
+  if (!has_tensor_bytes && gaps.empty()) return;
 
   // There are jobs, so the bucket has bytes.
-  const int device = DeviceOf(d_bucket, function, "the bucket");
-  CheckTensorDevices(function, collapsed, device, "the bucket's GPU");
-  const int num_blocks_cap = NumBlocksCap(device, function);
+  const int device = DeviceOf(d_bucket, kFn, "the bucket");
+  CheckTensorDevices(kFn, collapsed, device);
+  const int num_blocks_cap = NumBlocksCap(device, kFn);
   const int64_t chunk_bytes = ChooseChunkBytes(bucket_nbytes, num_blocks_cap);
-  const JobTable table = BuildJobs(function, collapsed, members,
-                                   pack ? &gaps : nullptr, chunk_bytes);
+  const JobTable table = BuildJobs(kFn, collapsed, gaps, chunk_bytes);
 
-  DeviceGuard device_guard(device, function);
+  DeviceGuard device_guard(device, kFn);
   // Jobs then the chunk table in one buffer (aligned: see the static_assert
   // after Job).
   const size_t jobs_bytes = table.jobs.size() * sizeof(Job);
@@ -480,120 +375,20 @@ void RunBucketCopy(const char* function, const std::vector<BucketSpan>& spans,
   std::vector<char> staging(jobs_bytes + table_bytes);
   std::memcpy(staging.data(), table.jobs.data(), jobs_bytes);
   std::memcpy(staging.data() + jobs_bytes, table.chunk_job.data(), table_bytes);
-  StreamBuffer d_staging(staging.size(), stream, function);
+  StreamBuffer d_staging(staging.size(), stream, kFn);
   // From pageable memory: the call returns once the descriptors are staged,
   // so `staging` may be freed when this function returns.
   CheckCuda(cudaMemcpyAsync(d_staging.get(), staging.data(), staging.size(),
                             cudaMemcpyHostToDevice, stream),
-            function, "cudaMemcpyAsync");
-  void* bucket = const_cast<void*>(d_bucket);
+            kFn, "cudaMemcpyAsync");
   const char* base = static_cast<const char*>(d_staging.get());
-  Launch(function, pack, base, base + jobs_bytes, &bucket, 0, 1, 0,
-         table.bucket_first_chunk.back(), chunk_bytes, num_blocks_cap, stream);
+  const int blocks =
+      static_cast<int>(std::min<int64_t>(table.num_chunks, num_blocks_cap));
+  BucketPackKernel<<<blocks, kThreads, 0, stream>>>(
+      reinterpret_cast<const Job*>(base),
+      reinterpret_cast<const int32_t*>(base + jobs_bytes),
+      static_cast<char*>(d_bucket), table.num_chunks, chunk_bytes);
+  CheckCuda(cudaGetLastError(), kFn, "kernel launch");
 }  // d_staging is freed here, in stream order after the kernel.
-
-}  // namespace
-
-void pack_bucket_cuda(const std::vector<BucketSpan>& spans, void* d_bucket,
-                      int64_t bucket_nbytes, cudaStream_t stream) {
-  RunBucketCopy("pack_bucket_cuda", spans, d_bucket, bucket_nbytes, true,
-                stream);
-}
-
-void unpack_bucket_cuda(const void* d_bucket, int64_t bucket_nbytes,
-                        const std::vector<BucketSpan>& spans,
-                        cudaStream_t stream) {
-  RunBucketCopy("unpack_bucket_cuda", spans, d_bucket, bucket_nbytes, false,
-                stream);
-}
-
-CudaCopyPlan::CudaCopyPlan(const char* function, CopyDirection direction,
-                           const std::vector<PlanSpan>& spans,
-                           std::vector<int64_t> bucket_sizes, int device)
-    : plan_(function, direction, spans, std::move(bucket_sizes)),
-      device_(device) {
-  CheckTensorDevices(function, plan_.spans(), device_,
-                     "GPU " + std::to_string(device_));
-  num_blocks_cap_ = NumBlocksCap(device_, function);
-  const int64_t max_bucket =
-      plan_.bucket_sizes().empty()
-          ? 0
-          : *std::max_element(plan_.bucket_sizes().begin(),
-                              plan_.bucket_sizes().end());
-  // Sized for the largest bucket: a sender that packs one bucket per launch
-  // (double buffering) still fills the GPU.
-  chunk_bytes_ = ChooseChunkBytes(max_bucket, num_blocks_cap_);
-  const bool pack = direction == CopyDirection::kPack;
-  const JobTable table =
-      BuildJobs(function, plan_.spans(), plan_.bucket_members(),
-                pack ? &plan_.gaps() : nullptr, chunk_bytes_);
-  bucket_first_chunk_ = table.bucket_first_chunk;
-  num_chunks_ = table.bucket_first_chunk.back();
-
-  DeviceGuard device_guard(device_, function);
-  const size_t jobs_bytes = table.jobs.size() * sizeof(Job);
-  const size_t table_bytes = table.chunk_job.size() * sizeof(int32_t);
-  DeviceAllocation jobs(jobs_bytes, function);
-  DeviceAllocation chunk_job(table_bytes, function);
-  if (jobs_bytes > 0) {
-    // cudaMemcpy from pageable memory may return before its DMA lands, and
-    // runs may come on any stream: copy on a private non-blocking stream
-    // (which waits for nobody else's work) and wait for it.
-    UploadStream upload(function);
-    CheckCuda(cudaMemcpyAsync(jobs.get(), table.jobs.data(), jobs_bytes,
-                              cudaMemcpyHostToDevice, upload.get()),
-              function, "cudaMemcpyAsync");
-    CheckCuda(
-        cudaMemcpyAsync(chunk_job.get(), table.chunk_job.data(), table_bytes,
-                        cudaMemcpyHostToDevice, upload.get()),
-        function, "cudaMemcpyAsync");
-    CheckCuda(cudaStreamSynchronize(upload.get()), function,
-              "cudaStreamSynchronize");
-  }
-  d_jobs_ = jobs.release();
-  d_chunk_job_ = chunk_job.release();
-}
-
-CudaCopyPlan::~CudaCopyPlan() {
-  // Best effort, no throw: the descriptors may still be read by a queued
-  // run on any stream, so wait for the GPU before freeing them.
-  int previous = 0;
-  const bool switched = cudaGetDevice(&previous) == cudaSuccess &&
-                        previous != device_ &&
-                        cudaSetDevice(device_) == cudaSuccess;
-  cudaDeviceSynchronize();
-  if (d_jobs_ != nullptr) cudaFree(d_jobs_);
-  if (d_chunk_job_ != nullptr) cudaFree(d_chunk_job_);
-  if (switched) cudaSetDevice(previous);
-}
-
-void CudaCopyPlan::run(const std::vector<void*>& buckets, int64_t first_bucket,
-                       cudaStream_t stream) const {
-  constexpr const char* kFn = "CudaCopyPlan::run";
-  plan_.check_buckets(kFn, buckets, first_bucket);
-  const auto count = static_cast<int64_t>(buckets.size());
-  for (int64_t k = 0; k < count; ++k) {
-    const int64_t b = first_bucket + k;
-    if (plan_.bucket_sizes()[b] == 0) continue;
-    const std::string name = "bucket " + std::to_string(b);
-    if (DeviceOf(buckets[k], kFn, name) != device_) {
-      throw std::invalid_argument(std::string(kFn) + ": " + name +
-                                  " is not on GPU " + std::to_string(device_) +
-                                  " (the plan's)");
-    }
-  }
-  const int64_t begin_chunk = bucket_first_chunk_[first_bucket];
-  const int64_t end_chunk = bucket_first_chunk_[first_bucket + count];
-  if (end_chunk == begin_chunk) return;  // Nothing to read or write.
-  DeviceGuard device_guard(device_, kFn);
-  const bool pack = plan_.direction() == CopyDirection::kPack;
-  for (int64_t k = 0; k < count; k += kCudaBucketsPerLaunch) {
-    const int64_t n = std::min<int64_t>(kCudaBucketsPerLaunch, count - k);
-    const int64_t b = first_bucket + k;
-    Launch(kFn, pack, d_jobs_, d_chunk_job_, buckets.data() + k, b, n,
-           bucket_first_chunk_[b], bucket_first_chunk_[b + n], chunk_bytes_,
-           num_blocks_cap_, stream);
-  }
-}
 
 }  // namespace dockyard::kernels
