@@ -4,7 +4,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <system_error>
@@ -59,22 +58,16 @@ void CopyStridedElements(int64_t element_size, char* dst, int64_t dst_stride,
   }
 }
 
-enum class Direction { kPack, kUnpack };
-
-// Copies elements [begin, end) (row-major order) of `span` between its
-// tensor and the bucket at `bucket`.
+// Copies elements [begin, end) (row-major order) of `span`'s tensor into the
+// bucket at `bucket`.
 void CopyElementRange(const internal::CollapsedSpan& span, char* bucket,
-                      int64_t begin, int64_t end, Direction direction) {
+                      int64_t begin, int64_t end) {
   if (begin >= end) return;
   const int64_t es = span.element_size;
   char* contiguous = bucket + span.offset + begin * es;
   const auto ndim = static_cast<int64_t>(span.shape.size());
   if (ndim == 0) {  // A single element (begin == 0, end == 1).
-    if (direction == Direction::kPack) {
-      std::memcpy(contiguous, span.data, es);
-    } else {
-      std::memcpy(span.data, contiguous, es);
-    }
+    std::memcpy(contiguous, span.data, es);
     return;
   }
   // Unravel `begin` into a row-major multi-index.
@@ -93,15 +86,9 @@ void CopyElementRange(const internal::CollapsedSpan& span, char* bucket,
       strided += index[d] * span.byte_strides[d];
     const int64_t count = std::min(inner_size - index[ndim - 1], end - e);
     if (inner_stride == es) {  // The innermost dim is dense: one memcpy.
-      if (direction == Direction::kPack) {
-        std::memcpy(contiguous, strided, count * es);
-      } else {
-        std::memcpy(strided, contiguous, count * es);
-      }
-    } else if (direction == Direction::kPack) {
-      CopyStridedElements(es, contiguous, es, strided, inner_stride, count);
+      std::memcpy(contiguous, strided, count * es);
     } else {
-      CopyStridedElements(es, strided, inner_stride, contiguous, es, count);
+      CopyStridedElements(es, contiguous, es, strided, inner_stride, count);
     }
     contiguous += count * es;
     e += count;
@@ -115,49 +102,41 @@ void CopyElementRange(const internal::CollapsedSpan& span, char* bucket,
   }
 }
 
-// One span to copy and the base of its bucket.
-struct CopyTask {
-  const internal::CollapsedSpan* span;
-  char* bucket;
-};
-
-// Copies the byte range [begin, end) of the tasks' spans laid end to end
-// (task i covers [starts[i], starts[i] + nbytes)). Cuts fall on element
+// Copies the byte range [begin, end) of `spans` laid end to end (span i
+// covers [starts[i], starts[i] + nbytes)) into `bucket`. Cuts fall on element
 // boundaries: a cut at byte c inside span i is element (c - starts[i]) /
 // element_size, the same for the worker that ends there and the one that
 // starts there, so every element is copied exactly once.
-void CopyByteRange(const std::vector<CopyTask>& tasks,
-                   const std::vector<int64_t>& starts, int64_t begin,
-                   int64_t end, Direction direction) {
-  // The first task that ends after `begin`.
+void CopyByteRange(const std::vector<const internal::CollapsedSpan*>& spans,
+                   const std::vector<int64_t>& starts, char* bucket,
+                   int64_t begin, int64_t end) {
+  // The first span that ends after `begin`.
   auto it = std::upper_bound(starts.begin(), starts.end(), begin);
   size_t i = static_cast<size_t>(it - starts.begin());
   i = i == 0 ? 0 : i - 1;
-  for (; i < tasks.size() && starts[i] < end; ++i) {
-    const internal::CollapsedSpan& span = *tasks[i].span;
+  for (; i < spans.size() && starts[i] < end; ++i) {
+    const internal::CollapsedSpan& span = *spans[i];
     if (span.numel == 0) continue;
     auto element_at = [&](int64_t cut) {
       const int64_t local =
           std::clamp<int64_t>(cut - starts[i], 0, span.nbytes);
       return local / span.element_size;
     };
-    CopyElementRange(span, tasks[i].bucket, element_at(begin), element_at(end),
-                     direction);
+    CopyElementRange(span, bucket, element_at(begin), element_at(end));
   }
 }
 
-void RunCopies(const std::vector<CopyTask>& tasks, int num_threads,
-               Direction direction) {
-  std::vector<int64_t> starts(tasks.size());
-  int64_t total = 0;
-  for (size_t i = 0; i < tasks.size(); ++i) {
-    starts[i] = total;
-    // Spans do not overlap within a bucket and each bucket's size fits in
-    // int64; across several buckets, guard the sum.
-    if (tasks[i].span->nbytes > kInt64Max - total) {
-      throw std::invalid_argument("refit_packer: total bytes overflow int64");
-    }
-    total += tasks[i].span->nbytes;
+// Copies every span with bytes into `bucket`, split across workers by bytes.
+void RunCopies(const std::vector<internal::CollapsedSpan>& collapsed,
+               char* bucket, int num_threads) {
+  std::vector<const internal::CollapsedSpan*> spans;
+  std::vector<int64_t> starts;
+  int64_t total = 0;  // No overflow: the spans do not overlap in the bucket.
+  for (const internal::CollapsedSpan& s : collapsed) {
+    if (s.nbytes == 0) continue;
+    spans.push_back(&s);
+    starts.push_back(total);
+    total += s.nbytes;
   }
   if (total == 0) return;
   int64_t workers = num_threads;
@@ -168,7 +147,7 @@ void RunCopies(const std::vector<CopyTask>& tasks, int num_threads,
   }
   workers = std::max<int64_t>(1, std::min(workers, total));
   if (workers == 1) {
-    CopyByteRange(tasks, starts, 0, total, direction);
+    CopyByteRange(spans, starts, bucket, 0, total);
     return;
   }
   // Worker t copies bytes [cut(t), cut(t + 1)), cut(t) = t * total / workers
@@ -177,7 +156,7 @@ void RunCopies(const std::vector<CopyTask>& tasks, int num_threads,
     return (total / workers) * t + ((total % workers) * t) / workers;
   };
   auto run = [&](int64_t t) {
-    CopyByteRange(tasks, starts, cut(t), cut(t + 1), direction);
+    CopyByteRange(spans, starts, bucket, cut(t), cut(t + 1));
   };
   std::vector<std::thread> threads;
   threads.reserve(workers - 1);
@@ -193,24 +172,11 @@ void RunCopies(const std::vector<CopyTask>& tasks, int num_threads,
   for (std::thread& th : threads) th.join();
 }
 
-std::vector<CopyTask> TasksOf(const std::vector<internal::CollapsedSpan>& spans,
-                              char* bucket) {
-  std::vector<CopyTask> tasks;
-  tasks.reserve(spans.size());
-  for (const internal::CollapsedSpan& s : spans) {
-    if (s.nbytes > 0) tasks.push_back({&s, bucket});
-  }
-  return tasks;
-}
-
 // Validates one span for a bucket of `bucket_nbytes` bytes and returns it
-// collapsed (see internal::CollapsedSpan). `bucket_name` is "the bucket" or
-// "bucket <b>" in messages.
+// collapsed (see internal::CollapsedSpan).
 internal::CollapsedSpan CollapseSpan(const char* function, int64_t idx,
                                      const StridedTensor& t, int64_t offset,
-                                     int64_t bucket_nbytes,
-                                     const std::string& bucket_name,
-                                     bool check_self_overlap) {
+                                     int64_t bucket_nbytes) {
   const int64_t es = t.element_size;
   if (es != 1 && es != 2 && es != 4 && es != 8 && es != 16) {
     ThrowInvalid(function, SpanName(idx) +
@@ -256,8 +222,8 @@ internal::CollapsedSpan CollapseSpan(const char* function, int64_t idx,
     throw std::out_of_range(std::string(function) + ": " + SpanName(idx) +
                             " covers bytes [" + std::to_string(c.offset) +
                             ", " + std::to_string(c.offset) + " + " +
-                            std::to_string(c.nbytes) + ") but " + bucket_name +
-                            " has " + std::to_string(bucket_nbytes) + " bytes");
+                            std::to_string(c.nbytes) + ") but the bucket has " +
+                            std::to_string(bucket_nbytes) + " bytes");
   }
   if (numel == 0) return c;
   if (t.data == nullptr) {
@@ -286,26 +252,6 @@ internal::CollapsedSpan CollapseSpan(const char* function, int64_t idx,
     reach += (c.shape[d] - 1) * c.byte_strides[d];
   }
   c.extent = reach + es;
-  if (check_self_overlap) {
-    // Sufficient condition for distinct addresses: with dims sorted by
-    // stride, each stride clears the byte extent of all smaller dims.
-    std::vector<size_t> order(c.shape.size());
-    std::iota(order.begin(), order.end(), 0);
-    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-      return c.byte_strides[a] < c.byte_strides[b];
-    });
-    int64_t extent = 0;
-    for (size_t d : order) {
-      if (c.byte_strides[d] < extent + es) {
-        ThrowInvalid(function, SpanName(idx) +
-                                   ": the destination overlaps "
-                                   "itself (several elements share an address, "
-                                   "e.g. an expanded tensor); write into a "
-                                   "tensor that owns its elements");
-      }
-      extent += (c.shape[d] - 1) * c.byte_strides[d];
-    }
-  }
   return c;
 }
 
@@ -319,15 +265,13 @@ bool MemoryOverlaps(const internal::CollapsedSpan& c, const void* bucket,
   return lo < b_hi && b_lo < hi;
 }
 
-// Spans `members` (indices into `spans`) of one bucket must not overlap in it
-// (empty spans cover nothing). `bucket_name` as in CollapseSpan.
+// The spans must not overlap in the bucket (empty spans cover nothing).
 void CheckNoOverlapInBucket(const char* function,
-                            const std::vector<internal::CollapsedSpan>& spans,
-                            std::vector<int64_t> members,
-                            const std::string& bucket_name) {
-  members.erase(std::remove_if(members.begin(), members.end(),
-                               [&](int64_t i) { return spans[i].nbytes == 0; }),
-                members.end());
+                            const std::vector<internal::CollapsedSpan>& spans) {
+  std::vector<int64_t> members;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    if (spans[i].nbytes > 0) members.push_back(static_cast<int64_t>(i));
+  }
   std::sort(members.begin(), members.end(), [&](int64_t a, int64_t b) {
     return spans[a].offset < spans[b].offset;
   });
@@ -338,35 +282,9 @@ void CheckNoOverlapInBucket(const char* function,
       const int64_t a = std::min(members[k - 1], members[k]);
       const int64_t b = std::max(members[k - 1], members[k]);
       ThrowInvalid(function, SpanName(a) + " and " + SpanName(b) +
-                                 " overlap in " + bucket_name);
+                                 " overlap in the bucket");
     }
   }
-}
-
-// The byte ranges [begin, end) of [0, bucket_nbytes) that no span of
-// `members` covers, in order.
-std::vector<std::pair<int64_t, int64_t>> Gaps(
-    const std::vector<internal::CollapsedSpan>& spans,
-    const std::vector<int64_t>& members, int64_t bucket_nbytes) {
-  std::vector<std::pair<int64_t, int64_t>> covered;
-  for (int64_t i : members) {
-    const internal::CollapsedSpan& s = spans[i];
-    if (s.nbytes > 0) covered.emplace_back(s.offset, s.offset + s.nbytes);
-  }
-  std::sort(covered.begin(), covered.end());
-  std::vector<std::pair<int64_t, int64_t>> gaps;
-  int64_t pos = 0;
-  for (const auto& [begin, end] : covered) {
-    if (begin > pos) gaps.emplace_back(pos, begin);
-    pos = std::max(pos, end);
-  }
-  if (bucket_nbytes > pos) gaps.emplace_back(pos, bucket_nbytes);
-  return gaps;
-}
-
-// "the bucket" in a one-bucket plan's messages, else "bucket <b>".
-std::string BucketName(int64_t b, int64_t num_buckets) {
-  return num_buckets == 1 ? "the bucket" : "bucket " + std::to_string(b);
 }
 
 }  // namespace
@@ -443,8 +361,7 @@ void validate_num_threads(const char* function, int num_threads) {
 std::vector<CollapsedSpan> validate_spans(const char* function,
                                           const std::vector<BucketSpan>& spans,
                                           const void* bucket,
-                                          int64_t bucket_nbytes,
-                                          bool check_self_overlap) {
+                                          int64_t bucket_nbytes) {
   if (bucket_nbytes < 0) {
     ThrowInvalid(function, "bucket_nbytes must be >= 0, got " +
                                std::to_string(bucket_nbytes));
@@ -458,25 +375,32 @@ std::vector<CollapsedSpan> validate_spans(const char* function,
   for (size_t i = 0; i < spans.size(); ++i) {
     const auto idx = static_cast<int64_t>(i);
     out.push_back(CollapseSpan(function, idx, spans[i].tensor, spans[i].offset,
-                               bucket_nbytes, "the bucket",
-                               check_self_overlap));
+                               bucket_nbytes));
     if (MemoryOverlaps(out.back(), bucket, bucket_nbytes)) {
       ThrowInvalid(function, SpanName(idx) +
                                  ": the tensor's memory "
                                  "overlaps the bucket");
     }
   }
-  std::vector<int64_t> all(out.size());
-  std::iota(all.begin(), all.end(), 0);
-  CheckNoOverlapInBucket(function, out, std::move(all), "the bucket");
+  CheckNoOverlapInBucket(function, out);
   return out;
 }
 
 std::vector<std::pair<int64_t, int64_t>> uncovered_ranges(
     const std::vector<CollapsedSpan>& spans, int64_t bucket_nbytes) {
-  std::vector<int64_t> all(spans.size());
-  std::iota(all.begin(), all.end(), 0);
-  return Gaps(spans, all, bucket_nbytes);
+  std::vector<std::pair<int64_t, int64_t>> covered;
+  for (const CollapsedSpan& s : spans) {
+    if (s.nbytes > 0) covered.emplace_back(s.offset, s.offset + s.nbytes);
+  }
+  std::sort(covered.begin(), covered.end());
+  std::vector<std::pair<int64_t, int64_t>> gaps;
+  int64_t pos = 0;
+  for (const auto& [begin, end] : covered) {
+    if (begin > pos) gaps.emplace_back(pos, begin);
+    pos = std::max(pos, end);
+  }
+  if (bucket_nbytes > pos) gaps.emplace_back(pos, bucket_nbytes);
+  return gaps;
 }
 
 }  // namespace internal
@@ -486,7 +410,7 @@ void pack_bucket(const std::vector<BucketSpan>& spans, void* bucket,
   constexpr const char* kFn = "pack_bucket";
   internal::validate_num_threads(kFn, num_threads);
   const std::vector<internal::CollapsedSpan> collapsed =
-      internal::validate_spans(kFn, spans, bucket, bucket_nbytes, false);
+      internal::validate_spans(kFn, spans, bucket, bucket_nbytes);
   char* bytes = static_cast<char*>(bucket);
   // Padding is zeroed so that a bucket never carries stale memory (it may
   // leave the machine) and equal tensors always give equal buckets.
@@ -494,139 +418,7 @@ void pack_bucket(const std::vector<BucketSpan>& spans, void* bucket,
        internal::uncovered_ranges(collapsed, bucket_nbytes)) {
     std::memset(bytes + begin, 0, static_cast<size_t>(end - begin));
   }
-  RunCopies(TasksOf(collapsed, bytes), num_threads, Direction::kPack);
-}
-
-void unpack_bucket(const void* bucket, int64_t bucket_nbytes,
-                   const std::vector<BucketSpan>& spans, int num_threads) {
-  constexpr const char* kFn = "unpack_bucket";
-  internal::validate_num_threads(kFn, num_threads);
-  const std::vector<internal::CollapsedSpan> collapsed =
-      internal::validate_spans(kFn, spans, bucket, bucket_nbytes, true);
-  // Only read through this pointer in the unpack direction.
-  RunCopies(
-      TasksOf(collapsed, const_cast<char*>(static_cast<const char*>(bucket))),
-      num_threads, Direction::kUnpack);
-}
-
-CopyPlan::CopyPlan(const char* function, CopyDirection direction,
-                   const std::vector<PlanSpan>& spans,
-                   std::vector<int64_t> bucket_sizes)
-    : direction_(direction), bucket_sizes_(std::move(bucket_sizes)) {
-  const auto num_buckets = static_cast<int64_t>(bucket_sizes_.size());
-  for (int64_t b = 0; b < num_buckets; ++b) {
-    if (bucket_sizes_[b] < 0) {
-      ThrowInvalid(function, "bucket " + std::to_string(b) +
-                                 " has a negative size (" +
-                                 std::to_string(bucket_sizes_[b]) + " bytes)");
-    }
-  }
-  spans_.reserve(spans.size());
-  span_bucket_.reserve(spans.size());
-  bucket_members_.assign(bucket_sizes_.size(), {});
-  for (size_t i = 0; i < spans.size(); ++i) {
-    const auto idx = static_cast<int64_t>(i);
-    const int64_t b = spans[i].bucket;
-    if (b < 0 || b >= num_buckets) {
-      ThrowInvalid(function, SpanName(idx) + ": bucket " + std::to_string(b) +
-                                 " is not in [0, " +
-                                 std::to_string(num_buckets) + ")");
-    }
-    spans_.push_back(CollapseSpan(
-        function, idx, spans[i].tensor, spans[i].offset, bucket_sizes_[b],
-        BucketName(b, num_buckets), direction == CopyDirection::kUnpack));
-    span_bucket_.push_back(b);
-    if (spans_.back().nbytes > 0) bucket_members_[b].push_back(idx);
-  }
-  for (int64_t b = 0; b < num_buckets; ++b) {
-    std::vector<int64_t>& members = bucket_members_[b];
-    CheckNoOverlapInBucket(function, spans_, members,
-                           BucketName(b, num_buckets));
-    // By offset: each bucket's bytes are then written front to back.
-    std::sort(members.begin(), members.end(), [&](int64_t x, int64_t y) {
-      return spans_[x].offset < spans_[y].offset;
-    });
-    gaps_.push_back(Gaps(spans_, members, bucket_sizes_[b]));
-  }
-  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
-  for (const internal::CollapsedSpan& c : spans_) {
-    if (c.nbytes == 0) continue;
-    const auto lo = reinterpret_cast<uintptr_t>(c.data);
-    ranges.emplace_back(lo, lo + static_cast<uintptr_t>(c.extent));
-  }
-  std::sort(ranges.begin(), ranges.end());
-  for (const auto& r : ranges) {
-    if (!memory_ranges_.empty() && r.first <= memory_ranges_.back().second) {
-      memory_ranges_.back().second =
-          std::max(memory_ranges_.back().second, r.second);
-    } else {
-      memory_ranges_.push_back(r);
-    }
-  }
-}
-
-void CopyPlan::check_buckets(const char* function,
-                             const std::vector<void*>& buckets,
-                             int64_t first_bucket) const {
-  const auto count = static_cast<int64_t>(buckets.size());
-  if (first_bucket < 0 || first_bucket > num_buckets() ||
-      count > num_buckets() - first_bucket) {
-    ThrowInvalid(function, "buckets [" + std::to_string(first_bucket) + ", " +
-                               std::to_string(first_bucket) + " + " +
-                               std::to_string(count) +
-                               ") are not all in the plan's " +
-                               std::to_string(num_buckets()) + " buckets");
-  }
-  for (int64_t k = 0; k < count; ++k) {
-    const int64_t b = first_bucket + k;
-    const int64_t nbytes = bucket_sizes_[b];
-    if (nbytes == 0) continue;
-    if (buckets[k] == nullptr) {
-      ThrowInvalid(function, "bucket " + std::to_string(b) +
-                                 " is null but has " + std::to_string(nbytes) +
-                                 " bytes");
-    }
-    // The first merged range that ends after the bucket starts; it overlaps
-    // the bucket iff it also starts before the bucket ends.
-    const auto b_lo = reinterpret_cast<uintptr_t>(buckets[k]);
-    const auto b_hi = b_lo + static_cast<uintptr_t>(nbytes);
-    auto it = std::upper_bound(
-        memory_ranges_.begin(), memory_ranges_.end(), b_lo,
-        [](uintptr_t v, const std::pair<uintptr_t, uintptr_t>& r) {
-          return v < r.second;
-        });
-    if (it == memory_ranges_.end() || it->first >= b_hi) continue;
-    // Rare: find the span to name it.
-    for (size_t i = 0; i < spans_.size(); ++i) {
-      if (MemoryOverlaps(spans_[i], buckets[k], nbytes)) {
-        ThrowInvalid(function, SpanName(static_cast<int64_t>(i)) +
-                                   ": the tensor's memory overlaps bucket " +
-                                   std::to_string(b));
-      }
-    }
-  }
-}
-
-void CopyPlan::run(const std::vector<void*>& buckets, int64_t first_bucket,
-                   int num_threads) const {
-  constexpr const char* kFn = "CopyPlan::run";
-  internal::validate_num_threads(kFn, num_threads);
-  check_buckets(kFn, buckets, first_bucket);
-  std::vector<CopyTask> tasks;
-  for (size_t k = 0; k < buckets.size(); ++k) {
-    const int64_t b = first_bucket + static_cast<int64_t>(k);
-    char* bytes = static_cast<char*>(buckets[k]);
-    if (direction_ == CopyDirection::kPack) {
-      // Padding is zeroed as in pack_bucket.
-      for (const auto& [begin, end] : gaps_[b]) {
-        std::memset(bytes + begin, 0, static_cast<size_t>(end - begin));
-      }
-    }
-    for (int64_t i : bucket_members_[b]) tasks.push_back({&spans_[i], bytes});
-  }
-  RunCopies(tasks, num_threads,
-            direction_ == CopyDirection::kPack ? Direction::kPack
-                                               : Direction::kUnpack);
+  RunCopies(collapsed, bytes, num_threads);
 }
 
 }  // namespace dockyard::kernels

@@ -24,15 +24,15 @@
 //    multiple of every element size, so the receiver can view a byte range of
 //    a bucket as a typed tensor, and CUDA can use 16-byte vector loads.
 //
-// 2. Copies (`pack_bucket`, `unpack_bucket`): multi-threaded byte copies
-//    between one bucket and many tensors. Tensors are N-d strided views
-//    (shape and strides in elements, element size in bytes), so non-contiguous
-//    sources and destinations (transposes, slices with steps) are copied
-//    directly, without a contiguous temporary. Each tensor's bytes in the
-//    bucket are its elements in row-major (C) order, exactly what
-//    `tensor.contiguous()` would hold. Work is split across std::thread workers
-//    by bytes (a large tensor is split between workers), so the result does
-//    not depend on the thread count.
+// 2. The copy (`pack_bucket`): multi-threaded byte copies of many tensors
+//    into one bucket. Tensors are N-d strided views (shape and strides in
+//    elements, element size in bytes), so non-contiguous sources
+//    (transposes, slices with steps) are copied directly, without a
+//    contiguous temporary. Each tensor's bytes in the bucket are its elements
+//    in row-major (C) order, exactly what `tensor.contiguous()` would hold.
+//    Work is split across std::thread workers by bytes (a large tensor is
+//    split between workers), so the result does not depend on the thread
+//    count.
 //
 // Errors are standard exceptions with the function's name and the span index:
 // std::invalid_argument for bad arguments, std::out_of_range for a span that
@@ -40,7 +40,8 @@
 //
 // Not covered here: dtypes (the caller maps them to element sizes), names and
 // the manifest (python/dockyard_rl/kernels/refit_packer.py), device memory
-// (cc/cuda/refit_packer_cuda.h).
+// (cc/cuda/refit_packer_cuda.h), copying buckets back into tensors (the
+// receiver reads typed views of a bucket: refit_copy.py's bucket_views).
 
 #ifndef DOCKYARD_CC_REFIT_PACKER_H_
 #define DOCKYARD_CC_REFIT_PACKER_H_
@@ -111,16 +112,6 @@ constexpr int kMaxThreads = 1024;
 void pack_bucket(const std::vector<BucketSpan>& spans, void* bucket,
                  int64_t bucket_nbytes, int num_threads = 0);
 
-// Copies each span's bytes out of `bucket` into its tensor (any strides).
-//
-// Throws (before writing anything) as pack_bucket, and std::invalid_argument
-// when a destination tensor overlaps itself (e.g. an expanded tensor with a
-// zero stride: two elements would get one address). Destinations that share
-// memory with each other (e.g. tied weights) are not detected; they end up
-// holding the bytes of one of the spans.
-void unpack_bucket(const void* bucket, int64_t bucket_nbytes,
-                   const std::vector<BucketSpan>& spans, int num_threads = 0);
-
 // Shared with the CUDA implementation (cc/cuda/refit_packer_cuda.h) so that
 // both validate and word their errors alike; not for other callers.
 namespace internal {
@@ -142,15 +133,13 @@ struct CollapsedSpan {
 };
 
 // Validates `spans` against a bucket of `bucket_nbytes` bytes at `bucket`
-// (throws as pack_bucket / unpack_bucket describe; `function` starts each
-// message) and returns them collapsed, in the caller's order.
-// `check_self_overlap` is set for destinations (unpack). Zero-element spans
-// are validated and returned too (numel 0).
+// (throws as pack_bucket describes; `function` starts each message) and
+// returns them collapsed, in the caller's order. Zero-element spans are
+// validated and returned too (numel 0).
 std::vector<CollapsedSpan> validate_spans(const char* function,
                                           const std::vector<BucketSpan>& spans,
                                           const void* bucket,
-                                          int64_t bucket_nbytes,
-                                          bool check_self_overlap);
+                                          int64_t bucket_nbytes);
 
 // Throws std::invalid_argument unless 0 <= num_threads <= kMaxThreads.
 void validate_num_threads(const char* function, int num_threads);
@@ -160,84 +149,6 @@ std::vector<std::pair<int64_t, int64_t>> uncovered_ranges(
     const std::vector<CollapsedSpan>& spans, int64_t bucket_nbytes);
 
 }  // namespace internal
-
-// --- Plans: validate once, copy many times ---------------------------------
-//
-// Weight refit packs the SAME tensors every optimizer step. A CopyPlan takes
-// every tensor of every bucket once, validates and collapses them, and then
-// copies any range of buckets per `run` call with no per-tensor argument
-// handling: only the buckets' base pointers are passed per call (a sender
-// reuses two buffers; a receiver receives into fresh ones). The plan keeps
-// raw pointers: the caller keeps the tensors' memory alive and rebuilds the
-// plan when a tensor is re-allocated (python/dockyard_rl/kernels/
-// refit_packer.py detects that by comparing data pointers).
-
-enum class CopyDirection {
-  kPack,    // tensors -> buckets; padding bytes are zeroed.
-  kUnpack,  // buckets -> tensors; destinations may not overlap themselves.
-};
-
-// One tensor's place in a multi-bucket plan: its row-major bytes occupy
-// [offset, offset + numel * element_size) of bucket `bucket`.
-struct PlanSpan {
-  StridedTensor tensor;
-  int64_t bucket = 0;
-  int64_t offset = 0;
-};
-
-class CopyPlan {
- public:
-  // Validates every span as pack_bucket / unpack_bucket do (same messages,
-  // starting with `function`; span indices are positions in `spans`), plus:
-  // a bucket index outside [0, bucket_sizes.size()) or a negative bucket size
-  // throw std::invalid_argument. The buckets' own memory is only known per
-  // call, so overlap between a tensor and a bucket is checked by run().
-  CopyPlan(const char* function, CopyDirection direction,
-           const std::vector<PlanSpan>& spans,
-           std::vector<int64_t> bucket_sizes);
-
-  CopyDirection direction() const { return direction_; }
-  int64_t num_buckets() const {
-    return static_cast<int64_t>(bucket_sizes_.size());
-  }
-  const std::vector<int64_t>& bucket_sizes() const { return bucket_sizes_; }
-  // Every span, collapsed, in the caller's order (empty ones included).
-  const std::vector<internal::CollapsedSpan>& spans() const { return spans_; }
-  // Per bucket: the indices of its spans with bytes, by offset.
-  const std::vector<std::vector<int64_t>>& bucket_members() const {
-    return bucket_members_;
-  }
-  // Per bucket: the byte ranges no span covers (pack zeroes them), in order.
-  const std::vector<std::vector<std::pair<int64_t, int64_t>>>& gaps() const {
-    return gaps_;
-  }
-
-  // Throws std::invalid_argument unless buckets [first_bucket, first_bucket +
-  // buckets.size()) exist, every one with bytes is non-null, and no span's
-  // tensor memory overlaps any of them. `function` starts the messages.
-  void check_buckets(const char* function, const std::vector<void*>& buckets,
-                     int64_t first_bucket) const;
-
-  // Copies between the tensors and buckets [first_bucket, first_bucket +
-  // buckets.size()) on the CPU; buckets[i] holds bucket first_bucket + i
-  // (bucket_sizes()[first_bucket + i] bytes; only read when unpacking). The
-  // work of all those buckets is split across num_threads workers (as
-  // pack_bucket's). Throws what check_buckets and validate_num_threads throw,
-  // before copying anything.
-  void run(const std::vector<void*>& buckets, int64_t first_bucket,
-           int num_threads = 0) const;
-
- private:
-  CopyDirection direction_;
-  std::vector<int64_t> bucket_sizes_;
-  std::vector<internal::CollapsedSpan> spans_;
-  std::vector<int64_t> span_bucket_;
-  std::vector<std::vector<int64_t>> bucket_members_;
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> gaps_;
-  // The union of all spans' tensor memory as sorted disjoint [begin, end)
-  // address ranges: one binary search per bucket finds any overlap.
-  std::vector<std::pair<uintptr_t, uintptr_t>> memory_ranges_;
-};
 
 }  // namespace dockyard::kernels
 

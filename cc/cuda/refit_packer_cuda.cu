@@ -351,8 +351,7 @@ void pack_bucket_cuda(const std::vector<BucketSpan>& spans, void* d_bucket,
                       int64_t bucket_nbytes, cudaStream_t stream) {
   constexpr const char* kFn = "pack_bucket_cuda";
   const std::vector<internal::CollapsedSpan> collapsed =
-      internal::validate_spans(kFn, spans, d_bucket, bucket_nbytes,
-                               /*check_self_overlap=*/false);
+      internal::validate_spans(kFn, spans, d_bucket, bucket_nbytes);
   const std::vector<std::pair<int64_t, int64_t>> gaps =
       internal::uncovered_ranges(collapsed, bucket_nbytes);
   const bool has_tensor_bytes = std::any_of(
