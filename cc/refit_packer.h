@@ -3,7 +3,8 @@
 // Weight sync sends a model's named tensors from the trainer to the inference
 // engine. Sending one tensor at a time costs one collective (or request) per
 // tensor; instead the sender packs tensors into a few large flat byte buckets
-// and the receiver unpacks them. This library holds the two byte-level parts:
+// and the receiver views each tensor's bytes in them. This library holds the
+// sender's two byte-level parts:
 //
 // 1. Planning (`plan_buckets`): given each tensor's byte size, in order, place
 //    every tensor at an aligned byte offset in a bucket of at most
