@@ -35,7 +35,7 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -95,6 +95,28 @@ class Rollout:
             **{k: float(v) for k, v in self.result.metrics.items()},
             **agent_metrics(meta),  # multi-turn episodes' turns, tool calls, ends
         }
+
+
+class Rollouts(Protocol):
+    """What the loops and the trajectory collector need from a rollout runner: the single-shot
+    `RolloutRunner` below and the multi-turn `agent_rollouts.AgentRolloutRunner` both are one."""
+
+    async def run(
+        self,
+        instances: Sequence[SweInstance],
+        *,
+        num_samples: int,
+        global_step: int,
+        sampling_overrides: Mapping[str, Any] | None = None,
+        prompt_keys: Sequence[int] | None = None,
+        purpose: str = "train",
+    ) -> Rollout:
+        """G instances x `num_samples` samples, generated and scored (module docstring)."""
+        ...
+
+    def with_generation(self, generation: Any) -> Rollouts:
+        """The same runner over another generation backend (the collector's engine client)."""
+        ...
 
 
 class RolloutRunner:

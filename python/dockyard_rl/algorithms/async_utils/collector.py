@@ -66,7 +66,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from dockyard_rl.algorithms.agent_rollouts import AgentRolloutRunner
 from dockyard_rl.algorithms.async_utils.replay_buffer import (
     AsyncGRPOConfig,
     BufferClosedError,
@@ -75,7 +74,7 @@ from dockyard_rl.algorithms.async_utils.replay_buffer import (
 )
 from dockyard_rl.algorithms.rollouts import (
     Rollout,
-    RolloutRunner,
+    Rollouts,
     assemble_train_batch,
     rollout_metrics,
     sample_log_rows,
@@ -155,7 +154,7 @@ class TrajectoryCollector:
 
     def __init__(
         self,
-        runner: RolloutRunner | AgentRolloutRunner,
+        runner: Rollouts,
         instances: Sequence[SweInstance],
         sampler_state: dict[str, Any],
         *,
@@ -446,7 +445,7 @@ def _poll_collector(
 
 
 def start_collector(
-    runner: RolloutRunner | AgentRolloutRunner,
+    runner: Rollouts,
     instances: Sequence[SweInstance],
     sampler_state: dict[str, Any],
     *,
