@@ -82,11 +82,10 @@ class Rollout:
         valid = self.sample_mask_B.bool()
         num_valid = max(int(valid.sum()), 1)
         lengths = torch.tensor([float(len(s.response_token_ids)) for s in self.samples])
-        submitted = [m for m in meta if m.get("task_id") is not None]
         return {
             "reward_mean": float(self.rewards_B[valid].sum()) / num_valid,
             "resolve_rate": sum(bool(m.get("resolved")) for m in meta) / len(meta),
-            "apply_rate": (sum(m.get("apply_failure") is False for m in submitted) / len(meta)),
+            "apply_rate": sum(map(patch_applied, meta)) / len(meta),
             "parse_failure_rate": sum(m.get("parse_failure") is not None for m in meta) / len(meta),
             "integrity_violations": float(sum(bool(m.get("integrity_violation")) for m in meta)),
             "infra_errors": float(sum(m.get("infra_error") is not None for m in meta)),
@@ -95,6 +94,13 @@ class Rollout:
             **{k: float(v) for k, v in self.result.metrics.items()},
             **agent_metrics(meta),  # multi-turn episodes' turns, tool calls, ends
         }
+
+
+def patch_applied(meta: Mapping[str, Any]) -> bool:
+    """Whether a sample's patch reached the sandbox and applied, from its environment metadata.
+    A sample that never produced a patch (a parse failure: no task id) has `apply_failure`
+    False too, since nothing failed to apply; it counts as not applied."""
+    return meta.get("task_id") is not None and meta.get("apply_failure") is False
 
 
 class Rollouts(Protocol):

@@ -33,12 +33,18 @@ weights.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
 import pathlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from dockyard_rl.algorithms.rollouts import Rollout, patch_applied
+
+if TYPE_CHECKING:
+    from dockyard_rl.algorithms.grpo_setup import GRPORun
 
 VALIDATION_KEYS = (
     "resolve_rate",
@@ -73,9 +79,9 @@ def validation_file(run_dir: pathlib.Path, step: int) -> pathlib.Path:
     return pathlib.Path(run_dir) / VALIDATION_DIR / f"step_{step:06d}.jsonl"
 
 
-def per_task_outcomes(rollout, step: int) -> list[dict[str, Any]]:
-    """One row per task of `rollout` (a `rollouts.Rollout`, samples group-contiguous), in the
-    order of its instances (module docstring lists the keys)."""
+def per_task_outcomes(rollout: Rollout, step: int) -> list[dict[str, Any]]:
+    """One row per task of `rollout` (samples group-contiguous), in the order of its instances
+    (module docstring lists the keys)."""
     n = rollout.num_samples
     meta = rollout.result.metadata
     rewards = rollout.rewards_B.tolist()
@@ -92,7 +98,7 @@ def per_task_outcomes(rollout, step: int) -> list[dict[str, Any]]:
                 "num_samples": n,
                 "num_resolved": sum(bool(meta[i].get("resolved")) for i in group),
                 "num_scored": len(scored_rewards),
-                "num_applied": sum(meta[i].get("apply_failure") is False for i in group),
+                "num_applied": sum(patch_applied(meta[i]) for i in group),
                 "reward_mean": (
                     sum(scored_rewards) / len(scored_rewards) if scored_rewards else None
                 ),
@@ -122,7 +128,7 @@ def write_outcomes(path: pathlib.Path, rows: Sequence[dict[str, Any]]) -> None:
     os.replace(partial, path)
 
 
-def validate(run, loop) -> dict[str, float]:
+def validate(run: GRPORun, loop: asyncio.AbstractEventLoop) -> dict[str, float]:
     """Validates `run`'s current engine weights at `run.step` (module docstring)."""
     config = run.config.grpo
     instances = (

@@ -89,7 +89,8 @@ class _Runner:
             {
                 "resolved": o == "resolved",
                 "task_id": None if o == "invalid" else "t",
-                "apply_failure": None if o == "invalid" else o == "infra",
+                # As swe_env writes it: no patch, so nothing failed to apply (and no task id).
+                "apply_failure": o == "infra",
                 "parse_failure": "no_code_block" if o == "invalid" else None,
                 "infra_error": "timeout" if o == "infra" else None,
             }
@@ -155,6 +156,9 @@ def test_validate_writes_per_task_outcomes_and_pass_at_k(tmp_path):
     assert metrics["pass_at_3"] == pytest.approx(2 / 4)  # tasks with a resolved sample
     # reward_mean: over the 8 scored samples only.
     assert metrics["reward_mean"] == pytest.approx((1 + 1 + 0 - 1 + 0 + 1 + 1 - 1) / 8)
+    # apply_rate: patches that reached the sandbox and applied, of all samples; the same count
+    # as the rows' num_applied (answers with no patch never applied).
+    assert metrics["apply_rate"] == pytest.approx(sum(r["num_applied"] for r in rows) / 12)
     assert set(validation.VALIDATION_KEYS) <= set(metrics)
 
 
