@@ -46,6 +46,7 @@ from dockyard_rl.algorithms.advantages import (
 )
 from dockyard_rl.data.patch_formats import git_file_reader, parse_model_output
 from dockyard_rl.data.schema import SweInstance
+from dockyard_rl.data_plane.experience import RemoteBatch
 from dockyard_rl.distributed.batch_layouts import RolloutBatch
 from dockyard_rl.distributed.batched_data_dict import BatchedDataDict
 from dockyard_rl.environments.agent_env import agent_metrics
@@ -393,7 +394,7 @@ def sample_log_rows(rollouts: Sequence[Rollout]) -> list[dict[str, Any]]:
     return rows
 
 
-def valid_weight_versions(batch) -> torch.Tensor:
+def valid_weight_versions(batch: BatchedDataDict[RolloutBatch] | RemoteBatch) -> torch.Tensor:
     """The weight version of every sample with sample_mask 1 (int64): of a training batch, or
     of a `data_plane.experience.RemoteBatch`, which carries them for the driver."""
     if isinstance(batch, BatchedDataDict):

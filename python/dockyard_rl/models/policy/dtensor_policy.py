@@ -324,13 +324,17 @@ class DTensorPolicy(PolicyInterface):
 
     # -- PolicyInterface
 
-    def get_logprobs(self, batch: BatchedDataDict) -> torch.Tensor:
+    def get_logprobs(self, batch: BatchedDataDict | RemoteBatch) -> torch.Tensor | None:
         return self._logprobs(batch, reference=False)
 
-    def get_reference_policy_logprobs(self, batch: BatchedDataDict) -> torch.Tensor:
+    def get_reference_policy_logprobs(
+        self, batch: BatchedDataDict | RemoteBatch
+    ) -> torch.Tensor | None:
         return self._logprobs(batch, reference=True)
 
-    def _logprobs(self, batch: BatchedDataDict | RemoteBatch, reference: bool) -> torch.Tensor:
+    def _logprobs(
+        self, batch: BatchedDataDict | RemoteBatch, reference: bool
+    ) -> torch.Tensor | None:
         if isinstance(batch, RemoteBatch):  # computed and kept in the ranks, beside the shard
             self._call_all("get_remote_logprobs", batch, reference)
             return None
