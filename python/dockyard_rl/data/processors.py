@@ -7,10 +7,12 @@ file set), read at base_commit through a `read_file(path) -> str | None` callabl
 
 1. whole files, when they fit `max_context_tokens` together;
 2. else Python files are cut to the functions/methods the gold hunks touch (found with `ast`;
-   a touched method brings its class's header line, module-level lines come alone), with `...`
-   marking the gaps; non-Python files (or ones `ast` cannot parse) to the hunks +-10 lines;
+   a touched method brings its class's header line and, where the budget allows, the class's
+   state: its `__init__` and its class-level assignments, which say what the method's `self.x`
+   are; module-level lines come alone), with `...` marking the gaps; non-Python files (or ones
+   `ast` cannot parse) to the hunks +-10 lines;
 3. if that is still over budget, files are added in order until the budget runs out, the last
-   one cut at a line boundary, the rest omitted.
+   one cut at a line boundary (without the class state), the rest omitted.
 
 Shown code is the exact file text (no line numbers), so SEARCH blocks copied from it match.
 `Prompt` carries the token ids plus metadata: format, files shown, which were cut or omitted.
@@ -184,24 +186,39 @@ def _merge(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def python_spans(source: str, ranges: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+def python_spans(
+    source: str, ranges: list[tuple[int, int]], class_state: bool = False
+) -> list[tuple[int, int]] | None:
     """1-based line intervals to show for the hunk `ranges` of a Python file: the innermost
     function around each touched line (decorators included; a method adds its class's header
-    line), or the line alone at module/class level. None when `source` does not parse."""
+    line), or the line alone at module/class level. With `class_state`, a method also adds its
+    class's `__init__` and class-level assignments (a dataclass's fields, constants): the
+    attributes its body reads. None when `source` does not parse."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return None
     # (start, end, class header line or None) for every function, innermost found by span size.
     functions: list[tuple[int, int, int | None]] = []
+    # Class header line -> the spans of its state (__init__, class-level assignments).
+    states: dict[int, list[tuple[int, int]]] = {}
+
+    def span(node: ast.stmt) -> tuple[int, int]:
+        decorators = getattr(node, "decorator_list", [])
+        return min([node.lineno] + [d.lineno for d in decorators]), node.end_lineno or node.lineno
 
     def visit(node: ast.AST, class_line: int | None) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                start = min([child.lineno] + [d.lineno for d in child.decorator_list])
-                functions.append((start, child.end_lineno, class_line))
+                functions.append((*span(child), class_line))
                 visit(child, None)
             elif isinstance(child, ast.ClassDef):
+                states[child.lineno] = [
+                    span(statement)
+                    for statement in child.body
+                    if isinstance(statement, (ast.Assign, ast.AnnAssign))
+                    or (isinstance(statement, ast.FunctionDef) and statement.name == "__init__")
+                ]
                 visit(child, child.lineno)
             else:
                 visit(child, class_line)
@@ -219,6 +236,8 @@ def python_spans(source: str, ranges: list[tuple[int, int]]) -> list[tuple[int, 
             intervals.append((start, end))
             if class_line is not None:
                 intervals.append((class_line, class_line))
+                if class_state:
+                    intervals.extend(states[class_line])
     return _merge(intervals)
 
 
@@ -288,24 +307,31 @@ class SwePromptProcessor:
         num_whole = self._num_tokens(whole)
         if num_whole <= budget:
             return whole, [p for p, _, _ in files], [], omitted, num_whole
+        # Per file: the excerpt with its methods' class state, and the one without (the same
+        # text when nothing differs); the first is shown when it fits what is left of the budget.
         excerpts = []
         for path, ranges, content in files:
             lines = content.splitlines(keepends=True)
-            spans = python_spans(content, ranges) if path.endswith(".py") else None
-            if spans is None:
-                spans = _merge(
-                    [
-                        (max(1, a - _HUNK_WINDOW_LINES), min(len(lines), b + _HUNK_WINDOW_LINES))
-                        for a, b in ranges
-                    ]
-                )
-            excerpts.append((path, _render(lines, spans)))
+            if path.endswith(".py") and (spans := python_spans(content, ranges)) is not None:
+                with_state = python_spans(content, ranges, class_state=True) or spans
+                excerpts.append((path, _render(lines, with_state), _render(lines, spans)))
+                continue
+            spans = _merge(
+                [
+                    (max(1, a - _HUNK_WINDOW_LINES), min(len(lines), b + _HUNK_WINDOW_LINES))
+                    for a, b in ranges
+                ]
+            )
+            excerpts.append((path, _render(lines, spans), _render(lines, spans)))
         shown: list[str] = []
         blocks: list[str] = []
         used = 0
-        for path, text in excerpts:
-            block = _file_block(path, text)
+        for path, rich_text, text in excerpts:
+            block = _file_block(path, rich_text)
             cost = self._num_tokens(block)
+            if used + cost > budget:
+                block = _file_block(path, text)
+                cost = self._num_tokens(block)
             if used + cost > budget:
                 fitted = self._fit_lines(path, text, budget - used)
                 if fitted is None:

@@ -92,7 +92,8 @@ def _big_module(num_functions):
     for i in range(num_functions):
         parts.append(f"\n\ndef helper_{i}(value):\n    total = value + {i}\n    return total\n")
     parts.append(
-        "\n\nclass Shape:\n    sides = 4\n\n    def area(self, w, h):\n"
+        "\n\nclass Shape:\n    sides = 4\n\n    def __init__(self, unit):\n"
+        "        self.unit = unit\n\n    def area(self, w, h):\n"
         "        return w + h\n\n    @staticmethod\n    def name():\n"
         "        return 'shape'\n"
     )
@@ -117,8 +118,21 @@ def test_over_budget_python_file_is_cut_to_the_touched_method(tokenizer):
     user = prompt.messages[1]["content"]
     assert prompt.truncated and prompt.files_cut == ("pkg/big.py",)
     assert prompt.num_context_tokens <= 200 < whole.num_context_tokens
-    assert "class Shape:\n...\n    def area(self, w, h):\n        return w + h\n...\n" in user
+    # The method comes with its class's state: the class-level assignment and __init__.
+    assert (
+        "class Shape:\n    sides = 4\n...\n    def __init__(self, unit):\n"
+        "        self.unit = unit\n...\n    def area(self, w, h):\n        return w + h\n...\n"
+    ) in user
     assert "def helper_" not in user and "def name" not in user
+    # Where the state does not fit the budget, the method and its class's header line do.
+    tight_budget = prompt.num_context_tokens - 1
+    tight = SwePromptProcessor(tokenizer, PromptConfig(max_context_tokens=tight_budget))(
+        instance, files.get
+    )
+    user = tight.messages[1]["content"]
+    assert tight.num_context_tokens <= tight_budget
+    assert "class Shape:\n...\n    def area(self, w, h):\n        return w + h\n...\n" in user
+    assert "sides" not in user and "__init__" not in user
 
 
 def test_budget_cuts_at_line_boundaries_and_omits_what_does_not_fit(tokenizer):
@@ -161,6 +175,31 @@ def test_python_spans_include_decorators_and_module_level_lines():
     assert python_spans(source, [(7, 7)]) == [(4, 7)]
     assert python_spans(source, [(1, 1), (10, 10)]) == [(1, 1), (10, 10)]
     assert python_spans("def broken(:\n", [(1, 1)]) is None
+
+
+def test_python_spans_class_state_of_a_touched_method():
+    source = (
+        "class Box:\n"  # 1
+        "    size: int = 3\n"  # 2
+        "\n"  # 3
+        "    def __init__(self, items):\n"  # 4
+        "        self.items = items\n"  # 5
+        "\n"  # 6
+        "    def helper(self):\n"  # 7
+        "        return 0\n"  # 8
+        "\n"  # 9
+        "    def full(self):\n"  # 10
+        "        return len(self.items) > self.size\n"  # 11
+        "\n"  # 12
+        "\n"  # 13
+        "def free(box):\n"  # 14
+        "    return box.size\n"  # 15
+    )
+    assert python_spans(source, [(11, 11)]) == [(1, 1), (10, 11)]
+    assert python_spans(source, [(11, 11)], class_state=True) == [(1, 2), (4, 5), (10, 11)]
+    # __init__ itself brings the class-level assignments; a module-level function, nothing.
+    assert python_spans(source, [(5, 5)], class_state=True) == [(1, 2), (4, 5)]
+    assert python_spans(source, [(15, 15)], class_state=True) == [(14, 15)]
 
 
 def test_config_and_tokenizer_errors(tokenizer):
