@@ -59,6 +59,7 @@ from dockyard_rl.algorithms.async_utils.collector import (
 )
 from dockyard_rl.algorithms.grpo_setup import GRPORun
 from dockyard_rl.algorithms.grpo_steps import (
+    close_loop,
     finish_step,
     log_sample_rows,
     maybe_validate,
@@ -162,7 +163,7 @@ def async_grpo_train(run: GRPORun) -> None:
             plane.close()
         ray.kill(collector)
         run.logger.finish()
-        loop.close()
+        close_loop(loop)
 
 
 def connect_data_plane(

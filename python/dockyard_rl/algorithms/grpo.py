@@ -44,6 +44,7 @@ from dockyard_rl.algorithms.async_grpo import async_grpo_train
 from dockyard_rl.algorithms.grpo_config import MasterConfig
 from dockyard_rl.algorithms.grpo_setup import GRPORun, setup
 from dockyard_rl.algorithms.grpo_steps import (
+    close_loop,
     finish_step,
     maybe_validate,
     refresh_engine_weights,
@@ -99,7 +100,7 @@ def grpo_train(run: GRPORun) -> None:
         maybe_validate(run, loop, at_end=True)
     finally:
         run.logger.finish()
-        loop.close()
+        close_loop(loop)
 
 
 def maybe_warm_start(run: GRPORun) -> None:

@@ -25,7 +25,13 @@ order (`RAY_AUTH_*` are Ray's own variables):
 Token authentication stays on in every case but 1. Not covered: joining a multi-node cluster
 (its token must be distributed by the operator, case 2-4; see bootstrap.py).
 
-Two Ray 2.60 behaviours `init_local_ray` works around:
+Three Ray 2.60 behaviours `init_local_ray` works around:
+
+- `ray.init()` replaces the process's SIGTERM handling: Ray's C++ failure handler prints a stack
+  and, in a process as busy as the launcher's (vLLM, torch, gloo threads), ends it with SIGABRT
+  before Python unwinds, so no `finally` runs, the fleets are never closed and the node's
+  DashboardAgent and RuntimeEnvAgent outlive it (PPID 1). A Python SIGTERM handler the program
+  installed before (the launcher's, which raises SystemExit) is put back after `ray.init`.
 
 - `ray.init()` without an address connects to the cluster named in `/tmp/ray/ray_current_cluster`
   (written by `ray start` and by `ray.cluster_utils.Cluster`), even a stale one or another
@@ -44,6 +50,8 @@ import contextlib
 import os
 import pathlib
 import secrets
+import signal
+import threading
 from collections.abc import Iterator, MutableMapping
 
 from dockyard_rl.utils.addresses import is_loopback
@@ -125,7 +133,23 @@ def init_local_ray(**init_kwargs) -> None:
         return
     ensure_ray_auth_token()
     init_kwargs.setdefault("labels", {FLEET_LABEL: EVERY_ROLE})
-    with loopback_resolution():
+    with loopback_resolution(), program_sigterm_handler_kept():
         ray.init(
             address="local", _node_ip_address="127.0.0.1", include_dashboard=False, **init_kwargs
         )
+
+
+@contextlib.contextmanager
+def program_sigterm_handler_kept() -> Iterator[None]:
+    """Puts back, on exit, the Python SIGTERM handler that was installed on entry (module
+    docstring: ray.init replaces it with one that aborts a busy process). Only a handler the
+    program chose is kept: with Python's default (or none, or outside the main thread, where
+    handlers cannot be set) whatever the body installed stays."""
+    handler = None
+    if threading.current_thread() is threading.main_thread():
+        handler = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if callable(handler):
+            signal.signal(signal.SIGTERM, handler)

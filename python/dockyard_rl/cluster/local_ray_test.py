@@ -85,3 +85,38 @@ def test_ray_starts_with_token_auth_and_writes_nothing_to_home(tmp_path, writabl
     assert "mode token token 64" in result.stdout, result.stdout  # token auth stayed on
     if writable_home:
         assert list(home.iterdir()) == []
+
+
+def test_a_program_sigterm_handler_survives_ray_init(tmp_path):
+    # ray.init puts its own SIGTERM handling in place, which in a busy process (the launcher's)
+    # aborts before Python unwinds; the program's handler, installed before, must be back after
+    # it, so SIGTERM runs `finally` blocks (the fleets' close, ray.shutdown) and exits 128 + 15.
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    script = (
+        "import os, signal, time, ray\n"
+        "from dockyard_rl.cluster.local_ray import init_local_ray\n"
+        "def on_sigterm(signum, frame):\n"
+        "    raise SystemExit(128 + signum)\n"
+        "signal.signal(signal.SIGTERM, on_sigterm)\n"
+        "init_local_ray(num_cpus=1, log_to_driver=False)\n"
+        "print('kept', signal.getsignal(signal.SIGTERM) is on_sigterm, flush=True)\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(60)\n"
+        "finally:\n"
+        "    ray.shutdown()\n"
+        "    print('unwound', flush=True)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert "kept True" in result.stdout, (result.stdout, result.stderr[-3000:])
+    assert "unwound" in result.stdout and result.returncode == 128 + 15, result.stderr[-3000:]
+    assert "SIGTERM received" not in result.stderr  # Ray's C++ handler never ran
