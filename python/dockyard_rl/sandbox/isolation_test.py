@@ -88,7 +88,9 @@ def test_sandboxed_processes_run_niced(tmp_path):
     # The executor's own threads (its HTTP server, host-side checks) come first on a busy host.
     result = _run(tmp_path, _python("import os; print('nice', os.nice(0))"))
     assert result.exit_code == 0, result.output
-    assert f"nice {os.nice(0) + isolation.SANDBOX_NICENESS}" in result.output
+    # Niceness stops at 19: an executor that already runs niced (a test runner started with
+    # `nice`) gets 19, not its own value + SANDBOX_NICENESS.
+    assert f"nice {min(19, os.nice(0) + isolation.SANDBOX_NICENESS)}" in result.output
 
 
 def test_unprivileged_uid_and_private_namespaces(tmp_path):
