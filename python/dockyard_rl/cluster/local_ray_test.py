@@ -47,6 +47,23 @@ def test_a_token_path_without_a_token_is_an_error_naming_the_variable(tmp_path, 
         local_ray.ensure_ray_auth_token({"RAY_AUTH_TOKEN_PATH": str(path)})
 
 
+def _run_python(script, cwd, home=None):
+    """Runs `script` in a fresh interpreter with no RAY_* variables (and HOME=`home` if given)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
+    if home is not None:
+        env["HOME"] = str(home)
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
 @pytest.mark.parametrize("writable_home", [True, False], ids=["fresh-home", "read-only-home"])
 def test_ray_starts_with_token_auth_and_writes_nothing_to_home(tmp_path, writable_home):
     # A fresh empty home must stay empty; a home where nothing can be created (under /proc, which
@@ -54,13 +71,6 @@ def test_ray_starts_with_token_auth_and_writes_nothing_to_home(tmp_path, writabl
     home = tmp_path / "fresh-home" if writable_home else pathlib.Path("/proc/dockyard-no-home")
     if writable_home:
         home.mkdir()
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if not key.startswith("RAY_") and key != "HOME"
-    }
-    env["HOME"] = str(home)
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
     script = (
         "import os, ray\n"
         "from dockyard_rl.cluster.local_ray import init_local_ray\n"
@@ -71,15 +81,7 @@ def test_ray_starts_with_token_auth_and_writes_nothing_to_home(tmp_path, writabl
         "      len(os.environ.get('RAY_AUTH_TOKEN', '')))\n"
         "ray.shutdown()\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = _run_python(script, tmp_path, home=home)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "answer 42" in result.stdout
     assert "mode token token 64" in result.stdout, result.stdout  # token auth stayed on
@@ -91,8 +93,6 @@ def test_a_program_sigterm_handler_survives_ray_init(tmp_path):
     # ray.init puts its own SIGTERM handling in place, which in a busy process (the launcher's)
     # aborts before Python unwinds; the program's handler, installed before, must be back after
     # it, so SIGTERM runs `finally` blocks (the fleets' close, ray.shutdown) and exits 128 + 15.
-    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
     script = (
         "import os, signal, time, ray\n"
         "from dockyard_rl.cluster.local_ray import init_local_ray\n"
@@ -108,15 +108,7 @@ def test_a_program_sigterm_handler_survives_ray_init(tmp_path):
         "    ray.shutdown()\n"
         "    print('unwound', flush=True)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = _run_python(script, tmp_path)
     assert "kept True" in result.stdout, (result.stdout, result.stderr[-3000:])
     assert "unwound" in result.stdout and result.returncode == 128 + 15, result.stderr[-3000:]
     assert "SIGTERM received" not in result.stderr  # Ray's C++ handler never ran
