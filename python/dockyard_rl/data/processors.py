@@ -329,7 +329,7 @@ class SwePromptProcessor:
         for path, rich_text, text in excerpts:
             block = _file_block(path, rich_text)
             cost = self._num_tokens(block)
-            if used + cost > budget:
+            if used + cost > budget and text != rich_text:
                 block = _file_block(path, text)
                 cost = self._num_tokens(block)
             if used + cost > budget:
