@@ -10,6 +10,7 @@ import unidiff
 from unidiff import constants as unidiff_constants
 
 from dockyard_rl.data.patch_formats import (
+    file_diff,
     InvalidReason,
     PatchFormat,
     diff,
@@ -103,6 +104,39 @@ def test_gold_as_search_replace_round_trips(toy, read_file, tmp_path):
     assert parsed.thinking == "fix mul" and parsed.files == ("calc/ops.py",)
     clone = _apply(toy, parsed.patch, tmp_path)
     assert (clone / "calc/ops.py").read_text() == testing_repos.OPS_FIXED
+
+
+def test_gold_search_replace_quotes_only_what_makes_the_search_unique(toy, read_file):
+    # mul's `return a + b` is also add's body: the block needs mul's def line, and no more.
+    assert diff_to_search_replace(toy.gold_patch, read_file) == (
+        "calc/ops.py\n<<<<<<< SEARCH\ndef mul(a, b):\n    return a + b\n=======\n"
+        "def mul(a, b):\n    return a * b\n>>>>>>> REPLACE\n"
+    )
+    base = "def f(xs):\n    total = 0\n    for x in xs:\n        total -= x\n    return total\n"
+    files = {"m.py": base}
+    # A changed line that is unique on its own is the whole block: no diff context.
+    one_line = file_diff("m.py", base, base.replace("total -= x", "total += x"))
+    assert diff_to_search_replace(one_line, files.get) == (
+        "m.py\n<<<<<<< SEARCH\n        total -= x\n=======\n        total += x\n>>>>>>> REPLACE\n"
+    )
+    # A pure insertion keeps one line of context to anchor it.
+    inserted = file_diff("m.py", base, base.replace("    return total\n", "    total += 1\n    return total\n"))
+    answer = diff_to_search_replace(inserted, files.get)
+    parsed = search_replace_to_diff(answer, files.get)
+    assert parsed.valid, parsed.detail
+    assert answer.count("\n") <= 7  # path, 3 markers, anchor, anchor + inserted line
+
+
+def test_gold_search_replace_checks_uniqueness_after_the_earlier_blocks():
+    # The first hunk's new text repeats the second hunk's changed line: the second block must
+    # widen, or it would be ambiguous when the blocks apply in order.
+    base = "a = 1\n" + "".join(f"pad{i} = {i}\n" for i in range(10)) + "b = 2\n"
+    fixed = base.replace("a = 1\n", "b = 2\n").replace("pad9 = 9\nb = 2\n", "pad9 = 9\nb = 3\n")
+    files = {"m.py": base}
+    answer = diff_to_search_replace(file_diff("m.py", base, fixed), files.get)
+    parsed = search_replace_to_diff(answer, files.get)
+    assert parsed.valid, parsed.detail
+    assert "pad9 = 9\nb = 2\n=======" in answer
 
 
 def test_hand_written_blocks_edit_two_places_and_create_a_file(toy, read_file, tmp_path):

@@ -211,11 +211,38 @@ def search_replace_to_diff(output: str, read_file: ReadFile) -> ParsedPatch:
     return SearchReplaceFormat().parse(output, read_file)
 
 
+def _narrowest_unique_block(hunk: unidiff.Hunk, content: str) -> tuple[str, str]:
+    """(old, new) text of `hunk` cut to its changed lines plus the fewest context lines that
+    make the old text occur exactly once in `content`; among cuts of the same size, the one
+    with more lines above (a `def` line names the place better than the blank after it). A pure
+    insertion keeps at least one context line to anchor it. The whole hunk when no narrower
+    cut is unique."""
+    lines = list(hunk)
+    changed = [i for i, line in enumerate(lines) if line.is_added or line.is_removed]
+    first, last = changed[0], changed[-1]
+    most_above, most_below = first, len(lines) - 1 - last
+    for extra in range(most_above + most_below + 1):
+        for above in range(min(extra, most_above), -1, -1):
+            below = extra - above
+            if below > most_below:
+                break
+            window = lines[first - above : last + 1 + below]
+            old = "".join(line.value for line in window if not line.is_added)
+            if old.strip() and content.count(old) == 1:
+                return old, "".join(line.value for line in window if not line.is_removed)
+    return (
+        "".join(line.value for line in lines if not line.is_added),
+        "".join(line.value for line in lines if not line.is_removed),
+    )
+
+
 def diff_to_search_replace(patch: str, read_file: ReadFile) -> str:
-    """Expresses a unified diff as SEARCH/REPLACE blocks, one per hunk, each SEARCH holding the
-    hunk's old lines (context included). Used to build gold answers in the SEARCH/REPLACE format
-    for tests and few-shot examples. Raises ValueError if a hunk's old text is not unique in its
-    file (widen the diff's context) or the file is missing."""
+    """Expresses a unified diff as SEARCH/REPLACE blocks, one per hunk. Each SEARCH holds the
+    hunk's changed lines and only as much of its context as makes it unique in the file as the
+    earlier blocks left it: a gold answer quotes what a model should quote (the line it changes),
+    not the diff's three lines of context, which may lie outside the code a prompt shows. Used
+    for warm-start answers, tests and few-shot examples. Raises ValueError if even the whole
+    hunk's old text is not unique (widen the diff's context) or the file is missing."""
     blocks = []
     for patched in unidiff.PatchSet(patch):
         if patched.is_added_file:
@@ -226,12 +253,12 @@ def diff_to_search_replace(patch: str, read_file: ReadFile) -> str:
         if content is None:
             raise ValueError(f"{patched.path}: not in the repository; cannot build a SEARCH block")
         for hunk in patched:
-            old = "".join(line.value for line in hunk if not line.is_added)
-            new = "".join(line.value for line in hunk if not line.is_removed)
+            old, new = _narrowest_unique_block(hunk, content)
             if content.count(old) != 1:
                 raise ValueError(
                     f"{patched.path}: hunk {hunk.source_start} old text occurs "
                     f"{content.count(old)} times; it must be unique"
                 )
+            content = content.replace(old, new, 1)
             blocks.append(f"{patched.path}\n{_SEARCH}\n{old}{_DIVIDER}\n{new}{_REPLACE}\n")
     return "\n".join(blocks)
