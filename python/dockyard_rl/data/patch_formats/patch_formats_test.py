@@ -10,12 +10,12 @@ import unidiff
 from unidiff import constants as unidiff_constants
 
 from dockyard_rl.data.patch_formats import (
-    file_diff,
     InvalidReason,
     PatchFormat,
     diff,
     diff_to_search_replace,
     extract_diff,
+    file_diff,
     git_file_reader,
     parse_model_output,
     search_replace_to_diff,
@@ -120,7 +120,9 @@ def test_gold_search_replace_quotes_only_what_makes_the_search_unique(toy, read_
         "m.py\n<<<<<<< SEARCH\n        total -= x\n=======\n        total += x\n>>>>>>> REPLACE\n"
     )
     # A pure insertion keeps one line of context to anchor it.
-    inserted = file_diff("m.py", base, base.replace("    return total\n", "    total += 1\n    return total\n"))
+    inserted = file_diff(
+        "m.py", base, base.replace("    return total\n", "    total += 1\n    return total\n")
+    )
     answer = diff_to_search_replace(inserted, files.get)
     parsed = search_replace_to_diff(answer, files.get)
     assert parsed.valid, parsed.detail
