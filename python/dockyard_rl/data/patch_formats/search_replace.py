@@ -211,12 +211,12 @@ def search_replace_to_diff(output: str, read_file: ReadFile) -> ParsedPatch:
     return SearchReplaceFormat().parse(output, read_file)
 
 
-def _narrowest_unique_block(hunk: unidiff.Hunk, content: str) -> tuple[str, str]:
+def _narrowest_unique_block(hunk: unidiff.Hunk, content: str) -> tuple[str, str] | None:
     """(old, new) text of `hunk` cut to its changed lines plus the fewest context lines that
     make the old text occur exactly once in `content`; among cuts of the same size, the one
     with more lines above (a `def` line names the place better than the blank after it). A pure
-    insertion keeps at least one context line to anchor it. The whole hunk when no narrower
-    cut is unique."""
+    insertion keeps at least one context line to anchor it. None when even the whole hunk's old
+    text is not unique."""
     lines = list(hunk)
     changed = [i for i, line in enumerate(lines) if line.is_added or line.is_removed]
     first, last = changed[0], changed[-1]
@@ -230,10 +230,7 @@ def _narrowest_unique_block(hunk: unidiff.Hunk, content: str) -> tuple[str, str]
             old = "".join(line.value for line in window if not line.is_added)
             if old.strip() and content.count(old) == 1:
                 return old, "".join(line.value for line in window if not line.is_removed)
-    return (
-        "".join(line.value for line in lines if not line.is_added),
-        "".join(line.value for line in lines if not line.is_removed),
-    )
+    return None
 
 
 def diff_to_search_replace(patch: str, read_file: ReadFile) -> str:
@@ -253,12 +250,13 @@ def diff_to_search_replace(patch: str, read_file: ReadFile) -> str:
         if content is None:
             raise ValueError(f"{patched.path}: not in the repository; cannot build a SEARCH block")
         for hunk in patched:
-            old, new = _narrowest_unique_block(hunk, content)
-            if content.count(old) != 1:
+            block = _narrowest_unique_block(hunk, content)
+            if block is None:
                 raise ValueError(
-                    f"{patched.path}: hunk {hunk.source_start} old text occurs "
-                    f"{content.count(old)} times; it must be unique"
+                    f"{patched.path}: hunk {hunk.source_start} old text is not unique in the "
+                    "file, even with all its context"
                 )
+            old, new = block
             content = content.replace(old, new, 1)
             blocks.append(f"{patched.path}\n{_SEARCH}\n{old}{_DIVIDER}\n{new}{_REPLACE}\n")
     return "\n".join(blocks)
