@@ -51,6 +51,7 @@ import time
 import ray
 from ray.actor import ActorHandle
 
+from dockyard_rl.algorithms.async_utils.event_loops import close_loop
 from dockyard_rl.algorithms.async_utils.collector import (
     TrajectoryCollector,
     sample_groups,
@@ -59,7 +60,6 @@ from dockyard_rl.algorithms.async_utils.collector import (
 )
 from dockyard_rl.algorithms.grpo_setup import GRPORun
 from dockyard_rl.algorithms.grpo_steps import (
-    close_loop,
     finish_step,
     log_sample_rows,
     maybe_validate,

@@ -41,10 +41,10 @@ import time
 
 from dockyard_rl.algorithms.agent_rollouts import AgentRolloutRunner, agent_user_message
 from dockyard_rl.algorithms.async_grpo import async_grpo_train
+from dockyard_rl.algorithms.async_utils.event_loops import close_loop
 from dockyard_rl.algorithms.grpo_config import MasterConfig
 from dockyard_rl.algorithms.grpo_setup import GRPORun, setup
 from dockyard_rl.algorithms.grpo_steps import (
-    close_loop,
     finish_step,
     maybe_validate,
     refresh_engine_weights,

@@ -66,6 +66,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from dockyard_rl.algorithms.async_utils.event_loops import close_loop
 from dockyard_rl.algorithms.async_utils.replay_buffer import (
     AsyncGRPOConfig,
     BufferClosedError,
@@ -357,7 +358,7 @@ class TrajectoryCollector:
             self._error = f"{type(error).__name__}: {error}"
             logger.exception("trajectory collector failed")
         finally:
-            loop.close()
+            close_loop(loop)
 
 
 def _ticket(value: Any) -> tuple[int, int | None]:

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from dockyard_rl.algorithms.grpo_steps import close_loop
+from dockyard_rl.algorithms.async_utils.event_loops import close_loop
 
 
 def test_close_loop_cancels_and_unwinds_what_an_interrupted_step_left(caplog):
