@@ -143,6 +143,7 @@ class AgentRolloutRunner:
                 episode=episode,
                 max_response_length=self.max_response_tokens,
                 thinking_required=self.thinking_required,
+                reference_patch=instances[index // num_samples].patch,
             )
             for index, episode in enumerate(episodes)
         ]

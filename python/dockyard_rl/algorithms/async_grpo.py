@@ -51,13 +51,13 @@ import time
 import ray
 from ray.actor import ActorHandle
 
-from dockyard_rl.algorithms.async_utils.event_loops import close_loop
 from dockyard_rl.algorithms.async_utils.collector import (
     TrajectoryCollector,
     sample_groups,
     send_step_groups,
     start_collector,
 )
+from dockyard_rl.algorithms.async_utils.event_loops import close_loop
 from dockyard_rl.algorithms.grpo_setup import GRPORun
 from dockyard_rl.algorithms.grpo_steps import (
     finish_step,

@@ -222,6 +222,7 @@ class RolloutRunner:
                     response_length=len(sample.response_token_ids),
                     max_response_length=self.max_response_tokens,
                     thinking_required=self.thinking_required,
+                    reference_patch=instance.patch,
                 )
             )
         result = await self.environment.step(rollouts, global_step=global_step)

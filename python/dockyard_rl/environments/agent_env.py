@@ -145,6 +145,7 @@ class AgentRollout:
     episode: Episode
     max_response_length: int = 1  # the policy-token budget (the overlong stage's reference)
     thinking_required: bool = False
+    reference_patch: str = ""  # the gold patch, for the reference_similarity stage
 
 
 class AgentEnvironment(Environment):
@@ -407,6 +408,7 @@ def _swe_rollout(rollout: AgentRollout) -> SweRollout:
         max_response_length=rollout.max_response_length,
         thinking_required=rollout.thinking_required,
         episode_end=episode.episode_end,
+        reference_patch=rollout.reference_patch,
     )
 
 

@@ -109,6 +109,8 @@ class SweRollout:
             reward pipeline (format and length stages).
         episode_end: how a multi-turn episode ended (`agent_env.EPISODE_ENDS`), passed to the
             reward pipeline (turn_limit stage); None for a single-shot sample.
+        reference_patch: the task's gold patch (`SweInstance.patch`), passed to the reward
+            pipeline (reference_similarity stage); "" when there is none.
     """
 
     instance: TaskSpec
@@ -120,6 +122,7 @@ class SweRollout:
     thinking_required: bool = False
     # Multi-turn episodes only (agent_env.py): how the episode ended, for the turn_limit stage.
     episode_end: str | None = None
+    reference_patch: str = ""
 
     def __post_init__(self):
         if not isinstance(self.instance, TaskSpec):
@@ -404,6 +407,7 @@ class SweEnvironment(Environment):
             response_text=rollout.response_text,
             thinking_required=rollout.thinking_required,
             episode_end=rollout.episode_end,
+            reference_patch=rollout.reference_patch,
         )
         if result is None:  # parse failure: never submitted
             return SampleOutcome(
@@ -436,5 +440,6 @@ class SweEnvironment(Environment):
             touched_files=tuple(sorted(set(touched) | set(flagged))),
             held_out_files=tuple(sorted(set(held_out) | set(flagged))),
             screening_flags=verdict.screening_flags,
+            patch_text=rollout.patch,
             **common,
         )

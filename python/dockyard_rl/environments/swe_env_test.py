@@ -158,6 +158,36 @@ def test_rewards_metadata_and_idempotent_resubmission(tmp_path, repo):
     assert [m["task_id"] for m in again.metadata] == [m["task_id"] for m in first.metadata]
 
 
+def test_reference_similarity_pays_the_unresolved_patch_by_its_nearness_to_the_gold(tmp_path, repo):
+    config = executor_config(tmp_path)
+    stages = [
+        {"type": "integrity"},
+        {"type": "invalid_action", "penalty": PENALTY},
+        {"type": "reference_similarity", "weight": 0.5},
+    ]
+    pipeline = RewardPipeline(from_dict(RewardShapingConfig, {"stages": stages}, "rewards"))
+    rollouts = [
+        dataclasses.replace(rollout(repo, patch), reference_patch=repo.gold_patch)
+        for patch in (repo.gold_patch, repo.wrong_patch, repo.conflicting_patch)
+    ]
+    rollouts.append(rollout(repo, repo.wrong_patch))  # no reference patch: nothing paid
+
+    async def scenario():
+        async with running_server(config, pipeline_score_fn(config.pipeline)) as server:
+            env = SweEnvironment(env_config(server.url), pipeline)
+            return await env.step(rollouts, global_step=1)
+
+    result = asyncio.run(scenario())
+    gold, wrong, conflict, no_reference = result.metadata
+    similarity = wrong["reference_similarity/similarity"]
+    assert 0.0 < similarity < 1.0 and not wrong["resolved"]
+    assert result.rewards_B.tolist() == pytest.approx([1.0, 0.5 * similarity, PENALTY, 0.0])
+    assert gold["reference_similarity/similarity"] is None  # resolved: the verdict stands
+    assert conflict["reference_similarity/similarity"] is None  # did not apply
+    assert no_reference["reference_similarity/similarity"] is None
+    assert result.metrics["env/reference_similarity/num_triggered"] == 1.0
+
+
 def test_reward_mode_is_sent_to_the_executor(tmp_path, repo):
     config = executor_config(tmp_path)
 

@@ -64,6 +64,9 @@ class SampleOutcome:
         episode_end: how a multi-turn episode ended: "submit" (the agent submitted),
             "turn_limit" (out of turns), "context_limit" (out of tokens) or "budget" (the
             executor session's budget was spent); None for a single-shot sample.
+        patch_text: the patch the sandbox scored (a unified diff; "" when there was none).
+        reference_patch: the task's reference (gold) fix as a unified diff, "" when the task
+            has none; only the `reference_similarity` stage reads it, and never for a prompt.
     """
 
     reward: float
@@ -77,6 +80,8 @@ class SampleOutcome:
     thinking_required: bool = False
     screening_flags: tuple[str, ...] = ()
     episode_end: str | None = None
+    patch_text: str = ""
+    reference_patch: str = ""
 
     def __post_init__(self):
         if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)):
@@ -95,10 +100,9 @@ class SampleOutcome:
             raise ValueError(f"response_length: must be >= 0, got {self.response_length}")
         if self.max_response_length < 1:
             raise ValueError(f"max_response_length: must be >= 1, got {self.max_response_length}")
-        if not isinstance(self.response_text, str):
-            raise ValueError(
-                f"response_text: must be a str, got {type(self.response_text).__name__}"
-            )
+        for name in ("response_text", "patch_text", "reference_patch"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name}: must be a str, got {type(getattr(self, name)).__name__}")
         for name in ("patch_parsed", "thinking_required"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")

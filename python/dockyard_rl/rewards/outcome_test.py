@@ -23,6 +23,7 @@ def test_defaults_and_list_fields_become_tuples():
     assert SampleOutcome(reward=0, response_length=0, max_response_length=1).screening_flags == ()
     assert outcome.patch_parsed is True and outcome.patch_applied is None
     assert outcome.thinking_required is False and outcome.response_text == ""
+    assert outcome.patch_text == "" and outcome.reference_patch == ""
     hash(outcome)  # Frozen and hashable.
 
 
@@ -37,6 +38,8 @@ def test_defaults_and_list_fields_become_tuples():
         ({"response_length": 1.5}, "^response_length: must be an int"),
         ({"max_response_length": 0}, "^max_response_length: must be >= 1"),
         ({"response_text": None}, "^response_text: must be a str"),
+        ({"patch_text": None}, "^patch_text: must be a str, got NoneType"),
+        ({"reference_patch": b"diff"}, "^reference_patch: must be a str, got bytes"),
         ({"patch_parsed": 1}, "^patch_parsed: must be a bool"),
         ({"thinking_required": "yes"}, "^thinking_required: must be a bool"),
         ({"patch_applied": "no"}, "^patch_applied: must be a bool or None"),

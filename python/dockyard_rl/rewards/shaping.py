@@ -9,6 +9,8 @@
         - {type: overlong, threshold: 3072, max_length: 4096, max_penalty: 1.0}
         - {type: scale, scale: 2.0, shift: -1.0, clip_min: -1.0, clip_max: 1.0}
 
+(`reference_similarity` is not in that list: it is an opt-in learning aid, below.)
+
 Stages run in list order; each receives the reward the previous one produced (the first gets the
 sandbox's raw reward, `SampleOutcome.reward`), so the order is part of the recipe. The order above
 is the usual one: verdict-level judgements first (integrity, invalid action, screening, format),
@@ -47,6 +49,18 @@ Stage types and their keys (defaults in brackets):
   Metadata: `turn_limit/episode_end`.
 - `scale`: `scale` [1.0], `shift` [0.0], `clip_min` [null], `clip_max` [null].
   reward -> clip(scale * reward + shift, clip_min, clip_max). Metadata: `scale/clipped`.
+- `reference_similarity` (SWE-RL's similarity reward, as partial credit): `weight` [0.5, in
+  (0, 1)]. A patch that applied (`patch_applied` True) and did NOT resolve its task (raw reward
+  <= 0), touches no held-out file and carries no screening flag ADDS
+  `weight * patch_similarity(patch_text, reference_patch)` (`dockyard_rl.rewards.patch_similarity`:
+  the changed lines' SequenceMatcher ratio, in [0, 1]). Everything else is untouched: a resolved
+  sample keeps its verdict, so with `weight` < 1 it always out-earns every unresolved one; a
+  patch that did not apply, touched held-out tests or was flagged earns nothing from it, in any
+  stage order; a task without a reference patch gets nothing. It pays for nearness to the fix,
+  not for the fix, so it is off unless a recipe lists it (the toystats learning recipe does);
+  validation's resolve rate and pass@k count verdicts, not shaped rewards. Metadata:
+  `reference_similarity/similarity` (None when not paid). Metric:
+  `reference_similarity/mean_similarity` (over the samples it paid).
 
 Per-sample metadata (a flat dict, JSON-friendly): `raw_reward`, `reward` (final), and for each
 stage `<type>/triggered` (the stage acted: penalised, zeroed, clipped) plus the keys above.
@@ -68,6 +82,7 @@ from typing import Any, ClassVar
 
 from dockyard_rl.rewards.held_out_tests import held_out_violations
 from dockyard_rl.rewards.outcome import SCREENING_CATEGORIES, SampleOutcome, screening_category
+from dockyard_rl.rewards.patch_similarity import patch_similarity
 from dockyard_rl.rewards.thinking import check_thinking_format, validate_tag
 from dockyard_rl.utils.config import from_dict, is_int, require
 
@@ -77,6 +92,7 @@ __all__ = [
     "InvalidActionStageConfig",
     "MalformedThinkingStageConfig",
     "OverlongStageConfig",
+    "ReferenceSimilarityStageConfig",
     "RewardPipeline",
     "RewardShapingConfig",
     "ScaleStageConfig",
@@ -258,6 +274,24 @@ class ScaleStageConfig:
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class ReferenceSimilarityStageConfig:
+    """`{type: reference_similarity, weight}`: an applied, unresolved, clean patch -> +
+    `weight` * its similarity to the reference patch."""
+
+    stage_type: ClassVar[str] = "reference_similarity"
+    weight: float = 0.5
+
+    def __post_init__(self):
+        _require_number(self.weight, "weight")
+        require(
+            0 < self.weight < 1,
+            "weight",
+            f"must be in (0, 1), so that a resolved sample (reward 1) out-earns every unresolved "
+            f"one, got {self.weight}",
+        )
+
+
 StageConfig = (
     IntegrityStageConfig
     | InvalidActionStageConfig
@@ -266,6 +300,7 @@ StageConfig = (
     | OverlongStageConfig
     | TurnLimitStageConfig
     | ScaleStageConfig
+    | ReferenceSimilarityStageConfig
 )
 
 
@@ -436,6 +471,22 @@ class ScaleStage(RewardStage):
         return StageResult(clipped, clipped != value, {"clipped": clipped != value})
 
 
+class ReferenceSimilarityStage(RewardStage):
+    def apply(self, reward: float, outcome: SampleOutcome) -> StageResult:
+        eligible = (
+            outcome.patch_applied is True
+            and outcome.reward <= 0
+            and outcome.reference_patch
+            and not outcome.screening_flags
+            and not held_out_violations(outcome.touched_files, outcome.held_out_files)
+        )
+        if not eligible:
+            return StageResult(reward, False, {"similarity": None})
+        similarity = patch_similarity(outcome.patch_text, outcome.reference_patch)
+        bonus = self.cfg.weight * similarity
+        return StageResult(reward + bonus, bonus > 0, {"similarity": similarity})
+
+
 # type -> (config class, stage class); STAGE_TYPES is the order error messages list them in.
 _STAGES: dict[str, tuple[type, type[RewardStage]]] = {
     "integrity": (IntegrityStageConfig, IntegrityStage),
@@ -445,6 +496,7 @@ _STAGES: dict[str, tuple[type, type[RewardStage]]] = {
     "overlong": (OverlongStageConfig, OverlongStage),
     "turn_limit": (TurnLimitStageConfig, TurnLimitStage),
     "scale": (ScaleStageConfig, ScaleStage),
+    "reference_similarity": (ReferenceSimilarityStageConfig, ReferenceSimilarityStage),
 }
 STAGE_TYPES: tuple[str, ...] = tuple(_STAGES)
 
@@ -534,4 +586,9 @@ class RewardPipeline:
                 metrics["overlong/mean_penalty"] = (
                     sum(m["overlong/penalty"] for m in metadata) / num_samples
                 )
+            if stage_type == "reference_similarity":
+                paid = [m["reference_similarity/similarity"] for m in metadata]
+                paid = [value for value in paid if value is not None]
+                if paid:
+                    metrics["reference_similarity/mean_similarity"] = sum(paid) / len(paid)
         return metrics

@@ -27,6 +27,66 @@ def pipeline(*stages):
     return RewardPipeline(from_dict(RewardShapingConfig, {"stages": list(stages)}, "rewards"))
 
 
+# --- reference_similarity. ---------------------------------------------------------------
+
+
+def _diff(removed: str, added: str) -> str:
+    return f"--- a/pkg/m.py\n+++ b/pkg/m.py\n@@ -1,1 +1,1 @@\n-{removed}\n+{added}\n"
+
+
+GOLD = _diff("    total -= value", "    total += value")
+NEAR = _diff("    total -= value", "    total *= value")
+
+
+def similar(reward=0.0, **kwargs):
+    fields = dict(
+        patch_parsed=True,
+        patch_applied=True,
+        patch_text=NEAR,
+        reference_patch=GOLD,
+        touched_files=["pkg/m.py"],
+        held_out_files=["tests/test_m.py"],
+    )
+    return outcome(reward=reward, **{**fields, **kwargs})
+
+
+def test_reference_similarity_pays_an_applied_unresolved_patch_by_its_nearness():
+    stages = pipeline({"type": "reference_similarity", "weight": 0.5})
+    near, meta = stages.shape(similar())
+    exact, _ = stages.shape(similar(patch_text=GOLD))  # the gold edit that still fails
+    far, _ = stages.shape(similar(patch_text=_diff("def f():", "def f(x):")))
+    assert 0.45 < near < 0.5 and meta["reference_similarity/similarity"] == pytest.approx(2 * near)
+    assert exact == 0.5 and far < near
+    resolved, meta = stages.shape(similar(reward=1.0))
+    assert resolved == 1.0 and meta["reference_similarity/similarity"] is None
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"patch_applied": False},  # did not apply
+        {"patch_parsed": False, "patch_applied": None, "patch_text": ""},  # no patch
+        {"touched_files": ["pkg/m.py", "a/tests/test_m.py"]},  # touched a held-out test
+        {"screening_flags": ["forced_exit: os._exit"]},  # flagged by the static screening
+        {"reference_patch": ""},  # the task has no reference
+    ],
+)
+def test_reference_similarity_pays_nothing_to_unclean_or_unapplied_patches(kwargs):
+    # Listed first, so no later stage can be what keeps these at 0.
+    stages = pipeline({"type": "reference_similarity", "weight": 0.9})
+    reward, meta = stages.shape(similar(**kwargs))
+    assert reward == 0.0 and meta["reference_similarity/triggered"] is False
+
+
+def test_reference_similarity_metrics_average_over_the_paid_samples():
+    result = pipeline({"type": "reference_similarity"})(
+        [similar(), similar(patch_text=GOLD), similar(reward=1.0)]
+    )
+    assert result.metrics["reference_similarity/num_triggered"] == 2.0
+    mean = result.metrics["reference_similarity/mean_similarity"]
+    assert mean == pytest.approx((result.rewards[0] / 0.5 + 1.0) / 2)
+
+
 # --- overlong. ------------------------------------------------------------------------------
 
 
@@ -305,8 +365,10 @@ def test_full_recipe_metadata_and_metrics():
         OVERLONG,
         SCALE,
     )
-    # Every stage but turn_limit (multi-turn only: test_turn_limit_* below).
-    assert shaper.stage_types == tuple(t for t in STAGE_TYPES if t != "turn_limit")
+    # Every stage but turn_limit (multi-turn only: test_turn_limit_* below) and the opt-in
+    # reference_similarity (its own tests above).
+    skipped = ("turn_limit", "reference_similarity")
+    assert shaper.stage_types == tuple(t for t in STAGE_TYPES if t not in skipped)
     samples = [
         outcome(1.0, 10, patch_applied=True),  # Resolved, short: 2 * 1 - 1 = 1.
         outcome(1.0, 100, patch_applied=True),  # Resolved, overlong: 2 * 0.5 - 1 = 0.
@@ -396,7 +458,7 @@ def test_yaml_recipe_parses_with_defaults():
             [{"type": "overlength"}],
             r"^rewards\.stages\[0\]\.type: unknown stage type 'overlength'; valid types: "
             r"integrity, invalid_action, screening, malformed_thinking, overlong, turn_limit, "
-            r"scale$",
+            r"scale, reference_similarity$",
         ),
         (
             [SCALE, {"penalty": -1.0}],
@@ -475,6 +537,14 @@ def test_yaml_recipe_parses_with_defaults():
         (
             [{"type": "screening", "categories": []}],
             r"^rewards\.stages\[0\]\.categories: must not be empty",
+        ),
+        (
+            [{"type": "reference_similarity", "weight": 1.0}],
+            r"^rewards\.stages\[0\]\.weight: must be in \(0, 1\), so that a resolved sample",
+        ),
+        (
+            [{"type": "reference_similarity", "weight": 0}],
+            r"^rewards\.stages\[0\]\.weight: must be in \(0, 1\)",
         ),
         (
             [{"type": "screening", "penalty": "low"}],
