@@ -50,10 +50,13 @@ Stage types and their keys (defaults in brackets):
 - `scale`: `scale` [1.0], `shift` [0.0], `clip_min` [null], `clip_max` [null].
   reward -> clip(scale * reward + shift, clip_min, clip_max). Metadata: `scale/clipped`.
 - `reference_similarity` (SWE-RL's similarity reward, as partial credit): `weight` [0.5, in
-  (0, 1)]. A patch that applied (`patch_applied` True) and did NOT resolve its task (raw reward
-  <= 0), touches no held-out file and carries no screening flag ADDS
-  `weight * patch_similarity(patch_text, reference_patch)` (`dockyard_rl.rewards.patch_similarity`:
-  the changed lines' SequenceMatcher ratio, in [0, 1]). Everything else is untouched: a resolved
+  (0, 1)], `baseline` [0.0, in [0, 1)]. A patch that applied (`patch_applied` True) and did NOT
+  resolve its task (raw reward <= 0), touches no held-out file and carries no screening flag ADDS
+  `weight * (patch_similarity(patch_text, reference_patch) - baseline)`
+  (`dockyard_rl.rewards.patch_similarity`: the changed lines' SequenceMatcher ratio, in [0, 1]).
+  With `baseline` > 0 an edit further from the fix than `baseline` (a rewritten function scores
+  ~0.1-0.3) earns LESS than no edit at all, so GRPO does not trade a faithful copy for any change
+  that applies. Everything else is untouched: a resolved
   sample keeps its verdict, so with `weight` < 1 it always out-earns every unresolved one; a
   patch that did not apply, touched held-out tests or was flagged earns nothing from it, in any
   stage order; a task without a reference patch gets nothing. It pays for nearness to the fix,
@@ -276,14 +279,22 @@ class ScaleStageConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ReferenceSimilarityStageConfig:
-    """`{type: reference_similarity, weight}`: an applied, unresolved, clean patch -> +
-    `weight` * its similarity to the reference patch."""
+    """`{type: reference_similarity, weight, baseline}`: an applied, unresolved, clean patch ->
+    + `weight` * (its similarity to the reference patch - `baseline`)."""
 
     stage_type: ClassVar[str] = "reference_similarity"
     weight: float = 0.5
+    baseline: float = 0.0
 
     def __post_init__(self):
         _require_number(self.weight, "weight")
+        _require_number(self.baseline, "baseline")
+        require(
+            0 <= self.baseline < 1,
+            "baseline",
+            f"must be in [0, 1) (the similarity below which an edit earns less than none), "
+            f"got {self.baseline}",
+        )
         require(
             0 < self.weight < 1,
             "weight",
@@ -483,8 +494,8 @@ class ReferenceSimilarityStage(RewardStage):
         if not eligible:
             return StageResult(reward, False, {"similarity": None})
         similarity = patch_similarity(outcome.patch_text, outcome.reference_patch)
-        bonus = self.cfg.weight * similarity
-        return StageResult(reward + bonus, bonus > 0, {"similarity": similarity})
+        bonus = self.cfg.weight * (similarity - self.cfg.baseline)
+        return StageResult(reward + bonus, bonus != 0, {"similarity": similarity})
 
 
 # type -> (config class, stage class); STAGE_TYPES is the order error messages list them in.

@@ -78,6 +78,17 @@ def test_reference_similarity_pays_nothing_to_unclean_or_unapplied_patches(kwarg
     assert reward == 0.0 and meta["reference_similarity/triggered"] is False
 
 
+def test_reference_similarity_baseline_makes_a_far_edit_worth_less_than_none():
+    stages = pipeline({"type": "reference_similarity", "weight": 0.5, "baseline": 0.3})
+    near, near_meta = stages.shape(similar())
+    far, far_meta = stages.shape(similar(patch_text=_diff("def f():", "def f(x):")))
+    assert near == pytest.approx(0.5 * (near_meta["reference_similarity/similarity"] - 0.3))
+    assert far == pytest.approx(0.5 * (far_meta["reference_similarity/similarity"] - 0.3))
+    assert far < 0.0 < near and far_meta["reference_similarity/triggered"]
+    unapplied, _ = stages.shape(similar(patch_applied=False))
+    assert unapplied == 0.0  # the baseline is charged only to patches it scores
+
+
 def test_reference_similarity_metrics_average_over_the_paid_samples():
     result = pipeline({"type": "reference_similarity"})(
         [similar(), similar(patch_text=GOLD), similar(reward=1.0)]
@@ -541,6 +552,10 @@ def test_yaml_recipe_parses_with_defaults():
         (
             [{"type": "reference_similarity", "weight": 1.0}],
             r"^rewards\.stages\[0\]\.weight: must be in \(0, 1\), so that a resolved sample",
+        ),
+        (
+            [{"type": "reference_similarity", "baseline": 1.0}],
+            r"^rewards\.stages\[0\]\.baseline: must be in \[0, 1\)",
         ),
         (
             [{"type": "reference_similarity", "weight": 0}],
