@@ -60,8 +60,8 @@ Stage types and their keys (defaults in brackets):
   sample keeps its verdict, so with `weight` < 1 it always out-earns every unresolved one; a
   patch that did not apply, touched held-out tests or was flagged earns nothing from it, in any
   stage order; a task without a reference patch gets nothing. It pays for nearness to the fix,
-  not for the fix, so it is off unless a recipe lists it (the toystats learning recipe does);
-  validation's resolve rate and pass@k count verdicts, not shaped rewards. Metadata:
+  not for the fix, so it is off unless a recipe lists it (none of the shipped ones does yet;
+  docs/learning_run.md has what it was tried on); validation's resolve rate and pass@k count verdicts, not shaped rewards. Metadata:
   `reference_similarity/similarity` (None when not paid). Metric:
   `reference_similarity/mean_similarity` (over the samples it paid).
 
