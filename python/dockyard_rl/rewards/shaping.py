@@ -61,8 +61,9 @@ Stage types and their keys (defaults in brackets):
   patch that did not apply, touched held-out tests or was flagged earns nothing from it, in any
   stage order; a task without a reference patch gets nothing. It pays for nearness to the fix,
   not for the fix, so it is off unless a recipe lists it (none of the shipped ones does yet;
-  docs/learning_run.md has what it was tried on); validation's resolve rate and pass@k count verdicts, not shaped rewards. Metadata:
-  `reference_similarity/similarity` (None when not paid). Metric:
+  docs/learning_run.md has what it was tried on); validation's resolve rate and pass@k count
+  verdicts, not shaped rewards. Metadata: `reference_similarity/similarity` (None when not
+  paid). Metric:
   `reference_similarity/mean_similarity` (over the samples it paid).
 
 Per-sample metadata (a flat dict, JSON-friendly): `raw_reward`, `reward` (final), and for each
