@@ -19,12 +19,15 @@ effect); binary hunks (they carry no lines).
 from __future__ import annotations
 
 import difflib
+import functools
 
 import unidiff
 
 __all__ = ["changed_lines", "patch_similarity"]
 
 
+# Every sample of a group is compared with the same reference patch: parse each one once.
+@functools.lru_cache(maxsize=256)
 def changed_lines(patch: str) -> str | None:
     """The removed and added lines of a unified diff as one "-text\\n+text" string, files in
     path order ("" when the patch changes no line); None when unidiff cannot parse it."""

@@ -49,21 +49,20 @@ Stage types and their keys (defaults in brackets):
   Metadata: `turn_limit/episode_end`.
 - `scale`: `scale` [1.0], `shift` [0.0], `clip_min` [null], `clip_max` [null].
   reward -> clip(scale * reward + shift, clip_min, clip_max). Metadata: `scale/clipped`.
-- `reference_similarity` (SWE-RL's similarity reward, as partial credit): `weight` [0.5, in
-  (0, 1)], `baseline` [0.0, in [0, 1)]. A patch that applied (`patch_applied` True) and did NOT
-  resolve its task (raw reward <= 0), touches no held-out file and carries no screening flag ADDS
-  `weight * (patch_similarity(patch_text, reference_patch) - baseline)`
+- `reference_similarity` (SWE-RL's similarity reward, as partial credit): `weight` [0.5, in (0, 1)],
+  `baseline` [0.0, in [0, 1)]. A patch that applied (`patch_applied` True) and did NOT resolve its
+  task (raw reward <= 0), touches no held-out file and carries no screening flag ADDS `weight *
+  (patch_similarity(patch_text, reference_patch) - baseline)`
   (`dockyard_rl.rewards.patch_similarity`: the changed lines' SequenceMatcher ratio, in [0, 1]).
   With `baseline` > 0 an edit further from the fix than `baseline` (a rewritten function scores
   ~0.1-0.3) earns LESS than no edit at all, so GRPO does not trade a faithful copy for any change
-  that applies. Everything else is untouched: a resolved
-  sample keeps its verdict, so with `weight` < 1 it always out-earns every unresolved one; a
-  patch that did not apply, touched held-out tests or was flagged earns nothing from it, in any
-  stage order; a task without a reference patch gets nothing. It pays for nearness to the fix,
-  not for the fix, so it is off unless a recipe lists it (none of the shipped ones does yet;
-  docs/learning_run.md has what it was tried on); validation's resolve rate and pass@k count
-  verdicts, not shaped rewards. Metadata: `reference_similarity/similarity` (None when not
-  paid). Metric:
+  that applies. Everything else is untouched: a resolved sample keeps its verdict, so with `weight`
+  < 1 it always out-earns every unresolved one; a patch that did not apply, touched held-out tests
+  or was flagged earns nothing from it, in any stage order; a task without a reference patch gets
+  nothing. It pays for nearness to the fix, not for the fix, so it is off unless a recipe lists it
+  (none of the shipped ones does yet; docs/learning_run.md has what it was tried on); validation's
+  resolve rate and pass@k count verdicts, not shaped rewards. Metadata:
+  `reference_similarity/similarity` (None when not paid). Metric:
   `reference_similarity/mean_similarity` (over the samples it paid).
 
 Per-sample metadata (a flat dict, JSON-friendly): `raw_reward`, `reward` (final), and for each
