@@ -33,7 +33,7 @@ import math
 import torch
 
 from dockyard_rl import kernels
-from dockyard_rl.utils.config import require
+from dockyard_rl.utils.config import require, require_bool
 
 __all__ = ["AdvantageConfig", "broadcast_to_tokens", "compute_advantages"]
 
@@ -60,11 +60,7 @@ class AdvantageConfig:
             "baseline",
             f"must be one of {', '.join(kernels.BASELINES)}, got {self.baseline!r}",
         )
-        require(
-            isinstance(self.normalize_std, bool),
-            "normalize_std",
-            f"must be true or false, got {self.normalize_std!r}",
-        )
+        require_bool(self, "normalize_std")
         is_number = isinstance(self.epsilon, (int, float)) and not isinstance(self.epsilon, bool)
         # PyYAML follows YAML 1.1, which reads `1e-6` (no dot) as a string: say how to fix it.
         require(

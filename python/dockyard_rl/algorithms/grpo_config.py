@@ -86,7 +86,7 @@ from dockyard_rl.rewards.shaping import (
 )
 from dockyard_rl.sandbox.config import ExecutorConfig
 from dockyard_rl.utils.checkpoint import CheckpointingConfig
-from dockyard_rl.utils.config import is_int, is_number, require
+from dockyard_rl.utils.config import is_int, is_number, require, require_bool
 from dockyard_rl.utils.config_loading import (
     ConfigError,
     apply_overrides,
@@ -228,9 +228,7 @@ class GRPOConfig:
             f"must be an integer >= 1 (1 = single-shot, more = a multi-turn agent), got "
             f"{self.max_rollout_turns!r}",
         )
-        for key in ("val_at_start", "val_at_end", "skip_reference_policy_logprobs"):
-            value = getattr(self, key)
-            require(isinstance(value, bool), key, f"must be true or false, got {value!r}")
+        require_bool(self, "val_at_start", "val_at_end", "skip_reference_policy_logprobs")
         require(
             self.val_num_prompts is None
             or (is_int(self.val_num_prompts) and self.val_num_prompts >= 1),

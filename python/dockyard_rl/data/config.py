@@ -32,7 +32,7 @@ from dockyard_rl.data import datasets
 from dockyard_rl.data.processors import PromptConfig
 from dockyard_rl.data.schema import SweInstance
 from dockyard_rl.data.synthesis.task_synthesis import TaskSynthesisConfig
-from dockyard_rl.utils.config import is_int, require
+from dockyard_rl.utils.config import is_int, require, require_bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +99,7 @@ class DataConfig:
                 f"must be an integer >= {1 if name == 'min_validation_repos' else 0}, "
                 f"got {value!r}",
             )
-        require(
-            isinstance(self.shuffle, bool),
-            "shuffle",
-            f"must be true or false, got {self.shuffle!r}",
-        )
+        require_bool(self, "shuffle")
         require(
             self.max_train_instances is None
             or (

@@ -35,7 +35,7 @@ import unidiff
 from dockyard_rl.data.datasets import register_processor
 from dockyard_rl.data.patch_formats import PatchFormat, ReadFile
 from dockyard_rl.data.schema import SweInstance
-from dockyard_rl.utils.config import require
+from dockyard_rl.utils.config import require, require_bool
 
 _HUNK_WINDOW_LINES = 10  # lines shown around a hunk when a file cannot be cut by ast
 
@@ -122,16 +122,7 @@ class PromptConfig:
             "max_context_tokens",
             f"must be a positive integer, got {self.max_context_tokens!r}",
         )
-        require(
-            isinstance(self.enable_thinking, bool),
-            "enable_thinking",
-            f"must be true or false, got {self.enable_thinking!r}",
-        )
-        require(
-            isinstance(self.include_hints, bool),
-            "include_hints",
-            f"must be true or false, got {self.include_hints!r}",
-        )
+        require_bool(self, "enable_thinking", "include_hints")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from dockyard_rl.utils.config import require
+from dockyard_rl.utils.config import require, require_bool
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token", "sequence")
@@ -147,11 +147,7 @@ class ClippedPGLossConfig:
             "kl_estimator",
             f"must be one of {', '.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}",
         )
-        require(
-            isinstance(self.use_importance_sampling_correction, bool),
-            "use_importance_sampling_correction",
-            f"must be true or false, got {self.use_importance_sampling_correction!r}",
-        )
+        require_bool(self, "use_importance_sampling_correction")
         require(
             _is_finite_number(self.importance_sampling_cap) and self.importance_sampling_cap >= 1,
             "importance_sampling_cap",

@@ -87,7 +87,7 @@ from dockyard_rl.rewards.held_out_tests import held_out_violations
 from dockyard_rl.rewards.outcome import SCREENING_CATEGORIES, SampleOutcome, screening_category
 from dockyard_rl.rewards.patch_similarity import patch_similarity
 from dockyard_rl.rewards.thinking import check_thinking_format, validate_tag
-from dockyard_rl.utils.config import from_dict, is_int, require
+from dockyard_rl.utils.config import from_dict, is_int, require, require_bool
 
 __all__ = [
     "STAGE_TYPES",
@@ -198,11 +198,7 @@ class MalformedThinkingStageConfig:
             validate_tag(self.tag)
         except ValueError as error:
             raise ValueError(f"tag: {error}") from None
-        require(
-            isinstance(self.opening_tag_in_prompt, bool),
-            "opening_tag_in_prompt",
-            f"must be true or false, got {self.opening_tag_in_prompt!r}",
-        )
+        require_bool(self, "opening_tag_in_prompt")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -91,7 +91,7 @@ from dockyard_rl.sandbox import (
     tree_audit,
 )
 from dockyard_rl.sandbox.task import ApplyMethod, FailureKind, TaskSpec, TestOutcome, Verdict
-from dockyard_rl.utils.config import require
+from dockyard_rl.utils.config import require, require_bool
 
 logger = logging.getLogger(__name__)
 
@@ -156,11 +156,7 @@ class PipelineConfig:
         positive_int("max_binary_patch_bytes", "bytes of binary content in a patch")
         positive_int("image_cache_max_bytes", "bytes of unpacked task images kept")
         positive_int("max_baseline_entries", "task baselines remembered per process")
-        require(
-            isinstance(self.capability_screen, bool),
-            "capability_screen",
-            f"must be true or false, got {self.capability_screen!r}",
-        )
+        require_bool(self, "capability_screen")
         require(
             self.memory_bytes >= 64 * 1024**2,
             "memory_bytes",

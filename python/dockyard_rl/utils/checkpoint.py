@@ -67,7 +67,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dockyard_rl.utils.config import is_int, require
+from dockyard_rl.utils.config import is_int, require, require_bool
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +96,7 @@ class CheckpointingConfig:
     export_hf: bool = True  # a Hugging Face export in every checkpoint (module docstring)
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "higher_is_better", "export_hf"):
-            require(
-                isinstance(getattr(self, name), bool),
-                name,
-                f"must be true or false, got {getattr(self, name)!r}",
-            )
+        require_bool(self, "enabled", "higher_is_better", "export_hf")
         require(
             isinstance(self.checkpoint_dir, str) and bool(self.checkpoint_dir.strip()),
             "checkpoint_dir",

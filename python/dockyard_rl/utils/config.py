@@ -99,3 +99,10 @@ def require(condition: bool, key: str, message: str) -> None:
     """
     if not condition:
         raise ValueError(f"{key}: {message}")
+
+
+def require_bool(section: Any, *keys: str) -> None:
+    """`require`s that each of `section`'s fields `keys` is a bool (not 0/1, not "yes")."""
+    for key in keys:
+        value = getattr(section, key)
+        require(isinstance(value, bool), key, f"must be true or false, got {value!r}")

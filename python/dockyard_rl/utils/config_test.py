@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from dockyard_rl.utils.config import from_dict, is_int, is_number, require
+from dockyard_rl.utils.config import from_dict, is_int, is_number, require, require_bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,3 +68,19 @@ def test_is_int_and_is_number_reject_bool():
     assert not is_int(2.0) and not is_int("2") and not is_int(None)
     assert is_number(3) and is_number(0.5) and is_number(float("inf"))
     assert not is_number(True) and not is_number("0.5") and not is_number(None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Switches:
+    shuffle: bool = True
+    verbose: bool = False
+
+    def __post_init__(self):
+        require_bool(self, "shuffle", "verbose")
+
+
+def test_require_bool_names_the_first_field_that_is_not_a_bool():
+    assert from_dict(Switches, {"verbose": True}, "s") == Switches(shuffle=True, verbose=True)
+    for bad in (1, 0, "yes", "false", None):
+        with pytest.raises(ValueError, match=rf"^s\.verbose: must be true or false, got {bad!r}$"):
+            from_dict(Switches, {"verbose": bad}, "s")

@@ -63,7 +63,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dockyard_rl.utils.config import is_int, require
+from dockyard_rl.utils.config import is_int, require, require_bool
 from dockyard_rl.utils.console import Console, progress_text
 from dockyard_rl.utils.metric_backends import (
     MetricBackend,
@@ -105,9 +105,7 @@ class LoggerConfig:
             "log_dir",
             f"must be a directory path, got {self.log_dir!r}",
         )
-        for key in ("console", "tensorboard", "jsonl", "plot"):
-            value = getattr(self, key)
-            require(isinstance(value, bool), key, f"must be true or false, got {value!r}")
+        require_bool(self, "console", "tensorboard", "jsonl", "plot")
         require(
             is_int(self.log_every) and self.log_every >= 1,
             "log_every",

@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from dockyard_rl.utils.config import require
+from dockyard_rl.utils.config import require, require_bool
 from dockyard_rl.utils.metric_names import is_name
 
 _log = logging.getLogger(__name__)
@@ -45,11 +45,7 @@ class WandbConfig:
     mode: str = "offline"  # offline (files under run_dir/wandb) | online | disabled
 
     def __post_init__(self) -> None:
-        require(
-            isinstance(self.enabled, bool),
-            "enabled",
-            f"must be true or false, got {self.enabled!r}",
-        )
+        require_bool(self, "enabled")
         require(
             is_name(self.project),
             "project",
@@ -78,11 +74,7 @@ class MlflowConfig:
     run_name: str | None = None  # null = the Logger's run name
 
     def __post_init__(self) -> None:
-        require(
-            isinstance(self.enabled, bool),
-            "enabled",
-            f"must be true or false, got {self.enabled!r}",
-        )
+        require_bool(self, "enabled")
         require(
             self.tracking_uri is None
             or (isinstance(self.tracking_uri, str) and bool(self.tracking_uri)),

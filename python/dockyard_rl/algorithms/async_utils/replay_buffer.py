@@ -58,7 +58,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from dockyard_rl.utils.config import is_int, is_number, require
+from dockyard_rl.utils.config import is_int, is_number, require, require_bool
 
 # `timeout` arguments default to the config's value; None means "wait indefinitely".
 _FROM_CONFIG: Any = object()
@@ -109,11 +109,7 @@ class AsyncGRPOConfig:
             f"must be an integer > 0 (capacity in groups; at least the number of prompts "
             f"per step), got {self.max_buffer_groups!r}",
         )
-        require(
-            isinstance(self.in_flight_weight_updates, bool),
-            "in_flight_weight_updates",
-            f"must be true or false, got {self.in_flight_weight_updates!r}",
-        )
+        require_bool(self, "in_flight_weight_updates")
         for key in ("push_timeout_s", "sample_timeout_s"):
             value = getattr(self, key)
             require(

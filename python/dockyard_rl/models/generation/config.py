@@ -25,7 +25,7 @@ import dataclasses
 from typing import Any
 
 from dockyard_rl.utils.byte_sizes import format_bytes, parse_byte_size
-from dockyard_rl.utils.config import is_int, is_number, require
+from dockyard_rl.utils.config import is_int, is_number, require, require_bool
 
 __all__ = ["GenerationConfig", "format_bytes", "parse_byte_size"]
 
@@ -104,13 +104,12 @@ class GenerationConfig:
         for key in ("tensor_parallel_size", "num_engines"):
             value = getattr(self, key)
             require(is_int(value) and value >= 1, key, f"must be an int >= 1, got {value!r}")
-        for key in (
+        require_bool(
+            self,
             "enforce_eager",
             "enable_prefix_caching",
             "recompute_kv_cache_after_weight_updates",
-        ):
-            value = getattr(self, key)
-            require(isinstance(value, bool), key, f"must be true or false, got {value!r}")
+        )
         require(
             is_number(self.temperature) and self.temperature >= 0,
             "temperature",
