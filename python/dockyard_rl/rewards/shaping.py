@@ -55,10 +55,11 @@ Stage types and their keys (defaults in brackets):
   (patch_similarity(patch_text, reference_patch) - baseline)`
   (`dockyard_rl.rewards.patch_similarity`: the changed lines' SequenceMatcher ratio, in [0, 1]).
   With `baseline` > 0 an edit further from the fix than `baseline` (a rewritten function scores
-  ~0.1-0.3) earns LESS than no edit at all, so GRPO does not trade a faithful copy for any change
-  that applies. Everything else is untouched: a resolved sample keeps its verdict, so with `weight`
-  < 1 it always out-earns every unresolved one; a patch that did not apply, touched held-out tests
-  or was flagged earns nothing from it, in any stage order; a task without a reference patch gets
+  ~0.1-0.3) earns less than 0, which is what an unchanged copy (a NO_CHANGE answer) earns when
+  `invalid_action`'s penalty is 0; so GRPO does not trade a faithful copy for any change that
+  applies. Everything else is untouched: a resolved sample keeps its verdict, so with `weight` < 1
+  it always out-earns every unresolved one; a patch that did not apply, touched held-out tests or
+  was flagged earns nothing from it, in any stage order; a task without a reference patch gets
   nothing. It pays for nearness to the fix, not for the fix, so it is off unless a recipe lists it
   (none of the shipped ones does yet; docs/learning_run.md has what it was tried on); validation's
   resolve rate and pass@k count verdicts, not shaped rewards. Metadata:

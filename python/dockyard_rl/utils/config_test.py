@@ -79,7 +79,7 @@ class Switches:
         require_bool(self, "shuffle", "verbose")
 
 
-def test_require_bool_names_the_first_field_that_is_not_a_bool():
+def test_require_bool_refuses_what_is_not_a_bool_and_names_the_field():
     assert from_dict(Switches, {"verbose": True}, "s") == Switches(shuffle=True, verbose=True)
     for bad in (1, 0, "yes", "false", None):
         with pytest.raises(ValueError, match=rf"^s\.verbose: must be true or false, got {bad!r}$"):
